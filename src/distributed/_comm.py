@@ -1,0 +1,172 @@
+"""Raw (non-autograd) collectives used by every torchtp operator.
+
+Each function returns a tensor the caller owns: inputs are never modified
+unless the caller passes one it created itself (``*_`` functions). Every call
+is logged under ``TP_DEBUG=1`` and recorded by :func:`count_collectives`.
+With ``TP_CHECK_SHAPES=1`` every collective first checks that all ranks pass
+the same shape and dtype (Gloo silently accepts mismatched shapes of equal
+element count); this doubles the collectives, so it is a debugging aid only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ._logging import debug_enabled, logger
+from .errors import RankMismatchError
+from .runtime import ProcessGroup
+
+# New names in torch 2.13; the old ones remain for torch>=2.4.
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective call: its op name, the local shape, dtype and group size."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group_size: int
+
+
+@dataclass
+class CollectiveCounter:
+    """Collectives issued while a :func:`count_collectives` block was active."""
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Number of calls per op name, e.g. ``{"all_reduce": 8}``."""
+        return Counter(r.op for r in self.records)
+
+    @property
+    def total(self) -> int:
+        """Number of collectives recorded."""
+        return len(self.records)
+
+    def bytes_moved(self) -> int:
+        """Sum of local payload bytes over all recorded collectives."""
+        return sum(
+            torch.Size(r.shape).numel() * torch.empty((), dtype=r.dtype).element_size()
+            for r in self.records
+        )
+
+
+_COUNTERS: list[CollectiveCounter] = []
+
+
+@contextmanager
+def count_collectives() -> Iterator[CollectiveCounter]:
+    """Record every torchtp collective issued inside the block.
+
+    Example:
+        >>> with count_collectives() as c:
+        ...     model(x)
+        >>> c.counts["all_reduce"]
+    """
+    counter = CollectiveCounter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def _record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    size = dist.get_world_size(group)
+    if _COUNTERS:
+        rec = CollectiveRecord(op, tuple(tensor.shape), tensor.dtype, size)
+        for counter in _COUNTERS:
+            counter.records.append(rec)
+    if debug_enabled():
+        logger.debug("%s shape=%s dtype=%s group_size=%d", op, tuple(tensor.shape),
+                     tensor.dtype, size)
+    if os.environ.get("TP_CHECK_SHAPES") == "1":
+        _check_same_signature(op, tensor, group)
+
+
+def _check_same_signature(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    mine = (op, tuple(tensor.shape), str(tensor.dtype))
+    everyone: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(other != mine for other in everyone):
+        raise RankMismatchError(f"ranks passed different tensors to {op}: "
+                                + ", ".join(f"rank {i}: {s}" for i, s in enumerate(everyone)))
+
+
+def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller."""
+    assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
+    _record("all_reduce", tensor, group)
+    dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
+    return tensor
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """Return the reduction of ``tensor`` across ``group`` in a fresh tensor."""
+    return all_reduce_(tensor.clone(memory_format=torch.contiguous_format), group, op)
+
+
+def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's equally-shaped ``tensor`` along ``dim`` (fresh tensor)."""
+    size = dist.get_world_size(group)
+    dim = dim % tensor.dim()
+    local = tensor.contiguous()
+    # Gather into (size * d0, ...) along dim 0, where collectives are contiguous.
+    out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype,
+                      device=local.device)
+    _record("all_gather", local, group)
+    _gather_single(out, local, group=group)
+    if dim == 0:
+        return out
+    return torch.cat(out.chunk(size, dim=0), dim=dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum ``tensor`` across ``group`` and return this rank's chunk along ``dim``."""
+    size = dist.get_world_size(group)
+    dim = dim % tensor.dim()
+    # Put the scattered dim first so each rank's chunk is contiguous.
+    full = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
+    out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=full.dtype,
+                      device=full.device)
+    _record("reduce_scatter", full, group)
+    _reduce_scatter_single(out, full, group=group)
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Return ``src``'s ``tensor`` on every rank (fresh tensor; ``src`` is a group rank)."""
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    _record("broadcast", out, group)
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    dist.broadcast(out, src=global_src, group=group)
+    return out
+
+
+def split(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Return chunk ``rank`` of ``size`` equal chunks of ``tensor`` along ``dim``.
+
+    The result is contiguous; it is a view (no copy) when the chunk already is,
+    which autograd handles, so no caller ever writes into it.
+    """
+    n = tensor.shape[dim] // size
+    return tensor.narrow(dim, rank * n, n).contiguous()
+
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}

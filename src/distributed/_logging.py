@@ -1,0 +1,36 @@
+"""The ``torchtp`` logger: silent by default, debug output with ``TP_DEBUG=1``.
+
+Library code never prints; everything goes through :data:`logger`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("torchtp")
+
+_TRUTHY = {"1", "true", "yes", "on", "debug"}
+
+
+def debug_enabled() -> bool:
+    """Return True when debug logging is on for the ``torchtp`` logger."""
+    return logger.isEnabledFor(logging.DEBUG)
+
+
+def configure_from_env() -> None:
+    """Turn on debug logging when ``TP_DEBUG`` is set to a truthy value.
+
+    Adds one stderr handler tagged with the process rank (only once), so that
+    ``TP_DEBUG=1 torchrun ...`` shows each rank's layer swaps and collectives.
+    """
+    if os.environ.get("TP_DEBUG", "").strip().lower() not in _TRUTHY:
+        return
+    logger.setLevel(logging.DEBUG)
+    if any(getattr(h, "_torchtp", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    rank = os.environ.get("RANK", "0")
+    handler.setFormatter(logging.Formatter(f"[torchtp rank{rank}] %(levelname)s %(message)s"))
+    handler._torchtp = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)

@@ -1,0 +1,131 @@
+"""ColumnParallelLinear: splits the weight's columns (in_features) across ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..regions import reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region
+from ..runtime import ProcessGroup
+from ._base import check_divisible, full_linear, require_group, resolve_placement, take_shard
+from ._shape import input_mismatch
+
+
+class ColumnParallelLinear(nn.Module):
+    """A Linear whose weight *columns* (``in_features``) are split across ranks.
+
+    The weight has PyTorch's layout ``(out_features, in_features)``; rank ``r``
+    holds columns ``r*in/tp : (r+1)*in/tp`` and multiplies them with its slice
+    of the input features, giving a partial sum of the full output. One
+    all-reduce sums the partials, then the (replicated) bias is added exactly
+    once. Megatron calls this ``RowParallelLinear`` and PyTorch/HF call it
+    ``rowwise``.
+
+    forward: ``(..., in_features_local)`` -> all-reduce -> ``(..., out_features)``
+    on every rank; with ``input_is_parallel=False`` the input is the full
+    ``(..., in_features)`` and each rank keeps its own slice first.
+    backward: the input gradient needs no communication (all-gathered only when
+    the input was full); the bias gradient equals ``nn.Linear``'s.
+
+    Args:
+        in_features: Total input features; must be divisible by ``world_size``.
+        out_features: Output features (not split).
+        bias: Add a (replicated) bias after the reduction.
+        world_size: Ranks to split over; ``None`` uses the process group's size.
+        rank: This rank; ``None`` uses the process group's rank.
+        dtype: Parameter dtype.
+        device: Parameter device; ``"meta"`` skips initialisation.
+        input_is_parallel: The input is already this rank's slice of features.
+        group: Process group; ``None`` for the default TP group.
+
+    Raises:
+        ValueError: ``in_features`` is not divisible by ``world_size`` (the
+            message lists the valid sizes), or ``world_size``/``rank`` contradict
+            the process group.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True,
+        world_size: int | None = None, rank: int | None = None,
+        dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+        input_is_parallel: bool = True, group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        who = f"ColumnParallelLinear(in_features={in_features}, out_features={out_features})"
+        self.group, self.world_size, self.rank = resolve_placement(who, world_size, rank, group)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_features_local = check_divisible(
+            who, "in_features", in_features, self.world_size, "weight columns")
+        self.input_is_parallel = input_is_parallel
+        kw = {"dtype": dtype, "device": device}
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_local, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        if torch.device(device or "cpu").type != "meta":
+            self._init_from(full_linear(in_features, out_features, bias, dtype, device))
+
+    def _init_from(self, linear: nn.Linear) -> None:
+        with torch.no_grad():
+            self.weight.copy_(take_shard(linear.weight, 1, self.rank, self.world_size))
+            if self.bias is not None:
+                self.bias.copy_(linear.bias)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, world_size: int | None = None, rank: int | None = None,
+        input_is_parallel: bool = True, group: ProcessGroup | None = None,
+    ) -> ColumnParallelLinear:
+        """Build this rank's shard of an existing ``nn.Linear`` (copies only the slice).
+
+        The full layer is not referenced afterwards, so it can be freed. Meta
+        tensors stay on meta.
+        """
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    world_size, rank, linear.weight.dtype, "meta", input_is_parallel, group)
+        layer.weight = nn.Parameter(take_shard(linear.weight, 1, layer.rank, layer.world_size),
+                                    requires_grad=linear.weight.requires_grad)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(take_shard(linear.bias, 0, 0, 1),
+                                      requires_grad=linear.bias.requires_grad)
+        return layer
+
+    @property
+    def expected_input_features(self) -> int:
+        """Last-dimension size the forward expects on this rank."""
+        return self.in_features_local if self.input_is_parallel else self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., in/tp)`` (or ``(..., in)``) -> ``(..., out)``, summed over ranks."""
+        if self.world_size == 1:
+            # No check on the hot path: F.linear validates, we only reword its error.
+            try:
+                return F.linear(x, self.weight, self.bias)
+            except RuntimeError as err:
+                mismatch = input_mismatch(self, x, self.in_features)
+                if mismatch is None:
+                    raise
+                raise mismatch from err
+        mismatch = input_mismatch(self, x, self.expected_input_features)
+        if mismatch is not None:
+            raise mismatch
+        group = require_group(self._name(), self.group, self.world_size)
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
+        partial = F.linear(x, self.weight)  # (..., out), this rank's partial sum
+        # partial is our own temporary, so the all-reduce may write into it.
+        y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
+        if self.bias is not None:
+            y = y + self.bias  # once, after the sum: gradient equals nn.Linear's
+        return y
+
+    def _name(self) -> str:
+        return (f"ColumnParallelLinear(in_features={self.in_features}, "
+                f"out_features={self.out_features})")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"split=weight columns (in_features {self.in_features} -> "
+                f"{self.in_features_local} per rank), world_size={self.world_size}, "
+                f"rank={self.rank}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}")

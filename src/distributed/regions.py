@@ -1,0 +1,168 @@
+"""Megatron-style autograd regions: the four operators that make TP exact.
+
+Every operator assumes the computation *outside* the tensor-parallel region is
+replicated: each rank holds the same replicated activations and, in backward,
+the full gradient of the same loss for them. Inside the region each rank holds
+a shard (or a partial sum) and only the gradient of its own part.
+
+With a group of size 1 every operator returns its input untouched.
+
+=================  ===================================  ==============================
+operator           forward                              backward
+=================  ===================================  ==============================
+copy_to            identity (enter the region)          all-reduce (sum partial grads)
+reduce_from        all-reduce (sum partial outputs)     identity
+scatter_to         split, keep this rank's chunk        all-gather the chunks' grads
+gather_from        all-gather the chunks                split, keep this rank's chunk
+=================  ===================================  ==============================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _comm
+from .runtime import ProcessGroup, group_rank, group_size
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """forward: identity; backward: all-reduce (sum) of the input gradient.
+
+    Used where a replicated tensor enters sharded compute (the input of a
+    weight-row-split linear): each rank's gradient is a partial sum over its
+    output shard, and the sum over ranks is the full gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _comm.all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """forward: all-reduce (sum) of partial outputs; backward: identity.
+
+    Used where partial sums leave sharded compute (the output of a
+    weight-column-split linear). The summed output is replicated, so each rank
+    already holds its full gradient and passes it through unchanged.
+    ``inplace=True`` reduces the caller's own temporary without a copy.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, inplace: bool) -> torch.Tensor:  # type: ignore[override]
+        if inplace and x.is_contiguous():
+            ctx.mark_dirty(x)
+            return _comm.all_reduce_(x, group)
+        return _comm.all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return grad, None, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """forward: keep this rank's chunk along ``dim``; backward: all-gather along ``dim``.
+
+    Used where a replicated tensor is cut into shards (a full input entering a
+    weight-column-split linear). Each rank's chunk gradient is complete for
+    that chunk, so gathering them gives the full gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return _comm.split(x, dim, group_rank(group), group_size(group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return _comm.all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """forward: all-gather shards along ``dim``; backward: keep this rank's chunk.
+
+    Used where sharded outputs become replicated (``gather_output=True``). The
+    gathered tensor is replicated, so each rank holds the full gradient and
+    its shard's gradient is the matching chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return _comm.all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        g = ctx.group
+        return _comm.split(grad, ctx.dim, group_rank(g), group_size(g)), None, None
+
+
+class _ReduceScatterRegion(torch.autograd.Function):
+    """forward: sum partials and keep this rank's chunk; backward: all-gather.
+
+    The sequence-parallel pair of :class:`_GatherFromRegion`: the output chunk
+    is sharded, and the gradient of every rank's partial input is the full
+    gradient of the sum, i.e. the gathered chunk gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return _comm.reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return _comm.all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Enter the TP region. forward: identity; backward: all-reduce the gradient."""
+    if group_size(group) == 1:
+        return x
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None, inplace: bool = False
+) -> torch.Tensor:
+    """Leave the TP region by summing. forward: all-reduce; backward: identity.
+
+    Args:
+        x: This rank's partial sum.
+        group: The TP group.
+        inplace: Reduce ``x`` itself (only for a temporary the caller created).
+    """
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromRegion.apply(x, group, inplace)
+
+
+def scatter_to_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None, dim: int = -1
+) -> torch.Tensor:
+    """Cut a replicated tensor. forward: keep own chunk of ``dim``; backward: all-gather."""
+    if group_size(group) == 1:
+        return x
+    return _ScatterToRegion.apply(x, group, dim)
+
+
+def gather_from_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None, dim: int = -1
+) -> torch.Tensor:
+    """Join shards. forward: all-gather along ``dim``; backward: keep own chunk."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromRegion.apply(x, group, dim)
+
+
+def reduce_scatter_to_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None, dim: int = -1
+) -> torch.Tensor:
+    """Sum partials into shards. forward: reduce-scatter along ``dim``; backward: all-gather."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterRegion.apply(x, group, dim)

@@ -1,0 +1,179 @@
+"""Process-group set-up for tensor parallelism.
+
+``init_tensor_parallel`` reads torchrun's environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), starts the default process group and
+records a :class:`TensorParallelConfig`. Without torchrun's environment it
+returns a world-size-1 config and starts nothing, so the same script runs on
+one device unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ._logging import configure_from_env, logger
+from .errors import MissingProcessGroupError, launch_hint
+
+ProcessGroup = dist.ProcessGroup
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """Where this process sits in the tensor-parallel group.
+
+    Attributes:
+        world_size: Number of ranks in the tensor-parallel group.
+        rank: This process's rank in that group.
+        local_rank: Rank on this node (selects the CUDA device).
+        backend: ``"nccl"``, ``"gloo"``, or ``None`` when no process group exists.
+        device: Device this rank computes on.
+        group: The process group, or ``None`` for a single process.
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    backend: str | None = None
+    device: torch.device = torch.device("cpu")
+    group: ProcessGroup | None = None
+
+
+_CONFIG: TensorParallelConfig | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is not None:
+        if backend not in ("nccl", "gloo", "mpi", "ucc", "xccl", "cpu:gloo,cuda:nccl"):
+            raise ValueError(f"unknown backend {backend!r}; use 'nccl' (GPUs) or 'gloo' (CPU)")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False; "
+                               "use backend='gloo' for CPU processes")
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _config_from_group(local_rank: int) -> TensorParallelConfig:
+    backend = dist.get_backend()
+    on_cuda = "nccl" in str(backend) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    return TensorParallelConfig(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        backend=str(backend),
+        device=device,
+        group=dist.group.WORLD,
+    )
+
+
+def init_tensor_parallel(
+    backend: str | None = None, timeout: float | timedelta | None = None
+) -> TensorParallelConfig:
+    """Start (or adopt) the default process group and return the TP config.
+
+    Idempotent: a second call, or a call after the user started the process
+    group themselves, returns the config of the existing group.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; ``None`` picks ``nccl`` when CUDA is
+            available and ``gloo`` otherwise.
+        timeout: Collective timeout in seconds (or a ``timedelta``); ``None``
+            keeps torch's default.
+
+    Returns:
+        The :class:`TensorParallelConfig` for this process.
+
+    Raises:
+        ValueError: torchrun's variables are malformed or inconsistent.
+    """
+    global _CONFIG
+    configure_from_env()
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if dist.is_available() and dist.is_initialized():
+        _CONFIG = _config_from_group(local_rank)
+        return _CONFIG
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} and WORLD_SIZE={world_size} are inconsistent: "
+                         "need 0 <= RANK < WORLD_SIZE")
+    if world_size == 1:
+        _CONFIG = TensorParallelConfig()
+        logger.debug("init_tensor_parallel: no torchrun environment, world_size=1")
+        return _CONFIG
+    chosen = _pick_backend(backend)
+    if chosen == "nccl":
+        torch.cuda.set_device(local_rank)
+    kwargs = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, **kwargs)
+    _CONFIG = _config_from_group(local_rank)
+    logger.debug("init_tensor_parallel: %s", _CONFIG)
+    return _CONFIG
+
+
+def get_tensor_parallel_config() -> TensorParallelConfig:
+    """Return the current TP config.
+
+    Before :func:`init_tensor_parallel` it describes the process group the user
+    started (if any), else a single process.
+    """
+    running = dist.is_available() and dist.is_initialized()
+    # A cached config is stale once a group was started or destroyed after it.
+    if _CONFIG is not None and (_CONFIG.group is not None) == running:
+        return _CONFIG
+    if running:
+        return _config_from_group(_env_int("LOCAL_RANK", 0))
+    return TensorParallelConfig()
+
+
+def resolve_group(group: ProcessGroup | None = None) -> ProcessGroup | None:
+    """Return the process group a collective should use.
+
+    ``group`` if given; else the TP group from :func:`init_tensor_parallel`;
+    else the default group when one is running; else ``None`` (one process).
+
+    Raises:
+        MissingProcessGroupError: torchrun's environment says WORLD_SIZE > 1 but
+            no process group was started, so a collective would silently do
+            nothing.
+    """
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized():
+        if _CONFIG is not None and _CONFIG.group is not None:
+            return _CONFIG.group
+        return dist.group.WORLD
+    env_world = _env_int("WORLD_SIZE", 1)
+    if env_world > 1:
+        raise MissingProcessGroupError(
+            f"WORLD_SIZE={env_world} but torch.distributed is not initialized; "
+            + launch_hint(env_world)
+        )
+    return None
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (1 for ``None``)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (0 for ``None``)."""
+    return 0 if group is None else dist.get_rank(group)

@@ -1,0 +1,31 @@
+"""The reference guide's import path: ``from torchtp.tensor_parallel import ...``.
+
+Also importable from a checkout as ``src.distributed.tensor_parallel``.
+"""
+
+from __future__ import annotations
+
+from .collectives import (
+    all_gather,
+    all_reduce_sum,
+    broadcast_tensor,
+    reduce_scatter,
+    synchronize_across_ranks,
+)
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .runtime import TensorParallelConfig, get_tensor_parallel_config, init_tensor_parallel
+from .wrapper import DistributedModelWrapper
+
+__all__ = [
+    "ColumnParallelLinear",
+    "DistributedModelWrapper",
+    "RowParallelLinear",
+    "TensorParallelConfig",
+    "all_gather",
+    "all_reduce_sum",
+    "broadcast_tensor",
+    "get_tensor_parallel_config",
+    "init_tensor_parallel",
+    "reduce_scatter",
+    "synchronize_across_ranks",
+]

@@ -1,0 +1,156 @@
+"""Run a function on N real Gloo processes and report every rank's outcome.
+
+Each rank runs in its own process (a crash or a hang never takes pytest
+down), joins a Gloo group through a file store under the test's ``tmp_path``
+with a short collective timeout, and writes its result or traceback to a
+file. The parent enforces a hard wall-clock deadline, kills what is left, and
+raises :class:`RankFailure` with every failing rank's traceback, earliest first.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+# Ranks that still run this long after another rank failed are killed: Gloo's
+# own timeout would end them too, but only after gloo_timeout.
+FAILURE_GRACE_S = 5.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, crashed or hung."""
+
+
+@dataclass
+class _Outcome:
+    rank: int
+    ok: bool
+    value: Any
+    finished_at: float
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[Any],
+            workdir: str, init: str, gloo_timeout: float, env: dict[str, str]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    torch.set_num_threads(1)  # N ranks share 2 cores
+    try:
+        if init == "file":
+            dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank,
+                                    world_size=world_size,
+                                    timeout=timedelta(seconds=gloo_timeout))
+        outcome = _Outcome(rank, True, fn(rank, world_size, *args), time.time())
+    except BaseException:
+        outcome = _Outcome(rank, False, traceback.format_exc(), time.time())
+    _write(Path(workdir) / f"rank{rank}.pkl", outcome)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        os._exit(0 if outcome.ok else 1)
+
+
+def _write(path: Path, outcome: _Outcome) -> None:
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_bytes(pickle.dumps(outcome))
+    except Exception:  # unpicklable return value: report it instead
+        msg = f"rank {outcome.rank} returned an unpicklable value:\n{traceback.format_exc()}"
+        tmp.write_bytes(pickle.dumps(_Outcome(outcome.rank, False, msg, time.time())))
+    tmp.rename(path)
+
+
+def _read(path: Path) -> _Outcome | None:
+    return pickle.loads(path.read_bytes()) if path.exists() else None
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    # Children fork from a server that imported torch once: starts take ms, not s.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torchtp"])
+    return ctx
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, tmp_path: Path,
+              timeout: float = 120.0, gloo_timeout: float = 20.0, init: str = "file",
+              env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes.
+
+    Args:
+        fn: A module-level (picklable) function.
+        world_size: Number of rank processes.
+        *args: Extra picklable arguments for ``fn``.
+        tmp_path: Directory for the file store and result files.
+        timeout: Hard wall-clock deadline for all ranks together, in seconds.
+        gloo_timeout: Collective timeout inside the ranks, in seconds.
+        init: ``"file"`` starts a Gloo group; ``"none"`` leaves it to ``fn``
+            (the torchrun variables RANK/WORLD_SIZE/LOCAL_RANK are set either way).
+        env: Extra environment variables for the ranks.
+
+    Returns:
+        Each rank's return value, in rank order.
+
+    Raises:
+        RankFailure: a rank raised, died, or the deadline passed.
+    """
+    workdir = tmp_path / f"ranks-{time.monotonic_ns()}"
+    workdir.mkdir(parents=True)
+    ctx = _context()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, args, str(workdir), init, gloo_timeout,
+                               dict(env or {})))
+             for r in range(world_size)]
+    start = time.time()
+    for p in procs:
+        p.start()
+    hung = _wait(procs, workdir, start + timeout)
+    outcomes = [_read(workdir / f"rank{r}.pkl") for r in range(world_size)]
+    _raise_failures(outcomes, procs, hung, start, timeout)
+    return [o.value for o in outcomes if o is not None]
+
+
+def _wait(procs: list[Any], workdir: Path, deadline: float) -> list[int]:
+    """Join ranks until all end, the deadline passes, or a failure's grace ends."""
+    failed_at: float | None = None
+    while any(p.is_alive() for p in procs):
+        now = time.time()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        if now >= deadline or (failed_at is not None and now - failed_at > FAILURE_GRACE_S):
+            break
+        time.sleep(0.02)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+    for p in procs:
+        p.join(timeout=10)
+    return hung
+
+
+def _raise_failures(outcomes: list[_Outcome | None], procs: list[Any], hung: list[int],
+                    start: float, timeout: float) -> None:
+    failures = [o for o in outcomes if o is not None and not o.ok]
+    failures.sort(key=lambda o: o.finished_at)
+    lines = [f"rank {o.rank} failed at +{o.finished_at - start:.2f}s:\n{o.value}"
+             for o in failures]
+    for r, o in enumerate(outcomes):
+        if o is None and r not in hung:
+            lines.append(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+    if hung:
+        why = "after another rank failed" if failures else f"within the {timeout:.0f}s deadline"
+        lines.append(f"rank(s) {hung} did not finish {why} and were killed")
+    if lines:
+        raise RankFailure(f"{len(lines)} problem(s) across {len(outcomes)} ranks:\n\n"
+                          + "\n\n".join(lines))
