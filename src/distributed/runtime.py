@@ -10,7 +10,7 @@ one device unchanged.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -39,7 +39,7 @@ class TensorParallelConfig:
     rank: int = 0
     local_rank: int = 0
     backend: str | None = None
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     group: ProcessGroup | None = None
 
 
@@ -121,7 +121,8 @@ def init_tensor_parallel(
         torch.cuda.set_device(local_rank)
     kwargs = {}
     if timeout is not None:
-        kwargs["timeout"] = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        seconds = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        kwargs["timeout"] = seconds
     dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, **kwargs)
     _CONFIG = _config_from_group(local_rank)
     logger.debug("init_tensor_parallel: %s", _CONFIG)

@@ -1,1 +1,152 @@
-class DistributedModelWrapper: ...
+"""DistributedModelWrapper: swap a model's Linear layers for parallel ones."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from ._logging import logger
+from .agreement import agree
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers._base import resolve_placement
+from .plans import ParallelStyle, ResolvedPlan, ShardContext, match_plan, sequential_plan
+from .runtime import ProcessGroup, get_tensor_parallel_config
+
+
+class DistributedModelWrapper(nn.Module):
+    """Make a model tensor-parallel in place and forward calls to it unchanged.
+
+    Every rank builds the same model (same seed or same checkpoint) and wraps
+    it; each rank then keeps only its shard of every split layer. Outputs and
+    gradients equal the unsharded model's on every rank.
+
+    Args:
+        model: The model to parallelize; modified in place.
+        world_size: Ranks to split over; ``None`` uses the process group's size.
+        rank: This rank; ``None`` uses the process group's rank.
+        plan: ``{fnmatch pattern: style}`` in PyTorch/HF vocabulary
+            (``"colwise"`` splits out_features, ``"rowwise"`` splits in_features,
+            ``"colwise_gather_output"``, ``"rowwise_split_input"``,
+            ``"replicate"``), or ``None`` for the automatic plan.
+        group: Process group; ``None`` for the default TP group.
+
+    Attributes:
+        base_model: The parallelized model.
+        world_size: Number of ranks.
+        rank: This rank.
+        parallelized_layers: Names of the swapped layers, in module order.
+        resolved_plan: The :class:`~torchtp.plans.ResolvedPlan` that was applied.
+
+    Raises:
+        ValueError: a layer cannot be split as planned, the plan names an
+            unknown style, the model is already wrapped, or ``world_size``
+            contradicts the process group. Raised on every rank.
+        RankMismatchError: ranks disagree on world size, plan or layer shapes.
+    """
+
+    def __init__(
+        self, model: nn.Module, world_size: int | None = None, rank: int | None = None,
+        plan: Mapping[str, str | ParallelStyle] | None = None, group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        group = group if group is not None else _running_group()
+        error: BaseException | None = None
+        ctx, resolved, fingerprint = None, None, {"world_size": world_size}
+        try:
+            _check_not_wrapped(model)
+            g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
+            ctx = ShardContext(size, me, g)
+            resolved = self._resolve(model, plan, ctx)
+            fingerprint = _fingerprint(model, resolved, ctx)
+        except (ValueError, TypeError) as err:
+            error = err
+        agree("DistributedModelWrapper", error, fingerprint, group)
+        assert ctx is not None and resolved is not None
+        self.base_model = model
+        self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
+        self.resolved_plan = resolved
+        self.parallelized_layers = _apply(model, resolved, ctx)
+
+    @staticmethod
+    def _resolve(model: nn.Module, plan: Mapping[str, Any] | None,
+                 ctx: ShardContext) -> ResolvedPlan:
+        resolved = (match_plan(model, plan, "argument") if plan is not None
+                    else sequential_plan(model, ctx.world_size))
+        modules = dict(model.named_modules())
+        for name, style in resolved.assignments.items():
+            style.validate(modules[name], name, ctx)
+        for note in resolved.notes:
+            logger.info("torchtp: %s", note)
+        return resolved
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped model unchanged."""
+        return self.base_model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__["_modules"].get("base_model")
+            if base is None:
+                raise
+            return getattr(base, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's shards, with the original model's parameter names."""
+        return self.base_model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load this rank's shards (names as in :meth:`state_dict`)."""
+        return self.base_model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def describe_plan(self) -> str:
+        """The applied plan as a readable table."""
+        return self.resolved_plan.table()
+
+    def extra_repr(self) -> str:
+        return (f"world_size={self.world_size}, rank={self.rank}, "
+                f"parallelized_layers={len(self.parallelized_layers)}")
+
+
+def _running_group() -> ProcessGroup | None:
+    if dist.is_available() and dist.is_initialized():
+        return get_tensor_parallel_config().group
+    return None
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    if isinstance(model, DistributedModelWrapper):
+        raise ValueError("model is already a DistributedModelWrapper; wrap the original "
+                         "model once (use wrapper.base_model to reach it)")
+    for name, mod in model.named_modules():
+        if isinstance(mod, (RowParallelLinear, ColumnParallelLinear)):
+            raise ValueError(f"model is already tensor-parallel: '{name}' is a "
+                             f"{type(mod).__name__}; wrap the original model once")
+
+
+def _fingerprint(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:
+    modules = dict(model.named_modules())
+    prints: dict[str, Any] = {"world_size": ctx.world_size, "plan": plan.rules}
+    for name, style in plan.assignments.items():
+        shapes = style.shapes(modules[name], ctx)
+        prints[f"layer '{name}'"] = (style.name, shapes.full)
+    return prints
+
+
+def _apply(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> list[str]:
+    swapped = []
+    for name, style in plan.assignments.items():
+        old = model.get_submodule(name)
+        new = style.apply(old, name, ctx)
+        if new is old:
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, new)
+        swapped.append(name)
+        logger.debug("swapped %s: %s -> %s", name, type(old).__name__, new)
+    return swapped

@@ -46,6 +46,11 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[A
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
     torch.set_num_threads(1)  # N ranks share 2 cores
+    # torchtp was imported by the fork server before env was set: re-read it as a
+    # freshly started process would (TP_DEBUG).
+    import torchtp
+
+    torchtp.configure_from_env()
     try:
         if init == "file":
             dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank,

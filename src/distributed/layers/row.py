@@ -123,7 +123,8 @@ class RowParallelLinear(nn.Module):
         return y
 
     def _name(self) -> str:
-        return f"RowParallelLinear(in_features={self.in_features}, out_features={self.out_features})"
+        return (f"RowParallelLinear(in_features={self.in_features}, "
+                f"out_features={self.out_features})")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

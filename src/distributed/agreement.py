@@ -1,0 +1,73 @@
+"""Make every rank reach the same verdict before any rank moves on.
+
+A check that fails on one rank only (a different plan, a different world
+size, a rank-specific error) would otherwise leave the other ranks waiting in
+their next collective until a 10-30 minute timeout. Each rank sends its
+verdict and a fingerprint of what it is about to do; all ranks then raise the
+same error, naming the ranks and what differs, or all go on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import RankMismatchError
+from .runtime import ProcessGroup
+
+
+def agree(
+    what: str, error: BaseException | None, fingerprint: dict[str, Any],
+    group: ProcessGroup | None,
+) -> None:
+    """Exchange verdicts across ``group`` and raise on every rank if any differ.
+
+    Args:
+        what: The operation being checked (for messages), e.g. ``"DistributedModelWrapper"``.
+        error: This rank's validation error, or ``None``.
+        fingerprint: Values that must be equal on all ranks, by name.
+        group: The group that must agree; ``None`` (one process) raises
+            ``error`` directly.
+
+    Raises:
+        The first failing rank's error type (``ValueError``/``TypeError``...)
+        with its message, or :class:`RankMismatchError` when the fingerprints
+        differ.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    mine = (None if error is None else (type(error), str(error)), fingerprint)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    _raise_first_error(what, everyone, error)
+    _raise_on_mismatch(what, [fp for _, fp in everyone])
+
+
+def _raise_first_error(what: str, everyone: list[Any], own: BaseException | None) -> None:
+    failed = [(r, err) for r, (err, _) in enumerate(everyone) if err is not None]
+    if not failed:
+        return
+    if own is not None:
+        raise own
+    rank, (cls, msg) = failed[0]
+    exc_type = cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError
+    raise exc_type(f"{what} failed on rank {rank} (ranks {[r for r, _ in failed]} failed): {msg}")
+
+
+def _raise_on_mismatch(what: str, prints: list[dict[str, Any]]) -> None:
+    keys = list(dict.fromkeys(k for fp in prints for k in fp))
+    for key in keys:
+        values = [fp.get(key) for fp in prints]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {_short(v)}" for r, v in enumerate(values))
+            raise RankMismatchError(
+                f"{what}: {key} must match across all ranks: {per_rank}; launch every rank "
+                "with the same model, plan and arguments")
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

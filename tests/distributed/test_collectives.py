@@ -1,0 +1,142 @@
+"""Differentiable collectives and region operators on real Gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchtp
+from torchtp import regions
+
+from ._reference import chunk, seeded
+
+
+def _check_collectives(rank: int, world_size: int) -> None:
+    base = seeded(4, 6 * world_size, seed=1)
+    # Non-contiguous on purpose: a transposed view must not lose the result.
+    mine = (base * (rank + 1)).t().contiguous().t().requires_grad_()
+    before = mine.detach().clone()
+
+    total = torchtp.all_reduce_sum(mine)
+    expected = base * sum(range(1, world_size + 1))
+    torch.testing.assert_close(total, expected)
+    torch.testing.assert_close(mine.detach(), before, msg="all_reduce_sum changed its input")
+    (total * 2).sum().backward()
+    # backward is the identity: each rank already holds the full gradient.
+    torch.testing.assert_close(mine.grad, torch.full_like(base, 2.0))
+
+    for dim in (0, 1, -1):
+        shard = chunk(base, dim, rank, world_size).t().contiguous().t().requires_grad_()
+        full = torchtp.all_gather(shard, dim=dim)
+        torch.testing.assert_close(full, base)
+        weight = seeded(*base.shape, seed=7)
+        (full * weight).sum().backward()
+        torch.testing.assert_close(shard.grad, chunk(weight, dim, rank, world_size))
+
+        partial = (base * (rank + 1)).requires_grad_()
+        out = torchtp.reduce_scatter(partial, dim=dim)
+        torch.testing.assert_close(out, chunk(expected, dim, rank, world_size))
+        out_weight = chunk(weight, dim, rank, world_size)
+        (out * out_weight).sum().backward()
+        # every partial fed every chunk: its gradient is the gathered chunk grads.
+        torch.testing.assert_close(partial.grad, weight)
+
+    src = world_size - 1
+    value = (base + rank).requires_grad_()
+    got = torchtp.broadcast_tensor(value, src=src)
+    torch.testing.assert_close(got, base + src)
+    got.sum().backward()
+    want = torch.ones_like(base) if rank == src else torch.zeros_like(base)
+    torch.testing.assert_close(value.grad, want)
+    torchtp.synchronize_across_ranks()
+
+
+def _check_regions(rank: int, world_size: int) -> None:
+    group = torchtp.get_tensor_parallel_config().group
+    x = seeded(3, 4 * world_size, seed=2).requires_grad_()
+    y = regions.copy_to_tensor_parallel_region(x, group)
+    torch.testing.assert_close(y, x)
+    (y * (rank + 1)).sum().backward()  # partial grads differ per rank
+    torch.testing.assert_close(x.grad, torch.full_like(x, sum(range(1, world_size + 1))))
+
+    x = seeded(3, 4 * world_size, seed=3).requires_grad_()
+    s = regions.scatter_to_tensor_parallel_region(x, group, -1)
+    torch.testing.assert_close(s, chunk(x.detach(), -1, rank, world_size))
+    s.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+    x = seeded(3, 4, seed=4 + rank).requires_grad_()
+    g = regions.gather_from_tensor_parallel_region(x, group, -1)
+    assert g.shape == (3, 4 * world_size)
+    w = seeded(3, 4 * world_size, seed=9)
+    (g * w).sum().backward()
+    torch.testing.assert_close(x.grad, chunk(w, -1, rank, world_size))
+
+    x = seeded(3, 4, seed=5).requires_grad_()
+    r = regions.reduce_from_tensor_parallel_region(x * 1.0, group, inplace=True)
+    torch.testing.assert_close(r, x.detach() * world_size)
+    r.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_values_and_gradients(ranks, world_size):
+    ranks(_check_collectives, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_region_operators(ranks, world_size):
+    ranks(_check_regions, world_size)
+
+
+def _count_and_log(rank: int, world_size: int) -> tuple[dict[str, int], list[str]]:
+    import logging
+
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    torchtp.logger.addHandler(Grab())
+    with torchtp.count_collectives() as counter:
+        torchtp.all_reduce_sum(torch.ones(2, 3))
+        torchtp.all_gather(torch.ones(2, 3), dim=0)
+    return dict(counter.counts), records
+
+
+def test_tp_debug_logs_every_collective_and_counter_counts(ranks):
+    results = ranks(_count_and_log, 2, env={"TP_DEBUG": "1"})
+    for counts, logs in results:
+        assert counts == {"all_reduce": 1, "all_gather": 1}
+        assert any("all_reduce shape=(2, 3) dtype=torch.float32 group_size=2" in m for m in logs)
+        assert any(m.startswith("all_gather shape=(2, 3)") for m in logs)
+
+
+def test_single_process_collectives_are_identity():
+    x = torch.randn(2, 3)
+    assert torchtp.all_reduce_sum(x) is x
+    assert torchtp.all_gather(x) is x
+    assert torchtp.reduce_scatter(x) is x
+    assert torchtp.broadcast_tensor(x) is x
+    torchtp.synchronize_across_ranks()
+
+
+def test_missing_process_group_is_an_error_not_a_no_op(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(torchtp.MissingProcessGroupError,
+                       match=r"WORLD_SIZE=2 but torch.distributed is not initialized.*torchrun"):
+        torchtp.all_reduce_sum(torch.ones(2))
+
+
+def _bad_src(rank: int, world_size: int) -> str:
+    with pytest.raises(ValueError, match=r"src=5 is not a rank of the group \(group size 2\)"):
+        torchtp.broadcast_tensor(torch.ones(2), src=5)
+    with pytest.raises(ValueError, match=r"dim -1 has size 3, not divisible by the group size 2"):
+        torchtp.reduce_scatter(torch.ones(2, 3))
+    # Both checks ran before any collective: the ranks are still in step.
+    return str(torchtp.all_reduce_sum(torch.ones(1)).item())
+
+
+def test_bad_arguments_raise_before_communicating(ranks):
+    assert ranks(_bad_src, 2) == ["2.0", "2.0"]
