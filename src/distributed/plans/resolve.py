@@ -69,6 +69,6 @@ def match_plan(model: nn.Module, plan: Plan, source: str) -> ResolvedPlan:
             used.add(pattern)
     for pattern in styles:
         if pattern not in used:
-            logger.warning("torchtp plan rule %r (%s) matches no module", pattern, styles[pattern])
+            logger.warning("torchtp plan rule %r (style %s) matches no module", pattern, styles[pattern].name)
             resolved.notes.append(f"rule {pattern!r} matched no module")
     return resolved

@@ -1,0 +1,108 @@
+"""init_tensor_parallel / get_tensor_parallel_config under torchrun-like environments."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchtp
+
+
+def test_without_torchrun_env_returns_world_size_one(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = torchtp.init_tensor_parallel()
+    assert (cfg.world_size, cfg.rank, cfg.local_rank, cfg.backend, cfg.group) == (1, 0, 0, None, None)
+    assert cfg.device == torch.device("cpu")
+    assert not dist.is_initialized()
+    assert torchtp.get_tensor_parallel_config() == cfg
+
+
+def test_inconsistent_env_is_rejected(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 and WORLD_SIZE=2 are inconsistent"):
+        torchtp.init_tensor_parallel()
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match=r"RANK='x' is not an integer"):
+        torchtp.init_tensor_parallel()
+
+
+def test_unknown_backend_is_rejected(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"unknown backend 'mpl'; use 'nccl' \(GPUs\) or 'gloo' \(CPU\)"):
+        torchtp.init_tensor_parallel(backend="mpl")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_from_env(rank: int, world_size: int) -> tuple:
+    cfg = torchtp.init_tensor_parallel(timeout=30)
+    again = torchtp.init_tensor_parallel()  # idempotent
+    assert again == cfg and torchtp.get_tensor_parallel_config() == cfg
+    total = torchtp.all_reduce_sum(torch.tensor([float(rank)])).item()
+    return cfg.world_size, cfg.rank, cfg.local_rank, cfg.backend, str(cfg.device), total
+
+
+def test_reads_torchrun_env_and_is_idempotent(ranks):
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    got = ranks(_init_from_env, 2, init="none", env=env)
+    assert got == [(2, 0, 0, "gloo", "cpu", 1.0), (2, 1, 1, "gloo", "cpu", 1.0)]
+
+
+def _adopt_user_group(rank: int, world_size: int) -> int:
+    assert dist.is_initialized()  # started by the harness, not by torchtp
+    cfg = torchtp.get_tensor_parallel_config()
+    assert cfg.world_size == world_size and cfg.rank == rank and cfg.backend == "gloo"
+    return torchtp.init_tensor_parallel().world_size
+
+
+def test_adopts_a_process_group_the_user_started(ranks):
+    assert ranks(_adopt_user_group, 3) == [3, 3, 3]
+
+
+def test_guide_import_path_from_repo_root():
+    root = Path(__file__).resolve().parents[2]
+    code = ("from src.distributed.tensor_parallel import RowParallelLinear, "
+            "ColumnParallelLinear, DistributedModelWrapper, init_tensor_parallel, "
+            "get_tensor_parallel_config, all_reduce_sum, broadcast_tensor, "
+            "synchronize_across_ranks\n"
+            "print(RowParallelLinear(4, 8).weight.shape)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch.Size([8, 4])"
+
+
+def test_tensor_parallel_module_reexports_the_guide_names():
+    from torchtp import tensor_parallel
+
+    for name in ("RowParallelLinear", "ColumnParallelLinear", "DistributedModelWrapper",
+                 "all_reduce_sum", "broadcast_tensor", "synchronize_across_ranks",
+                 "init_tensor_parallel", "get_tensor_parallel_config", "all_gather",
+                 "reduce_scatter"):
+        assert getattr(tensor_parallel, name) is getattr(torchtp, name)
+
+
+def test_every_subpackage_is_listed_in_pyproject():
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    src = root / "src" / "distributed"
+    found = {"torchtp"} | {
+        "torchtp." + ".".join(p.parent.relative_to(src).parts)
+        for p in src.rglob("__init__.py") if p.parent != src
+    }
+    assert found == listed
