@@ -15,10 +15,20 @@ from .ops_gather import all_gather, all_reduce, all_slice, all_to_all, reduce_sc
 from .ops_p2p import recv, send, shift, update_halo
 from .ops_rooted import broadcast, gather, reduce, scatter
 from .sharding import Sharding, assemble, shard, shard_bounds, shard_shape
+from .tensor_ops import (
+    MatmulStrategy,
+    choose_matmul_strategy,
+    distribute,
+    matmul,
+    placements,
+    sharded_mean,
+    sharded_sum,
+)
 from .unshard import unshard
 
 __all__ = [
     "Grid",
+    "MatmulStrategy",
     "Reduction",
     "Sharding",
     "all_gather",
@@ -27,9 +37,13 @@ __all__ = [
     "all_to_all",
     "assemble",
     "broadcast",
+    "choose_matmul_strategy",
+    "distribute",
     "gather",
     "linear_index",
+    "matmul",
     "multi_index",
+    "placements",
     "recv",
     "reduce",
     "reduce_scatter",
@@ -38,6 +52,8 @@ __all__ = [
     "shard",
     "shard_bounds",
     "shard_shape",
+    "sharded_mean",
+    "sharded_sum",
     "shift",
     "unshard",
     "update_halo",
