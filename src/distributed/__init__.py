@@ -37,6 +37,18 @@ __version__ = "0.1.0"
 
 configure_from_env()
 
+# Loaded on first use: torchtp.signal reads TORCHTP_CONFIG when imported, and a
+# bad file there must not break `import torchtp` for everyone else.
+_LAZY_SUBPACKAGES = ("shard", "signal", "slicing", "hf", "plans")
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'torchtp' has no attribute {name!r}")
+
 __all__ = [
     "CollectiveCounter",
     "ColumnParallelLinear",

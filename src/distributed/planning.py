@@ -85,9 +85,9 @@ def prepare(model: nn.Module, plan: PlanArg, ctx: ShardContext) -> Planned:
     """
     resolved = resolve(model, plan, ctx)
     modules = dict(model.named_modules())
+    heads = head_aware_assignments(model, resolved)
     for name, style in resolved.assignments.items():
         style.check_type(modules[name], name)
-    heads = head_aware_assignments(model, resolved)
     constraints = [c for name, style in resolved.assignments.items()
                    for c in style.constraints(modules[name], name)]
     check(constraints, ctx.world_size, ctx.model_name)
