@@ -21,7 +21,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import torchtp
@@ -107,9 +106,7 @@ def main() -> int:
     ok = worst <= TOLERANCE
     if rank == 0:
         print_table(args, dims, world, wrapper, reference, counter, stats, worst, ok)
-    torchtp.synchronize_across_ranks()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    torchtp.shutdown_tensor_parallel()  # barrier + destroy (also runs at exit)
     return 0 if ok else 1
 
 

@@ -13,7 +13,6 @@ import socket
 import sys
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import torchtp
@@ -42,9 +41,7 @@ def main() -> int:
           f"{cfg.backend}] swapped={model.parallelized_layers} loss={loss.item():.6f} "
           f"local_grad_norm={grad_norm:.4f} collectives(fwd+bwd)={dict(counter.counts)}",
           flush=True)
-    torchtp.synchronize_across_ranks()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    torchtp.shutdown_tensor_parallel()  # barrier + destroy (also runs at exit)
     return 0
 
 

@@ -30,6 +30,7 @@ from .runtime import (
     TensorParallelConfig,
     get_tensor_parallel_config,
     init_tensor_parallel,
+    shutdown_tensor_parallel,
 )
 from .wrapper import DistributedModelWrapper
 
@@ -71,5 +72,6 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_to_tensor_parallel_region",
     "scatter_to_tensor_parallel_region",
+    "shutdown_tensor_parallel",
     "synchronize_across_ranks",
 ]
