@@ -141,7 +141,9 @@ class ColumnParallelLinear(nn.Module):
         # partial is our own temporary, so the all-reduce may write into it.
         y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
         if self.bias is not None:
-            y = y + self.bias  # once, after the sum: gradient equals nn.Linear's
+            # Once, after the sum, so its gradient equals nn.Linear's. In place: y is
+            # our own all-reduced temporary and the matmul's backward does not need it.
+            y = y.add_(self.bias)
         return y
 
     def _name(self) -> str:
