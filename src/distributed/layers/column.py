@@ -131,9 +131,8 @@ class ColumnParallelLinear(nn.Module):
                 if mismatch is None:
                     raise
                 raise mismatch from err
-        mismatch = input_mismatch(self, x, self.expected_input_features)
-        if mismatch is not None:
-            raise mismatch
+        if not x.dim() or x.shape[-1] != self.expected_input_features:
+            raise input_mismatch(self, x, self.expected_input_features)  # type: ignore[misc]
         group = require_group(self._name(), self.group, self.world_size)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
