@@ -46,21 +46,26 @@ def enter(what: str, group: Any, timeout: float) -> None:
 
 
 def check_target(directory: str) -> None:
-    """Raise if ``directory`` cannot be (re)written.
+    """Raise if ``directory`` cannot be (re)written; missing parents are created later.
 
     Raises:
-        ValueError: it is a file, or its parent is missing or not writable.
+        ValueError: it is a file, or its nearest existing ancestor is not a
+            writable directory.
     """
-    parent = os.path.dirname(os.path.abspath(directory)) or "."
+    directory = os.path.abspath(directory)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"output path {directory} exists and is not a directory; pass a "
                          "directory path")
-    if not os.path.isdir(parent):
-        raise ValueError(f"output directory's parent {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"output directory's parent {parent} is not writable (the save writes "
-                         f"{os.path.basename(directory)}{TMP_SUFFIX} next to the target, then "
-                         "renames it); pick a writable location")
+    ancestor = os.path.dirname(directory)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"output directory {directory} cannot be created: {ancestor} is not an "
+                         "existing directory; pick another location")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"output directory {directory} cannot be written: {ancestor} is not "
+                         f"writable (the save writes {os.path.basename(directory)}{TMP_SUFFIX} "
+                         "next to the target, then renames it); pick a writable location")
 
 
 def validate(what: str, directory: str, group: Any, timeout: float, extra: dict | None = None) -> str:
