@@ -99,12 +99,18 @@ def publish(tmp: str, directory: str) -> None:
 
 def step(what: str, error: BaseException | None, group: Any, cleanup: str | None,
          rank: int) -> None:
-    """Agree on ``error``; if anyone failed, rank 0 removes ``cleanup`` and all raise."""
+    """Agree on ``error``; if anyone failed, rank 0 removes ``cleanup``, then all raise.
+
+    The removal happens before the agreement that raises, so when any rank
+    sees the error the temporary directory is already gone.
+    """
     if isinstance(error, OSError):
         error = ValueError(f"{what}: cannot write the checkpoint: {error}")
-    try:
-        agree(what, error, {}, group)
-    except BaseException:
-        if rank == 0 and cleanup:
-            shutil.rmtree(cleanup, ignore_errors=True)
-        raise
+    failed = [error is not None]
+    if group_size(group) > 1:
+        everyone: list[Any] = [None] * group_size(group)
+        dist.all_gather_object(everyone, error is not None, group=group)
+        failed = everyone
+    if any(failed) and rank == 0 and cleanup:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    agree(what, error, {}, group)

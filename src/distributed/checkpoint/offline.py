@@ -33,7 +33,7 @@ def _copy_configs(src: str, tmp: str) -> None:
 
 
 def _saved_tp(source: Source) -> str:
-    return f"tp={source.tp_size}" if isinstance(source, TorchTPSource) else "an HF directory (tp=1)"
+    return f"tp={source.tp_size}" if isinstance(source, TorchTPSource) else "tp=1 (an HF directory)"
 
 
 def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], tp: int,
