@@ -41,12 +41,25 @@ def test_plan_sources_and_printing():
     llama = torchtp.DistributedModelWrapper(build("llama"), world_size=2, rank=0)
     text = llama.describe_plan()
     assert text.startswith("plan source: HF plan (config.base_model_tp_plan + _tp_plan)")
-    assert "model.layers.0.self_attn.k_proj  colwise" in text
+    row = next(line for line in text.splitlines() if line.startswith("model.layers.*.self_attn.k_proj"))
+    assert row.split() == ["model.layers.*.self_attn.k_proj", "colwise", "2", "(e.g.",
+                           "model.layers.0.self_attn.k_proj)"]
     assert llama.resolved_plan.rules["lm_head"] == "colwise_gather_output"
     assert llama.valid_world_sizes == [1, 2, 4, 8]
     gpt2 = torchtp.DistributedModelWrapper(build("gpt2"), world_size=2, rank=0)
     assert gpt2.resolved_plan.source == "torchtp built-in plan for 'gpt2'"
     assert "transformer.h.*.attn.c_attn" in gpt2.resolved_plan.rules
+
+
+def test_builtin_phi3_plan_splits_packed_parts_instead_of_gathering(ranks):
+    # HF's Phi-3 plan gathers qkv_proj and gate_up_proj (5 all-gathers for 2
+    # layers); torchtp's built-in plan splits q|k|v and gate|up part by part.
+    for got in ranks(check_arch, 4, "phi3", 1, False, "builtin", timeout=200):
+        assert got["source"] == "torchtp built-in plan for 'phi3'"
+        assert got["collectives"] == {"all_reduce": 5, "all_gather": 1}
+    with pytest.raises(ValueError, match=r"no built-in plan for model_type='llama'; built-in "
+                                         r"plans exist for \['bert', 'falcon', 'gpt2'"):
+        torchtp.DistributedModelWrapper(build("llama"), world_size=2, rank=0, plan="builtin")
 
 
 def _yaml_plan(rank: int, world_size: int, path: str) -> dict:
