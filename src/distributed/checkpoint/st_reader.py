@@ -1,10 +1,11 @@
 """Read byte ranges of tensors from one safetensors file.
 
 The header is parsed and checked against the file size on open (a truncated
-or corrupt file fails here, naming the file). A read maps only the tensor's
-own bytes, copies the requested ranges out and unmaps again, so resident
-memory holds one slice at a time: pages touched through a long-lived mapping
-would otherwise stay counted in this process's RSS for the whole load.
+or corrupt file fails here, naming the file). A read copies the
+requested ranges straight into the result with plain reads (strided slices
+in bounded blocks), so resident memory holds the slice and nothing else:
+pages touched through a memory mapping would stay counted in this process's
+RSS (the file's bytes on top of the copy) for as long as it is mapped.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class StFile:
         if math.prod(shape) == 0:
             return torch.empty(shape, dtype=entry.dtype)
         itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        if len(ranges) <= 1:
+            dim, (start, n) = next(iter(ranges.items()), (0, (0, entry.shape[0] if entry.shape else 1)))
+            return self._read_rows(entry, dim, start, n, itemsize).view(entry.dtype).reshape(shape)
         raw = np.memmap(self.path, dtype=_INT_BY_SIZE[itemsize], mode="r", offset=entry.begin,
                         shape=entry.shape or (1,))
         try:
@@ -66,6 +70,43 @@ class StFile:
         finally:
             del raw  # unmap now: only this slice stays resident
         return torch.from_numpy(data).view(entry.dtype).reshape(shape)
+
+
+    def _read_rows(self, entry: StEntry, dim: int, start: int, n: int, itemsize: int) -> torch.Tensor:
+        """Rows ``start..start+n`` of ``dim`` with plain reads into the result (no mapping).
+
+        The tensor is seen as ``(outer, size[dim], inner)``; blocks of whole
+        outer rows of at most ``_BLOCK`` bytes are read and their slice copied.
+        """
+        outer = math.prod(entry.shape[:dim])
+        mid = entry.shape[dim] if entry.shape else 1
+        inner = math.prod(entry.shape[dim + 1:]) * itemsize  # bytes per index along dim
+        out = torch.empty(outer * n * inner, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            if outer == 1:
+                f.seek(entry.begin + start * inner)
+                _read_exact(f, out, self.path)
+                return out
+            rows = max(1, _BLOCK // (mid * inner))
+            view = out.view(outer, n * inner)
+            for first in range(0, outer, rows):
+                count = min(rows, outer - first)
+                block = torch.empty(count * mid * inner, dtype=torch.uint8)
+                f.seek(entry.begin + first * mid * inner)
+                _read_exact(f, block, self.path)
+                view[first:first + count] = block.view(count, mid * inner)[
+                    :, start * inner:(start + n) * inner]
+        return out
+
+
+_BLOCK = 64 * 2**20  # bytes read at once for a strided (non-leading-dim) slice
+
+
+def _read_exact(f: object, out: torch.Tensor, path: str) -> None:
+    got = f.readinto(memoryview(out.numpy()))  # type: ignore[attr-defined]
+    if got != out.numel():
+        raise ValueError(f"safetensors file {path} is truncated: read {got} of {out.numel()} "
+                         "bytes; re-download or re-save it")
 
 
 def _parse(path: str) -> dict[str, StEntry]:
