@@ -59,6 +59,8 @@ def worker(args: argparse.Namespace) -> None:
     rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=tp)
+    # Idle baseline: interpreter, torch, transformers' Llama code and torchtp loaded, no weights.
+    _ = (tf.LlamaForCausalLM, torchtp.checkpoint.from_pretrained)
     baseline = _rss_now()
     start = time.perf_counter()
     if args.recipe == "from_pretrained":

@@ -99,7 +99,7 @@ class StFile:
         return out
 
 
-_BLOCK = 64 * 2**20  # bytes read at once for a strided (non-leading-dim) slice
+_BLOCK = 16 * 2**20  # bytes read at once for a strided (non-leading-dim) slice
 
 
 def _read_exact(f: object, out: torch.Tensor, path: str) -> None:
