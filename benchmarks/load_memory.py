@@ -60,7 +60,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=tp)
     # Idle baseline: interpreter, torch, transformers' Llama code and torchtp loaded, no weights.
-    _ = (tf.LlamaForCausalLM, torchtp.checkpoint.from_pretrained)
+    import torchtp.checkpoint
+
+    _ = tf.LlamaForCausalLM
     baseline = _rss_now()
     start = time.perf_counter()
     if args.recipe == "from_pretrained":
