@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -110,6 +112,60 @@ class DistributedModelWrapper(nn.Module):
                         assign: bool = False) -> Any:
         """Load this rank's shards (names as in :meth:`state_dict`)."""
         return self.base_model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike[str], plan: PlanArg = None, dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None, model_class: type | None = None,
+        group: ProcessGroup | None = None, progress: bool = True,
+    ) -> DistributedModelWrapper:
+        """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
+
+        Args:
+            path: An HF model directory (``config.json`` + ``model.safetensors`` or
+                sharded with ``model.safetensors.index.json``) or a torchtp
+                sharded checkpoint saved at any tp (see :meth:`save_sharded`).
+            plan: As for the constructor (same resolution order).
+            dtype: Cast floating tensors to it; ``None`` keeps the checkpoint's dtypes.
+            device: Where the tensors go (default CPU).
+            model_class: Class to build from the config (default: the config's
+                ``architectures``, else ``AutoModelForCausalLM``/``AutoModel``).
+            group: Process group; ``None`` for the default TP group.
+            progress: Show a progress bar on rank 0 (only on a TTY, after 1 s).
+
+        Raises:
+            ValueError: on every rank, for a missing/corrupt/truncated file, a
+                missing tensor or index entry, a shape different from the
+                config, metadata from another model, or a tp the model cannot
+                split at (naming the saved tp, the current tp and the dimension).
+        """
+        from .checkpoint.load import from_pretrained
+
+        return from_pretrained(cls, path, plan, dtype, device, model_class, group, progress)
+
+    def save_sharded(self, directory: str | os.PathLike[str], timeout: float = 120.0) -> None:
+        """Collective: every rank writes its shard, rank 0 the metadata (see docs/checkpoints.md).
+
+        Raises:
+            RuntimeError: not every rank called it within ``timeout`` seconds (Gloo).
+            ValueError: the directory cannot be written (on every rank; the
+                previous checkpoint there stays intact).
+        """
+        from .checkpoint.save_sharded import save_sharded
+
+        save_sharded(self, directory, timeout)
+
+    def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
+                        timeout: float = 120.0) -> None:
+        """Collective: a consolidated HF directory, gathered one tensor at a time on rank 0.
+
+        Raises:
+            RuntimeError: not every rank called it within ``timeout`` seconds (Gloo).
+            ValueError: the directory cannot be written (on every rank).
+        """
+        from .checkpoint.save_pretrained import save_pretrained
+
+        save_pretrained(self, directory, max_shard_size, timeout)
 
     def describe_plan(self) -> str:
         """The applied plan as a readable table."""

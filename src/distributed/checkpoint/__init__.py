@@ -1,0 +1,22 @@
+"""Sharded checkpoints: load only this rank's shard, save sharded or consolidated, reshard.
+
+* :func:`from_pretrained` - build on meta, wrap, read this rank's byte ranges
+  (HF directories and torchtp sharded checkpoints at any saved tp).
+* :func:`save_sharded` - one safetensors file per rank plus metadata.
+* :func:`save_pretrained` - a consolidated HF directory, one tensor at a time.
+* :func:`reshard` / :func:`consolidate` - the same conversions offline, with no
+  process group (``python -m torchtp.checkpoint reshard SRC DST --tp M``).
+
+See docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+from .load import from_pretrained
+from .offline import consolidate, reshard
+from .save_pretrained import save_pretrained
+from .save_sharded import save_sharded
+from .sources import open_source
+
+__all__ = ["consolidate", "from_pretrained", "open_source", "reshard", "save_pretrained",
+           "save_sharded"]

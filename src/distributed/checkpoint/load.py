@@ -1,0 +1,167 @@
+"""``DistributedModelWrapper.from_pretrained``: every rank reads only its shard.
+
+Steps, each ending in an agreement so a bad checkpoint raises on every rank:
+
+1. open the checkpoint (headers only) and its config;
+2. build the model with meta parameters and wrap it (same plan resolution as
+   the wrapper; layouts are computed from shapes alone);
+3. check every parameter is in the checkpoint with the full shape the layout
+   expects;
+4. read this rank's segments of each tensor, replicated tensors in full, and
+   put them in place of the meta parameters (tied ones stay tied), then
+   re-install gradient hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import grad_sync
+from .._logging import logger
+from ..agreement import agree
+from .build import build_on_meta, load_config
+from .placements import Placement, placements
+from .sources import Source, TorchTPSource, open_source
+
+_WHAT = "from_pretrained"
+
+
+def from_pretrained(
+    cls: Any, path: str | os.PathLike[str], plan: Any = None, dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None, model_class: type | None = None,
+    group: Any = None, progress: bool = True,
+) -> Any:
+    """Implementation of :meth:`DistributedModelWrapper.from_pretrained` (see there)."""
+    from ..wrapper import _running_group
+
+    group = group if group is not None else _running_group()
+    path = os.fspath(path)
+    source, config, error = None, None, None
+    try:
+        source = open_source(path)
+        config = load_config(path)
+    except (ValueError, TypeError) as err:
+        error = err
+    agree(_WHAT, error, {}, group)
+    assert source is not None
+    model = build_on_meta(config, model_class)
+    wrapper = _wrap(cls, model, plan, group, source)
+    found, error = None, None
+    try:
+        found = _check(wrapper.base_model, source, config)
+    except ValueError as err:
+        error = err
+    agree(_WHAT, error, {}, group)
+    assert found is not None
+    error = None
+    try:
+        _materialise(wrapper, source, found, dtype, torch.device(device or "cpu"), progress)
+    except (ValueError, OSError, RuntimeError) as err:
+        error = err if isinstance(err, ValueError) else ValueError(f"reading {path}: {err}")
+    agree(_WHAT, error, {}, group)
+    grad_sync.install(wrapper.base_model)
+    return wrapper
+
+
+def _wrap(cls: Any, model: nn.Module, plan: Any, group: Any, source: Source) -> Any:
+    try:
+        return cls(model, plan=plan, group=group)
+    except ValueError as err:
+        if isinstance(source, TorchTPSource):
+            here = group_size_of(group)
+            raise ValueError(f"torchtp checkpoint {source.path} was saved at tp={source.tp_size} "
+                             f"and cannot be loaded at the current tp={here}: {err}") from err
+        raise
+
+
+def group_size_of(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _lookup(p: Placement, names: set[str], prefix: str) -> str | None:
+    for name in p.names:
+        for candidate in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+            if candidate in names:
+                return candidate
+    return None
+
+
+def _check(model: nn.Module, source: Source, config: Any) -> dict[str, str]:
+    """Checkpoint name of each placement (buffers may be absent); raises on any mismatch."""
+    names = source.names()
+    prefix = getattr(model, "base_model_prefix", "") or "\0"
+    found: dict[str, str] = {}
+    missing = []
+    for p in placements(model):
+        name = _lookup(p, names, prefix)
+        if name is None:
+            if p.is_param:
+                missing.append(p.name)
+            continue
+        if source.shape(name) != p.layout.full_shape:
+            raise ValueError(
+                f"{source.kind} {source.path}: tensor '{name}' has shape "
+                f"{list(source.shape(name))} but the model built from its config.json expects "
+                f"{list(p.layout.full_shape)}; the weights and config.json belong to different "
+                "models (or the config was edited)")
+        found[p.name] = name
+    if missing:
+        where = ("model.safetensors.index.json and its files"
+                 if os.path.isfile(os.path.join(source.path, "model.safetensors.index.json"))
+                 else "its safetensors files")
+        raise ValueError(f"{source.kind} {source.path}: {len(missing)} parameter(s) of the model "
+                         f"are not in {where}: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+                         "the checkpoint is incomplete or belongs to another model")
+    if isinstance(source, TorchTPSource):
+        _check_same_model(source, config, set(found.values()))
+    return found
+
+
+def _check_same_model(source: TorchTPSource, config: Any, used: set[str]) -> None:
+    saved = source.meta.get("model_type")
+    here = getattr(config, "model_type", None)
+    extra = sorted(source.names() - used)
+    if saved != here or extra:
+        raise ValueError(
+            f"torchtp checkpoint {source.path}: its metadata describes another model "
+            f"(model_type {saved!r} vs config.json's {here!r}; tensors the model does not have: "
+            f"{extra[:5]}); the metadata and config.json come from different saves")
+
+
+def _materialise(wrapper: Any, source: Source, found: dict[str, str], dtype: torch.dtype | None,
+                 device: torch.device, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    model = wrapper.base_model
+    todo = [p for p in placements(model) if p.name in found]
+    show = progress and wrapper.rank == 0 and sys.stderr.isatty()
+    # delay: no bar at all when loading finishes within a second.
+    for p in tqdm(todo, desc="torchtp: loading shards", unit="tensor", disable=not show, delay=1.0):
+        layout = p.layout
+        t = source.read(found[p.name], layout.dim, layout.segments)  # checkpoint orientation
+        if layout.transposed:
+            t = t.t()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.to(device).contiguous()
+        # One new Parameter for all owners: tied weights stay tied.
+        new = nn.Parameter(t, requires_grad=p.tensor.requires_grad) if p.is_param else t
+        for mod_name, attr in p.owners:
+            module = model.get_submodule(mod_name)
+            (module._parameters if p.is_param else module._buffers)[attr] = new
+    for module in model.modules():
+        for attr, b in list(module._buffers.items()):
+            if b is not None and b.device != device:
+                module._buffers[attr] = b.to(device)
+    left = [n for n, t in model.named_parameters() if t.is_meta]
+    if left:
+        raise RuntimeError(f"parameters left unloaded: {left[:5]}")
+    logger.debug("from_pretrained: loaded %d tensors from %s", len(todo), source.path)
+

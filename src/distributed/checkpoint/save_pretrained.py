@@ -1,0 +1,143 @@
+"""``wrapper.save_pretrained(dir)``: a consolidated HF directory, one tensor at a time.
+
+Rank 0 writes every safetensors header first (full shapes and dtypes are
+known from the layouts), then for each tensor in turn the ranks gather their
+pieces to rank 0, which places them (Conv1D pieces back in ``(in, out)``
+order, replicated KV heads written once by overwriting the same range) and
+appends the bytes. Rank 0 holds at most one full tensor plus its pieces.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .atomic import group_size, make_tmp, publish, step, validate
+from .placements import Placement, checkpoint_local, placements
+from .save_sharded import gather_layouts, save_config
+from .st_writer import (
+    TensorSpec,
+    hf_file_names,
+    parse_size,
+    plan_shards,
+    tensor_bytes,
+    write_index,
+)
+from .st_writer import header_bytes as _header
+
+_WHAT = "save_pretrained"
+
+
+def save_pretrained(wrapper: Any, directory: str | os.PathLike[str],
+                    max_shard_size: int | str = "5GB", timeout: float = 120.0) -> None:
+    """Implementation of :meth:`DistributedModelWrapper.save_pretrained` (see there)."""
+    directory = os.fspath(directory)
+    group, rank = wrapper.group, wrapper.rank
+    tmp = validate(_WHAT, directory, group, timeout, {"max_shard_size": str(max_shard_size)})
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            make_tmp(tmp)
+            if hasattr(getattr(wrapper.base_model, "config", None), "save_pretrained"):
+                save_config(wrapper.base_model, tmp)
+        except (OSError, ValueError) as err:
+            error = err
+    step(_WHAT, error, group, tmp, rank)
+    items = placements(wrapper.base_model)
+    layouts = gather_layouts(items, group)
+    specs = [TensorSpec(p.name, p.layout.full_shape, p.tensor.dtype) for p in items]
+    files = plan_shards(specs, parse_size(max_shard_size))
+    names = hf_file_names(len(files))
+    by_name = {p.name: p for p in items}
+    error = _stream(tmp, files, names, lambda s: gather_full(by_name[s.name], layouts, group), rank)
+    if rank == 0 and error is None and len(files) > 1:
+        try:
+            write_index(tmp, files, names)
+        except OSError as err:
+            error = err
+    step(_WHAT, error, group, tmp, rank)
+    error = None
+    if rank == 0:
+        try:
+            publish(tmp, directory)
+        except OSError as err:
+            error = err
+    step(_WHAT, error, group, tmp, rank)
+
+
+def _stream(tmp: str, files: list[list[TensorSpec]], names: list[str], produce: Any,
+            rank: int) -> BaseException | None:
+    """Every rank calls ``produce`` for every tensor in order; rank 0 writes them.
+
+    A write error on rank 0 is remembered, not raised: the other ranks are
+    still gathering, so rank 0 keeps taking part and reports it afterwards.
+    """
+    error: BaseException | None = None
+    for group_specs, fname in zip(files, names, strict=True):
+        fh = None
+        if rank == 0 and error is None:
+            try:
+                fh = open(os.path.join(tmp, fname), "wb")  # noqa: SIM115
+                fh.write(_header(group_specs))
+            except OSError as err:
+                error = err
+        try:
+            for spec in group_specs:
+                t = produce(spec)
+                if fh is not None and error is None:
+                    try:
+                        fh.write(tensor_bytes(t))
+                    except OSError as err:
+                        error = err
+                del t
+        finally:
+            if fh is not None:
+                fh.close()
+    return error
+
+
+def gather_full(p: Placement, layouts: list[dict[str, Any]], group: Any) -> torch.Tensor | None:
+    """The full tensor on group rank 0 (``None`` elsewhere); collective for split tensors."""
+    local = checkpoint_local(p).contiguous()  # checkpoint orientation
+    full_shape = p.layout.full_shape
+    if p.layout.dim is None or group_size(group) == 1:
+        return local.cpu() if p.layout.dim is None else _place_one(local, p)
+    dim = p.layout.dim
+    counts = []
+    for lay in layouts:
+        shape = list(full_shape)
+        shape[dim] = sum(n for _, n in lay[p.name][1])
+        counts.append(shape)
+    width = max(math.prod(s) for s in counts) * local.element_size()
+    flat = torch.zeros(width, dtype=torch.uint8, device=local.device)
+    flat[: local.numel() * local.element_size()] = local.reshape(-1).view(torch.uint8)
+    me = dist.get_rank(group)
+    pieces = [torch.empty_like(flat) for _ in layouts] if me == 0 else None
+    dist.gather(flat, pieces, dst=dist.get_global_rank(group, 0), group=group)
+    if pieces is None:
+        return None
+    full = torch.empty(full_shape, dtype=local.dtype)
+    for piece, shape, lay in zip(pieces, counts, layouts, strict=True):
+        nbytes = math.prod(shape) * local.element_size()
+        part = piece[:nbytes].cpu().view(local.dtype).reshape(shape)
+        _scatter_segments(full, part, dim, lay[p.name][1])
+    return full
+
+
+def _place_one(local: torch.Tensor, p: Placement) -> torch.Tensor:
+    full = torch.empty(p.layout.full_shape, dtype=local.dtype)
+    _scatter_segments(full, local.cpu(), p.layout.dim, p.layout.segments)
+    return full
+
+
+def _scatter_segments(full: torch.Tensor, part: torch.Tensor, dim: int,
+                      segments: Any) -> None:
+    offset = 0
+    for start, n in segments:
+        # Replicated KV heads: several ranks hold the same range; identical values.
+        full.narrow(dim, start, n).copy_(part.narrow(dim, offset, n))
+        offset += n
