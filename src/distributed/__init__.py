@@ -40,7 +40,7 @@ configure_from_env()
 
 # Loaded on first use: torchtp.signal reads TORCHTP_CONFIG when imported, and a
 # bad file there must not break `import torchtp` for everyone else.
-_LAZY_SUBPACKAGES = ("shard", "signal", "slicing", "hf", "plans")
+_LAZY_SUBPACKAGES = ("checkpoint", "hf", "plans", "shard", "signal", "slicing")
 
 
 def __getattr__(name: str) -> object:
