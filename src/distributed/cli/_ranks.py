@@ -1,0 +1,61 @@
+"""Per-rank helpers for ``verify`` and ``bench``: load, wrap, measure memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..wrapper import DistributedModelWrapper
+from ._hf import build_model, has_weights, hf_plan, load_config, load_pretrained, parse_dtype
+
+
+def say(rank: int, message: str) -> None:
+    """Progress line from rank 0 only (stderr)."""
+    if rank == 0:
+        from ._common import progress
+
+        progress(message)
+
+
+def load_model(path: str, dtype_name: str | None, seed: int) -> tuple[nn.Module, Any]:
+    """The full model on this rank: the checkpoint if ``path`` has weights, else random.
+
+    Random weights use ``seed``, so every rank builds the same model.
+    """
+    from ._hf import _transformers
+
+    _transformers().utils.logging.disable_progress_bar()  # N ranks would print N bars
+    config = load_config(path)
+    dtype = parse_dtype(dtype_name, config)
+    if has_weights(path):
+        return load_pretrained(path, dtype), config
+    torch.manual_seed(seed)
+    return build_model(config, dtype), config
+
+
+def wrap(model: nn.Module, config: Any) -> DistributedModelWrapper:
+    """Shard ``model`` across the running process group with the config's plan."""
+    return DistributedModelWrapper(model, plan=hf_plan(config, model))
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process (``ru_maxrss``; KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def barrier() -> None:
+    """Line up the ranks before a timed region (no-op for one process)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def random_tokens(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """The same ``(batch, seq)`` token ids on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=gen)
