@@ -25,7 +25,7 @@ from torchtp.costmodel import (
 TOY = dataclasses.replace(
     PRESETS["cpu-gloo"], name="toy", peak_flops=1e9, gemm_efficiency=1.0, mem_bandwidth=1e15,
     mem_efficiency=1.0, bus_bandwidth=1e9, latency=1e-3, steps="ring", layer_overhead=0.0,
-    shared_cores=None, dtype_bytes=4)
+    shared_cores=None, dtype_bytes=4, effective_cores=None, oversubscribed_latency=None)
 DIMS = ModelDims.make(hidden=64, layers=2, heads=4, ffn=128, vocab=100)
 
 
@@ -54,6 +54,14 @@ def test_slowdown_when_ranks_share_cores():
     hw = dataclasses.replace(TOY, shared_cores=2)
     assert [slowdown(n, hw) for n in (1, 2, 4)] == [1.0, 1.0, 2.0]
     assert slowdown(8, TOY) == 1.0
+    busy = dataclasses.replace(hw, effective_cores=1.5)  # other jobs take half a core
+    assert slowdown(3, busy) == pytest.approx(2.0)
+
+
+def test_oversubscribed_ranks_pay_the_scheduler_latency_per_step():
+    hw = dataclasses.replace(TOY, shared_cores=2, oversubscribed_latency=5e-3)
+    assert allreduce_time(0, 2, hw) == pytest.approx(2 * 1e-3)  # one core per rank
+    assert allreduce_time(0, 4, hw) == pytest.approx(6 * 5e-3)  # 4 ranks on 2 cores
 
 
 def test_layer_params_and_decode_estimate_by_hand():

@@ -29,9 +29,16 @@ class Hardware:
             (``2*ceil(log2 N)`` steps, NCCL's small-message tree/LL protocols).
         layer_overhead: Fixed per-decoder-layer time outside GEMMs and
             collectives (kernel launches, Python, norms, rotary), seconds.
-        shared_cores: When set, all ranks share this many compute units (CPU
-            processes on one machine): with more ranks than cores every rank's
-            compute and overhead slow down by ``ranks / shared_cores``.
+        shared_cores: When set, all ranks share this many physical cores (CPU
+            processes on one machine); with more ranks than cores an all-reduce
+            step waits for the OS to schedule its peer and costs
+            ``oversubscribed_latency`` instead of ``latency``.
+        effective_cores: Cores' worth of compute the ranks get together (less
+            than ``shared_cores`` when other jobs use the machine): with more
+            ranks every rank's compute and overhead slow down by
+            ``ranks / effective_cores``.
+        oversubscribed_latency: Per-step all-reduce latency with more ranks
+            than ``shared_cores``, seconds.
         dtype_bytes: Default bytes per element (2 for bf16, 4 for fp32).
         source: Where the numbers come from.
     """
@@ -48,6 +55,8 @@ class Hardware:
     shared_cores: int | None
     dtype_bytes: int
     source: str
+    effective_cores: float | None = None
+    oversubscribed_latency: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The preset as plain data (for ``--json``)."""
@@ -81,13 +90,16 @@ PRESETS: dict[str, Hardware] = {
                "PCIe 4.0 x16 is 32 GB/s per direction raw, ~20 GB/s all-reduce busbw assumed "
                "(typical nccl-tests over PCIe, not measured here); 10 us per ring step assumed"),
     "cpu-gloo": Hardware(
-        name="cpu-gloo", peak_flops=3.0e10, gemm_efficiency=1.0,
-        mem_bandwidth=10e9, mem_efficiency=1.0, bus_bandwidth=1.3e9, latency=0.175e-3,
-        steps="ring", layer_overhead=0.4e-3, shared_cores=2, dtype_bytes=4,
-        source="calibrated on this project's 2-core shared CPU machine with "
-               "benchmarks/costmodel_validate.py (one thread per rank, fp32): measured "
-               "single-thread GEMM rate, Gloo all-reduce latency/bandwidth at tp 2 and 4 "
-               "(ANCHORS.md: ~0.35 ms floor, ~1.3 GB/s), per-layer overhead from the tp=1 run"),
+        name="cpu-gloo", peak_flops=6e10, gemm_efficiency=1.0,
+        mem_bandwidth=6e10, mem_efficiency=1.0, bus_bandwidth=1.3e9, latency=0.16e-3,
+        steps="ring", layer_overhead=2.5e-3, shared_cores=2, dtype_bytes=4,
+        effective_cores=2.0, oversubscribed_latency=1.2e-3,
+        source="calibrated on this project's 2-core CPU machine, shared with other jobs, by "
+               "benchmarks/costmodel_validate.py (fp32, one thread per rank; runs varied ~2x): "
+               "single-thread GEMM 4-9e10 FLOP/s, Gloo all-reduce ~0.3 ms for small messages at "
+               "tp=2 (ANCHORS.md: ~0.35 ms floor) and ~1.3 GB/s bus bandwidth (fits 0.9-1.6), "
+               "~1.2 ms per ring step at tp=4 (4 ranks on 2 cores wait for the scheduler), "
+               "2.2-3.2 ms per decoder layer of Python/dispatch overhead in HF Llama (tp=1 decode)"),
 }
 
 

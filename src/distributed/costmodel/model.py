@@ -46,14 +46,21 @@ def allreduce_time(nbytes: float, n: int, hw: Hardware) -> float:
     """
     if n <= 1:
         return 0.0
-    return hw.latency * ring_steps(n, hw.steps) + 2 * (n - 1) / n * nbytes / hw.bus_bandwidth
+    latency = hw.latency
+    if hw.shared_cores is not None and n > hw.shared_cores and hw.oversubscribed_latency:
+        latency = hw.oversubscribed_latency
+    return latency * ring_steps(n, hw.steps) + 2 * (n - 1) / n * nbytes / hw.bus_bandwidth
 
 
 def slowdown(n: int, hw: Hardware) -> float:
-    """How much slower each rank computes when ``n`` ranks share ``hw.shared_cores``."""
-    if hw.shared_cores is None or n <= hw.shared_cores:
+    """How much slower each rank computes when ``n`` ranks share the machine's cores.
+
+    ``n / effective_cores`` (or ``n / shared_cores``) when that is above 1, else 1.
+    """
+    cores = hw.effective_cores or hw.shared_cores
+    if cores is None or n <= cores:
         return 1.0
-    return n / hw.shared_cores
+    return n / cores
 
 
 def gemm_time(flops: float, nbytes: float, hw: Hardware) -> float:
