@@ -12,8 +12,10 @@ from ._logging import logger
 from .agreement import agree
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
-from .plans import ParallelStyle, ResolvedPlan, ShardContext, match_plan, sequential_plan
+from .planning import PlanArg, Planned, finish, prepare
+from .plans import ResolvedPlan, ShardContext
 from .runtime import ProcessGroup, get_tensor_parallel_config
+from .tying import retie, tied_groups
 
 
 class DistributedModelWrapper(nn.Module):
@@ -30,7 +32,11 @@ class DistributedModelWrapper(nn.Module):
         plan: ``{fnmatch pattern: style}`` in PyTorch/HF vocabulary
             (``"colwise"`` splits out_features, ``"rowwise"`` splits in_features,
             ``"colwise_gather_output"``, ``"rowwise_split_input"``,
-            ``"replicate"``), or ``None`` for the automatic plan.
+            ``"packed_colwise"``, ``"embedding_rowwise"``, ``"replicate"``...),
+            a path to a YAML/JSON file holding one, or ``None``: the model's
+            own HF plan, else torchtp's built-in plan for its architecture,
+            else structural detection (HF models), or ``nn.Sequential``
+            chain pairing (plain models).
         group: Process group; ``None`` for the default TP group.
 
     Attributes:
@@ -39,6 +45,7 @@ class DistributedModelWrapper(nn.Module):
         rank: This rank.
         parallelized_layers: Names of the swapped layers, in module order.
         resolved_plan: The :class:`~torchtp.plans.ResolvedPlan` that was applied.
+        valid_world_sizes: Every tp size (up to 64) this model and plan accept.
 
     Raises:
         ValueError: a layer cannot be split as planned, the plan names an
@@ -49,38 +56,37 @@ class DistributedModelWrapper(nn.Module):
 
     def __init__(
         self, model: nn.Module, world_size: int | None = None, rank: int | None = None,
-        plan: Mapping[str, str | ParallelStyle] | None = None, group: ProcessGroup | None = None,
+        plan: PlanArg = None, group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         group = group if group is not None else _running_group()
         error: BaseException | None = None
-        ctx, resolved, fingerprint = None, None, {"world_size": world_size}
+        ctx, planned, fingerprint = None, None, {"world_size": world_size}
         try:
             _check_not_wrapped(model)
             g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
-            ctx = ShardContext(size, me, g)
-            resolved = self._resolve(model, plan, ctx)
-            fingerprint = _fingerprint(model, resolved, ctx)
+            ctx = ShardContext(size, me, g, type(model).__name__)
+            planned = prepare(model, plan, ctx)
+            fingerprint = _fingerprint(model, planned.plan, ctx)
         except (ValueError, TypeError) as err:
             error = err
+        # Every rank reaches this point, so a rank-local error raises everywhere.
         agree("DistributedModelWrapper", error, fingerprint, group)
-        assert ctx is not None and resolved is not None
+        assert ctx is not None and planned is not None
         self.base_model = model
         self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
-        self.resolved_plan = resolved
-        self.parallelized_layers = _apply(model, resolved, ctx)
+        self._planned = planned
+        self.parallelized_layers = _apply(model, planned, ctx)
 
-    @staticmethod
-    def _resolve(model: nn.Module, plan: Mapping[str, Any] | None,
-                 ctx: ShardContext) -> ResolvedPlan:
-        resolved = (match_plan(model, plan, "argument") if plan is not None
-                    else sequential_plan(model, ctx.world_size))
-        modules = dict(model.named_modules())
-        for name, style in resolved.assignments.items():
-            style.validate(modules[name], name, ctx)
-        for note in resolved.notes:
-            logger.info("torchtp: %s", note)
-        return resolved
+    @property
+    def resolved_plan(self) -> ResolvedPlan:
+        """The plan that was applied (source, rules, per-module styles, notes)."""
+        return self._planned.plan
+
+    @property
+    def valid_world_sizes(self) -> list[int]:
+        """Every tp size (up to 64) this model and plan accept."""
+        return self._planned.valid_world_sizes
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped model unchanged."""
@@ -138,9 +144,10 @@ def _fingerprint(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> dic
     return prints
 
 
-def _apply(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> list[str]:
+def _apply(model: nn.Module, planned: Planned, ctx: ShardContext) -> list[str]:
+    ties = tied_groups(model)
     swapped = []
-    for name, style in plan.assignments.items():
+    for name, style in planned.plan.assignments.items():
         old = model.get_submodule(name)
         new = style.apply(old, name, ctx)
         if new is old:
@@ -149,4 +156,6 @@ def _apply(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> list[str]
         setattr(model.get_submodule(parent_name), leaf, new)
         swapped.append(name)
         logger.debug("swapped %s: %s -> %s", name, type(old).__name__, new)
+    retie(model, ties)
+    finish(model, planned, ctx)
     return swapped

@@ -68,19 +68,24 @@ def test_wrapping_twice_raises():
 def test_unknown_style_lists_valid_ones():
     with pytest.raises(ValueError, match=(
             r"unknown plan style 'columnwise' for '0'; valid styles: colwise, "
-            r"colwise_gather_output, replicate, rowwise, rowwise_split_input")):
+            r"colwise_gather_output, colwise_rep, embedding_colwise, embedding_rowwise, "
+            r"keep_full_weight, packed_colwise, replicate, replicated_with_grad_allreduce, "
+            r"rowwise, rowwise_rep, rowwise_split_input$")):
         DistributedModelWrapper(mlp(), world_size=2, rank=0, plan={"0": "columnwise"})
 
 
 def test_plan_style_on_a_non_linear_module():
-    with pytest.raises(TypeError, match=r"style 'colwise' for module '1' needs an nn.Linear, got ReLU"):
+    with pytest.raises(TypeError, match=(
+            r"style 'colwise' for module '1' needs an nn.Linear \(or a transformers Conv1D\), "
+            r"got ReLU")):
         DistributedModelWrapper(mlp(), world_size=2, rank=0, plan={"1": "colwise"})
 
 
 def test_explicit_plan_non_divisible():
     with pytest.raises(ValueError, match=(
-            r"module '0' \(style 'colwise'\): out_features=64 \(weight rows\) is not divisible "
-            r"by world_size=3; valid world sizes: \[1, 2, 4, 8, 16, 32, 64\]")):
+            r"Sequential: module '0' \(style 'colwise'\): out_features \(weight rows\)=64 is "
+            r"not divisible by world_size=3; valid world sizes for this model: "
+            r"\[1, 2, 4, 8, 16, 32, 64\]; or mark the module 'replicate' in the plan")):
         DistributedModelWrapper(mlp(), world_size=3, rank=0, plan={"0": "colwise"})
 
 

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from .column import ColumnParallelLinear
+from .embedding import FeatureParallelEmbedding, VocabParallelEmbedding
 from .row import RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = [
+    "ColumnParallelLinear",
+    "FeatureParallelEmbedding",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+]

@@ -54,16 +54,20 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         who = f"ColumnParallelLinear(in_features={in_features}, out_features={out_features})"
         self.group, self.world_size, self.rank = resolve_placement(who, world_size, rank, group)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.in_features_local = check_divisible(
-            who, "in_features", in_features, self.world_size, "weight columns")
-        self.input_is_parallel = input_is_parallel
+        local = check_divisible(who, "in_features", in_features, self.world_size, "weight columns")
+        self._set_shape(in_features, out_features, local, input_is_parallel)
         kw = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_local, **kw))
+        self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         if torch.device(device or "cpu").type != "meta":
             self._init_from(full_linear(in_features, out_features, bias, dtype, device))
+
+    def _set_shape(self, in_features: int, out_features: int, local: int,
+                   input_is_parallel: bool) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_features_local = local
+        self.input_is_parallel = input_is_parallel
 
     def _init_from(self, linear: nn.Linear) -> None:
         with torch.no_grad():
@@ -80,14 +84,35 @@ class ColumnParallelLinear(nn.Module):
 
         The full layer is not referenced afterwards, so it can be freed. Meta
         tensors stay on meta.
+
+        Raises:
+            ValueError: ``in_features`` is not divisible by the world size.
         """
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    world_size, rank, linear.weight.dtype, "meta", input_is_parallel, group)
-        layer.weight = nn.Parameter(take_shard(linear.weight, 1, layer.rank, layer.world_size),
-                                    requires_grad=linear.weight.requires_grad)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(take_shard(linear.bias, 0, 0, 1),
-                                      requires_grad=linear.bias.requires_grad)
+        who = f"ColumnParallelLinear.from_linear({linear})"
+        _, size, me = resolve_placement(who, world_size, rank, group)
+        check_divisible(who, "in_features", linear.in_features, size, "weight columns")
+        bias = linear.bias
+        return cls.from_shards(
+            take_shard(linear.weight, 1, me, size),
+            None if bias is None else take_shard(bias, 0, 0, 1),
+            linear.in_features, linear.out_features, world_size, rank, input_is_parallel, group,
+            requires_grad=linear.weight.requires_grad)
+
+    @classmethod
+    def from_shards(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+        out_features: int, world_size: int | None = None, rank: int | None = None,
+        input_is_parallel: bool = True, group: ProcessGroup | None = None,
+        requires_grad: bool = True,
+    ) -> ColumnParallelLinear:
+        """Wrap already-cut local tensors: ``weight`` ``(out_features, cols)``, full ``bias``."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        who = f"ColumnParallelLinear(in_features={in_features}, out_features={out_features})"
+        layer.group, layer.world_size, layer.rank = resolve_placement(who, world_size, rank, group)
+        layer._set_shape(in_features, out_features, weight.shape[1], input_is_parallel)
+        layer.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
         return layer
 
     @property

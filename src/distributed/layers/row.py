@@ -59,16 +59,20 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         who = f"RowParallelLinear(in_features={in_features}, out_features={out_features})"
         self.group, self.world_size, self.rank = resolve_placement(who, world_size, rank, group)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.out_features_local = check_divisible(
-            who, "out_features", out_features, self.world_size, "weight rows")
-        self.gather_output = gather_output
+        local = check_divisible(who, "out_features", out_features, self.world_size, "weight rows")
+        self._set_shape(in_features, out_features, local, gather_output)
         kw = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(self.out_features_local, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(self.out_features_local, **kw)) if bias else None
+        self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(local, **kw)) if bias else None
         if torch.device(device or "cpu").type != "meta":
             self._init_from(full_linear(in_features, out_features, bias, dtype, device))
+
+    def _set_shape(self, in_features: int, out_features: int, local: int,
+                   gather_output: bool) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_features_local = local
+        self.gather_output = gather_output
 
     def _init_from(self, linear: nn.Linear) -> None:
         with torch.no_grad():
@@ -85,14 +89,39 @@ class RowParallelLinear(nn.Module):
 
         The full layer is not referenced afterwards, so it can be freed. Meta
         tensors stay on meta.
+
+        Raises:
+            ValueError: ``out_features`` is not divisible by the world size.
         """
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    world_size, rank, linear.weight.dtype, "meta", gather_output, group)
-        layer.weight = nn.Parameter(take_shard(linear.weight, 0, layer.rank, layer.world_size),
-                                    requires_grad=linear.weight.requires_grad)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(take_shard(linear.bias, 0, layer.rank, layer.world_size),
-                                      requires_grad=linear.bias.requires_grad)
+        who = f"RowParallelLinear.from_linear({linear})"
+        _, size, me = resolve_placement(who, world_size, rank, group)
+        check_divisible(who, "out_features", linear.out_features, size, "weight rows")
+        bias = linear.bias
+        return cls.from_shards(
+            take_shard(linear.weight, 0, me, size),
+            None if bias is None else take_shard(bias, 0, me, size),
+            linear.in_features, linear.out_features, world_size, rank, gather_output, group,
+            requires_grad=linear.weight.requires_grad)
+
+    @classmethod
+    def from_shards(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+        out_features: int, world_size: int | None = None, rank: int | None = None,
+        gather_output: bool = False, group: ProcessGroup | None = None,
+        requires_grad: bool = True,
+    ) -> RowParallelLinear:
+        """Wrap already-cut local tensors: ``weight`` ``(rows, in_features)``, ``bias`` ``(rows,)``.
+
+        The rows may be any subset of the full layer's (packed projections,
+        replicated KV heads); ``out_features`` records the full size.
+        """
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        who = f"RowParallelLinear(in_features={in_features}, out_features={out_features})"
+        layer.group, layer.world_size, layer.rank = resolve_placement(who, world_size, rank, group)
+        layer._set_shape(in_features, out_features, weight.shape[0], gather_output)
+        layer.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

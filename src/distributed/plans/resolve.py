@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .._logging import logger
-from .styles import ParallelStyle, get_style
+from .registry import get_style
+from .styles import ParallelStyle
 
 Plan = Mapping[str, "str | ParallelStyle"]
 

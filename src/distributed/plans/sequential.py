@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .registry import STYLES
 from .resolve import ResolvedPlan
-from .styles import STYLES
 
 # Modules that act on each element independently, so they commute with a
 # split of the feature dimension. Dropout in training mode also does, but its

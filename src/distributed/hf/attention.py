@@ -1,0 +1,152 @@
+"""Attention modules after their projections are split by heads.
+
+Two steps around the swap:
+
+1. :func:`head_aware_assignments` (before): for every module whose query/key/
+   value projections the plan shards, replace their styles by a
+   :class:`~torchtp.plans.styles_hf.HeadSplit` that splits whole heads: KV
+   heads are split when tp divides them and replicated on the ranks that use
+   them when tp is a multiple (vLLM's approach); fused ``qkv`` projections are
+   split part by part.
+2. :func:`adjust_attention_modules` (after): rewrite the attributes the
+   module's forward reads (head counts, widths, ``num_key_value_groups`` and a
+   per-module view of ``config``) to their local values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..plans import ResolvedPlan, ShardContext
+from ..plans.linear_view import linear_view
+from ..plans.styles import Colwise
+from ..plans.styles_hf import HeadSplit, Part
+from .config_view import LocalConfig
+from .detect import text_config
+
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
+HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
+WIDTH_ATTRS = ("all_head_size", "split_size", "embed_dim", "inner_dim", "hidden_size",
+               "hidden_size_per_partition", "inner_size", "n_embd")
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    """Head geometry of one attention module."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _first_int(obj: object, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def head_info(module: nn.Module, config: object) -> HeadInfo | None:
+    """Heads, KV heads and head size of ``module`` (its own attributes first, then config)."""
+    heads = _first_int(module, HEAD_ATTRS) or _first_int(config, ("num_attention_heads", "n_head"))
+    if heads is None:
+        return None
+    kv = _first_int(module, KV_ATTRS) or _first_int(config, ("num_key_value_heads", "num_kv_heads",
+                                                             "n_head_kv"))
+    if kv is None:
+        kv = 1 if getattr(config, "multi_query", False) else heads
+    hidden = _first_int(config, ("hidden_size", "n_embd", "d_model"))
+    head_dim = (_first_int(module, HEAD_DIM_ATTRS) or _first_int(config, ("head_dim",))
+                or (hidden // heads if hidden else None))
+    return HeadInfo(heads, kv, head_dim) if head_dim else None
+
+
+def _is_attention(module: nn.Module) -> bool:
+    if any(hasattr(module, a) for a in HEAD_ATTRS + KV_ATTRS + HEAD_DIM_ATTRS):
+        return True
+    return "attention" in type(module).__name__.lower() or "attn" in type(module).__name__.lower()
+
+
+def _parts(rows: int, style_name: str, info: HeadInfo) -> tuple[Part, ...] | None:
+    """How a projection's output rows map to heads, or None if they do not."""
+    h, k, d = info.heads, info.kv_heads, info.head_dim
+    q = Part(h * d, h, "num_attention_heads (query heads)")
+    kv = Part(k * d, k, "num_key_value_heads (key/value heads)", replicable=k < h)
+    if rows == h * d:
+        return (q,)
+    if rows == k * d:
+        return (kv,)
+    if rows == (h + 2 * k) * d:
+        if style_name == "packed_colwise":  # [q | k | v] stacked
+            return (q, kv, Part(k * d, k, kv.name, replicable=k < h))
+        if k == h:  # per-head interleaved [q k v] groups (GPT-NeoX): whole heads stay together
+            return (Part(rows, h, "num_attention_heads (fused q/k/v heads)"),)
+    return None
+
+
+def head_aware_assignments(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInfo]:
+    """Upgrade styles of sharded attention projections to whole-head splits.
+
+    Returns:
+        ``{attention module name: HeadInfo}`` for the modules whose heads are
+        split (to be adjusted after the swap).
+    """
+    config = text_config(model) if hasattr(model, "config") else None
+    modules = dict(model.named_modules())
+    found: dict[str, HeadInfo] = {}
+    for name, style in list(plan.assignments.items()):
+        if not isinstance(style, Colwise) or style.gather_output:
+            continue
+        parent_name = name.rpartition(".")[0]
+        parent = modules.get(parent_name)
+        view = linear_view(modules[name])
+        if parent is None or view is None or not _is_attention(parent):
+            continue
+        info = head_info(parent, config)
+        parts = _parts(view.out_features, style.name, info) if info else None
+        if parts is None:
+            plan.notes.append(f"'{name}': its out_features={view.out_features} do not map onto "
+                              f"attention heads ({info}); split as rows only")
+            continue
+        plan.assignments[name] = HeadSplit(parts, style.name)
+        found[parent_name] = info
+    return found
+
+
+def adjust_attention_modules(model: nn.Module, infos: dict[str, HeadInfo],
+                             ctx: ShardContext) -> None:
+    """Set each head-split attention module's head counts and widths to local values."""
+    for name, info in infos.items():
+        module = model.get_submodule(name)
+        local_heads = info.heads // ctx.world_size
+        local_kv = max(info.kv_heads // ctx.world_size, 1)
+        overrides = _local_values(module, info, local_heads, local_kv, ctx.world_size)
+        for attr, value in overrides.items():
+            setattr(module, attr, value)
+        if hasattr(module, "num_key_value_groups"):
+            module.num_key_value_groups = local_heads // local_kv
+        config = getattr(module, "config", None)
+        if config is not None and not isinstance(config, LocalConfig):
+            module.config = LocalConfig(config, _local_values(config, info, local_heads,
+                                                              local_kv, ctx.world_size))
+
+
+def _local_values(obj: object, info: HeadInfo, local_heads: int, local_kv: int,
+                  tp: int) -> dict[str, int]:
+    """Attributes of ``obj`` holding full head counts/widths -> their local values."""
+    width = info.heads * info.head_dim
+    out: dict[str, int] = {}
+    for attr in HEAD_ATTRS:
+        if getattr(obj, attr, None) == info.heads:
+            out[attr] = local_heads
+    for attr in KV_ATTRS:
+        if getattr(obj, attr, None) == info.kv_heads:
+            out[attr] = local_kv
+    for attr in WIDTH_ATTRS:
+        if getattr(obj, attr, None) == width:
+            out[attr] = width // tp
+    return out

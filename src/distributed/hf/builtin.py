@@ -1,0 +1,64 @@
+"""torchtp's own plans for popular architectures that ship no HF plan.
+
+Keys are ``config.model_type``; patterns are relative to the base model and
+are prefixed with its attribute name (``transformer.``, ``bert.``...) when a
+head model is wrapped. Every attention block gets one all-reduce and every
+MLP one; tied embeddings stay replicated.
+"""
+
+from __future__ import annotations
+
+_BERT = {
+    "encoder.layer.*.attention.self.query": "colwise",
+    "encoder.layer.*.attention.self.key": "colwise",
+    "encoder.layer.*.attention.self.value": "colwise",
+    "encoder.layer.*.attention.output.dense": "rowwise",
+    "encoder.layer.*.intermediate.dense": "colwise",
+    "encoder.layer.*.output.dense": "rowwise",
+}
+
+BUILTIN_PLANS: dict[str, dict[str, str]] = {
+    # GPT-2: c_attn is a Conv1D with q|k|v stacked along out_features.
+    "gpt2": {
+        "h.*.attn.c_attn": "packed_colwise",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    },
+    "bert": _BERT,
+    "roberta": _BERT,
+    "xlm-roberta": _BERT,
+    "opt": {
+        "decoder.layers.*.self_attn.q_proj": "colwise",
+        "decoder.layers.*.self_attn.k_proj": "colwise",
+        "decoder.layers.*.self_attn.v_proj": "colwise",
+        "decoder.layers.*.self_attn.out_proj": "rowwise",
+        "decoder.layers.*.fc1": "colwise",
+        "decoder.layers.*.fc2": "rowwise",
+    },
+    # Falcon's fused query_key_value layout differs between its variants, so the
+    # attention input stays whole (gathered) and only the output is split.
+    "falcon": {
+        "h.*.self_attention.query_key_value": "colwise_gather_output",
+        "h.*.self_attention.dense": "rowwise_split_input",
+        "h.*.mlp.dense_h_to_4h": "colwise",
+        "h.*.mlp.dense_4h_to_h": "rowwise",
+    },
+    "gptj": {
+        "h.*.attn.q_proj": "colwise",
+        "h.*.attn.k_proj": "colwise",
+        "h.*.attn.v_proj": "colwise",
+        "h.*.attn.out_proj": "rowwise",
+        "h.*.mlp.fc_in": "colwise",
+        "h.*.mlp.fc_out": "rowwise",
+    },
+}
+
+
+def builtin_plan(model_type: str, prefix: str) -> dict[str, str] | None:
+    """The built-in plan for ``model_type`` with names under ``prefix``, if any."""
+    plan = BUILTIN_PLANS.get(model_type)
+    if plan is None:
+        return None
+    lead = f"{prefix}." if prefix else ""
+    return {lead + k: v for k, v in plan.items()}

@@ -1,0 +1,60 @@
+"""Style names -> style objects (PyTorch/HF vocabulary, with HF's meaning)."""
+
+from __future__ import annotations
+
+from .styles import Colwise, ParallelStyle, Replicate, Rowwise
+from .styles_hf import (
+    EmbeddingColwise,
+    EmbeddingRowwise,
+    HeadSplit,
+    Part,
+    ReplicatedWithGradAllreduce,
+    Unsupported,
+)
+
+_MOE = "mixture-of-experts layers need expert parallelism, which torchtp does not implement yet"
+
+STYLES: dict[str, ParallelStyle] = {
+    "colwise": Colwise(),
+    "colwise_gather_output": Colwise(gather_output=True),
+    "colwise_rep": Colwise(gather_output=True),
+    "rowwise": Rowwise(),
+    "rowwise_split_input": Rowwise(split_input=True),
+    "rowwise_rep": Rowwise(split_input=True),
+    "replicate": Replicate(),
+    "keep_full_weight": Replicate(),
+    "packed_colwise": HeadSplit((Part(1, 1, "first half"), Part(1, 1, "second half"))),
+    "replicated_with_grad_allreduce": ReplicatedWithGradAllreduce(),
+    "embedding_rowwise": EmbeddingRowwise(),
+    "embedding_colwise": EmbeddingColwise(),
+    "moe_tp_experts": Unsupported("moe_tp_experts", _MOE),
+    "moe_identity_expert": Unsupported("moe_identity_expert", _MOE),
+    "ep_dispatch_experts": Unsupported("ep_dispatch_experts", _MOE),
+    "grouped_gemm": Unsupported("grouped_gemm", _MOE),
+    "packed_rowwise": Unsupported("packed_rowwise", "fused input-side projections are not "
+                                  "split by torchtp yet"),
+    "sequence_parallel": Unsupported("sequence_parallel", "sequence parallelism is not "
+                                     "implemented yet"),
+    "mla_kv_a_proj": Unsupported("mla_kv_a_proj", "multi-head latent attention is not "
+                                 "implemented yet"),
+    "all_reduce": Unsupported("all_reduce", "partial-output modules are not implemented yet"),
+    "local_params": Unsupported("local_params", "bare sharded parameters are not implemented yet"),
+}
+
+# Names users may pass that only exist for HF's internal bookkeeping are not listed:
+# an unknown name raises with the list above.
+SUPPORTED = sorted(n for n, s in STYLES.items() if not isinstance(s, Unsupported))
+
+
+def get_style(style: str | ParallelStyle, fqn: str = "?") -> ParallelStyle:
+    """Look up a style by name (or pass a style object through).
+
+    Raises:
+        ValueError: unknown style name; the message lists the valid ones.
+    """
+    if isinstance(style, ParallelStyle):
+        return style
+    if isinstance(style, str) and style in STYLES:
+        return STYLES[style]
+    raise ValueError(f"unknown plan style {style!r} for '{fqn}'; valid styles: "
+                     + ", ".join(SUPPORTED))

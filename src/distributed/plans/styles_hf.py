@@ -1,0 +1,237 @@
+"""HuggingFace plan styles beyond plain colwise/rowwise.
+
+* :class:`HeadSplit` - a projection whose output rows are made of parts
+  (q/k/v heads, a fused ``qkv``/``gate_up``): each part is split on its own, so
+  every rank gets matching slices; a part with fewer heads than ranks is
+  replicated head by head on the ranks that use it (GQA with tp > KV heads).
+* :class:`ReplicatedWithGradAllreduce` - a replicated module whose gradient is
+  partial on each rank (Qwen3's per-head ``q_norm``/``k_norm``).
+* :class:`EmbeddingRowwise` / :class:`EmbeddingColwise` - vocab- or
+  feature-split embeddings.
+* :class:`Unsupported` - styles torchtp refuses rather than silently replicate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import _comm
+from ..layers import FeatureParallelEmbedding, VocabParallelEmbedding
+from ..layouts import ParamLayout, even_chunks, uneven_chunks
+from .constraints import Constraint
+from .linear_view import LinearView
+from .styles import (
+    Colwise,
+    LayerShapes,
+    ParallelStyle,
+    ShardContext,
+    attach_layouts,
+    require_linear,
+)
+from .subgroups import sharing_subgroup
+
+
+@dataclass(frozen=True)
+class Part:
+    """One fused part of a projection's output rows: ``size`` rows in ``units`` heads."""
+
+    size: int
+    units: int
+    name: str = "part"
+    replicable: bool = False  # may be replicated when tp is a multiple of units
+
+    def segment(self, offset: int, ctx: ShardContext) -> tuple[int, int]:
+        """This rank's rows of the part, in full-tensor coordinates."""
+        unit = self.size // self.units
+        if self.units % ctx.world_size == 0:
+            start, n = even_chunks(self.units, ctx.world_size, ctx.rank)
+            return offset + start * unit, n * unit
+        head = ctx.rank // (ctx.world_size // self.units)
+        return offset + head * unit, unit
+
+
+class HeadSplit(Colwise):
+    """Split each fused part of a projection's output rows separately.
+
+    Args:
+        parts: The output rows' parts, in order; ``None`` means two equal
+            halves (HF's ``packed_colwise`` for a fused ``gate_up_proj``).
+        name: The plan style this came from (``"colwise"``, ``"packed_colwise"``).
+    """
+
+    def __init__(self, parts: tuple[Part, ...] | None = None, name: str = "packed_colwise") -> None:
+        super().__init__(gather_output=False)
+        self.parts = parts
+        self.name = name
+
+    def parts_for(self, view: LinearView) -> tuple[Part, ...]:
+        """The parts, inferring two equal halves when none were given."""
+        if self.parts is not None:
+            return self.parts
+        half = view.out_features // 2
+        return (Part(half, half, "first half of the packed out_features (weight rows)"),
+                Part(view.out_features - half, half,
+                     "second half of the packed out_features (weight rows)"))
+
+    def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
+        view = require_linear(self.name, module, fqn)
+        where = f"module '{fqn}' (style {self.name!r})"
+        return [Constraint(where, p.name, p.units, allow_multiple=p.replicable)
+                for p in self.parts_for(view)]
+
+    def check_type(self, module: nn.Module, fqn: str) -> None:
+        view = require_linear(self.name, module, fqn)
+        sizes = [p.size for p in self.parts_for(view)]
+        if sum(sizes) != view.out_features or (self.parts is None and view.out_features % 2):
+            raise ValueError(
+                f"style {self.name!r} for module '{fqn}': its out_features={view.out_features} "
+                f"(weight rows) do not split into the packed parts {sizes}; a packed projection "
+                "stacks equal parts (e.g. gate and up) along out_features")
+
+    def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
+        view = require_linear(self.name, module, "?")
+        rows = sum(n for _, n in self.row_segments(view, ctx))
+        return LayerShapes((view.out_features, view.in_features), (rows, view.in_features))
+
+    def row_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
+        parts = self.parts_for(view)
+        segments, offset = [], 0
+        for part in parts:
+            segments.append(part.segment(offset, ctx))
+            offset += part.size
+        return tuple(segments)
+
+    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
+        layer = super().apply(module, fqn, ctx)
+        shared, local = [], 0
+        view = require_linear(self.name, module, fqn)
+        for part, (_, n) in zip(self.parts_for(view), layer.tp_layouts["weight"].segments,
+                                strict=True):
+            if part.units % ctx.world_size:
+                shared.append((local, n, sharing_subgroup(ctx, part.units)))
+            local += n
+        if shared:
+            for p in layer.parameters():
+                p.register_hook(_SumSharedRows(shared))
+        return layer
+
+
+class _SumSharedRows:
+    """Gradient hook: sum the rows of replicated heads over the ranks sharing them.
+
+    Each rank's gradient for a replicated KV head covers only its own query
+    heads; the true gradient is the sum over the ranks that hold that head.
+    """
+
+    def __init__(self, rows: list[tuple[int, int, object]]) -> None:
+        self.rows = rows
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        out = grad.clone()
+        for start, n, group in self.rows:
+            if group is not None:
+                out[start:start + n] = _comm.all_reduce(grad[start:start + n], group)
+        return out
+
+
+class ReplicatedWithGradAllreduce(ParallelStyle):
+    """Keep the module whole; sum its parameter gradients over the TP group.
+
+    For modules applied to this rank's heads only (Qwen3's ``q_norm``/``k_norm``):
+    the forward needs nothing, but each rank's gradient covers only its heads.
+    """
+
+    name = "replicated_with_grad_allreduce"
+
+    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size > 1 and not getattr(module, "_torchtp_grad_allreduce", False):
+            for p in module.parameters(recurse=False):
+                p.register_hook(lambda g, group=ctx.group: _comm.all_reduce(g, group))
+            module._torchtp_grad_allreduce = True  # type: ignore[assignment]
+        return module
+
+
+def _require_embedding(style: str, module: nn.Module, fqn: str) -> nn.Embedding:
+    if not isinstance(module, nn.Embedding):
+        raise TypeError(f"plan style {style!r} for module '{fqn}' needs an nn.Embedding, got "
+                        f"{type(module).__name__}")
+    if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+        raise ValueError(f"plan style {style!r} for module '{fqn}': max_norm, sparse and "
+                         "scale_grad_by_freq embeddings are not supported; use 'replicate'")
+    return module
+
+
+class EmbeddingRowwise(ParallelStyle):
+    """Split the embedding's rows (the vocabulary): -> :class:`VocabParallelEmbedding`.
+
+    Uneven vocabularies are fine (rank shares differ by at most one row).
+    """
+
+    name = "embedding_rowwise"
+
+    def check_type(self, module: nn.Module, fqn: str) -> None:
+        _require_embedding(self.name, module, fqn)
+
+    def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
+        vocab, dim = module.weight.shape
+        return LayerShapes((vocab, dim), (uneven_chunks(vocab, ctx.world_size, ctx.rank)[1], dim))
+
+    def layouts(self, module: nn.Module, ctx: ShardContext) -> dict[str, ParamLayout]:
+        segment = uneven_chunks(module.weight.shape[0], ctx.world_size, ctx.rank)
+        return {"weight": ParamLayout(tuple(module.weight.shape), 0, (segment,))}
+
+    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
+        emb = _require_embedding(self.name, module, fqn)
+        layout = self.layouts(emb, ctx)["weight"]
+        start = layout.segments[0][0]
+        layer = VocabParallelEmbedding(layout.take(emb.weight), emb.num_embeddings, start,
+                                       emb.padding_idx, ctx.world_size, ctx.group,
+                                       emb.weight.requires_grad)
+        return attach_layouts(layer, {"weight": layout})
+
+
+class EmbeddingColwise(ParallelStyle):
+    """Split the embedding's columns (embedding_dim): -> :class:`FeatureParallelEmbedding`."""
+
+    name = "embedding_colwise"
+
+    def check_type(self, module: nn.Module, fqn: str) -> None:
+        _require_embedding(self.name, module, fqn)
+
+    def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
+        emb = _require_embedding(self.name, module, fqn)
+        return [Constraint(f"module '{fqn}' (style {self.name!r})",
+                           "embedding_dim (weight columns)", emb.embedding_dim)]
+
+    def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
+        vocab, dim = module.weight.shape
+        return LayerShapes((vocab, dim), (vocab, dim // ctx.world_size))
+
+    def layouts(self, module: nn.Module, ctx: ShardContext) -> dict[str, ParamLayout]:
+        dim = module.weight.shape[1]
+        return {"weight": ParamLayout(tuple(module.weight.shape), 1,
+                                      (even_chunks(dim, ctx.world_size, ctx.rank),))}
+
+    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
+        emb = _require_embedding(self.name, module, fqn)
+        layout = self.layouts(emb, ctx)["weight"]
+        layer = FeatureParallelEmbedding(layout.take(emb.weight), emb.padding_idx,
+                                         ctx.world_size, ctx.group, emb.weight.requires_grad)
+        return attach_layouts(layer, {"weight": layout})
+
+
+class Unsupported(ParallelStyle):
+    """A style name torchtp knows but cannot honour: refuse instead of replicating."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self.name = name
+        self.why = why
+
+    def check_type(self, module: nn.Module, fqn: str) -> None:
+        raise ValueError(
+            f"plan style {self.name!r} for module '{fqn}' ({type(module).__name__}) is not "
+            f"supported by torchtp: {self.why}. torchtp does not silently replicate a module "
+            "the plan asks to shard; override it with plan={...: 'replicate'} to keep it whole")
