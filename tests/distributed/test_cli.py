@@ -52,10 +52,14 @@ def test_help_lists_every_subcommand_with_examples(capsys):
 def test_plan_table_memory_and_collectives(capsys, tiny_config):
     code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "2")
     assert code == 0, out
-    assert "model.layers.*.self_attn.q_proj  colwise" in out
-    assert "model.layers.*.mlp.down_proj     rowwise      2  64x176       64x88" in out
-    assert "collectives per forward: 4 x all_reduce" in out
-    assert "valid tp sizes for this model: [1, 2, 4]" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith(("model", "lm"))}
+    assert rows["model.layers.*.self_attn.q_proj"] == ["colwise", "2", "64x64", "32x64"]
+    assert rows["model.layers.*.mlp.down_proj"] == ["rowwise", "2", "64x176", "64x88"]
+    assert rows["lm_head"] == ["colwise_gather_output", "1", "128x64", "64x64"]
+    # 2 per decoder layer + the vocab-parallel embedding's; lm_head gathers its logits
+    assert "collectives per forward: 5 x all_reduce, 1 x all_gather" in out
+    assert "valid tp sizes for this model: [1, 2, 4, 8]" in out  # tp=8 replicates KV heads
     assert "no blockers: tp=2 works" in out
 
 
@@ -63,10 +67,12 @@ def test_plan_json_counts_bytes_per_rank(capsys, tiny_config):
     code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "4", "--json")
     report = json.loads(out)
     assert code == 0 and report["blockers"] == []
-    assert report["collectives_per_forward"] == {"all_reduce": 4}
-    # per layer: q 64x64, k/v 32x64, o 64x64, gate/up 176x64, down 64x176 fp32 = split by 4
-    split = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 176 * 64 * 3) * 4
-    assert report["param_bytes_unsharded"] - report["param_bytes_per_rank"] == split * 3 // 4
+    assert report["collectives_per_forward"] == {"all_reduce": 5, "all_gather": 1}
+    # everything is split by 4 except the RMSNorm weights (2 per layer + the final one)
+    layers = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 176 * 64 * 3)
+    split, norms = (layers + 2 * 128 * 64) * 4, (2 * 2 + 1) * 64 * 4
+    assert report["param_bytes_unsharded"] == split + norms
+    assert report["param_bytes_per_rank"] == split // 4 + norms
     down = [r for r in report["layers"] if r["module"] == "model.layers.1.mlp.down_proj"]
     assert down == [{"module": "model.layers.1.mlp.down_proj", "style": "rowwise",
                      "full": [64, 176], "local": [64, 44]}]
@@ -76,8 +82,8 @@ def test_plan_lists_blockers_with_valid_sizes(capsys, tiny_config):
     code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "3")
     assert code == 1
     assert "BLOCKERS at tp=3" in out
-    assert "num_key_value_heads=4 is not divisible by tp=3" in out
-    assert "valid tp sizes for it: [1, 2, 4]" in out
+    assert "num_key_value_heads (key/value heads)=4 is not divisible by (or a divisor of) world_size=3" in out
+    assert "out_features (weight rows)=176 is not divisible by world_size=3" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -123,8 +129,10 @@ def test_verify_tp2_forward_and_backward_end_to_end(capsys, tiny_model):
     assert code == 0, err
     report = json.loads(out)
     assert report["passed"] and report["max_rel_error"] < 1e-4
+    _, planned, _ = run_cli(capsys, "plan", str(tiny_model), "--tp", "2", "--json")
     for rank in report["ranks"]:
-        assert rank["collectives_per_forward"] == {"all_reduce": 4}  # 2 per decoder layer
+        # what `plan` predicts is what the sharded forward issued
+        assert rank["collectives_per_forward"] == json.loads(planned)["collectives_per_forward"]
         assert rank["grad_error"][1] < 1e-4 and rank["peak_rss_bytes"] > 0
 
 

@@ -2,7 +2,9 @@
 
 Two all-reduces per decoder layer (after ``o_proj`` and after ``down_proj``)
 and nothing else with ``lm_head`` replicated; one extra all-gather when
-``lm_head`` is ``colwise_gather_output``. Counted with torchtp.count_collectives.
+``lm_head`` is ``colwise_gather_output``; and one all-reduce more with the
+model's own HF plan (``plan=None``), whose vocab-parallel embedding sums its
+partial lookups. Counted with torchtp.count_collectives.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _count(rank: int, world_size: int) -> list[dict[str, int]]:
 
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
     counts = []
-    for plan in (PLAN, {**PLAN, "lm_head": "colwise_gather_output"}):
+    for plan in (PLAN, {**PLAN, "lm_head": "colwise_gather_output"}, None):
         ref = _llama()
         model = torchtp.DistributedModelWrapper(_llama(), plan=plan)
         with torch.no_grad(), torchtp.count_collectives() as prefill:
@@ -53,3 +55,6 @@ def test_llama_forward_needs_two_all_reduces_per_layer(ranks, world_size):
         assert counts[0] == minimum and counts[1] == minimum  # prefill, decode
         with_head = {"all_reduce": 2 * LAYERS, "all_gather": 1}
         assert counts[2] == with_head and counts[3] == with_head
+        # The model's own HF plan also splits the embedding by vocab: one all-reduce more.
+        own = {"all_reduce": 2 * LAYERS + 1, "all_gather": 1}
+        assert counts[4] == own and counts[5] == own

@@ -1,11 +1,4 @@
-"""HuggingFace glue: read a config, build the model, pick its TP plan.
-
-The plan comes from the config's ``base_model_tp_plan`` (HF's own plan for
-the architecture) restricted to the ``nn.Linear`` styles torchtp applies, with
-the base-model prefix added (``layers.*.mlp.up_proj`` ->
-``model.layers.*.mlp.up_proj``). ``lm_head`` stays replicated, so the forward
-needs exactly the plan's all-reduces.
-"""
+"""HuggingFace glue: read a config, build the model (meta or random), load a checkpoint."""
 
 from __future__ import annotations
 
@@ -16,10 +9,8 @@ import torch
 from torch import nn
 
 from ..costmodel.dims import read_config
-from ..errors import valid_sizes
 from ._common import CliError
 
-_LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -60,7 +51,7 @@ def parse_dtype(name: str | None, config: Any = None) -> torch.dtype:
         CliError: unknown dtype name.
     """
     if name is None:
-        own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        own = getattr(config, "dtype", None)
         if isinstance(own, torch.dtype):
             return own
         name = str(own) if own else "float32"
@@ -88,40 +79,3 @@ def has_weights(path: str | Path) -> bool:
     """Whether ``path`` is a model directory with weight files (not just a config)."""
     p = Path(path)
     return p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin")))
-
-
-def hf_plan(config: Any, model: nn.Module) -> dict[str, str]:
-    """torchtp plan for ``model``: the config's ``base_model_tp_plan`` with module prefixes.
-
-    Raises:
-        CliError: the architecture has no ``base_model_tp_plan``.
-    """
-    base = getattr(config, "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    plan = {}
-    for pattern, style in base.items():
-        if style in _LINEAR_STYLES:
-            plan[f"{prefix}.{pattern}" if prefix and hasattr(model, prefix) else pattern] = style
-    if not plan:
-        raise CliError(f"model type {config.model_type!r} has no tensor-parallel plan "
-                       "(config.base_model_tp_plan is empty); torchtp cannot split it yet")
-    return plan
-
-
-def head_blockers(config: Any, tp: int) -> list[str]:
-    """Attention-head counts that ``tp`` does not divide (each with the valid sizes)."""
-    found = []
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if value and value % tp:
-            found.append(f"{name}={value} is not divisible by tp={tp} (each rank must hold whole "
-                         f"heads); valid tp sizes for it: {valid_sizes(value)}")
-    return found
-
-
-def head_dims(config: Any) -> list[int]:
-    """Head counts every tp size must divide."""
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return [v for v in (heads, kv) if v]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..wrapper import DistributedModelWrapper
-from ._hf import build_model, has_weights, hf_plan, load_config, load_pretrained, parse_dtype
+from ._hf import build_model, has_weights, load_config, load_pretrained, parse_dtype
 
 
 def say(rank: int, message: str) -> None:
@@ -39,8 +39,8 @@ def load_model(path: str, dtype_name: str | None, seed: int) -> tuple[nn.Module,
 
 
 def wrap(model: nn.Module, config: Any) -> DistributedModelWrapper:
-    """Shard ``model`` across the running process group with the config's plan."""
-    return DistributedModelWrapper(model, plan=hf_plan(config, model))
+    """Shard ``model`` across the running process group with its own (HF) plan."""
+    return DistributedModelWrapper(model)
 
 
 def peak_rss_bytes() -> int:

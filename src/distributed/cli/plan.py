@@ -7,25 +7,29 @@ group is started.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections import Counter
 from typing import Any
 
 from torch import nn
 
-from ..errors import valid_sizes
-from ..plans import ShardContext, match_plan
-from ._common import dump_json, human_bytes, positive_int, table
-from ._hf import build_model, head_blockers, head_dims, hf_plan, load_config, parse_dtype
+from ..hf import head_aware_assignments
+from ..planning import resolve
+from ..plans import ShardContext, valid_tp_sizes
+from ._common import CliError, dump_json, human_bytes, positive_int, table
+from ._hf import build_model, load_config, parse_dtype
 
 HELP = "show the TP plan, per-rank memory and blockers (meta device, no weights read)"
 EXAMPLES = """examples:
   torchtp plan ./Llama-3.2-1B --tp 2
   torchtp plan ./Llama-3.2-1B/config.json --tp 4 --json
+exit status: 0 when the model splits at --tp, 1 when there are blockers, 2 on bad input
 """
-# Collectives one forward of a module in each style issues.
-_COLLECTIVES = {"rowwise": "all_reduce", "rowwise_split_input": "all_reduce",
-                "colwise_gather_output": "all_gather"}
+# Collectives one forward of a module in each style issues (styles not listed issue none).
+COLLECTIVES = {"rowwise": "all_reduce", "rowwise_split_input": "all_reduce",
+               "colwise_gather_output": "all_gather", "embedding_rowwise": "all_reduce",
+               "embedding_colwise": "all_gather"}
 
 
 def register(sub: Any) -> None:
@@ -40,48 +44,59 @@ def register(sub: Any) -> None:
 
 
 def analyze(path: str, tp: int, dtype_name: str | None = None) -> dict[str, Any]:
-    """The plan report as data (used by ``plan``, ``verify`` and ``demo``)."""
+    """The plan report as data (used by ``plan`` and ``demo``).
+
+    Resolves the plan exactly as ``DistributedModelWrapper(model)`` does, on a
+    meta-device model, and collects every blocker instead of stopping at the first.
+    """
     config = load_config(path)
     dtype = parse_dtype(dtype_name, config)
     model = build_model(config, dtype, device="meta")
-    plan = hf_plan(config, model)
-    resolved = match_plan(model, plan, "config.base_model_tp_plan")
-    ctx = ShardContext(tp, 0, None)
+    ctx = ShardContext(tp, 0, None, type(model).__name__)
+    try:
+        resolved = resolve(model, None, ctx)
+        head_aware_assignments(model, resolved)
+    except (TypeError, ValueError) as err:
+        raise CliError(f"{path}: torchtp cannot plan this model: {err}") from None
     modules = dict(model.named_modules())
-    layers, blockers, split_dims = [], head_blockers(config, tp), head_dims(config)
+    blockers, constraints, layers, local_bytes = [], [], [], {}
     for name, style in resolved.assignments.items():
         mod = modules[name]
         try:
-            style.validate(mod, name, ctx)
+            style.check_type(mod, name)
+            constraints += style.constraints(mod, name)
         except (TypeError, ValueError) as err:
             blockers.append(str(err))
-        if isinstance(mod, nn.Linear):
-            split_dims.append(mod.out_features if style.name.startswith("colwise") else mod.in_features)
+            continue
+        failing = [c for c in style.constraints(mod, name) if not c.ok(tp)]
+        blockers += [c.problem(tp) for c in failing]
+        if failing:
+            continue
         shapes = style.shapes(mod, ctx)
         layers.append({"module": name, "style": style.name, "full": list(shapes.full),
                        "local": list(shapes.local)})
-    full, local = _param_bytes(model, resolved.assignments, tp)
-    collectives = Counter(_COLLECTIVES[s.name] for s in resolved.assignments.values()
-                          if s.name in _COLLECTIVES)
+        for pname, layout in style.layouts(mod, ctx).items():
+            local_bytes[f"{name}.{pname}"] = layout
+    full, local = _param_bytes(model, local_bytes)
+    collectives = Counter(COLLECTIVES[s.name] for s in resolved.assignments.values()
+                          if s.name in COLLECTIVES)
     return {"path": str(path), "model_type": config.model_type, "tp": tp, "dtype": str(dtype),
-            "plan": plan, "layers": layers, "param_bytes_unsharded": full,
-            "param_bytes_per_rank": local, "collectives_per_forward": dict(collectives),
+            "plan_source": resolved.source, "plan": resolved.rules, "layers": layers,
+            "param_bytes_unsharded": full, "param_bytes_per_rank": local,
+            "collectives_per_forward": dict(collectives),
             "blockers": list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", b) for b in blockers)),
-            "valid_tp_sizes": valid_sizes(*split_dims),
-            "notes": resolved.notes}
+            "valid_tp_sizes": valid_tp_sizes(constraints), "notes": resolved.notes}
 
 
-def _param_bytes(model: nn.Module, assignments: dict[str, Any], tp: int) -> tuple[int, int]:
+def _param_bytes(model: nn.Module, layouts: dict[str, Any]) -> tuple[int, int]:
     """(unsharded, per-rank) parameter bytes; tied parameters count once."""
     full = local = 0
-    for mod_name, mod in model.named_modules():
-        style = assignments.get(mod_name)
-        for pname, p in mod.named_parameters(recurse=False):
-            nbytes = p.numel() * p.element_size()
-            full += nbytes
-            split = style is not None and (style.name.startswith("colwise") or (pname == "weight"
-                                           and style.name.startswith("rowwise")))
-            local += nbytes // tp if split else nbytes
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        full += nbytes
+        layout = layouts.get(name)
+        shape = layout.local_shape if layout is not None else tuple(p.shape)
+        local += math.prod(shape) * p.element_size()
     return full, local
 
 
@@ -101,7 +116,7 @@ def render(report: dict[str, Any]) -> str:
            f"dtype={report['dtype']}",
            table(["module", "style", "count", "full weight", "local weight"],
                  _grouped(report["layers"])),
-           "all other parameters are replicated (embeddings, norms, lm_head)",
+           f"plan source: {report['plan_source']}; modules not listed are replicated",
            f"parameters: {human_bytes(report['param_bytes_per_rank'])} per rank vs "
            f"{human_bytes(report['param_bytes_unsharded'])} unsharded "
            f"({report['param_bytes_per_rank'] / max(report['param_bytes_unsharded'], 1):.0%})",

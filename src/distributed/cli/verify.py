@@ -44,6 +44,9 @@ def register(sub: Any) -> None:
 
 def _shard_of(ref: torch.Tensor, module: nn.Module, pname: str) -> torch.Tensor:
     """The slice of a full reference gradient that this rank's parameter holds."""
+    layout = getattr(module, "tp_layouts", {}).get(pname)
+    if layout is not None:  # recorded by the style that split the module
+        return layout.take(ref)
     if isinstance(module, RowParallelLinear):
         n = module.out_features_local
         return ref.narrow(0, module.rank * n, n)
