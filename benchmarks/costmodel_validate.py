@@ -1,9 +1,10 @@
 """Calibrate and validate the cost model's ``cpu-gloo`` preset on this machine.
 
-One run measures, with one thread per rank:
+One run measures, with one thread per rank, in interleaved rounds:
 
 * single-thread GEMM FLOP/s and decode GEMV bytes/s (tp=1),
 * Gloo all-reduce time for several sizes at tp 2 and 4 (fits alpha and bandwidth),
+  timed as the forward issues them: bursts of GEMV + all-reduce, minus the GEMVs,
 * torchtp forward latency of the small Llama (benchmarks/_llama.py) at tp 1, 2, 4:
   prefill (1 x 128 tokens) and decode (one token, 128 cached).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,59 +39,85 @@ from torchtp.costmodel import ModelDims, allreduce_time, estimate, get_hardware,
 
 SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22]  # all-reduce payload bytes
 SEQ = 128
+BURST = 8  # all-reduces per timed burst (a 4-layer forward issues 8)
+# GEMMs per timed loop: tens of ms, as long as a prefill, so the loop gets the same
+# share of a busy machine's cores as the forward does (short calls dodge preemption).
+GEMM_LOOP = 60
 
 
-def _median_time(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    if dist.is_initialized():  # the slowest rank's median
-        t = torch.tensor([statistics.median(times)])
+def _timed(fn: Any) -> float:
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _slowest_median(times: list[float]) -> float:
+    """Median over rounds; across ranks the slowest rank's median."""
+    t = torch.tensor([statistics.median(times)])
+    if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-    return statistics.median(times)
+    return t.item()
 
 
-def _forward_times(reps: int) -> dict[str, float]:
+def _rank(rank: int, world: int, rounds: int) -> dict[str, Any]:
+    """Forward latencies and microbenchmarks, interleaved in rounds.
+
+    Interleaving puts every measurement under the same background load (the
+    machine is shared), so the microbenchmarks describe the conditions the
+    forwards ran in.
+    """
     model = torchtp.DistributedModelWrapper(build_llama(), plan=HF_PLAN)
     ids = torch.randint(0, SMALL["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        prefill = _median_time(lambda: model(ids, use_cache=False), reps)
-        out = model(ids, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)  # (1, 1)
-        cache = out.past_key_values
+    # the GEMM each rank runs in its MLP: (SEQ, hidden) @ (ffn/tp, hidden)^T
+    a = torch.randn(SEQ, SMALL["hidden_size"])
+    w = torch.randn(SMALL["intermediate_size"] // world, SMALL["hidden_size"])
+    times: dict[str, list[float]] = {}
 
-        def step() -> None:
+    def record(key: str, fn: Any, reps: int = 1) -> None:
+        times.setdefault(key, []).append(statistics.median(_timed(fn) for _ in range(reps)))
+
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        token, cache = out.logits[:, -1:].argmax(-1), out.past_key_values  # token: (1, 1)
+
+        def decode() -> None:
             model(token, past_key_values=cache, use_cache=True)
             cache.crop(-1)  # drop the new token: the context stays at SEQ tokens
 
-        step()
-        decode = _median_time(step, reps * 4)
-    return {"prefill": prefill, "decode": decode}
-
-
-def _rank(rank: int, world: int, reps: int) -> dict[str, Any]:
-    result: dict[str, Any] = {"forward": _forward_times(reps)}
-    if world == 1:
-        a, w = torch.randn(SEQ, SMALL["hidden_size"]), torch.randn(SMALL["intermediate_size"],
-                                                                   SMALL["hidden_size"])
-        gemm = _median_time(lambda: a @ w.T, reps * 4)
-        gemv = _median_time(lambda: a[:1] @ w.T, reps * 20)
-        result["gemm_flops"] = 2 * a.numel() * w.shape[0] / gemm
-        result["gemv_bytes_per_s"] = w.numel() * 4 / gemv
-    else:
-        # Every rank multiplies its own shard at once: how much compute do N ranks get?
-        a, w = torch.randn(SEQ, SMALL["hidden_size"]), torch.randn(SMALL["intermediate_size"],
-                                                                   SMALL["hidden_size"])
-        gemm = _median_time(lambda: a @ w.T, reps * 4)
-        result["gemm_flops"] = 2 * a.numel() * w.shape[0] / gemm
-        result["allreduce"] = {n: _median_time(lambda n=n: dist.all_reduce(torch.ones(n // 4)), reps * 4)
-                               for n in SIZES}
+        decode()
+        for _ in range(rounds):
+            record("prefill", lambda: model(ids, use_cache=False))
+            record("decode", decode, 3)
+            record("gemm", lambda: [a @ w.T for _ in range(GEMM_LOOP)])
+            record("gemv", lambda: a[:1] @ w.T, 20)
+            if world > 1:
+                record("compute_burst", lambda: _burst(a, w, None))
+                for n in SIZES:
+                    record(n, lambda n=n: _burst(a, w, torch.ones(n // 4)))
+    med = {k: _slowest_median(v) for k, v in times.items()}
+    result: dict[str, Any] = {"forward": {"prefill": med["prefill"], "decode": med["decode"]},
+                              "gemm_flops": 2 * a.numel() * w.shape[0] * GEMM_LOOP / med["gemm"],
+                              "gemv_bytes_per_s": w.numel() * 4 / med["gemv"]}
+    if world > 1:
+        # all-reduce time as the forward sees it: between computations, ranks not pre-aligned
+        result["allreduce"] = {n: (med[n] - med["compute_burst"]) / BURST for n in SIZES}
     return result
+
+
+def _burst(a: torch.Tensor, w: torch.Tensor, payload: torch.Tensor | None) -> None:
+    """BURST x (ten decode-sized GEMVs, then an all-reduce of ``payload`` if given).
+
+    The GEMVs stand for the ~0.5 ms of work between a decoder layer's two
+    all-reduces: long enough for a rank to be preempted on a busy machine, so
+    the all-reduce also pays the wait for the slowest rank, as in a forward.
+    """
+    for _ in range(BURST):
+        for _ in range(10):
+            a[:1] @ w.T  # (1, ffn/tp)
+        if payload is not None:
+            dist.all_reduce(payload)
 
 
 def fit(measured: dict[int, dict[str, Any]], dims: ModelDims) -> Any:
@@ -101,7 +129,9 @@ def fit(measured: dict[int, dict[str, Any]], dims: ModelDims) -> Any:
     over = statistics.median((t - 1.5 * n * inv_bw) / ring_steps(4)
                              for n, t in measured[4]["allreduce"].items())
     # effective cores: N ranks' concurrent GEMM rate relative to one process alone
-    cores = statistics.mean(tp * measured[tp]["gemm_flops"] / measured[1]["gemm_flops"] for tp in (2, 4))
+    # (at least 1: one rank alone gets what the tp=1 calibration run got)
+    cores = max(1.0, statistics.mean(min(tp, tp * measured[tp]["gemm_flops"] / measured[1]["gemm_flops"])
+                                     for tp in (2, 4)))
     base = dataclasses.replace(
         get_hardware("cpu-gloo"), peak_flops=measured[1]["gemm_flops"],
         mem_bandwidth=measured[1]["gemv_bytes_per_s"], latency=float(alpha),
@@ -127,7 +157,7 @@ def compare(measured: dict[int, dict[str, Any]], dims: ModelDims, hw: Any) -> li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved measurement rounds")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     dims = ModelDims.make(hidden=SMALL["hidden_size"], layers=SMALL["num_hidden_layers"],
@@ -136,7 +166,7 @@ def main() -> None:
     measured = {}
     for tp in (1, 2, 4):
         print(f"measuring tp={tp} ...", file=sys.stderr, flush=True)
-        measured[tp] = launch(_rank, tp, args.reps, timeout=900)[0]
+        measured[tp] = launch(_rank, tp, args.rounds, timeout=900)[0]
     fitted = fit(measured, dims)
     print(f"fitted cpu-gloo: peak_flops={fitted.peak_flops:.3g} FLOP/s, mem_bandwidth="
           f"{fitted.mem_bandwidth:.3g} B/s, latency={fitted.latency * 1e3:.3f} ms/step, "
@@ -147,7 +177,8 @@ def main() -> None:
         for n, t in measured[tp]["allreduce"].items():
             print(f"all-reduce tp={tp} {n:>8} B: measured {t * 1e3:7.3f} ms, "
                   f"fitted {allreduce_time(n, tp, fitted) * 1e3:7.3f} ms")
-    report = {"measured": measured, "fitted": fitted.as_dict()}
+    report = {"measured": measured, "fitted": fitted.as_dict(), "loadavg": os.getloadavg()}
+    print(f"load average during the run (1/5/15 min): {os.getloadavg()}")
     for label, hw in (("fitted now", fitted), ("stored preset", get_hardware("cpu-gloo"))):
         rows = compare(measured, dims, hw)
         report[label] = rows

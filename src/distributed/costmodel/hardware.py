@@ -90,16 +90,19 @@ PRESETS: dict[str, Hardware] = {
                "PCIe 4.0 x16 is 32 GB/s per direction raw, ~20 GB/s all-reduce busbw assumed "
                "(typical nccl-tests over PCIe, not measured here); 10 us per ring step assumed"),
     "cpu-gloo": Hardware(
-        name="cpu-gloo", peak_flops=6e10, gemm_efficiency=1.0,
-        mem_bandwidth=6e10, mem_efficiency=1.0, bus_bandwidth=1.3e9, latency=0.16e-3,
-        steps="ring", layer_overhead=2.5e-3, shared_cores=2, dtype_bytes=4,
-        effective_cores=2.0, oversubscribed_latency=1.2e-3,
-        source="calibrated on this project's 2-core CPU machine, shared with other jobs, by "
-               "benchmarks/costmodel_validate.py (fp32, one thread per rank; runs varied ~2x): "
-               "single-thread GEMM 4-9e10 FLOP/s, Gloo all-reduce ~0.3 ms for small messages at "
-               "tp=2 (ANCHORS.md: ~0.35 ms floor) and ~1.3 GB/s bus bandwidth (fits 0.9-1.6), "
-               "~1.2 ms per ring step at tp=4 (4 ranks on 2 cores wait for the scheduler), "
-               "2.2-3.2 ms per decoder layer of Python/dispatch overhead in HF Llama (tp=1 decode)"),
+        name="cpu-gloo", peak_flops=8.3e10, gemm_efficiency=1.0,
+        mem_bandwidth=6.4e10, mem_efficiency=1.0, bus_bandwidth=1.1e9, latency=0.5e-3,
+        steps="ring", layer_overhead=1.0e-3, shared_cores=2, dtype_bytes=4,
+        effective_cores=1.0, oversubscribed_latency=1.2e-3,
+        source="calibrated on this project's 2-core CPU machine, shared with other jobs "
+               "(load average 4-5), by benchmarks/costmodel_validate.py: fp32, one thread per "
+               "rank, medians of 3 runs; GEMM 8.3e10 FLOP/s in 60-GEMM loops; Gloo all-reduce "
+               "timed between computations as a forward issues it: ~1 ms at tp=2 for small "
+               "messages (ANCHORS.md's ~0.35 ms floor is the idle, back-to-back figure; the "
+               "rest is waiting for a preempted peer), ~1.1 GB/s bus bandwidth (ANCHORS.md: "
+               "~1.3 GB/s), 1.2 ms per ring step with 4 ranks on 2 cores; the other jobs leave "
+               "our ranks about 1 core in total; 1.0 ms per decoder layer of Python/dispatch "
+               "overhead (HF Llama decode at tp=1)"),
 }
 
 
