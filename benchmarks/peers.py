@@ -10,13 +10,14 @@ each variant timed in interleaved repetitions (barrier before every call,
 slowest rank per repetition, median over repetitions). Prints a table of
 milliseconds and ratios to the floor and writes JSON.
 
-    PYTHONPATH=.shim .venv/bin/python benchmarks/peers.py --reps 15 --json peers.json
+    PYTHONPATH=.shim .venv/bin/python benchmarks/peers.py --json peers.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -69,8 +70,11 @@ def _forward(rank: int, world: int, reps: int, hf_path: str) -> dict[str, Any]:
         for name, m in models.items():  # warm-up
             m(ids, use_cache=False)
             steps[name]()
-        for _ in range(reps):
-            for name, m in models.items():
+        names = list(models)
+        for rep in range(reps):
+            # rotate the order so no variant always runs first after the barrier
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                m = models[name]
                 times[name]["prefill"].append(_timed(lambda m=m: m(ids, use_cache=False)))
                 times[name]["decode"].append(_timed(steps[name]))
     return {"times": times, "failures": failures, "max_abs_error_vs_unsharded": errors}
@@ -89,8 +93,9 @@ def _train(rank: int, world: int, reps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {n: [] for n in models}
     for name in models:
         step(name)  # warm-up
-    for _ in range(reps):
-        for name in models:
+    names = list(models)
+    for rep in range(reps):
+        for name in names[rep % 2:] + names[:rep % 2]:
             times[name].append(_timed(lambda name=name: step(name)))
     return times
 
@@ -154,7 +159,7 @@ def render(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=15, help="interleaved repetitions per variant")
+    parser.add_argument("--reps", type=int, default=30, help="interleaved repetitions per variant")
     parser.add_argument("--tp", default="2,4", help="tp sizes (default 2,4)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -166,7 +171,9 @@ def main() -> None:
             results.append(summarize(tp, launch(_rank, tp, args.reps, tmp, timeout=1800)))
     print(render(results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": SMALL, "seq": SEQ, "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"model": SMALL, "seq": SEQ, "reps": args.reps,
+                                               "loadavg_after": os.getloadavg(), "results": results},
+                                              indent=2))
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def test_estimate_table_and_json(capsys, tiny_config):
     code, out, _ = run_cli(capsys, "estimate", "--hidden", "4096", "--layers", "32", "--heads", "32",
                            "--ffn", "11008", "--tp", "2,4", "--hardware", "a100-nvlink")
     assert code == 0
-    assert "hardware: a100-nvlink (NVIDIA A100" in out and "speedup" in out
+    assert "hardware: a100-nvlink\nsource: NVIDIA A100" in out and "speedup" in out
     code, out, _ = run_cli(capsys, "estimate", "--model", str(tiny_config), "--tp", "2",
                            "--hardware", "cpu-gloo", "--json")
     data = json.loads(out)

@@ -34,6 +34,7 @@ def make_tiny_llama(directory: str | Path, hidden: int = 256, layers: int = 4, s
     import torch
 
     tf = _transformers()
+    tf.utils.logging.disable_progress_bar()
     config = tf.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8,
                             num_key_value_heads=4, intermediate_size=hidden * 11 // 4 // 8 * 8,
                             vocab_size=1024, max_position_embeddings=512)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from typing import Any
 
 from ..costmodel import PRESETS, ModelDims, dims_from_config, get_hardware, read_config, sweep
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"model: hidden={dims.hidden} layers={dims.layers} heads={dims.heads} "
           f"kv_heads={dims.kv_heads} ffn={dims.ffn} vocab={dims.vocab}")
-    print(f"hardware: {hw.name} ({hw.source})")
+    print(f"hardware: {hw.name}")
+    print(textwrap.fill(f"source: {hw.source}", width=100, subsequent_indent="  "))
     print(f"batch={args.batch}, prefill of {args.seq} tokens, decode with {args.seq} cached tokens")
     print(table(["phase", "tp", "compute/layer ms", "comm/layer ms", "all-reduce KiB",
                  "total ms", "speedup", "tokens/s"],
