@@ -78,6 +78,7 @@ def test_layer_params_and_decode_estimate_by_hand():
     assert base.comm_per_layer == 0.0 and base.speedup == pytest.approx(1.0)
     assert e.speedup == pytest.approx(base.total / e.total)
     assert e.speedup < 0.1  # 1 ms latency swamps a 40 us layer: tp does not pay off
+    assert e.weight_bytes_per_rank == (2 * 40960 + 2 * 100 * 64) * 4 / 2
 
 
 def test_prefill_moves_batch_times_seq_tokens():

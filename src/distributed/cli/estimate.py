@@ -77,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
     print(textwrap.fill(f"source: {hw.source}", width=100, subsequent_indent="  "))
     print(f"batch={args.batch}, prefill of {args.seq} tokens, decode with {args.seq} cached tokens")
     print(table(["phase", "tp", "compute/layer ms", "comm/layer ms", "all-reduce KiB",
-                 "total ms", "speedup", "tokens/s"],
+                 "total ms", "speedup", "tokens/s", "weights GiB/rank"],
                 [[e.phase, e.tp, e.compute_per_layer * 1e3, e.comm_per_layer * 1e3,
-                  e.allreduce_bytes / 1024, e.total * 1e3, e.speedup, e.tokens_per_s]
+                  e.allreduce_bytes / 1024, e.total * 1e3, e.speedup, e.tokens_per_s,
+                  e.weight_bytes_per_rank / 2**30]
                  for e in rows]))
     print("speedup < 1 means tp makes this step slower than one device: communication and fixed "
           "overhead outweigh the split compute.")

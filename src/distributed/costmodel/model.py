@@ -83,6 +83,8 @@ class Estimate:
         total: ``layers * (compute + comm) + head``.
         speedup: ``total`` at tp=1 divided by this ``total``.
         tokens_per_s: New tokens per second for this step shape.
+        weight_bytes_per_rank: Matmul and embedding weights one rank holds, with
+            the embedding and ``lm_head`` split like the HF plan does (norms ignored).
     """
 
     tp: int
@@ -94,6 +96,7 @@ class Estimate:
     total: float
     speedup: float
     tokens_per_s: float
+    weight_bytes_per_rank: float
 
     def as_dict(self) -> dict[str, Any]:
         """The estimate as plain data."""
@@ -146,7 +149,8 @@ def estimate(dims: ModelDims, hw: Hardware, tp: int, batch: int = 1, seq: int = 
     total = dims.layers * (compute + comm) + head
     c1, m1, _, h1, _ = _step(dims, hw, 1, batch, seq, phase, ctx, dt)
     base = dims.layers * (c1 + m1) + h1
-    return Estimate(tp, phase, compute, comm, nbytes, head, total, base / total, new / total)
+    weights = (dims.layers * dims.layer_params + 2 * dims.vocab * dims.hidden) * dt / tp
+    return Estimate(tp, phase, compute, comm, nbytes, head, total, base / total, new / total, weights)
 
 
 def sweep(dims: ModelDims, hw: Hardware, tps: list[int], **kw: Any) -> list[Estimate]:
