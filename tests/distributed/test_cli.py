@@ -98,6 +98,8 @@ def test_plan_lists_blockers_with_valid_sizes(capsys, tiny_config):
     (["verify", "/no/such/model", "--tp", "2"], "does not exist"),
     (["bench", "{bad}", "--tp", "2"], "cannot read model config"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["verify", "{cfg}", "--tp", "3"], "tp=3 cannot split"),
+    (["bench", "{cfg}", "--tp", "5"], "valid tp sizes: [1, 2, 4, 8]"),
 ])
 def test_bad_arguments_give_a_message_and_status_2(capsys, tiny_config, tmp_path, argv, message):
     bad = tmp_path / "bad"

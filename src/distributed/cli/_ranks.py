@@ -33,9 +33,16 @@ def load_model(path: str, dtype_name: str | None, seed: int) -> tuple[nn.Module,
     config = load_config(path)
     dtype = parse_dtype(dtype_name, config)
     if has_weights(path):
-        return load_pretrained(path, dtype), config
+        return load_pretrained(path, dtype).to(rank_device()), config
     torch.manual_seed(seed)
-    return build_model(config, dtype), config
+    return build_model(config, dtype).to(rank_device()), config
+
+
+def rank_device() -> torch.device:
+    """This rank's CUDA device under NCCL (the launcher set it), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def wrap(model: nn.Module, config: Any) -> DistributedModelWrapper:
@@ -44,9 +51,14 @@ def wrap(model: nn.Module, config: Any) -> DistributedModelWrapper:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process (``ru_maxrss``; KiB on Linux, bytes on macOS)."""
+    """Peak resident host memory of this process (``ru_maxrss``; KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def peak_device_bytes() -> int:
+    """Peak CUDA memory allocated by this rank (0 on CPU)."""
+    return torch.cuda.max_memory_allocated() if rank_device().type == "cuda" else 0
 
 
 def barrier() -> None:
@@ -56,6 +68,6 @@ def barrier() -> None:
 
 
 def random_tokens(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
-    """The same ``(batch, seq)`` token ids on every rank."""
+    """The same ``(batch, seq)`` token ids on every rank, on this rank's device."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, seq), generator=gen)
+    return torch.randint(0, vocab, (batch, seq), generator=gen).to(rank_device())

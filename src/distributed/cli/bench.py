@@ -12,7 +12,8 @@ import torch
 
 from ._common import dump_json, human_bytes, positive_int, progress, table
 from ._launch import launch, pick_backend
-from ._ranks import barrier, load_model, peak_rss_bytes, random_tokens, say, wrap
+from ._ranks import barrier, load_model, peak_device_bytes, peak_rss_bytes, random_tokens, say, wrap
+from .plan import require_splittable
 
 HELP = "measure prefill latency, decode latency per token, tokens/s and memory per rank"
 EXAMPLES = """examples:
@@ -72,7 +73,8 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             step = _decode_step(model, out)
             seconds, out = _timed(step)
             decode.append(seconds)
-    return {"rank": rank, "prefill_s": prefill, "decode_s": decode, "peak_rss_bytes": peak_rss_bytes()}
+    return {"rank": rank, "prefill_s": prefill, "decode_s": decode, "peak_rss_bytes": peak_rss_bytes(),
+            "peak_device_bytes": peak_device_bytes()}
 
 
 def summarize(per_rank: list[dict[str, Any]], batch: int, seq: int) -> dict[str, float]:
@@ -88,6 +90,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ._hf import load_config
 
     load_config(args.path)  # fail fast, before any process starts
+    require_splittable(args.path, args.tp, args.dtype)
     backend = pick_backend(args.tp, args.backend)
     progress(f"bench: launching {args.tp} {backend} process(es), {args.threads} thread(s) each")
     per_rank = launch(_rank, args.tp, {k: getattr(args, k) for k in (
@@ -96,7 +99,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     return {"path": args.path, "tp": args.tp, "backend": backend, "batch": args.batch,
             "seq": args.seq, "threads_per_rank": args.threads,
             **summarize(per_rank, args.batch, args.seq),
-            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank]}
+            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank],
+            "peak_device_bytes_per_rank": [r["peak_device_bytes"] for r in per_rank]}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -110,7 +114,9 @@ def render(report: dict[str, Any]) -> str:
             ["decode latency per token (ms)", report["decode_ms_per_token"]],
             ["decode tokens/s", report["decode_tokens_per_s"]],
             *[[f"peak RSS rank {i}", human_bytes(b)]
-              for i, b in enumerate(report["peak_rss_bytes_per_rank"])]]),
+              for i, b in enumerate(report["peak_rss_bytes_per_rank"])],
+            *[[f"peak device memory rank {i}", human_bytes(b)]
+              for i, b in enumerate(report["peak_device_bytes_per_rank"]) if b]]),
         "(median over repetitions of the slowest rank; each rank's process times its own calls)"])
 
 

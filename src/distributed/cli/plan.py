@@ -137,3 +137,17 @@ def run(args: argparse.Namespace) -> int:
     report = analyze(args.path, args.tp, args.dtype)
     print(dump_json(report) if args.json else render(report))
     return 1 if report["blockers"] else 0
+
+
+def require_splittable(path: str, tp: int, dtype_name: str | None) -> None:
+    """Fail fast, before any process starts, when ``tp`` cannot split the model.
+
+    Raises:
+        CliError: the first blocker, how many more, and the valid tp sizes.
+    """
+    report = analyze(path, tp, dtype_name)
+    blockers = report["blockers"]
+    if blockers:
+        more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
+        raise CliError(f"tp={tp} cannot split {path}: {blockers[0]}{more}; valid tp sizes: "
+                       f"{report['valid_tp_sizes']}; run `torchtp plan {path} --tp {tp}` for the list")

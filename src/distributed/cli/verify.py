@@ -13,7 +13,8 @@ from .._comm import count_collectives
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ._common import dump_json, human_bytes, positive_int, progress, table
 from ._launch import launch, pick_backend
-from ._ranks import load_model, peak_rss_bytes, random_tokens, say, wrap
+from ._ranks import load_model, peak_device_bytes, peak_rss_bytes, random_tokens, say, wrap
+from .plan import require_splittable
 
 HELP = "run the sharded model on N processes and compare with the unsharded model"
 EXAMPLES = """examples:
@@ -97,6 +98,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         result["collectives_per_backward"] = dict(back.counts)
         result["grad_error"] = _grad_error(wrapped.base_model, ref)
     result["peak_rss_bytes"] = peak_rss_bytes()
+    result["peak_device_bytes"] = peak_device_bytes()
     return result
 
 
@@ -106,6 +108,7 @@ def run_verify(args: argparse.Namespace) -> dict[str, Any]:
 
     config = load_config(args.path)  # fail fast, before any process starts
     dtype = parse_dtype(args.dtype, config)
+    require_splittable(args.path, args.tp, args.dtype)
     tol = args.tol if args.tol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     backend = pick_backend(args.tp, args.backend)
     progress(f"verify: launching {args.tp} {backend} process(es)")
