@@ -98,6 +98,7 @@ def test_plan_lists_blockers_with_valid_sizes(capsys, tiny_config):
     (["verify", "/no/such/model", "--tp", "2"], "does not exist"),
     (["bench", "{bad}", "--tp", "2"], "cannot read model config"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["plan", "meta-llama/Llama-3.2-1B", "--tp", "2"], "looks like a Hub id: nothing is downloaded"),
     (["verify", "{cfg}", "--tp", "3"], "tp=3 cannot split"),
     (["bench", "{cfg}", "--tp", "5"], "valid tp sizes: [1, 2, 4, 8]"),
 ])
@@ -110,6 +111,17 @@ def test_bad_arguments_give_a_message_and_status_2(capsys, tiny_config, tmp_path
     assert code == 2
     assert message in err
     assert "Traceback" not in err + out
+
+
+def test_plan_other_architectures_from_config_only(capsys, tmp_path):
+    cfg = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "4", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["model_type"] == "qwen2"
+    assert report["collectives_per_forward"]["all_reduce"] == 2 * 3 + 1
+    assert 4 in report["valid_tp_sizes"]  # 2 KV heads replicated over 4 ranks
 
 
 def test_estimate_table_and_json(capsys, tiny_config):

@@ -15,8 +15,8 @@ from typing import Any
 from torch import nn
 
 from ..hf import head_aware_assignments
-from ..planning import resolve
-from ..plans import ShardContext, valid_tp_sizes
+from ..planning import prepare, resolve
+from ..plans import ResolvedPlan, ShardContext, valid_tp_sizes
 from ._common import CliError, dump_json, human_bytes, positive_int, table
 from ._hf import build_model, load_config, parse_dtype
 
@@ -44,10 +44,12 @@ def register(sub: Any) -> None:
 
 
 def analyze(path: str, tp: int, dtype_name: str | None = None) -> dict[str, Any]:
-    """The plan report as data (used by ``plan`` and ``demo``).
+    """The plan report as data (used by ``plan``, ``verify``, ``bench`` and ``demo``).
 
-    Resolves the plan exactly as ``DistributedModelWrapper(model)`` does, on a
-    meta-device model, and collects every blocker instead of stopping at the first.
+    Resolves and checks the plan as ``DistributedModelWrapper(model)`` does, on
+    a meta-device model, but collects every blocker instead of stopping at the
+    first; the wrapper's own check (:func:`torchtp.planning.prepare`) has the
+    last word, so ``plan`` never says "works" where the wrapper would refuse.
     """
     config = load_config(path)
     dtype = parse_dtype(dtype_name, config)
@@ -55,29 +57,17 @@ def analyze(path: str, tp: int, dtype_name: str | None = None) -> dict[str, Any]
     ctx = ShardContext(tp, 0, None, type(model).__name__)
     try:
         resolved = resolve(model, None, ctx)
-        head_aware_assignments(model, resolved)
     except (TypeError, ValueError) as err:
         raise CliError(f"{path}: torchtp cannot plan this model: {err}") from None
-    modules = dict(model.named_modules())
-    blockers, constraints, layers, local_bytes = [], [], [], {}
-    for name, style in resolved.assignments.items():
-        mod = modules[name]
-        try:
-            style.check_type(mod, name)
-            constraints += style.constraints(mod, name)
-        except (TypeError, ValueError) as err:
-            blockers.append(str(err))
-            continue
-        failing = [c for c in style.constraints(mod, name) if not c.ok(tp)]
-        blockers += [c.problem(tp) for c in failing]
-        if failing:
-            continue
-        shapes = style.shapes(mod, ctx)
-        layers.append({"module": name, "style": style.name, "full": list(shapes.full),
-                       "local": list(shapes.local)})
-        for pname, layout in style.layouts(mod, ctx).items():
-            local_bytes[f"{name}.{pname}"] = layout
-    full, local = _param_bytes(model, local_bytes)
+    blockers = _type_blockers(model, resolved)
+    head_aware_assignments(model, resolved)  # q/k/v styles become whole-head splits
+    layers, layouts, constraints, found = _layers(model, resolved, ctx)
+    blockers += found
+    try:
+        prepare(model, None, ctx)
+    except (TypeError, ValueError) as err:
+        blockers = blockers or [str(err)]
+    full, local = _param_bytes(model, layouts)
     collectives = Counter(COLLECTIVES[s.name] for s in resolved.assignments.values()
                           if s.name in COLLECTIVES)
     return {"path": str(path), "model_type": config.model_type, "tp": tp, "dtype": str(dtype),
@@ -86,6 +76,41 @@ def analyze(path: str, tp: int, dtype_name: str | None = None) -> dict[str, Any]
             "collectives_per_forward": dict(collectives),
             "blockers": list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", b) for b in blockers)),
             "valid_tp_sizes": valid_tp_sizes(constraints), "notes": resolved.notes}
+
+
+def _type_blockers(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
+    """Styles that do not fit their module's type (checked before head splitting, as the wrapper does)."""
+    modules, found = dict(model.named_modules()), []
+    for name, style in resolved.assignments.items():
+        try:
+            style.check_type(modules[name], name)
+        except (TypeError, ValueError) as err:
+            found.append(str(err))
+    return found
+
+
+def _layers(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext
+            ) -> tuple[list[dict[str, Any]], dict[str, Any], list[Any], list[str]]:
+    """Per-module rows, parameter layouts, all constraints and the failing ones at ``ctx.world_size``."""
+    modules = dict(model.named_modules())
+    layers, layouts, constraints, blockers = [], {}, [], []
+    for name, style in resolved.assignments.items():
+        mod = modules[name]
+        try:
+            own = style.constraints(mod, name)
+        except (TypeError, ValueError) as err:
+            blockers.append(str(err))
+            continue
+        constraints += own
+        failing = [c.problem(ctx.world_size) for c in own if not c.ok(ctx.world_size)]
+        blockers += failing
+        if failing:
+            continue  # shapes and layouts are undefined at this tp size
+        shapes = style.shapes(mod, ctx)
+        layers.append({"module": name, "style": style.name, "full": list(shapes.full),
+                       "local": list(shapes.local)})
+        layouts.update({f"{name}.{p}": lay for p, lay in style.layouts(mod, ctx).items()})
+    return layers, layouts, constraints, blockers
 
 
 def _param_bytes(model: nn.Module, layouts: dict[str, Any]) -> tuple[int, int]:

@@ -80,8 +80,12 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
+        hint = ""
+        if not Path(path).exists() and str(path).count("/") == 1 and not str(path).startswith("."):
+            hint = (f" ({path!r} looks like a Hub id: nothing is downloaded; fetch it first, e.g. "
+                    f"`huggingface-cli download {path} --local-dir DIR`, and pass DIR)")
         raise ValueError(f"cannot read model config: {p} does not exist; pass a HuggingFace "
-                         "model directory (containing config.json) or a config.json file")
+                         f"model directory (containing config.json) or a config.json file{hint}")
     try:
         data = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as err:
