@@ -30,12 +30,25 @@ from .runtime import (
     TensorParallelConfig,
     get_tensor_parallel_config,
     init_tensor_parallel,
+    shutdown_tensor_parallel,
 )
 from .wrapper import DistributedModelWrapper
 
 __version__ = "0.1.0"
 
 configure_from_env()
+
+# Loaded on first use: torchtp.signal reads TORCHTP_CONFIG when imported, and a
+# bad file there must not break `import torchtp` for everyone else.
+_LAZY_SUBPACKAGES = ("shard", "signal", "slicing", "hf", "plans")
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'torchtp' has no attribute {name!r}")
 
 __all__ = [
     "CollectiveCounter",
@@ -59,5 +72,6 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_to_tensor_parallel_region",
     "scatter_to_tensor_parallel_region",
+    "shutdown_tensor_parallel",
     "synchronize_across_ranks",
 ]

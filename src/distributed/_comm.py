@@ -24,8 +24,8 @@ from .errors import RankMismatchError
 from .runtime import ProcessGroup
 
 # New names in torch 2.13; the old ones remain for torch>=2.4.
-_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -82,7 +82,8 @@ def count_collectives() -> Iterator[CollectiveCounter]:
         _COUNTERS.remove(counter)
 
 
-def _record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+def record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Count and (under TP_DEBUG) log one collective; check shapes under TP_CHECK_SHAPES."""
     size = dist.get_world_size(group)
     if _COUNTERS:
         rec = CollectiveRecord(op, tuple(tensor.shape), tensor.dtype, size)
@@ -107,8 +108,8 @@ def _check_same_signature(op: str, tensor: torch.Tensor, group: ProcessGroup | N
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
     """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller."""
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
-    _record("all_reduce", tensor, group)
-    dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
+    record("all_reduce", tensor, group)
+    dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group)
     return tensor
 
 
@@ -125,8 +126,8 @@ def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> to
     # Gather into (size * d0, ...) along dim 0, where collectives are contiguous.
     out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype,
                       device=local.device)
-    _record("all_gather", local, group)
-    _gather_single(out, local, group=group)
+    record("all_gather", local, group)
+    gather_single(out, local, group=group)
     if dim == 0:
         return out
     return torch.cat(out.chunk(size, dim=0), dim=dim)
@@ -140,15 +141,15 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -
     full = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
     out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=full.dtype,
                       device=full.device)
-    _record("reduce_scatter", full, group)
-    _reduce_scatter_single(out, full, group=group)
+    record("reduce_scatter", full, group)
+    reduce_scatter_single(out, full, group=group)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """Return ``src``'s ``tensor`` on every rank (fresh tensor; ``src`` is a group rank)."""
     out = tensor.clone(memory_format=torch.contiguous_format)
-    _record("broadcast", out, group)
+    record("broadcast", out, group)
     global_src = src if group is None else dist.get_global_rank(group, src)
     dist.broadcast(out, src=global_src, group=group)
     return out
@@ -164,7 +165,7 @@ def split(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return tensor.narrow(dim, rank * n, n).contiguous()
 
 
-_REDUCE_OPS = {
+REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,

@@ -1,6 +1,7 @@
 """Decide what to split: resolve the plan, check it, and describe it.
 
-Resolution order: the ``plan`` argument (a dict or a YAML/JSON file); else,
+Resolution order: the ``plan`` argument (a dict, a YAML/JSON file, or
+``"builtin"`` for torchtp's own plan of the architecture); else,
 for HuggingFace models, the model's own plan, then torchtp's built-in plan
 for its architecture, then structural detection; else (plain models) the
 automatic ``nn.Sequential`` chain plan.
@@ -18,7 +19,7 @@ from torch import nn
 from ._logging import logger
 from .hf import adjust_attention_modules, head_aware_assignments, hf_plan, is_hf_model
 from .hf.attention import HeadInfo
-from .hf.builtin import builtin_plan
+from .hf.builtin import BUILTIN_PLANS, builtin_plan
 from .hf.structural import structural_plan
 from .plans import (
     Constraint,
@@ -57,6 +58,8 @@ class Planned:
 
 def resolve(model: nn.Module, plan: PlanArg, ctx: ShardContext) -> ResolvedPlan:
     """Pick the plan for ``model`` following the resolution order."""
+    if plan == "builtin":
+        return _builtin(model, required=True)
     if isinstance(plan, (str, os.PathLike)):
         return match_plan(model, load_plan_file(plan), f"file {os.fspath(plan)}")
     if plan is not None:
@@ -66,12 +69,25 @@ def resolve(model: nn.Module, plan: PlanArg, ctx: ShardContext) -> ResolvedPlan:
     own = hf_plan(model)
     if own:
         return match_plan(model, own, "HF plan (config.base_model_tp_plan + _tp_plan)")
+    return _builtin(model, required=False) or structural_plan(model)
+
+
+def _builtin(model: nn.Module, required: bool) -> ResolvedPlan | None:
+    """torchtp's plan for the model's architecture (``plan="builtin"`` forces it)."""
+    if not is_hf_model(model):
+        if required:
+            raise ValueError("plan='builtin' needs a HuggingFace model; pass a dict plan")
+        return None
     prefix = model.base_model_prefix if model.base_model is not model else ""
     model_type = getattr(model.config, "model_type", "")
-    builtin = builtin_plan(model_type, prefix)
-    if builtin:
-        return match_plan(model, builtin, f"torchtp built-in plan for {model_type!r}")
-    return structural_plan(model)
+    rules = builtin_plan(model_type, prefix)
+    if rules is None:
+        if required:
+            raise ValueError(f"plan='builtin': torchtp has no built-in plan for "
+                             f"model_type={model_type!r}; built-in plans exist for "
+                             f"{sorted(BUILTIN_PLANS)}")
+        return None
+    return match_plan(model, rules, f"torchtp built-in plan for {model_type!r}")
 
 
 def prepare(model: nn.Module, plan: PlanArg, ctx: ShardContext) -> Planned:
@@ -85,9 +101,9 @@ def prepare(model: nn.Module, plan: PlanArg, ctx: ShardContext) -> Planned:
     """
     resolved = resolve(model, plan, ctx)
     modules = dict(model.named_modules())
+    heads = head_aware_assignments(model, resolved)
     for name, style in resolved.assignments.items():
         style.check_type(modules[name], name)
-    heads = head_aware_assignments(model, resolved)
     constraints = [c for name, style in resolved.assignments.items()
                    for c in style.constraints(modules[name], name)]
     check(constraints, ctx.world_size, ctx.model_name)

@@ -9,6 +9,7 @@ one device unchanged.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -124,9 +125,26 @@ def init_tensor_parallel(
         seconds = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         kwargs["timeout"] = seconds
     dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, **kwargs)
+    # We started the group, so we end it: without a barrier + destroy, Gloo's
+    # threads can abort the process at exit ("terminate called without an
+    # active exception") after all the work is done.
+    atexit.register(shutdown_tensor_parallel)
     _CONFIG = _config_from_group(local_rank)
     logger.debug("init_tensor_parallel: %s", _CONFIG)
     return _CONFIG
+
+
+def shutdown_tensor_parallel() -> None:
+    """Wait for every rank, then destroy the default process group (if one is running).
+
+    Registered at exit by :func:`init_tensor_parallel` when it started the
+    group; call it yourself to end earlier. Safe to call more than once.
+    """
+    global _CONFIG
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _CONFIG = None
 
 
 def get_tensor_parallel_config() -> TensorParallelConfig:

@@ -13,7 +13,12 @@ from .collectives import (
     synchronize_across_ranks,
 )
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .runtime import TensorParallelConfig, get_tensor_parallel_config, init_tensor_parallel
+from .runtime import (
+    TensorParallelConfig,
+    get_tensor_parallel_config,
+    init_tensor_parallel,
+    shutdown_tensor_parallel,
+)
 from .wrapper import DistributedModelWrapper
 
 __all__ = [
@@ -27,5 +32,6 @@ __all__ = [
     "get_tensor_parallel_config",
     "init_tensor_parallel",
     "reduce_scatter",
+    "shutdown_tensor_parallel",
     "synchronize_across_ranks",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from . import grad_sync
 from ._logging import logger
 from .agreement import agree
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -158,4 +159,5 @@ def _apply(model: nn.Module, planned: Planned, ctx: ShardContext) -> list[str]:
         logger.debug("swapped %s: %s -> %s", name, type(old).__name__, new)
     retie(model, ties)
     finish(model, planned, ctx)
+    grad_sync.install(model)
     return swapped

@@ -44,6 +44,17 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
         "h.*.mlp.dense_h_to_4h": "colwise",
         "h.*.mlp.dense_4h_to_h": "rowwise",
     },
+    # Phi-3's HF plan gathers its fused qkv_proj / gate_up_proj outputs (two
+    # all-gathers per layer). Splitting the packed parts keeps heads local:
+    # two all-reduces per layer. Selected with plan="builtin" (HF's plan wins
+    # by default).
+    "phi3": {
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.self_attn.qkv_proj": "packed_colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    },
     "gptj": {
         "h.*.attn.q_proj": "colwise",
         "h.*.attn.k_proj": "colwise",
@@ -55,10 +66,17 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
 }
 
 
+# Head-model outputs that the built-in plans split (their input is replicated).
+_HEADS = {"phi3": {"lm_head": "colwise_gather_output"}}
+
+
 def builtin_plan(model_type: str, prefix: str) -> dict[str, str] | None:
     """The built-in plan for ``model_type`` with names under ``prefix``, if any."""
     plan = BUILTIN_PLANS.get(model_type)
     if plan is None:
         return None
     lead = f"{prefix}." if prefix else ""
-    return {lead + k: v for k, v in plan.items()}
+    full = {lead + k: v for k, v in plan.items()}
+    if prefix:
+        full.update(_HEADS.get(model_type, {}))
+    return full

@@ -20,11 +20,10 @@ def require_transformers() -> ModuleType:
 
 def is_hf_model(model: nn.Module) -> bool:
     """True for a ``transformers.PreTrainedModel`` (only checked if transformers is loaded)."""
-    if "transformers" not in sys.modules:
-        return False
-    from transformers import PreTrainedModel
-
-    return isinstance(model, PreTrainedModel)
+    # A model of that class can only exist if transformers was imported already.
+    loaded = sys.modules.get("transformers")
+    base = getattr(loaded, "PreTrainedModel", None) if loaded is not None else None
+    return base is not None and isinstance(model, base)
 
 
 def text_config(model: nn.Module) -> object:

@@ -17,6 +17,7 @@ from torch import nn
 from ..plans import ResolvedPlan, match_plan
 from ..plans.linear_view import LinearView, linear_view
 from .attention import _is_attention, _parts, head_info
+from .dataflow import trace_sources
 from .detect import text_config
 
 
@@ -39,27 +40,45 @@ def _linears_by_parent(block: nn.Module) -> dict[str, list[tuple[str, LinearView
 def _pair(parent: nn.Module, members: list[tuple[str, LinearView]], hidden: int,
           config: object) -> tuple[dict[str, str], str | None]:
     """Styles for one parent's projections, or ({}, reason it stays replicated)."""
-    outputs = [(n, v) for n, v in members if v.out_features == hidden and v.in_features != hidden]
-    inputs = [(n, v) for n, v in members if v.in_features == hidden]
-    if len(outputs) != 1 or not inputs or len(inputs) + 1 != len(members):
-        return {}, "not exactly one output projection back to the hidden size"
-    out_name, out_view = outputs[0]
-    order = [n for n, _ in members]
-    if any(order.index(n) > order.index(out_name) for n, _ in inputs):
-        return {}, "an input projection is registered after the output projection"
+    # The output projection writes the hidden state and is registered last
+    # (tree order stands in for dataflow); every other projection reads it.
+    out_name, out_view = members[-1]
+    inputs = members[:-1]
+    if out_view.out_features != hidden or not inputs:
+        return {}, "no projection pair ending in one output projection back to the hidden size"
+    if any(v.in_features != hidden for _, v in inputs):
+        return {}, "a projection before the output one does not read the hidden state"
     if _is_attention(parent):
-        info = head_info(parent, config)
-        if info is None or out_view.in_features != info.heads * info.head_dim:
-            return {}, "attention projections do not match the head geometry"
-        if any(_parts(v.out_features, "colwise", info) is None for _, v in inputs):
-            return {}, "a fused attention projection whose q/k/v layout cannot be told apart"
-        return {**{n: "colwise" for n, _ in inputs}, out_name: "rowwise"}, None
+        if len(inputs) not in (1, 3):
+            return {}, "attention needs q, k, v (or one fused qkv) projections and an output one"
+        return _attention_pair(parent, inputs, out_name, out_view, config)
     inner = out_view.in_features
     if all(v.out_features == inner for _, v in inputs):
         return {**{n: "colwise" for n, _ in inputs}, out_name: "rowwise"}, None
     if len(inputs) == 1 and inputs[0][1].out_features == 2 * inner:
         return {inputs[0][0]: "packed_colwise", out_name: "rowwise"}, None
     return {}, "input projections do not share the output projection's inner width"
+
+
+def _attention_pair(parent: nn.Module, inputs: list[tuple[str, LinearView]], out_name: str,
+                    out_view: LinearView, config: object) -> tuple[dict[str, str], str | None]:
+    info = head_info(parent, config)
+    own = [n for n, m in parent.named_children()
+           if linear_view(m) is None and any(True for _ in m.parameters())]
+    if own:
+        return {}, (f"it has parameterized submodules {own} (e.g. per-head norms) whose place "
+                    "in the dataflow decides their gradient; pass plan= "
+                    "('replicated_with_grad_allreduce' for per-head norms)")
+    if info is None or out_view.in_features != info.heads * info.head_dim:
+        return {}, "attention projections do not match the head geometry"
+    fused = (info.heads + 2 * info.kv_heads) * info.head_dim
+    if any(v.out_features == fused for _, v in inputs):
+        return {}, ("a fused q/k/v projection whose layout (stacked or interleaved per head) "
+                    "cannot be told from its shape; pass plan= ('packed_colwise' if stacked, "
+                    "'colwise' if interleaved)")
+    if any(_parts(v.out_features, "colwise", info) is None for _, v in inputs):
+        return {}, "a projection's out_features do not map onto the attention heads"
+    return {**{n: "colwise" for n, _ in inputs}, out_name: "rowwise"}, None
 
 
 def structural_plan(model: nn.Module) -> ResolvedPlan:
@@ -87,9 +106,39 @@ def structural_plan(model: nn.Module) -> ResolvedPlan:
     if not _same_in_every_block(blocks, rules, list_name):
         rules, notes = {}, [f"blocks of '{list_name}' differ in structure: everything stays "
                             "replicated; pass plan= to shard"]
-    plan = match_plan(model, rules, "structural detection")
+    source = "structural detection"
+    if rules:
+        rules, checked = _confirm_dataflow(model, rules, list_name, notes)
+        source += " (pairs checked against dataflow)" if checked else " (tree order only)"
+    plan = match_plan(model, rules, source)
     plan.notes.extend(notes)
     return plan
+
+
+def _confirm_dataflow(model: nn.Module, rules: dict[str, str], list_name: str,
+                      notes: list[str]) -> tuple[dict[str, str], bool]:
+    """Keep only the pairs whose output projection is fed by exactly its inputs."""
+    first = f"{list_name}.0."
+    concrete = {r.replace(f"{list_name}.*.", first, 1): style for r, style in rules.items()}
+    outputs = [n for n, style in concrete.items() if style == "rowwise"]
+    sources = trace_sources(model, outputs)
+    if sources is None:
+        notes.append("could not run the model on its dummy inputs to check dataflow: pairs "
+                     "follow module tree order")
+        return rules, False
+    kept: dict[str, str] = {}
+    for out in outputs:
+        parent = out.rpartition(".")[0] + "."
+        inputs = {n for n, s in concrete.items() if n.startswith(parent) and n != out
+                  and n.count(".") == out.count(".")}
+        pattern = lambda n: n.replace(first, f"{list_name}.*.", 1)  # noqa: E731
+        if sources.get(out) == inputs:
+            kept.update({pattern(n): concrete[n] for n in (*sorted(inputs), out)})
+        else:
+            notes.append(f"'{pattern(parent.rstrip('.'))}' kept replicated: its output projection "
+                         f"reads {sorted(sources.get(out, set()))}, not the paired "
+                         f"{sorted(inputs)}")
+    return kept, True
 
 
 def _same_in_every_block(blocks: nn.ModuleList, rules: dict[str, str], list_name: str) -> bool:

@@ -36,8 +36,10 @@ class Constraint:
 
     def problem(self, tp: int) -> str:
         """Sentence saying why ``tp`` fails."""
-        need = "divisible by" + (" (or a divisor of)" if self.allow_multiple else "")
-        return f"{self.where}: {self.what}={self.value} is not {need} world_size={tp}"
+        if self.allow_multiple:
+            return (f"{self.where}: {self.what}={self.value} is neither divisible by "
+                    f"world_size={tp} nor a divisor of it")
+        return f"{self.where}: {self.what}={self.value} is not divisible by world_size={tp}"
 
 
 def valid_tp_sizes(constraints: Iterable[Constraint], limit: int = MAX_TP) -> list[int]:

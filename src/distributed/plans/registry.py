@@ -7,7 +7,6 @@ from .styles_hf import (
     EmbeddingColwise,
     EmbeddingRowwise,
     HeadSplit,
-    Part,
     ReplicatedWithGradAllreduce,
     Unsupported,
 )
@@ -23,7 +22,7 @@ STYLES: dict[str, ParallelStyle] = {
     "rowwise_rep": Rowwise(split_input=True),
     "replicate": Replicate(),
     "keep_full_weight": Replicate(),
-    "packed_colwise": HeadSplit((Part(1, 1, "first half"), Part(1, 1, "second half"))),
+    "packed_colwise": HeadSplit(),
     "replicated_with_grad_allreduce": ReplicatedWithGradAllreduce(),
     "embedding_rowwise": EmbeddingRowwise(),
     "embedding_colwise": EmbeddingColwise(),

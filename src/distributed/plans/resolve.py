@@ -31,12 +31,20 @@ class ResolvedPlan:
     rules: dict[str, str]
     assignments: dict[str, ParallelStyle] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    matches: dict[str, list[str]] = field(default_factory=dict)
 
     def table(self) -> str:
-        """A readable table of module -> style, with the plan source and notes."""
-        width = max((len(n) for n in self.assignments), default=6)
-        lines = [f"plan source: {self.source}", f"{'module':<{width}}  style"]
-        lines += [f"{n:<{width}}  {s.name}" for n, s in self.assignments.items()]
+        """The plan as a table: one row per rule with the modules it matched."""
+        rows = [(rule, style, self.matches.get(rule, [rule] if rule in self.assignments else []))
+                for rule, style in self.rules.items()]
+        width = max([len(r) for r, _, _ in rows] + [4])
+        swidth = max([len(s) for _, s, _ in rows] + [5])
+        lines = [f"plan source: {self.source}",
+                 f"{'rule':<{width}}  {'style':<{swidth}}  modules"]
+        for rule, style, names in rows:
+            shown = names[0] if len(names) == 1 else f"{len(names)} (e.g. {names[0]})" if names \
+                else "none"
+            lines.append(f"{rule:<{width}}  {style:<{swidth}}  {shown}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -67,6 +75,7 @@ def match_plan(model: nn.Module, plan: Plan, source: str) -> ResolvedPlan:
         pattern = next((p for p in styles if fnmatch.fnmatchcase(name, p)), None)
         if pattern is not None:
             resolved.assignments[name] = styles[pattern]
+            resolved.matches.setdefault(pattern, []).append(name)
             used.add(pattern)
     for pattern in styles:
         if pattern not in used:

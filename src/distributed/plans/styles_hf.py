@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from .. import _comm
+from ..grad_sync import GradSync, mark
 from ..layers import FeatureParallelEmbedding, VocabParallelEmbedding
 from ..layouts import ParamLayout, even_chunks, uneven_chunks
 from .constraints import Constraint
@@ -106,35 +105,19 @@ class HeadSplit(Colwise):
 
     def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
         layer = super().apply(module, fqn, ctx)
-        shared, local = [], 0
         view = require_linear(self.name, module, fqn)
+        shared, local = [], 0
         for part, (_, n) in zip(self.parts_for(view), layer.tp_layouts["weight"].segments,
                                 strict=True):
             if part.units % ctx.world_size:
-                shared.append((local, n, sharing_subgroup(ctx, part.units)))
+                # A replicated KV head: each rank's gradient covers only its own
+                # query heads; the sum over the ranks sharing the head is exact.
+                shared.append(GradSync(sharing_subgroup(ctx, part.units), (local, n)))
             local += n
         if shared:
-            for p in layer.parameters():
-                p.register_hook(_SumSharedRows(shared))
+            for name, _ in layer.named_parameters(recurse=False):
+                mark(layer, name, tuple(shared))
         return layer
-
-
-class _SumSharedRows:
-    """Gradient hook: sum the rows of replicated heads over the ranks sharing them.
-
-    Each rank's gradient for a replicated KV head covers only its own query
-    heads; the true gradient is the sum over the ranks that hold that head.
-    """
-
-    def __init__(self, rows: list[tuple[int, int, object]]) -> None:
-        self.rows = rows
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        out = grad.clone()
-        for start, n, group in self.rows:
-            if group is not None:
-                out[start:start + n] = _comm.all_reduce(grad[start:start + n], group)
-        return out
 
 
 class ReplicatedWithGradAllreduce(ParallelStyle):
@@ -147,10 +130,9 @@ class ReplicatedWithGradAllreduce(ParallelStyle):
     name = "replicated_with_grad_allreduce"
 
     def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
-        if ctx.world_size > 1 and not getattr(module, "_torchtp_grad_allreduce", False):
-            for p in module.parameters(recurse=False):
-                p.register_hook(lambda g, group=ctx.group: _comm.all_reduce(g, group))
-            module._torchtp_grad_allreduce = True  # type: ignore[assignment]
+        if ctx.world_size > 1:
+            for name, _ in module.named_parameters(recurse=False):
+                mark(module, name, (GradSync(ctx.group),))
         return module
 
 

@@ -127,12 +127,12 @@ def group_info(grid: Grid, axes: tuple[int, ...]) -> GroupInfo:
 
 def record(op: str, x: torch.Tensor, pg: ProcessGroup | None) -> None:
     """Count and log one collective (visible to ``torchtp.count_collectives``)."""
-    _comm._record(op, x, pg)
+    _comm.record(op, x, pg)
 
 
 def torch_op(reduction: Reduction) -> dist.ReduceOp:
     """The torch reduce op computing ``reduction`` (AVERAGE sums, then divides)."""
-    return _comm._REDUCE_OPS["sum" if reduction is Reduction.AVERAGE else reduction.value]
+    return _comm.REDUCE_OPS["sum" if reduction is Reduction.AVERAGE else reduction.value]
 
 
 def accumulate_dtype(op: str, x: torch.Tensor, reduction: Reduction,

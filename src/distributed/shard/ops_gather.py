@@ -131,5 +131,5 @@ def reduce_scatter(x: torch.Tensor, grid: Grid, scatter_axis: int, *,
     full = torch.cat(g.by_group_rank(pieces), dim=0).contiguous()
     out = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
     c.record("reduce_scatter", full, g.pg)
-    _comm._reduce_scatter_single(out, full, op=c.torch_op(red), group=g.pg)
+    _comm.reduce_scatter_single(out, full, op=c.torch_op(red), group=g.pg)
     return c.finish_average(out.movedim(0, dim).contiguous(), red, g.size)

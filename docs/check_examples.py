@@ -1,0 +1,70 @@
+"""Run every Python example in the Markdown docs, so the docs cannot drift from the code.
+
+Usage (from the repository root):
+    python docs/check_examples.py README.md docs/*.md
+
+A ```python block runs in one process unless the HTML comment right above it says
+otherwise: ``<!-- run: torchrun N -->`` runs it with ``torchrun --nproc-per-node N``,
+``<!-- run: skip -->`` skips it (GPU-only or fragments; the comment must say why).
+Exits non-zero if any example fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BLOCK = re.compile(r"(?:<!-- run: (?P<how>[^>]*?) -->\s*\n)?```python\n(?P<code>.*?)```", re.S)
+
+
+def examples(path: Path) -> list[tuple[int, str, str]]:
+    """(line number, how, code) for each python block in ``path``."""
+    text = path.read_text()
+    found = []
+    for m in BLOCK.finditer(text):
+        line = text.count("\n", 0, m.start("code"))
+        found.append((line, (m.group("how") or "python").strip(), m.group("code")))
+    return found
+
+
+def command(how: str, script: str) -> list[str] | None:
+    bindir = Path(sys.executable).parent
+    if how == "python":
+        return [sys.executable, script]
+    if how.startswith("torchrun "):
+        return [str(bindir / "torchrun"), "--standalone", "--nproc-per-node",
+                how.split()[1], script]
+    if how.startswith("skip"):
+        return None
+    raise ValueError(f"unknown run marker {how!r}")
+
+
+def main(paths: list[str]) -> int:
+    failures = 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for path in map(Path, paths):
+        for line, how, code in examples(path):
+            with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+                f.write(code)
+            cmd = command(how, f.name)
+            where = f"{path}:{line}"
+            if cmd is None:
+                print(f"skip {where} ({how})")
+                continue
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+            status = "ok  " if proc.returncode == 0 else "FAIL"
+            print(f"{status} {where} ({how})")
+            if proc.returncode:
+                failures += 1
+                print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+            os.unlink(f.name)
+    print(f"{failures} failing example(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,53 @@
+"""Generate the supported-architectures table of docs/hf.md from the tests.
+
+Usage (from the repository root): ``python docs/gen_hf_table.py`` prints the
+table; ``python docs/gen_hf_table.py --write`` replaces it in docs/hf.md.
+tests/distributed/test_hf_docs.py fails when the page is out of date.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BEGIN, END = "<!-- hf-table:begin -->", "<!-- hf-table:end -->"
+
+
+def table() -> str:
+    """One row per architecture that tests/distributed/test_hf_models.py checks."""
+    import torchtp
+    from tests.distributed._hf_models import GENERATES, build
+    from tests.distributed.test_hf_models import ARCHS, EXPECTED_COLLECTIVES
+
+    rows = ["| architecture (test config) | model class | plan source | styles | "
+            "collectives per forward (2 layers) | checked at tp 2 and 4 |",
+            "|---|---|---|---|---|---|"]
+    for arch in ARCHS:
+        wrapped = torchtp.DistributedModelWrapper(build(arch), world_size=2, rank=0)
+        plan = wrapped.resolved_plan
+        styles = ", ".join(sorted(set(plan.rules.values())))
+        counts = ", ".join(f"{n} {op}" for op, n in sorted(EXPECTED_COLLECTIVES[arch].items()))
+        checks = "logits, grads, 2 SGD steps" + (", greedy generate" if arch in GENERATES else "")
+        rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
+                    f"{styles} | {counts} | {checks} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    text = table()
+    if "--write" not in argv:
+        print(text)
+        return 0
+    page = ROOT / "docs" / "hf.md"
+    content = page.read_text()
+    head, _, rest = content.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    page.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

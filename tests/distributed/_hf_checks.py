@@ -1,0 +1,100 @@
+"""Rank-side checks comparing a wrapped HF model with the unsharded one."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchtp
+
+from ._hf_models import VOCAB, build
+
+# Logits: fp32, sharding only reorders additions; observed differences are
+# ~3e-7 on these 2-layer models, so 1e-5 (torch's fp32 default atol) holds.
+LOGITS = {"rtol": 1.3e-6, "atol": 1e-5}
+# Gradients pass through softmax/attention backward twice per layer and reach
+# magnitudes of 1e-3..1e0; reassociation differences stay below 1e-6 absolute,
+# so atol 1e-5 / rtol 1e-4 has margin without hiding a wrong slice (those are O(1)).
+GRADS = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def inputs(arch: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=gen)
+    return {"input_ids": ids}
+
+
+def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(**batch).logits  # (B, T, vocab) on every rank
+    target = torch.roll(batch["input_ids"], -1, dims=1)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def expected_local(module: nn.Module, pname: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a full tensor, following the module's recorded layout."""
+    layout = getattr(module, "tp_layouts", {}).get(pname)
+    return full if layout is None else layout.take(full)
+
+
+def compare_params(wrapped: nn.Module, ref: nn.Module, grads: bool) -> int:
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, p in wrapped.base_model.named_parameters():
+        module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
+        full = ref_params[name].grad if grads else ref_params[name].detach()
+        mine = p.grad if grads else p.detach()
+        assert mine is not None, f"{name} got no gradient"
+        torch.testing.assert_close(mine, expected_local(module, name.rpartition(".")[2], full),
+                                   **GRADS, msg=lambda m, n=name: f"{n}: {m}")
+        if not getattr(module, "tp_layouts", None):  # replicated: identical on every rank
+            first = mine.detach().clone()
+            dist.broadcast(first, src=0)
+            assert torch.equal(first, mine), f"replicated {name} differs across ranks"
+        checked += 1
+    return checked
+
+
+def strip_plans(model: nn.Module) -> nn.Module:
+    """Remove every plan the model or torchtp knows, so structural detection runs."""
+    from torchtp.hf import builtin
+
+    builtin.BUILTIN_PLANS.pop(model.config.model_type, None)
+    model.config.base_model_tp_plan = None
+    for module in (model, model.base_model):
+        module._tp_plan = {}
+    return model
+
+
+def check_arch(rank: int, world_size: int, arch: str, steps: int, structural: bool = False,
+               plan: object = None) -> dict:
+    model = strip_plans(build(arch)) if structural else build(arch)
+    ref, wrapped = build(arch), torchtp.DistributedModelWrapper(model, plan=plan)
+    batch = inputs(arch)
+    with torchtp.count_collectives() as fwd:
+        logits = wrapped(**batch).logits
+    torch.testing.assert_close(logits, ref(**batch).logits, **LOGITS)
+    result = {"source": wrapped.resolved_plan.source, "collectives": dict(fwd.counts),
+              "layers": len(wrapped.parallelized_layers), "notes": wrapped.resolved_plan.notes}
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+    for _ in range(steps):
+        for model, optim in ((ref, opt_ref), (wrapped, opt)):
+            optim.zero_grad()
+            loss_of(model, batch).backward()
+        result["grads_checked"] = compare_params(wrapped, ref, grads=True)
+        opt_ref.step()
+        opt.step()
+        compare_params(wrapped, ref, grads=False)
+    if hasattr(ref, "generate") and arch != "bert":
+        prompt = batch["input_ids"][:1, :5]
+        want = ref.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = wrapped.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want), f"{arch}: generated {got.tolist()} != {want.tolist()}"
+        result["generated"] = got.shape[1] - prompt.shape[1]
+    return result
+
+
+def check_archs(rank: int, world_size: int, archs: list[str], steps: int,
+                structural: bool = False) -> dict[str, dict]:
+    return {arch: check_arch(rank, world_size, arch, steps, structural) for arch in archs}

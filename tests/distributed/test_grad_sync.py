@@ -1,0 +1,25 @@
+"""Recorded gradient syncs are installed once, and again after a Parameter is replaced."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtp import get_tensor_parallel_config, grad_sync
+
+
+def _sync(rank: int, world_size: int) -> list[float]:
+    group = get_tensor_parallel_config().group
+    layer = nn.Linear(2, 3, bias=False)
+    grad_sync.mark(layer, "weight", (grad_sync.GradSync(group, rows=(1, 2)),))
+    assert grad_sync.install(layer) == 1
+    assert grad_sync.install(layer) == 0  # idempotent
+    layer.weight = nn.Parameter(torch.zeros(3, 2))  # what a loader does
+    assert grad_sync.install(layer) == 1
+    layer(torch.full((1, 2), float(rank + 1))).sum().backward()
+    # Row 0 keeps this rank's gradient; rows 1-2 hold the sum over ranks.
+    return layer.weight.grad[:, 0].tolist()
+
+
+def test_installed_hooks_sum_the_recorded_rows(ranks):
+    assert ranks(_sync, 2) == [[1.0, 3.0, 3.0], [2.0, 3.0, 3.0]]

@@ -1,0 +1,176 @@
+"""How HF plans are found, read from files, detected, checked and refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchtp
+
+from ._hf_checks import check_arch, check_archs, strip_plans
+from ._hf_models import build
+
+
+def test_structural_detection_matches_unsharded_and_never_gathers(ranks):
+    # Llama, Mistral and OPT with every plan removed: attention and MLP pairs are
+    # found from the tree, confirmed by dataflow, and give exact logits/grads.
+    results = ranks(check_archs, 2, ["llama", "mistral", "opt"], 1, True, timeout=300)
+    for arch, got in results[0].items():
+        assert got["source"] == "structural detection (pairs checked against dataflow)", arch
+        assert "all_gather" not in got["collectives"], arch
+        assert got["collectives"]["all_reduce"] == 4, arch  # 2 per decoder layer
+        assert got["notes"] == [], arch
+
+
+def test_structural_detection_keeps_unsure_parts_replicated_and_says_why():
+    neox = torchtp.DistributedModelWrapper(strip_plans(build("gpt_neox")), world_size=2, rank=0)
+    assert any("fused q/k/v projection whose layout" in n for n in neox.resolved_plan.notes)
+    assert all(".attention." not in name for name in neox.parallelized_layers)
+    bert = torchtp.DistributedModelWrapper(strip_plans(build("bert")), world_size=2, rank=0)
+    assert bert.parallelized_layers == []  # BERT's output projections live in sibling modules
+    assert any("attention needs q, k, v" in n for n in bert.resolved_plan.notes)
+    qwen3 = torchtp.DistributedModelWrapper(strip_plans(build("qwen3")), world_size=2, rank=0)
+    assert any("['q_norm', 'k_norm']" in n for n in qwen3.resolved_plan.notes)
+
+
+def test_plan_sources_and_printing():
+    llama = torchtp.DistributedModelWrapper(build("llama"), world_size=2, rank=0)
+    text = llama.describe_plan()
+    assert text.startswith("plan source: HF plan (config.base_model_tp_plan + _tp_plan)")
+    row = next(line for line in text.splitlines() if line.startswith("model.layers.*.self_attn.k_proj"))
+    assert row.split() == ["model.layers.*.self_attn.k_proj", "colwise", "2", "(e.g.",
+                           "model.layers.0.self_attn.k_proj)"]
+    assert llama.resolved_plan.rules["lm_head"] == "colwise_gather_output"
+    assert llama.valid_world_sizes == [1, 2, 4, 8]
+    gpt2 = torchtp.DistributedModelWrapper(build("gpt2"), world_size=2, rank=0)
+    assert gpt2.resolved_plan.source == "torchtp built-in plan for 'gpt2'"
+    assert "transformer.h.*.attn.c_attn" in gpt2.resolved_plan.rules
+
+
+def test_builtin_phi3_plan_splits_packed_parts_instead_of_gathering(ranks):
+    # HF's Phi-3 plan gathers qkv_proj and gate_up_proj (5 all-gathers for 2
+    # layers); torchtp's built-in plan splits q|k|v and gate|up part by part.
+    for got in ranks(check_arch, 4, "phi3", 1, False, "builtin", timeout=200):
+        assert got["source"] == "torchtp built-in plan for 'phi3'"
+        assert got["collectives"] == {"all_reduce": 5, "all_gather": 1}
+    with pytest.raises(ValueError, match=r"no built-in plan for model_type='llama'; built-in "
+                                         r"plans exist for \['bert', 'falcon', 'gpt2'"):
+        torchtp.DistributedModelWrapper(build("llama"), world_size=2, rank=0, plan="builtin")
+
+
+def _yaml_plan(rank: int, world_size: int, path: str) -> dict:
+    return check_arch(rank, world_size, "llama", 1, plan=path)
+
+
+def test_plan_from_a_yaml_file(ranks, tmp_path):
+    path = tmp_path / "tp_plan.yaml"
+    path.write_text("model.layers.*.self_attn.q_proj: colwise\n"
+                    "model.layers.*.self_attn.k_proj: colwise\n"
+                    "model.layers.*.self_attn.v_proj: colwise\n"
+                    "model.layers.*.self_attn.o_proj: rowwise\n"
+                    "model.layers.*.mlp.gate_proj: colwise\n"
+                    "model.layers.*.mlp.up_proj: colwise\n"
+                    "model.layers.*.mlp.down_proj: rowwise\n")
+    got = ranks(_yaml_plan, 2, str(path))[0]
+    assert got["source"] == f"file {path}"
+    assert got["collectives"] == {"all_reduce": 4}
+
+
+def test_bad_plan_files(tmp_path):
+    model = build("llama")
+    with pytest.raises(FileNotFoundError, match=r"plan file .*missing\.yaml does not exist"):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0, plan=tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model.layers.*.q_proj: [colwise\n")
+    with pytest.raises(ValueError, match=r"plan file .*bad.yaml is not valid yaml"):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0, plan=bad)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("model.layers.*.q_proj: 3\n")
+    with pytest.raises(ValueError, match=r"wrong.yaml: entry 'model.layers.\*.q_proj': 3 must map"):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0, plan=wrong)
+
+
+def test_non_divisible_heads_raise_at_wrap_time_with_valid_sizes():
+    model = build("llama")
+    with pytest.raises(ValueError, match=(
+            r"LlamaForCausalLM: module 'model.layers.0.self_attn.q_proj' \(style 'colwise'\): "
+            r"num_attention_heads \(query heads\)=8 is not divisible by world_size=3 .*"
+            r"valid world sizes for this model: \[1, 2, 4, 8\]")):
+        torchtp.DistributedModelWrapper(model, world_size=3, rank=0)
+    # Nothing was touched: the model is still whole and usable.
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+
+
+def test_tp_above_kv_heads_must_be_a_multiple():
+    sizes = {"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 96,
+             "intermediate_size": 192, "vocab_size": 192}
+    with pytest.raises(ValueError, match=(
+            r"'model.layers.0.self_attn.k_proj' \(style 'colwise'\): num_key_value_heads "
+            r"\(key/value heads\)=3 is neither divisible by world_size=4 nor a divisor of it.*"
+            r"valid world sizes for this model: \[1, 3, 6, 12\]")):
+        torchtp.DistributedModelWrapper(build("llama", **sizes), world_size=4, rank=0)
+    # tp=6 is a multiple of 3 KV heads: each KV head is replicated on 2 ranks.
+    ok = torchtp.DistributedModelWrapper(build("llama", **sizes), world_size=6, rank=5)
+    k_proj = ok.base_model.model.layers[0].self_attn.k_proj
+    assert k_proj.weight.shape == (8, 96)  # one whole KV head (head_dim 8)
+    assert k_proj.tp_layouts["weight"].segments == ((16, 8),)  # rank 5 uses KV head 2
+    assert ok.base_model.model.layers[0].self_attn.num_key_value_groups == 2
+
+
+def test_unknown_and_moe_styles_are_refused_not_replicated():
+    import transformers as tf
+
+    with pytest.raises(ValueError, match=r"unknown plan style 'colwize' for 'model.layers.\*.mlp"):
+        torchtp.DistributedModelWrapper(build("llama"), world_size=2, rank=0,
+                                        plan={"model.layers.*.mlp.up_proj": "colwize"})
+    config = tf.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=64,
+                              num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+                              num_local_experts=4)
+    with pytest.raises(ValueError, match=(
+            r"plan style 'moe_tp_experts' for module 'model.layers.0.mlp.experts' "
+            r"\(MixtralExperts\) is not supported by torchtp: mixture-of-experts.*does not "
+            r"silently replicate")):
+        torchtp.DistributedModelWrapper(tf.MixtralForCausalLM(config), world_size=2, rank=0)
+
+
+def test_tied_weights_split_two_ways_are_refused():
+    model = build("llama-tied")
+    plan = {"lm_head": "colwise_gather_output", "model.embed_tokens": "replicate"}
+    with pytest.raises(ValueError, match=(
+            r"LlamaForCausalLM: 'model.embed_tokens.weight' is tied to 'lm_head.weight' but the "
+            r"plan splits them differently \('replicate' vs 'colwise_gather_output'\) at "
+            r"world_size=2; give both the same split")):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0, plan=plan)
+
+
+def test_tied_weights_stay_one_parameter():
+    wrapped = torchtp.DistributedModelWrapper(build("llama-tied"), world_size=2, rank=1)
+    model = wrapped.base_model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.shape == (64, 64)  # vocab 128 split over 2 ranks
+
+
+def test_transformers_stays_optional(tmp_path):
+    script = tmp_path / "no_hf.py"
+    script.write_text(
+        "import sys\n"
+        "sys.modules['transformers'] = None  # import transformers now raises ImportError\n"
+        "import torch, torchtp\n"
+        "from torchtp.hf import require_transformers\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))\n"
+        "print(torchtp.DistributedModelWrapper(m, world_size=2, rank=0).parallelized_layers)\n"
+        "try:\n"
+        "    require_transformers()\n"
+        "except ImportError as err:\n"
+        "    print(err)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "['0', '2']",
+        "this needs HuggingFace transformers: pip install 'torchtp[hf]' "
+        "(transformers, safetensors, accelerate)"]
