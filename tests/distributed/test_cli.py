@@ -99,6 +99,7 @@ def test_plan_lists_blockers_with_valid_sizes(capsys, tiny_config):
     (["bench", "{bad}", "--tp", "2"], "cannot read model config"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["plan", "meta-llama/Llama-3.2-1B", "--tp", "2"], "looks like a Hub id: nothing is downloaded"),
+    (["plan", "{cfg}", "--tp", "2", "--plan", "nofile.yaml"], "expected auto, builtin or a plan file"),
     (["verify", "{cfg}", "--tp", "3"], "tp=3 cannot split"),
     (["bench", "{cfg}", "--tp", "5"], "valid tp sizes: [1, 2, 4, 8]"),
 ])
@@ -122,6 +123,20 @@ def test_plan_other_architectures_from_config_only(capsys, tmp_path):
     assert code == 0 and report["model_type"] == "qwen2"
     assert report["collectives_per_forward"]["all_reduce"] == 2 * 3 + 1
     assert 4 in report["valid_tp_sizes"]  # 2 KV heads replicated over 4 ranks
+
+
+def test_plan_builtin_phi3_avoids_per_layer_all_gathers(capsys, tmp_path):
+    cfg = transformers.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4, intermediate_size=128, vocab_size=256,
+                                  pad_token_id=0)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    counts = {}
+    for choice in ("auto", "builtin"):
+        code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "2", "--plan", choice, "--json")
+        assert code == 0
+        counts[choice] = json.loads(out)["collectives_per_forward"]
+    assert counts["builtin"] == {"all_reduce": 2 * 2 + 1, "all_gather": 1}  # lm_head only
+    assert counts["auto"]["all_gather"] > 1  # HF's own plan gathers qkv and gate_up outputs
 
 
 def test_estimate_table_and_json(capsys, tiny_config):

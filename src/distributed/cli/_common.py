@@ -75,3 +75,19 @@ def _arg_error(message: str) -> Exception:
     import argparse
 
     return argparse.ArgumentTypeError(message)
+
+
+def plan_choice(text: str) -> str | None:
+    """argparse type for ``--plan``: ``auto`` (None), ``builtin``, or a YAML/JSON plan file."""
+    from pathlib import Path
+
+    if text == "auto":
+        return None
+    if text == "builtin" or Path(text).is_file():
+        return text
+    raise _arg_error(f"expected auto, builtin or a plan file (YAML/JSON), got {text!r}: no such file")
+
+
+PLAN_HELP = ("which plan: auto (as DistributedModelWrapper(model): the model's HF plan, else "
+             "torchtp's built-in plan, else structural detection), builtin (torchtp's plan for "
+             "the architecture), or a YAML/JSON plan file (default: auto)")

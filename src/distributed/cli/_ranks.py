@@ -45,9 +45,9 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-def wrap(model: nn.Module, config: Any) -> DistributedModelWrapper:
-    """Shard ``model`` across the running process group with its own (HF) plan."""
-    return DistributedModelWrapper(model)
+def wrap(model: nn.Module, plan: str | None = None) -> DistributedModelWrapper:
+    """Shard ``model`` across the running process group (``plan``: None, "builtin" or a file)."""
+    return DistributedModelWrapper(model, plan=plan)
 
 
 def peak_rss_bytes() -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._common import dump_json, human_bytes, positive_int, progress, table
+from ._common import PLAN_HELP, dump_json, human_bytes, plan_choice, positive_int, progress, table
 from ._launch import launch, pick_backend
 from ._ranks import barrier, load_model, peak_device_bytes, peak_rss_bytes, random_tokens, say, wrap
 from .plan import require_splittable
@@ -34,6 +34,7 @@ def register(sub: Any) -> None:
     p.add_argument("--reps", type=positive_int, default=5, help="timed prefills (default 5)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--dtype", default=None, help="float32 (default for CPU), bfloat16, float16")
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and tokens")
     p.add_argument("--backend", default="auto", help="auto (nccl with one GPU per rank, else gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
@@ -59,7 +60,7 @@ def _decode_step(model: Any, previous: Any) -> Any:
 def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     say(rank, f"loading {args['path']} on {world} rank(s)")
     model, config = load_model(args["path"], args["dtype"], args["seed"])
-    model = wrap(model, config)
+    model = wrap(model, args["plan"])
     ids = random_tokens(config.vocab_size, args["batch"], args["seq"], args["seed"] + 1)
     prefill, decode = [], []
     with torch.inference_mode():
@@ -90,11 +91,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ._hf import load_config
 
     load_config(args.path)  # fail fast, before any process starts
-    require_splittable(args.path, args.tp, args.dtype)
+    require_splittable(args.path, args.tp, args.dtype, args.plan)
     backend = pick_backend(args.tp, args.backend)
     progress(f"bench: launching {args.tp} {backend} process(es), {args.threads} thread(s) each")
     per_rank = launch(_rank, args.tp, {k: getattr(args, k) for k in (
-        "path", "dtype", "seed", "batch", "seq", "new_tokens", "reps")},
+        "path", "dtype", "seed", "batch", "seq", "new_tokens", "reps", "plan")},
         backend=backend, threads=args.threads, timeout=args.timeout)
     return {"path": args.path, "tp": args.tp, "backend": backend, "batch": args.batch,
             "seq": args.seq, "threads_per_rank": args.threads,

@@ -64,12 +64,12 @@ def run(args: argparse.Namespace) -> int:
         _section(f"2/3 verify --tp {args.tp} --grad: sharded vs unsharded, forward and backward")
         checked = verify.run_verify(argparse.Namespace(
             path=str(path), tp=args.tp, grad=True, batch=2, seq=16, dtype=None, tol=None, seed=0,
-            backend="auto", timeout=600.0))
+            backend="auto", timeout=600.0, plan=None))
         print(verify.render(checked))
         _section(f"3/3 bench --tp {args.tp}: latency and throughput")
         measured = bench.run_bench(argparse.Namespace(
             path=str(path), tp=args.tp, batch=1, seq=64, new_tokens=16, reps=5, threads=1,
-            dtype=None, seed=0, backend="auto", timeout=600.0))
+            dtype=None, seed=0, backend="auto", timeout=600.0, plan=None))
         print(bench.render(measured))
         print(f"\nnext: `torchtp estimate --model {path if args.keep else '<model dir>'} --tp 1,2,4,8 "
               "--hardware h100-nvlink` predicts when tp pays off on real GPUs")

@@ -17,13 +17,14 @@ from torch import nn
 from ..hf import head_aware_assignments
 from ..planning import prepare, resolve
 from ..plans import ResolvedPlan, ShardContext, valid_tp_sizes
-from ._common import CliError, dump_json, human_bytes, positive_int, table
+from ._common import PLAN_HELP, CliError, dump_json, human_bytes, plan_choice, positive_int, table
 from ._hf import build_model, load_config, parse_dtype
 
 HELP = "show the TP plan, per-rank memory and blockers (meta device, no weights read)"
 EXAMPLES = """examples:
   torchtp plan ./Llama-3.2-1B --tp 2
   torchtp plan ./Llama-3.2-1B/config.json --tp 4 --json
+  torchtp plan ./Phi-3-mini --tp 2 --plan builtin     # torchtp's packed plan instead of HF's
 exit status: 0 when the model splits at --tp, 1 when there are blockers, 2 on bad input
 """
 # Collectives one forward of a module in each style issues (styles not listed issue none).
@@ -39,11 +40,13 @@ def register(sub: Any) -> None:
     p.add_argument("path", help="HuggingFace model directory or its config.json")
     p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's, else float32)")
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
 
 
-def analyze(path: str, tp: int, dtype_name: str | None = None) -> dict[str, Any]:
+def analyze(path: str, tp: int, dtype_name: str | None = None,
+            plan: str | None = None) -> dict[str, Any]:
     """The plan report as data (used by ``plan``, ``verify``, ``bench`` and ``demo``).
 
     Resolves and checks the plan as ``DistributedModelWrapper(model)`` does, on
@@ -56,7 +59,7 @@ def analyze(path: str, tp: int, dtype_name: str | None = None) -> dict[str, Any]
     model = build_model(config, dtype, device="meta")
     ctx = ShardContext(tp, 0, None, type(model).__name__)
     try:
-        resolved = resolve(model, None, ctx)
+        resolved = resolve(model, plan, ctx)
     except (TypeError, ValueError) as err:
         raise CliError(f"{path}: torchtp cannot plan this model: {err}") from None
     blockers = _type_blockers(model, resolved)
@@ -64,7 +67,7 @@ def analyze(path: str, tp: int, dtype_name: str | None = None) -> dict[str, Any]
     layers, layouts, constraints, found = _layers(model, resolved, ctx)
     blockers += found
     try:
-        prepare(model, None, ctx)
+        prepare(model, plan, ctx)
     except (TypeError, ValueError) as err:
         blockers = blockers or [str(err)]
     full, local = _param_bytes(model, layouts)
@@ -159,18 +162,18 @@ def render(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit status 1 when there are blockers."""
-    report = analyze(args.path, args.tp, args.dtype)
+    report = analyze(args.path, args.tp, args.dtype, args.plan)
     print(dump_json(report) if args.json else render(report))
     return 1 if report["blockers"] else 0
 
 
-def require_splittable(path: str, tp: int, dtype_name: str | None) -> None:
+def require_splittable(path: str, tp: int, dtype_name: str | None, plan: str | None = None) -> None:
     """Fail fast, before any process starts, when ``tp`` cannot split the model.
 
     Raises:
         CliError: the first blocker, how many more, and the valid tp sizes.
     """
-    report = analyze(path, tp, dtype_name)
+    report = analyze(path, tp, dtype_name, plan)
     blockers = report["blockers"]
     if blockers:
         more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""

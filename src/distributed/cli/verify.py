@@ -11,7 +11,7 @@ from torch import nn
 
 from .._comm import count_collectives
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ._common import dump_json, human_bytes, positive_int, progress, table
+from ._common import PLAN_HELP, dump_json, human_bytes, plan_choice, positive_int, progress, table
 from ._launch import launch, pick_backend
 from ._ranks import load_model, peak_device_bytes, peak_rss_bytes, random_tokens, say, wrap
 from .plan import require_splittable
@@ -36,6 +36,7 @@ def register(sub: Any) -> None:
     p.add_argument("--dtype", default=None, help="float32 (default for CPU), bfloat16, float16")
     p.add_argument("--tol", type=float, default=None,
                    help="max relative error allowed (default 1e-4 for float32, 2e-2 otherwise)")
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and tokens")
     p.add_argument("--backend", default="auto", help="auto (nccl with one GPU per rank, else gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
@@ -87,7 +88,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     if args["grad"]:
         want.loss.backward()
     say(rank, f"sharding over tp={world} and running the sharded model")
-    wrapped = wrap(model, config)
+    wrapped = wrap(model, args["plan"])
     with torch.set_grad_enabled(args["grad"]), count_collectives() as counter:
         got = wrapped(ids, labels=ids if args["grad"] else None)
     result = {"rank": rank, "collectives_per_forward": dict(counter.counts),
@@ -108,12 +109,13 @@ def run_verify(args: argparse.Namespace) -> dict[str, Any]:
 
     config = load_config(args.path)  # fail fast, before any process starts
     dtype = parse_dtype(args.dtype, config)
-    require_splittable(args.path, args.tp, args.dtype)
+    require_splittable(args.path, args.tp, args.dtype, args.plan)
     tol = args.tol if args.tol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     backend = pick_backend(args.tp, args.backend)
     progress(f"verify: launching {args.tp} {backend} process(es)")
     per_rank = launch(_rank, args.tp, {"path": args.path, "dtype": args.dtype, "grad": args.grad,
-                                       "batch": args.batch, "seq": args.seq, "seed": args.seed},
+                                       "batch": args.batch, "seq": args.seq, "seed": args.seed,
+                                       "plan": args.plan},
                       backend=backend, timeout=args.timeout)
     worst = max(max(r["logits_error"][1], r.get("grad_error", (0, 0))[1]) for r in per_rank)
     return {"path": args.path, "tp": args.tp, "backend": backend, "dtype": str(dtype),
