@@ -151,10 +151,11 @@ def _apply(model: nn.Module, planned: Planned, ctx: ShardContext) -> list[str]:
     for name, style in planned.plan.assignments.items():
         old = model.get_submodule(name)
         new = style.apply(old, name, ctx)
-        if new is old:
-            continue
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), leaf, new)
+        if new is not old:
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), leaf, new)
+        elif not getattr(new, "tp_layouts", None):
+            continue  # kept whole (replicate, grad-allreduce)
         swapped.append(name)
         logger.debug("swapped %s: %s -> %s", name, type(old).__name__, new)
     retie(model, ties)

@@ -34,6 +34,12 @@ def build(arch: str, seed: int = 0, **overrides: object) -> nn.Module:
         "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8,
                                       n_positions=64, bos_token_id=0, eos_token_id=1),
         "bert": lambda: tf.BertConfig(**_common()),
+        # Gemma: an nn.Embedding subclass that scales its lookup; head_dim != hidden/heads.
+        "gemma": lambda: tf.GemmaConfig(**_common(), num_key_value_heads=4, head_dim=16),
+        # GPT-BigCode: multi-query attention, one KV head replicated on every rank.
+        "gpt_bigcode": lambda: tf.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=2,
+                                                   n_head=8, n_positions=64, bos_token_id=0,
+                                                   eos_token_id=1),
         "opt": lambda: tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128,
                                     num_hidden_layers=2, num_attention_heads=8,
                                     max_position_embeddings=64, word_embed_proj_dim=64,
@@ -49,4 +55,5 @@ def build(arch: str, seed: int = 0, **overrides: object) -> nn.Module:
     return model.eval()
 
 
-GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "opt"}
+GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "opt",
+             "gemma", "gpt_bigcode"}

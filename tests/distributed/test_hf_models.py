@@ -7,7 +7,7 @@ import pytest
 from ._hf_checks import check_archs
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "bert", "opt",
-         "llama-tied"]
+         "llama-tied", "gemma", "gpt_bigcode"]
 
 # Collectives in one forward: 2 per decoder layer (after o_proj, after down_proj),
 # + 1 all-reduce for the vocab-parallel embedding and 1 all-gather for lm_head
@@ -24,6 +24,8 @@ EXPECTED_COLLECTIVES = {
     "bert": {"all_reduce": 4},
     "opt": {"all_reduce": 4},
     "llama-tied": {"all_reduce": 5, "all_gather": 1},
+    "gemma": {"all_reduce": 5, "all_gather": 1},
+    "gpt_bigcode": {"all_reduce": 4},
 }
 
 

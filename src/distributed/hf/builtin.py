@@ -28,6 +28,15 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
     "bert": _BERT,
     "roberta": _BERT,
     "xlm-roberta": _BERT,
+    "electra": _BERT,
+    # GPT-BigCode (StarCoder): multi-query attention, c_attn stacks q (all heads)
+    # | k | v (one head each); the single KV head is replicated on every rank.
+    "gpt_bigcode": {
+        "h.*.attn.c_attn": "packed_colwise",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    },
     "opt": {
         "decoder.layers.*.self_attn.q_proj": "colwise",
         "decoder.layers.*.self_attn.k_proj": "colwise",

@@ -96,3 +96,39 @@ class FeatureParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, split=weight columns "
                 f"(embedding_dim {self.weight.shape[1]} per rank)")
+
+
+def shard_vocab_in_place(emb: nn.Embedding, weight: torch.Tensor, vocab_start: int,
+                         world_size: int, group: ProcessGroup | None) -> nn.Embedding:
+    """Vocab-split an ``nn.Embedding`` *subclass* without replacing it.
+
+    Used when the subclass adds work in its forward (Gemma scales the lookup):
+    the module keeps its forward, a pre-hook maps ids to local rows, and a hook
+    zeroes the rows this rank does not own and all-reduces the partial
+    outputs. Exact when that extra work commutes with the split, which the
+    style checks first (see :mod:`torchtp.plans.fidelity`).
+    """
+    vocab_end = vocab_start + weight.shape[0]
+    pad = emb.padding_idx
+    emb.padding_idx = pad - vocab_start if pad is not None and vocab_start <= pad < vocab_end \
+        else None
+    emb.weight = nn.Parameter(weight, requires_grad=emb.weight.requires_grad)
+    emb.num_embeddings_local = weight.shape[0]  # type: ignore[assignment]
+    outside_ids: list[torch.Tensor] = []
+
+    def to_local_ids(_mod: nn.Module, args: tuple) -> tuple:
+        ids = args[0]
+        outside = (ids < vocab_start) | (ids >= vocab_end)
+        outside_ids.append(outside)
+        return ((ids - vocab_start).masked_fill(outside, 0), *args[1:])
+
+    def sum_partials(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        out = out.masked_fill(outside_ids.pop().unsqueeze(-1), 0.0)  # (..., dim) partial
+        if world_size == 1:
+            return out
+        return reduce_from_tensor_parallel_region(
+            out, require_group(type(emb).__name__, group, world_size), inplace=True)
+
+    emb.register_forward_pre_hook(to_local_ids)
+    emb.register_forward_hook(sum_partials)
+    return emb

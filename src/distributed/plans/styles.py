@@ -27,6 +27,7 @@ from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..layouts import ParamLayout, even_chunks
 from ..runtime import ProcessGroup
 from .constraints import Constraint
+from .fidelity import check_linear_forward
 from .linear_view import LinearView, linear_view
 
 
@@ -113,6 +114,7 @@ class Colwise(ParallelStyle):
 
     def check_type(self, module: nn.Module, fqn: str) -> None:
         require_linear(self.name, module, fqn)
+        check_linear_forward(module, fqn, self.name)
 
     def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
         view = require_linear(self.name, module, fqn)
@@ -157,6 +159,7 @@ class Rowwise(ParallelStyle):
 
     def check_type(self, module: nn.Module, fqn: str) -> None:
         require_linear(self.name, module, fqn)
+        check_linear_forward(module, fqn, self.name)
 
     def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
         view = require_linear(self.name, module, fqn)

@@ -19,8 +19,10 @@ from torch import nn
 
 from ..grad_sync import GradSync, mark
 from ..layers import FeatureParallelEmbedding, VocabParallelEmbedding
+from ..layers.embedding import shard_vocab_in_place
 from ..layouts import ParamLayout, even_chunks, uneven_chunks
 from .constraints import Constraint
+from .fidelity import embedding_splits_exactly
 from .linear_view import LinearView
 from .styles import (
     Colwise,
@@ -82,6 +84,7 @@ class HeadSplit(Colwise):
                 for p in self.parts_for(view)]
 
     def check_type(self, module: nn.Module, fqn: str) -> None:
+        super().check_type(module, fqn)
         view = require_linear(self.name, module, fqn)
         sizes = [p.size for p in self.parts_for(view)]
         if sum(sizes) != view.out_features or (self.parts is None and view.out_features % 2):
@@ -155,7 +158,13 @@ class EmbeddingRowwise(ParallelStyle):
     name = "embedding_rowwise"
 
     def check_type(self, module: nn.Module, fqn: str) -> None:
-        _require_embedding(self.name, module, fqn)
+        emb = _require_embedding(self.name, module, fqn)
+        if type(emb).forward is not nn.Embedding.forward and \
+                embedding_splits_exactly(emb, 2) is False:
+            raise ValueError(
+                f"style {self.name!r} for module '{fqn}' ({type(emb).__name__}): its forward "
+                "adds work that does not commute with splitting the vocabulary (partial "
+                "lookups would not sum to its output); mark it 'replicate'")
 
     def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
         vocab, dim = module.weight.shape
@@ -169,6 +178,10 @@ class EmbeddingRowwise(ParallelStyle):
         emb = _require_embedding(self.name, module, fqn)
         layout = self.layouts(emb, ctx)["weight"]
         start = layout.segments[0][0]
+        if type(emb).forward is not nn.Embedding.forward:  # keep the subclass's own forward
+            layer = shard_vocab_in_place(emb, layout.take(emb.weight), start, ctx.world_size,
+                                         ctx.group)
+            return attach_layouts(layer, {"weight": layout})
         layer = VocabParallelEmbedding(layout.take(emb.weight), emb.num_embeddings, start,
                                        emb.padding_idx, ctx.world_size, ctx.group,
                                        emb.weight.requires_grad)
@@ -181,7 +194,11 @@ class EmbeddingColwise(ParallelStyle):
     name = "embedding_colwise"
 
     def check_type(self, module: nn.Module, fqn: str) -> None:
-        _require_embedding(self.name, module, fqn)
+        emb = _require_embedding(self.name, module, fqn)
+        if type(emb).forward is not nn.Embedding.forward:
+            raise ValueError(f"style {self.name!r} for module '{fqn}' ({type(emb).__name__}): "
+                             "embedding subclasses with their own forward can only be split "
+                             "with 'embedding_rowwise' (or kept 'replicate')")
 
     def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
         emb = _require_embedding(self.name, module, fqn)
