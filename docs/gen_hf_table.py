@@ -20,6 +20,7 @@ def table() -> str:
     """One row per architecture that tests/distributed/test_hf_models.py checks."""
     import torchtp
     from tests.distributed._hf_models import GENERATES, build
+    from tests.distributed.test_hf_more_archs import SOURCES
     from tests.distributed.test_hf_models import ARCHS, EXPECTED_COLLECTIVES
 
     rows = ["| architecture (test config) | model class | plan source | styles | "
@@ -33,6 +34,16 @@ def table() -> str:
         checks = "logits, grads, 2 SGD steps" + (", greedy generate" if arch in GENERATES else "")
         rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
                     f"{styles} | {counts} | {checks} |")
+    rows += ["", "Also checked at tp=4 by `tests/distributed/test_hf_more_archs.py` (logits, "
+             "grads, one SGD step, greedy generation where the model generates):", "",
+             "| architecture (test config) | model class | plan source | layers split | notes |",
+             "|---|---|---|---|---|"]
+    for arch in SOURCES:
+        wrapped = torchtp.DistributedModelWrapper(build(arch), world_size=4, rank=0)
+        plan = wrapped.resolved_plan
+        notes = "; ".join(plan.notes) or "-"
+        rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
+                    f"{len(wrapped.parallelized_layers)} | {notes} |")
     return "\n".join(rows)
 
 

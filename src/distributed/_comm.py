@@ -65,6 +65,11 @@ class CollectiveCounter:
 _COUNTERS: list[CollectiveCounter] = []
 
 
+def _compiling() -> bool:
+    check = getattr(torch.compiler, "is_compiling", None)
+    return bool(check and check())
+
+
 @contextmanager
 def count_collectives() -> Iterator[CollectiveCounter]:
     """Record every torchtp collective issued inside the block.
@@ -83,7 +88,13 @@ def count_collectives() -> Iterator[CollectiveCounter]:
 
 
 def record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
-    """Count and (under TP_DEBUG) log one collective; check shapes under TP_CHECK_SHAPES."""
+    """Count and (under TP_DEBUG) log one collective; check shapes under TP_CHECK_SHAPES.
+
+    Eager only: inside ``torch.compile`` this is skipped (the compiled graph holds
+    the collectives; logging and Python counters cannot be traced).
+    """
+    if _compiling():
+        return
     size = dist.get_world_size(group)
     if _COUNTERS:
         rec = CollectiveRecord(op, tuple(tensor.shape), tensor.dtype, size)

@@ -5,7 +5,10 @@ replicated: each rank holds the same replicated activations and, in backward,
 the full gradient of the same loss for them. Inside the region each rank holds
 a shard (or a partial sum) and only the gradient of its own part.
 
-With a group of size 1 every operator returns its input untouched.
+With a group of size 1 every operator returns its input untouched. When no
+gradient is needed (inference, ``torch.no_grad()``, decode) the forward runs
+directly, without the ``autograd.Function`` machinery: same result, less
+Python work per call.
 
 =================  ===================================  ==============================
 operator           forward                              backward
@@ -119,9 +122,13 @@ class _ReduceScatterRegion(torch.autograd.Function):
         return _comm.all_gather(grad, ctx.dim, ctx.group), None, None
 
 
+def _needs_grad(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Enter the TP region. forward: identity; backward: all-reduce the gradient."""
-    if group_size(group) == 1:
+    if not _needs_grad(x) or group_size(group) == 1:
         return x
     return _CopyToRegion.apply(x, group)
 
@@ -138,6 +145,9 @@ def reduce_from_tensor_parallel_region(
     """
     if group_size(group) == 1:
         return x
+    if not _needs_grad(x):
+        return _comm.all_reduce_(x, group) if inplace and x.is_contiguous() \
+            else _comm.all_reduce(x, group)
     return _ReduceFromRegion.apply(x, group, inplace)
 
 
@@ -147,6 +157,8 @@ def scatter_to_tensor_parallel_region(
     """Cut a replicated tensor. forward: keep own chunk of ``dim``; backward: all-gather."""
     if group_size(group) == 1:
         return x
+    if not _needs_grad(x):
+        return _comm.split(x, dim, group_rank(group), group_size(group))
     return _ScatterToRegion.apply(x, group, dim)
 
 
@@ -156,6 +168,8 @@ def gather_from_tensor_parallel_region(
     """Join shards. forward: all-gather along ``dim``; backward: keep own chunk."""
     if group_size(group) == 1:
         return x
+    if not _needs_grad(x):
+        return _comm.all_gather(x, dim, group)
     return _GatherFromRegion.apply(x, group, dim)
 
 
@@ -165,4 +179,6 @@ def reduce_scatter_to_tensor_parallel_region(
     """Sum partials into shards. forward: reduce-scatter along ``dim``; backward: all-gather."""
     if group_size(group) == 1:
         return x
+    if not _needs_grad(x):
+        return _comm.reduce_scatter(x, dim, group)
     return _ReduceScatterRegion.apply(x, group, dim)

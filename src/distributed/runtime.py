@@ -58,14 +58,16 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _pick_backend(backend: str | None) -> str:
-    if backend is not None:
-        if backend not in ("nccl", "gloo", "mpi", "ucc", "xccl", "cpu:gloo,cuda:nccl"):
-            raise ValueError(f"unknown backend {backend!r}; use 'nccl' (GPUs) or 'gloo' (CPU)")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False; "
-                               "use backend='gloo' for CPU processes")
-        return backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo", "mpi", "ucc", "xccl", "cpu:gloo,cuda:nccl"):
+        raise ValueError(f"unknown backend {backend!r}; use 'nccl' (GPUs) or 'gloo' (CPU)")
+    if backend == "nccl" and not torch.cuda.is_available():
+        # The reference guide's scripts say backend="nccl"; on a CPU-only machine
+        # they should still run (on Gloo) rather than fail at start-up.
+        logger.warning("backend='nccl' asked for, but CUDA is not available: using 'gloo'")
+        return "gloo"
+    return backend
 
 
 def _config_from_group(local_rank: int) -> TensorParallelConfig:
@@ -92,7 +94,8 @@ def init_tensor_parallel(
 
     Args:
         backend: ``"nccl"`` or ``"gloo"``; ``None`` picks ``nccl`` when CUDA is
-            available and ``gloo`` otherwise.
+            available and ``gloo`` otherwise. ``"nccl"`` without CUDA falls back
+            to ``gloo`` with a warning, so GPU scripts also run on CPU machines.
         timeout: Collective timeout in seconds (or a ``timedelta``); ``None``
             keeps torch's default.
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import torchtp
 
-from ._hf_models import VOCAB, build
+from ._hf_models import GENERATES, SEQ2SEQ, VOCAB, build
 
 # Logits: fp32, sharding only reorders additions; observed differences are
 # ~3e-7 on these 2-layer models, so 1e-5 (torch's fp32 default atol) holds.
@@ -22,12 +22,15 @@ GRADS = {"rtol": 1e-4, "atol": 1e-5}
 def inputs(arch: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (2, 9), generator=gen)
+    if arch in SEQ2SEQ:
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
     return {"input_ids": ids}
 
 
 def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = model(**batch).logits  # (B, T, vocab) on every rank
-    target = torch.roll(batch["input_ids"], -1, dims=1)
+    ids = batch.get("decoder_input_ids", batch["input_ids"])
+    target = torch.roll(ids, -1, dims=1)
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
@@ -56,10 +59,11 @@ def compare_params(wrapped: nn.Module, ref: nn.Module, grads: bool) -> int:
 
 
 def strip_plans(model: nn.Module) -> nn.Module:
-    """Remove every plan the model or torchtp knows, so structural detection runs."""
-    from torchtp.hf import builtin
+    """Hide every plan the model or torchtp knows, so structural detection runs.
 
-    builtin.BUILTIN_PLANS.pop(model.config.model_type, None)
+    Only this model instance changes (no global registry is touched).
+    """
+    model.config.model_type = f"unplanned-{model.config.model_type}"  # no built-in plan
     model.config.base_model_tp_plan = None
     for module in (model, model.base_model):
         module._tp_plan = {}
@@ -86,7 +90,7 @@ def check_arch(rank: int, world_size: int, arch: str, steps: int, structural: bo
         opt_ref.step()
         opt.step()
         compare_params(wrapped, ref, grads=False)
-    if hasattr(ref, "generate") and arch != "bert":
+    if arch in GENERATES:
         prompt = batch["input_ids"][:1, :5]
         want = ref.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
         got = wrapped.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)

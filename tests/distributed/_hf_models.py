@@ -45,15 +45,63 @@ def build(arch: str, seed: int = 0, **overrides: object) -> nn.Module:
                                     max_position_embeddings=64, word_embed_proj_dim=64,
                                     bos_token_id=0, eos_token_id=1, pad_token_id=2),
     }
+    configs.update(_more_configs(tf))
     config = configs[arch]()
     for key, value in overrides.items():
         setattr(config, key, value)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    cls = tf.BertForMaskedLM if arch == "bert" else tf.AutoModelForCausalLM
-    model = cls(config) if arch == "bert" else cls.from_config(config)
-    return model.eval()
+    if arch in SEQ2SEQ:
+        return tf.AutoModelForSeq2SeqLM.from_config(config).eval()
+    if arch in MASKED:
+        return tf.AutoModelForMaskedLM.from_config(config).eval()
+    return tf.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _more_configs(tf: object) -> dict:
+    """Architectures beyond the core list (checked once at tp=4 by test_hf_more_archs)."""
+    c = _common()
+    gpt = {"vocab_size": VOCAB, "n_embd": 64, "n_layer": 2, "n_head": 8, "n_positions": 64}
+    return {
+        "gemma2": lambda: tf.Gemma2Config(**c, num_key_value_heads=4, head_dim=16),
+        "starcoder2": lambda: tf.Starcoder2Config(**c, num_key_value_heads=4),
+        "olmo": lambda: tf.OlmoConfig(**c, num_key_value_heads=4),
+        "olmo2": lambda: tf.Olmo2Config(**c, num_key_value_heads=4),
+        "granite": lambda: tf.GraniteConfig(**c, num_key_value_heads=4),
+        "cohere": lambda: tf.CohereConfig(**c, num_key_value_heads=4),
+        "phi": lambda: tf.PhiConfig(**c),
+        "stablelm": lambda: tf.StableLmConfig(**c, num_key_value_heads=4),
+        "mistral-mqa": lambda: tf.MistralConfig(**c, num_key_value_heads=1),
+        "llama-bias": lambda: tf.LlamaConfig(**c, num_key_value_heads=2, attention_bias=True,
+                                             mlp_bias=True),
+        "falcon": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=64,
+                                          num_hidden_layers=2, num_attention_heads=8),
+        "falcon-new": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=64,
+                                              num_hidden_layers=2, num_attention_heads=8,
+                                              new_decoder_architecture=True, num_kv_heads=4),
+        "gptj": lambda: tf.GPTJConfig(**gpt, rotary_dim=4),
+        "codegen": lambda: tf.CodeGenConfig(**gpt, rotary_dim=4),
+        "bloom": lambda: tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=8),
+        "mpt": lambda: tf.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=8,
+                                    max_seq_len=64),
+        "roberta": lambda: tf.RobertaConfig(**c),
+        "distilbert": lambda: tf.DistilBertConfig(vocab_size=VOCAB, dim=64, hidden_dim=128,
+                                                  n_layers=2, n_heads=8),
+        "electra": lambda: tf.ElectraConfig(**c, embedding_size=64),
+        "t5": lambda: tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=8, d_ff=128, num_layers=2,
+                                  num_heads=8, decoder_start_token_id=0),
+        "bart": lambda: tf.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2,
+                                      decoder_layers=2, encoder_attention_heads=8,
+                                      decoder_attention_heads=8, encoder_ffn_dim=128,
+                                      decoder_ffn_dim=128, max_position_embeddings=64),
+    }
+
+
+SEQ2SEQ = {"t5", "bart"}
+MASKED = {"bert", "roberta", "distilbert", "electra"}
 
 
 GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "opt",
-             "gemma", "gpt_bigcode"}
+             "gemma", "gpt_bigcode", "gemma2", "starcoder2", "olmo", "olmo2", "granite", "cohere",
+             "phi", "stablelm", "mistral-mqa", "llama-bias", "falcon", "falcon-new", "gptj",
+             "codegen", "bloom", "mpt", "t5", "bart"}

@@ -106,3 +106,13 @@ def test_every_subpackage_is_listed_in_pyproject():
         for p in src.rglob("__init__.py") if p.parent != src
     }
     assert found == listed
+
+
+def _nccl_on_cpu(rank: int, world_size: int) -> str:
+    return torchtp.init_tensor_parallel(backend="nccl").backend
+
+
+def test_guide_backend_nccl_falls_back_to_gloo_without_cuda(ranks):
+    # The guide's Pattern 1 says init_tensor_parallel(backend="nccl").
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    assert ranks(_nccl_on_cpu, 2, init="none", env=env) == ["gloo", "gloo"]

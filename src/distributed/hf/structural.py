@@ -21,11 +21,17 @@ from .dataflow import trace_sources
 from .detect import text_config
 
 
-def _block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        return None
-    return max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Outermost ModuleLists holding Linear-like modules (encoder and decoder stacks)."""
+    found: list[tuple[str, nn.ModuleList]] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or not len(mod):
+            continue
+        if any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        if any(linear_view(m) is not None for m in mod.modules()):
+            found.append((name, mod))
+    return found
 
 
 def _linears_by_parent(block: nn.Module) -> dict[str, list[tuple[str, LinearView]]]:
@@ -86,15 +92,30 @@ def structural_plan(model: nn.Module) -> ResolvedPlan:
     config = text_config(model)
     hidden = next((getattr(config, a) for a in ("hidden_size", "n_embd", "d_model")
                    if isinstance(getattr(config, a, None), int)), None)
-    found = _block_list(model)
-    if found is None or hidden is None:
+    stacks = _block_lists(model)
+    if not stacks or hidden is None:
         plan = match_plan(model, {}, "structural detection")
         plan.notes.append("structural detection found no repeated blocks or no hidden size: "
                           "everything stays replicated; pass plan= to shard")
         return plan
-    list_name, blocks = found
     rules: dict[str, str] = {}
     notes: list[str] = []
+    checked = True
+    for list_name, blocks in stacks:
+        found, ok = _detect_stack(model, list_name, blocks, hidden, config, notes)
+        rules.update(found)
+        checked = checked and ok
+    source = "structural detection" + ((" (pairs checked against dataflow)" if checked
+                                        else " (tree order only)") if rules else "")
+    plan = match_plan(model, rules, source)
+    plan.notes.extend(notes)
+    return plan
+
+
+def _detect_stack(model: nn.Module, list_name: str, blocks: nn.ModuleList, hidden: int,
+                  config: object, notes: list[str]) -> tuple[dict[str, str], bool]:
+    """Rules for one stack of blocks, and whether dataflow confirmed them."""
+    rules: dict[str, str] = {}
     for parent_name, members in _linears_by_parent(blocks[0]).items():
         parent = blocks[0].get_submodule(parent_name) if parent_name else blocks[0]
         styles, why = _pair(parent, members, hidden, config)
@@ -104,15 +125,12 @@ def structural_plan(model: nn.Module) -> ResolvedPlan:
         for child, style in styles.items():
             rules[f"{where}.{child}"] = style
     if not _same_in_every_block(blocks, rules, list_name):
-        rules, notes = {}, [f"blocks of '{list_name}' differ in structure: everything stays "
-                            "replicated; pass plan= to shard"]
-    source = "structural detection"
-    if rules:
-        rules, checked = _confirm_dataflow(model, rules, list_name, notes)
-        source += " (pairs checked against dataflow)" if checked else " (tree order only)"
-    plan = match_plan(model, rules, source)
-    plan.notes.extend(notes)
-    return plan
+        notes.append(f"blocks of '{list_name}' differ in structure: they stay replicated; "
+                     "pass plan= to shard")
+        return {}, True
+    if not rules:
+        return {}, True
+    return _confirm_dataflow(model, rules, list_name, notes)
 
 
 def _confirm_dataflow(model: nn.Module, rules: dict[str, str], list_name: str,

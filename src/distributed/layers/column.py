@@ -131,9 +131,8 @@ class ColumnParallelLinear(nn.Module):
                 if mismatch is None:
                     raise
                 raise mismatch from err
-        mismatch = input_mismatch(self, x, self.expected_input_features)
-        if mismatch is not None:
-            raise mismatch
+        if not x.dim() or x.shape[-1] != self.expected_input_features:
+            raise input_mismatch(self, x, self.expected_input_features)  # type: ignore[misc]
         group = require_group(self._name(), self.group, self.world_size)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
@@ -141,7 +140,9 @@ class ColumnParallelLinear(nn.Module):
         # partial is our own temporary, so the all-reduce may write into it.
         y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
         if self.bias is not None:
-            y = y + self.bias  # once, after the sum: gradient equals nn.Linear's
+            # Once, after the sum, so its gradient equals nn.Linear's. In place: y is
+            # our own all-reduced temporary and the matmul's backward does not need it.
+            y = y.add_(self.bias)
         return y
 
     def _name(self) -> str:

@@ -135,9 +135,8 @@ class RowParallelLinear(nn.Module):
                 if mismatch is None:
                     raise
                 raise mismatch from err
-        mismatch = input_mismatch(self, x, self.in_features)
-        if mismatch is not None:
-            raise mismatch
+        if not x.dim() or x.shape[-1] != self.in_features:
+            raise input_mismatch(self, x, self.in_features)  # type: ignore[misc]
         if self.group is not None:
             x = copy_to_tensor_parallel_region(x, self.group)
         elif x.requires_grad:
