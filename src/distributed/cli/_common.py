@@ -1,0 +1,93 @@
+"""What every subcommand shares: user errors, progress lines, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+class CliError(Exception):
+    """A user-facing error: printed as ``torchtp: error: <message>``, exit status 2."""
+
+
+def progress(message: str) -> None:
+    """Tell the user what a long step is doing (stderr, so ``--json`` stays clean)."""
+    print(f"[torchtp {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table with left-aligned text and right-aligned numbers."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) and rows
+               for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.rjust(w) if numeric[i] else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e-3 and value else f"{value:,.3f}".rstrip("0").rstrip(".")
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def dump_json(data: Any) -> str:
+    """Stable, indented JSON for ``--json``."""
+    return json.dumps(data, indent=2, sort_keys=False, default=str)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 with a clear message otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise _arg_error(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise _arg_error(f"expected a positive integer, got {value}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: ``"1,2,4"`` -> ``[1, 2, 4]`` (each >= 1)."""
+    return [positive_int(part) for part in text.split(",") if part.strip()]
+
+
+def _arg_error(message: str) -> Exception:
+    import argparse
+
+    return argparse.ArgumentTypeError(message)
+
+
+def plan_choice(text: str) -> str | None:
+    """argparse type for ``--plan``: ``auto`` (None), ``builtin``, or a YAML/JSON plan file."""
+    from pathlib import Path
+
+    if text == "auto":
+        return None
+    if text == "builtin" or Path(text).is_file():
+        return text
+    raise _arg_error(f"expected auto, builtin or a plan file (YAML/JSON), got {text!r}: no such file")
+
+
+PLAN_HELP = ("which plan: auto (as DistributedModelWrapper(model): the model's HF plan, else "
+             "torchtp's built-in plan, else structural detection), builtin (torchtp's plan for "
+             "the architecture), or a YAML/JSON plan file (default: auto)")

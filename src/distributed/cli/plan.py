@@ -1,0 +1,181 @@
+"""``torchtp plan PATH --tp N``: the resolved plan, memory per rank and blockers.
+
+Everything happens on the meta device: no weights are read and no process
+group is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections import Counter
+from typing import Any
+
+from torch import nn
+
+from ..hf import head_aware_assignments
+from ..planning import prepare, resolve
+from ..plans import ResolvedPlan, ShardContext, valid_tp_sizes
+from ._common import PLAN_HELP, CliError, dump_json, human_bytes, plan_choice, positive_int, table
+from ._hf import build_model, load_config, parse_dtype
+
+HELP = "show the TP plan, per-rank memory and blockers (meta device, no weights read)"
+EXAMPLES = """examples:
+  torchtp plan ./Llama-3.2-1B --tp 2
+  torchtp plan ./Llama-3.2-1B/config.json --tp 4 --json
+  torchtp plan ./Phi-3-mini --tp 2 --plan builtin     # torchtp's packed plan instead of HF's
+exit status: 0 when the model splits at --tp, 1 when there are blockers, 2 on bad input
+"""
+# Collectives one forward of a module in each style issues (styles not listed issue none).
+COLLECTIVES = {"rowwise": "all_reduce", "rowwise_split_input": "all_reduce",
+               "colwise_gather_output": "all_gather", "embedding_rowwise": "all_reduce",
+               "embedding_colwise": "all_gather"}
+
+
+def register(sub: Any) -> None:
+    """Add the ``plan`` subcommand to ``sub`` (an argparse subparsers object)."""
+    p = sub.add_parser("plan", help=HELP, description=HELP, epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="HuggingFace model directory or its config.json")
+    p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
+    p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's, else float32)")
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(run=run)
+
+
+def analyze(path: str, tp: int, dtype_name: str | None = None,
+            plan: str | None = None) -> dict[str, Any]:
+    """The plan report as data (used by ``plan``, ``verify``, ``bench`` and ``demo``).
+
+    Resolves and checks the plan as ``DistributedModelWrapper(model)`` does, on
+    a meta-device model, but collects every blocker instead of stopping at the
+    first; the wrapper's own check (:func:`torchtp.planning.prepare`) has the
+    last word, so ``plan`` never says "works" where the wrapper would refuse.
+    """
+    config = load_config(path)
+    dtype = parse_dtype(dtype_name, config)
+    model = build_model(config, dtype, device="meta")
+    ctx = ShardContext(tp, 0, None, type(model).__name__)
+    try:
+        resolved = resolve(model, plan, ctx)
+    except (TypeError, ValueError) as err:
+        raise CliError(f"{path}: torchtp cannot plan this model: {err}") from None
+    blockers = _type_blockers(model, resolved)
+    head_aware_assignments(model, resolved)  # q/k/v styles become whole-head splits
+    layers, layouts, constraints, found = _layers(model, resolved, ctx)
+    blockers += found
+    try:
+        prepare(model, plan, ctx)
+    except (TypeError, ValueError) as err:
+        blockers = blockers or [str(err)]
+    full, local = _param_bytes(model, layouts)
+    collectives = Counter(COLLECTIVES[s.name] for s in resolved.assignments.values()
+                          if s.name in COLLECTIVES)
+    return {"path": str(path), "model_type": config.model_type, "tp": tp, "dtype": str(dtype),
+            "plan_source": resolved.source, "plan": resolved.rules, "layers": layers,
+            "param_bytes_unsharded": full, "param_bytes_per_rank": local,
+            "collectives_per_forward": dict(collectives),
+            "blockers": list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", b) for b in blockers)),
+            "valid_tp_sizes": valid_tp_sizes(constraints), "notes": resolved.notes}
+
+
+def _type_blockers(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
+    """Styles that do not fit their module's type (checked before head splitting, as the wrapper does)."""
+    modules, found = dict(model.named_modules()), []
+    for name, style in resolved.assignments.items():
+        try:
+            style.check_type(modules[name], name)
+        except (TypeError, ValueError) as err:
+            found.append(str(err))
+    return found
+
+
+def _layers(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext
+            ) -> tuple[list[dict[str, Any]], dict[str, Any], list[Any], list[str]]:
+    """Per-module rows, parameter layouts, all constraints and the failing ones at ``ctx.world_size``."""
+    modules = dict(model.named_modules())
+    layers, layouts, constraints, blockers = [], {}, [], []
+    for name, style in resolved.assignments.items():
+        mod = modules[name]
+        try:
+            own = style.constraints(mod, name)
+        except (TypeError, ValueError) as err:
+            blockers.append(str(err))
+            continue
+        constraints += own
+        failing = [c.problem(ctx.world_size) for c in own if not c.ok(ctx.world_size)]
+        blockers += failing
+        if failing:
+            continue  # shapes and layouts are undefined at this tp size
+        shapes = style.shapes(mod, ctx)
+        layers.append({"module": name, "style": style.name, "full": list(shapes.full),
+                       "local": list(shapes.local)})
+        layouts.update({f"{name}.{p}": lay for p, lay in style.layouts(mod, ctx).items()})
+    return layers, layouts, constraints, blockers
+
+
+def _param_bytes(model: nn.Module, layouts: dict[str, Any]) -> tuple[int, int]:
+    """(unsharded, per-rank) parameter bytes; tied parameters count once."""
+    full = local = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        full += nbytes
+        layout = layouts.get(name)
+        shape = layout.local_shape if layout is not None else tuple(p.shape)
+        local += math.prod(shape) * p.element_size()
+    return full, local
+
+
+def _grouped(layers: list[dict[str, Any]]) -> list[list[Any]]:
+    """One row per (module pattern with layer numbers as '*', style, shapes)."""
+    groups: dict[tuple[str, str, str, str], int] = {}
+    for row in layers:
+        key = (re.sub(r"\.\d+\.", ".*.", row["module"]), row["style"],
+               "x".join(map(str, row["full"])), "x".join(map(str, row["local"])))
+        groups[key] = groups.get(key, 0) + 1
+    return [[*k[:2], n, *k[2:]] for k, n in groups.items()]
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as readable text."""
+    out = [f"model: {report['path']} ({report['model_type']}), tp={report['tp']}, "
+           f"dtype={report['dtype']}",
+           table(["module", "style", "count", "full weight", "local weight"],
+                 _grouped(report["layers"])),
+           f"plan source: {report['plan_source']}; modules not listed are replicated",
+           f"parameters: {human_bytes(report['param_bytes_per_rank'])} per rank vs "
+           f"{human_bytes(report['param_bytes_unsharded'])} unsharded "
+           f"({report['param_bytes_per_rank'] / max(report['param_bytes_unsharded'], 1):.0%})",
+           "collectives per forward: " + (", ".join(
+               f"{n} x {op}" for op, n in report["collectives_per_forward"].items()) or "none"),
+           f"valid tp sizes for this model: {report['valid_tp_sizes']}"]
+    out += [f"note: {n}" for n in report["notes"]]
+    if report["blockers"]:
+        out.append(f"BLOCKERS at tp={report['tp']} ({len(report['blockers'])}):")
+        out += [f"  - {b}" for b in report["blockers"]]
+    else:
+        out.append(f"no blockers: tp={report['tp']} works")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan; exit status 1 when there are blockers."""
+    report = analyze(args.path, args.tp, args.dtype, args.plan)
+    print(dump_json(report) if args.json else render(report))
+    return 1 if report["blockers"] else 0
+
+
+def require_splittable(path: str, tp: int, dtype_name: str | None, plan: str | None = None) -> None:
+    """Fail fast, before any process starts, when ``tp`` cannot split the model.
+
+    Raises:
+        CliError: the first blocker, how many more, and the valid tp sizes.
+    """
+    report = analyze(path, tp, dtype_name, plan)
+    blockers = report["blockers"]
+    if blockers:
+        more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
+        raise CliError(f"tp={tp} cannot split {path}: {blockers[0]}{more}; valid tp sizes: "
+                       f"{report['valid_tp_sizes']}; run `torchtp plan {path} --tp {tp}` for the list")

@@ -1,0 +1,149 @@
+"""``torchtp verify PATH --tp N``: sharded forward (and backward) vs the unsharded model."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._comm import count_collectives
+from ..layers import ColumnParallelLinear, RowParallelLinear
+from ._common import PLAN_HELP, dump_json, human_bytes, plan_choice, positive_int, progress, table
+from ._launch import launch, pick_backend
+from ._ranks import load_model, peak_device_bytes, peak_rss_bytes, random_tokens, say, wrap
+from .plan import require_splittable
+
+HELP = "run the sharded model on N processes and compare with the unsharded model"
+EXAMPLES = """examples:
+  torchtp verify ./Llama-3.2-1B --tp 2
+  torchtp verify ./tiny-llama --tp 4 --grad --tol 1e-4 --json
+exit status: 0 when the max relative error is within --tol, 1 when above, 2 on bad input
+"""
+
+
+def register(sub: Any) -> None:
+    """Add the ``verify`` subcommand."""
+    p = sub.add_parser("verify", help=HELP, description=HELP, epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="HuggingFace model directory (weights, or config only: random weights)")
+    p.add_argument("--tp", type=positive_int, required=True, help="number of rank processes")
+    p.add_argument("--grad", action="store_true", help="also compare a backward pass's gradients")
+    p.add_argument("--batch", type=positive_int, default=2, help="batch size (default 2)")
+    p.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence (default 16)")
+    p.add_argument("--dtype", default=None, help="float32 (default for CPU), bfloat16, float16")
+    p.add_argument("--tol", type=float, default=None,
+                   help="max relative error allowed (default 1e-4 for float32, 2e-2 otherwise)")
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
+    p.add_argument("--seed", type=int, default=0, help="seed for random weights and tokens")
+    p.add_argument("--backend", default="auto", help="auto (nccl with one GPU per rank, else gloo)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+
+
+def _shard_of(ref: torch.Tensor, module: nn.Module, pname: str) -> torch.Tensor:
+    """The slice of a full reference gradient that this rank's parameter holds."""
+    layout = getattr(module, "tp_layouts", {}).get(pname)
+    if layout is not None:  # recorded by the style that split the module
+        return layout.take(ref)
+    if isinstance(module, RowParallelLinear):
+        n = module.out_features_local
+        return ref.narrow(0, module.rank * n, n)
+    if isinstance(module, ColumnParallelLinear) and pname == "weight":
+        n = module.in_features_local
+        return ref.narrow(1, module.rank * n, n)
+    return ref
+
+
+def _max_err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(max abs error, max abs error / max |want|)."""
+    diff = (got.float() - want.float()).abs().max().item()
+    return diff, diff / max(want.float().abs().max().item(), 1e-30)
+
+
+def _grad_error(model: nn.Module, ref: nn.Module) -> tuple[float, float]:
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    worst = (0.0, 0.0)
+    for mod_name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            want = ref_grads.get(full)
+            if p.grad is None or want is None:
+                continue
+            worst = max(worst, _max_err(p.grad, _shard_of(want, mod, pname)))
+    return worst
+
+
+def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    say(rank, f"loading {args['path']} on {world} rank(s)")
+    model, config = load_model(args["path"], args["dtype"], args["seed"])
+    ref = copy.deepcopy(model)  # the unsharded reference, independent of the shards
+    ids = random_tokens(config.vocab_size, args["batch"], args["seq"], args["seed"] + 1)
+    say(rank, "running the unsharded reference")
+    with torch.set_grad_enabled(args["grad"]):
+        want = ref(ids, labels=ids if args["grad"] else None)
+    if args["grad"]:
+        want.loss.backward()
+    say(rank, f"sharding over tp={world} and running the sharded model")
+    wrapped = wrap(model, args["plan"])
+    with torch.set_grad_enabled(args["grad"]), count_collectives() as counter:
+        got = wrapped(ids, labels=ids if args["grad"] else None)
+    result = {"rank": rank, "collectives_per_forward": dict(counter.counts),
+              "logits_error": _max_err(got.logits, want.logits)}
+    if args["grad"]:
+        with count_collectives() as back:
+            got.loss.backward()
+        result["collectives_per_backward"] = dict(back.counts)
+        result["grad_error"] = _grad_error(wrapped.base_model, ref)
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["peak_device_bytes"] = peak_device_bytes()
+    return result
+
+
+def run_verify(args: argparse.Namespace) -> dict[str, Any]:
+    """Launch the ranks and summarise (used by ``verify`` and ``demo``)."""
+    from ._hf import load_config, parse_dtype
+
+    config = load_config(args.path)  # fail fast, before any process starts
+    dtype = parse_dtype(args.dtype, config)
+    require_splittable(args.path, args.tp, args.dtype, args.plan)
+    tol = args.tol if args.tol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
+    backend = pick_backend(args.tp, args.backend)
+    progress(f"verify: launching {args.tp} {backend} process(es)")
+    per_rank = launch(_rank, args.tp, {"path": args.path, "dtype": args.dtype, "grad": args.grad,
+                                       "batch": args.batch, "seq": args.seq, "seed": args.seed,
+                                       "plan": args.plan},
+                      backend=backend, timeout=args.timeout)
+    worst = max(max(r["logits_error"][1], r.get("grad_error", (0, 0))[1]) for r in per_rank)
+    return {"path": args.path, "tp": args.tp, "backend": backend, "dtype": str(dtype),
+            "tolerance": tol, "max_rel_error": worst, "passed": worst <= tol, "ranks": per_rank}
+
+
+def render(report: dict[str, Any]) -> str:
+    """Readable verify report."""
+    rows = []
+    for r in report["ranks"]:
+        grad = r.get("grad_error")
+        rows.append([r["rank"], r["logits_error"][0], r["logits_error"][1],
+                     "-" if grad is None else f"{grad[0]:.3g}", "-" if grad is None else f"{grad[1]:.3g}",
+                     ", ".join(f"{n} x {op}" for op, n in r["collectives_per_forward"].items()) or "none",
+                     human_bytes(r["peak_rss_bytes"])])
+    verdict = "PASS" if report["passed"] else "FAIL"
+    return "\n".join([
+        f"verify {report['path']}: tp={report['tp']} ({report['backend']}), dtype={report['dtype']}",
+        table(["rank", "logits max abs", "logits max rel", "grad max abs", "grad max rel",
+               "collectives/forward", "peak RSS"], rows),
+        "(rel = max |sharded - unsharded| / max |unsharded|; peak RSS includes the unsharded "
+        "reference copy every rank keeps for the comparison)",
+        f"{verdict}: max relative error {report['max_rel_error']:.3g} "
+        f"{'<=' if report['passed'] else '>'} tolerance {report['tolerance']:.3g}"])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Verify; exit status 1 when the error is above tolerance."""
+    report = run_verify(args)
+    print(dump_json(report) if args.json else render(report))
+    return 0 if report["passed"] else 1

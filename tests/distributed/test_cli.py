@@ -1,0 +1,182 @@
+"""The torchtp command line, run in-process through ``main(argv)``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtp.cli import SUBCOMMANDS, main
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama config.json only (no weights): 2 layers, 8 heads, 4 KV heads."""
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                             num_key_value_heads=4, intermediate_size=176,
+                             vocab_size=128).to_json_file(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved random-weight Llama (the demo's builder, scaled down)."""
+    from torchtp.cli.demo import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("model"), hidden=64, layers=2)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_every_subcommand_with_examples(capsys):
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0
+    for name in SUBCOMMANDS:
+        assert name in out
+    assert "examples:" in out
+    for name in SUBCOMMANDS:
+        code, out, _ = run_cli(capsys, name, "--help")
+        assert code == 0 and "examples:" in out and f"torchtp {name}" in out
+
+
+def test_plan_table_memory_and_collectives(capsys, tiny_config):
+    code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "2")
+    assert code == 0, out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith(("model", "lm"))}
+    assert rows["model.layers.*.self_attn.q_proj"] == ["colwise", "2", "64x64", "32x64"]
+    assert rows["model.layers.*.mlp.down_proj"] == ["rowwise", "2", "64x176", "64x88"]
+    assert rows["lm_head"] == ["colwise_gather_output", "1", "128x64", "64x64"]
+    # 2 per decoder layer + the vocab-parallel embedding's; lm_head gathers its logits
+    assert "collectives per forward: 5 x all_reduce, 1 x all_gather" in out
+    assert "valid tp sizes for this model: [1, 2, 4, 8]" in out  # tp=8 replicates KV heads
+    assert "no blockers: tp=2 works" in out
+
+
+def test_plan_json_counts_bytes_per_rank(capsys, tiny_config):
+    code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "4", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["blockers"] == []
+    assert report["collectives_per_forward"] == {"all_reduce": 5, "all_gather": 1}
+    # everything is split by 4 except the RMSNorm weights (2 per layer + the final one)
+    layers = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 176 * 64 * 3)
+    split, norms = (layers + 2 * 128 * 64) * 4, (2 * 2 + 1) * 64 * 4
+    assert report["param_bytes_unsharded"] == split + norms
+    assert report["param_bytes_per_rank"] == split // 4 + norms
+    down = [r for r in report["layers"] if r["module"] == "model.layers.1.mlp.down_proj"]
+    assert down == [{"module": "model.layers.1.mlp.down_proj", "style": "rowwise",
+                     "full": [64, 176], "local": [64, 44]}]
+
+
+def test_plan_lists_blockers_with_valid_sizes(capsys, tiny_config):
+    code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "3")
+    assert code == 1
+    assert "BLOCKERS at tp=3" in out
+    kv = [line for line in out.splitlines() if "num_key_value_heads (key/value heads)=4" in line]
+    assert kv and all("world_size=3" in line for line in kv)
+    assert "out_features (weight rows)=176 is not divisible by world_size=3" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "/no/such/model", "--tp", "2"], "cannot read model config: /no/such/model does not exist"),
+    (["plan", "{cfg}", "--tp", "0"], "expected a positive integer, got 0"),
+    (["plan", "{cfg}", "--tp", "two"], "expected a positive integer, got 'two'"),
+    (["plan", "{cfg}", "--tp", "2", "--dtype", "int3"], "unknown dtype 'int3'"),
+    (["plan", "{bad}", "--tp", "2"], "cannot read model config"),
+    (["estimate", "--hidden", "64"], "missing --layers, --heads"),
+    (["estimate", "--hidden", "64", "--layers", "2", "--heads", "4", "--hardware", "tpu"],
+     "unknown hardware preset 'tpu'"),
+    (["verify", "/no/such/model", "--tp", "2"], "does not exist"),
+    (["bench", "{bad}", "--tp", "2"], "cannot read model config"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["plan", "meta-llama/Llama-3.2-1B", "--tp", "2"], "looks like a Hub id: nothing is downloaded"),
+    (["plan", "{cfg}", "--tp", "2", "--plan", "nofile.yaml"], "expected auto, builtin or a plan file"),
+    (["verify", "{cfg}", "--tp", "3"], "tp=3 cannot split"),
+    (["bench", "{cfg}", "--tp", "5"], "valid tp sizes: [1, 2, 4, 8]"),
+])
+def test_bad_arguments_give_a_message_and_status_2(capsys, tiny_config, tmp_path, argv, message):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    argv = [a.format(cfg=tiny_config, bad=bad) for a in argv]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err + out
+
+
+def test_plan_other_architectures_from_config_only(capsys, tmp_path):
+    cfg = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "4", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["model_type"] == "qwen2"
+    assert report["collectives_per_forward"]["all_reduce"] == 2 * 3 + 1
+    assert 4 in report["valid_tp_sizes"]  # 2 KV heads replicated over 4 ranks
+
+
+def test_plan_builtin_phi3_avoids_per_layer_all_gathers(capsys, tmp_path):
+    cfg = transformers.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4, intermediate_size=128, vocab_size=256,
+                                  pad_token_id=0)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    counts = {}
+    for choice in ("auto", "builtin"):
+        code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "2", "--plan", choice, "--json")
+        assert code == 0
+        counts[choice] = json.loads(out)["collectives_per_forward"]
+    assert counts["builtin"] == {"all_reduce": 2 * 2 + 1, "all_gather": 1}  # lm_head only
+    assert counts["auto"]["all_gather"] > 1  # HF's own plan gathers qkv and gate_up outputs
+
+
+def test_estimate_table_and_json(capsys, tiny_config):
+    code, out, _ = run_cli(capsys, "estimate", "--hidden", "4096", "--layers", "32", "--heads", "32",
+                           "--ffn", "11008", "--tp", "2,4", "--hardware", "a100-nvlink")
+    assert code == 0
+    assert "hardware: a100-nvlink\nsource: NVIDIA A100" in out and "speedup" in out
+    code, out, _ = run_cli(capsys, "estimate", "--model", str(tiny_config), "--tp", "2",
+                           "--hardware", "cpu-gloo", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["model"]["hidden"] == 64
+    assert [(e["phase"], e["tp"]) for e in data["estimates"]] == [
+        ("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)]
+    assert data["estimates"][0]["speedup"] == 1.0
+
+
+def test_verify_tp2_forward_and_backward_end_to_end(capsys, tiny_model):
+    code, out, err = run_cli(capsys, "verify", str(tiny_model), "--tp", "2", "--grad", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["passed"] and report["max_rel_error"] < 1e-4
+    _, planned, _ = run_cli(capsys, "plan", str(tiny_model), "--tp", "2", "--json")
+    for rank in report["ranks"]:
+        # what `plan` predicts is what the sharded forward issued
+        assert rank["collectives_per_forward"] == json.loads(planned)["collectives_per_forward"]
+        assert rank["grad_error"][1] < 1e-4 and rank["peak_rss_bytes"] > 0
+
+
+def test_bench_reports_latency_and_memory(capsys, tiny_model):
+    code, out, _ = run_cli(capsys, "bench", str(tiny_model), "--tp", "2", "--reps", "2",
+                           "--new-tokens", "2", "--seq", "8", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["tp"] == 2
+    assert report["prefill_ms"] > 0 and report["decode_tokens_per_s"] > 0
+    assert len(report["peak_rss_bytes_per_rank"]) == 2
+
+
+def test_python_dash_m_runs_the_same_cli(tiny_config):
+    proc = subprocess.run([sys.executable, "-m", "torchtp", "plan", "/no/such/dir", "--tp", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "torchtp plan: error:" in proc.stderr and "Traceback" not in proc.stderr
