@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchtp.cli import SUBCOMMANDS, main
 
@@ -180,3 +181,20 @@ def test_python_dash_m_runs_the_same_cli(tiny_config):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "torchtp plan: error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_reshard_and_consolidate_through_the_torchtp_command(tmp_path):
+    # HF directory -> torchtp checkpoint for tp=2 -> consolidated HF directory,
+    # all offline; plain transformers loads the result with identical weights.
+    import transformers
+
+    from ._hf_models import build
+
+    model = build("llama")
+    model.save_pretrained(tmp_path / "hf")
+    assert main(["reshard", str(tmp_path / "hf"), str(tmp_path / "tp2"), "--tp", "2"]) == 0
+    assert main(["consolidate", str(tmp_path / "tp2"), str(tmp_path / "back")]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    for (name, p), (_, q) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(p, q), name
+    assert main(["reshard", str(tmp_path / "missing"), str(tmp_path / "x"), "--tp", "2"]) == 2

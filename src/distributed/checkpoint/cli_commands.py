@@ -35,16 +35,28 @@ def _consolidate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+_RESHARD_EXAMPLES = """examples:
+  torchtp reshard ./ckpt-tp2 ./ckpt-tp4 --tp 4     # torchtp checkpoint saved at tp=2 -> tp=4
+  torchtp reshard ./my-llama ./ckpt-tp8 --tp 8     # HF directory -> torchtp checkpoint
+"""
+_CONSOLIDATE_EXAMPLES = """examples:
+  torchtp consolidate ./ckpt-tp4 ./hf-model        # loads with plain transformers
+  torchtp consolidate ./ckpt-tp4 ./hf-model --max-shard-size 2GB
+"""
+
+
 def add_reshard_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``reshard`` to a parent parser's ``add_subparsers()`` object."""
-    return _reshard_args(subparsers.add_parser("reshard", help=_RESHARD_HELP,
-                                               description=_RESHARD_HELP))
+    return _reshard_args(subparsers.add_parser(
+        "reshard", help=_RESHARD_HELP, description=_RESHARD_HELP, epilog=_RESHARD_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def add_consolidate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``consolidate`` to a parent parser's ``add_subparsers()`` object."""
-    return _consolidate_args(subparsers.add_parser("consolidate", help=_CONSOLIDATE_HELP,
-                                                   description=_CONSOLIDATE_HELP))
+    return _consolidate_args(subparsers.add_parser(
+        "consolidate", help=_CONSOLIDATE_HELP, description=_CONSOLIDATE_HELP,
+        epilog=_CONSOLIDATE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _run_reshard(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
-"""The ``torchtp`` command line: ``estimate``, ``plan``, ``verify``, ``bench``, ``demo``.
+"""The ``torchtp`` command line: ``estimate``, ``plan``, ``verify``, ``bench``, ``demo``,
+``reshard``, ``consolidate``.
 
 Each subcommand lives in its own module with ``register(subparsers)`` and a
 ``run(args) -> int`` set as the parser default; :data:`SUBCOMMANDS` maps names
-to modules, so new subcommands (``reshard``, ``consolidate``) add one entry.
+to modules.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ SUBCOMMANDS: dict[str, str] = {
     "verify": "verify",
     "bench": "bench",
     "demo": "demo",
+    "reshard": "reshard",
+    "consolidate": "consolidate",
 }
 
 DESCRIPTION = """Tensor parallelism for PyTorch models: will it work, how much memory, how fast.
@@ -31,6 +34,8 @@ examples:
   torchtp verify ./my-llama --tp 2 --grad           # sharded == unsharded?
   torchtp bench ./my-llama --tp 2                   # prefill/decode latency, tokens/s
   torchtp estimate --model ./my-llama --tp 1,2,4,8 --hardware h100-nvlink
+  torchtp reshard ./ckpt-tp2 ./ckpt-tp4 --tp 4           # offline, one tensor at a time
+  torchtp consolidate ./ckpt-tp4 ./hf-model              # back to one HF directory
 
 run `torchtp <command> --help` for each command's options and examples.
 """
