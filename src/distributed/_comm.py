@@ -3,14 +3,13 @@
 Each function returns a tensor the caller owns: inputs are never modified
 unless the caller passes one it created itself (``*_`` functions). Every call
 is logged under ``TP_DEBUG=1`` and recorded by :func:`count_collectives`.
-With ``TP_CHECK_SHAPES=1`` every collective first checks that all ranks pass
+With ``TP_CHECK_SHAPES=1`` (read at import) every collective first checks that all ranks pass
 the same shape and dtype (Gloo silently accepts mismatched shapes of equal
 element count); this doubles the collectives, so it is a debugging aid only.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import _logging
 from ._logging import debug_enabled, logger
 from .errors import RankMismatchError
 from .runtime import ProcessGroup
@@ -91,19 +91,24 @@ def record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
     """Count and (under TP_DEBUG) log one collective; check shapes under TP_CHECK_SHAPES.
 
     Eager only: inside ``torch.compile`` this is skipped (the compiled graph holds
-    the collectives; logging and Python counters cannot be traced).
+    the collectives; logging and Python counters cannot be traced). With no
+    counter, no debug logging and no shape checks it returns at once: this
+    runs on every collective of every forward.
     """
     if _compiling():
+        return
+    debug = debug_enabled()
+    if not (_COUNTERS or debug or _logging.CHECK_SHAPES):
         return
     size = dist.get_world_size(group)
     if _COUNTERS:
         rec = CollectiveRecord(op, tuple(tensor.shape), tensor.dtype, size)
         for counter in _COUNTERS:
             counter.records.append(rec)
-    if debug_enabled():
+    if debug:
         logger.debug("%s shape=%s dtype=%s group_size=%d", op, tuple(tensor.shape),
                      tensor.dtype, size)
-    if os.environ.get("TP_CHECK_SHAPES") == "1":
+    if _logging.CHECK_SHAPES:
         _check_same_signature(op, tensor, group)
 
 

@@ -12,6 +12,10 @@ logger = logging.getLogger("torchtp")
 
 _TRUTHY = {"1", "true", "yes", "on", "debug"}
 
+# TP_CHECK_SHAPES=1: every collective first checks that all ranks pass the same
+# shape and dtype. Read once (configure_from_env), not on every collective.
+CHECK_SHAPES = False
+
 
 def debug_enabled() -> bool:
     """Return True when debug logging is on for the ``torchtp`` logger."""
@@ -23,7 +27,10 @@ def configure_from_env() -> None:
 
     Adds one stderr handler tagged with the process rank (only once), so that
     ``TP_DEBUG=1 torchrun ...`` shows each rank's layer swaps and collectives.
+    Also reads ``TP_CHECK_SHAPES``.
     """
+    global CHECK_SHAPES
+    CHECK_SHAPES = os.environ.get("TP_CHECK_SHAPES", "").strip().lower() in _TRUTHY
     if os.environ.get("TP_DEBUG", "").strip().lower() not in _TRUTHY:
         return
     logger.setLevel(logging.DEBUG)

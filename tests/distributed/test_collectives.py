@@ -140,3 +140,18 @@ def _bad_src(rank: int, world_size: int) -> str:
 
 def test_bad_arguments_raise_before_communicating(ranks):
     assert ranks(_bad_src, 2) == ["2.0", "2.0"]
+
+
+def _mismatched_shapes(rank: int, world_size: int) -> str:
+    # Same element count, different shapes: Gloo alone would accept this silently.
+    shape = (2, 3) if rank == 0 else (3, 2)
+    with pytest.raises(torchtp.RankMismatchError,
+                       match=r"ranks passed different tensors to all_reduce: rank 0: "
+                             r"\('all_reduce', \(2, 3\), 'torch.float32'\), rank 1: "
+                             r"\('all_reduce', \(3, 2\), 'torch.float32'\)"):
+        torchtp.all_reduce_sum(torch.ones(shape))
+    return "raised"
+
+
+def test_tp_check_shapes_catches_mismatched_collectives_on_every_rank(ranks):
+    assert ranks(_mismatched_shapes, 2, env={"TP_CHECK_SHAPES": "1"}) == ["raised", "raised"]
