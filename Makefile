@@ -22,7 +22,7 @@ test: lint
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --nproc-per-node 2 --standalone launch/demo.py
+	$(VENV)/bin/torchtp demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

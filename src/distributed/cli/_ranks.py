@@ -50,6 +50,24 @@ def wrap(model: nn.Module, plan: str | None = None) -> DistributedModelWrapper:
     return DistributedModelWrapper(model, plan=plan)
 
 
+def load_sharded(path: str, dtype_name: str | None, seed: int,
+                 plan: str | None = None) -> tuple[DistributedModelWrapper, Any]:
+    """This rank's shard of the model: read from the checkpoint if ``path`` has weights.
+
+    With weights, :meth:`DistributedModelWrapper.from_pretrained` reads only this
+    rank's slices (memory proportional to the shard). Without (a config alone),
+    every rank builds the same random model from ``seed`` and wraps it.
+    """
+    if not has_weights(path):
+        model, config = load_model(path, dtype_name, seed)
+        return wrap(model, plan), config
+    config = load_config(path)
+    wrapped = DistributedModelWrapper.from_pretrained(
+        path, plan=plan, dtype=parse_dtype(dtype_name, config), device=rank_device(),
+        progress=False)
+    return wrapped.eval(), config
+
+
 def peak_rss_bytes() -> int:
     """Peak resident host memory of this process (``ru_maxrss``; KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -12,7 +12,7 @@ import torch
 
 from ._common import PLAN_HELP, dump_json, human_bytes, plan_choice, positive_int, progress, table
 from ._launch import launch, pick_backend
-from ._ranks import barrier, load_model, peak_device_bytes, peak_rss_bytes, random_tokens, say, wrap
+from ._ranks import barrier, load_sharded, peak_device_bytes, peak_rss_bytes, random_tokens, say
 from .plan import require_splittable
 
 HELP = "measure prefill latency, decode latency per token, tokens/s and memory per rank"
@@ -59,8 +59,7 @@ def _decode_step(model: Any, previous: Any) -> Any:
 
 def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     say(rank, f"loading {args['path']} on {world} rank(s)")
-    model, config = load_model(args["path"], args["dtype"], args["seed"])
-    model = wrap(model, args["plan"])
+    model, config = load_sharded(args["path"], args["dtype"], args["seed"], args["plan"])
     ids = random_tokens(config.vocab_size, args["batch"], args["seq"], args["seed"] + 1)
     prefill, decode = [], []
     with torch.inference_mode():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 from typing import Any
 
 import torch
@@ -13,7 +12,14 @@ from .._comm import count_collectives
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ._common import PLAN_HELP, dump_json, human_bytes, plan_choice, positive_int, progress, table
 from ._launch import launch, pick_backend
-from ._ranks import load_model, peak_device_bytes, peak_rss_bytes, random_tokens, say, wrap
+from ._ranks import (
+    load_model,
+    load_sharded,
+    peak_device_bytes,
+    peak_rss_bytes,
+    random_tokens,
+    say,
+)
 from .plan import require_splittable
 
 HELP = "run the sharded model on N processes and compare with the unsharded model"
@@ -79,16 +85,16 @@ def _grad_error(model: nn.Module, ref: nn.Module) -> tuple[float, float]:
 
 def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     say(rank, f"loading {args['path']} on {world} rank(s)")
-    model, config = load_model(args["path"], args["dtype"], args["seed"])
-    ref = copy.deepcopy(model)  # the unsharded reference, independent of the shards
+    # The unsharded reference is loaded on its own; the shards are read separately.
+    ref, config = load_model(args["path"], args["dtype"], args["seed"])
     ids = random_tokens(config.vocab_size, args["batch"], args["seq"], args["seed"] + 1)
     say(rank, "running the unsharded reference")
     with torch.set_grad_enabled(args["grad"]):
         want = ref(ids, labels=ids if args["grad"] else None)
     if args["grad"]:
         want.loss.backward()
-    say(rank, f"sharding over tp={world} and running the sharded model")
-    wrapped = wrap(model, args["plan"])
+    say(rank, f"loading this rank's shard (tp={world}) and running the sharded model")
+    wrapped, _ = load_sharded(args["path"], args["dtype"], args["seed"], args["plan"])
     with torch.set_grad_enabled(args["grad"]), count_collectives() as counter:
         got = wrapped(ids, labels=ids if args["grad"] else None)
     result = {"rank": rank, "collectives_per_forward": dict(counter.counts),
