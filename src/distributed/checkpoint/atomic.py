@@ -114,3 +114,14 @@ def step(what: str, error: BaseException | None, group: Any, cleanup: str | None
     if any(failed) and rank == 0 and cleanup:
         shutil.rmtree(cleanup, ignore_errors=True)
     agree(what, error, {}, group)
+
+
+def publish_agreed(what: str, tmp: str, directory: str, group: Any, rank: int) -> None:
+    """(All ranks) rank 0 moves ``tmp`` into place; every rank raises if that failed."""
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            publish(tmp, directory)
+        except OSError as err:
+            error = err
+    step(what, error, group, tmp, rank)

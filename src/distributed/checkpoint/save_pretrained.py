@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .atomic import group_size, make_tmp, publish, step, validate
+from .atomic import group_size, make_tmp, publish_agreed, step, validate
 from .placements import Placement, checkpoint_local, placements
 from .save_sharded import gather_layouts, save_config
 from .st_writer import (
@@ -60,13 +60,7 @@ def save_pretrained(wrapper: Any, directory: str | os.PathLike[str],
         except OSError as err:
             error = err
     step(_WHAT, error, group, tmp, rank)
-    error = None
-    if rank == 0:
-        try:
-            publish(tmp, directory)
-        except OSError as err:
-            error = err
-    step(_WHAT, error, group, tmp, rank)
+    publish_agreed(_WHAT, tmp, directory, group, rank)
 
 
 def _stream(tmp: str, files: list[list[TensorSpec]], names: list[str], produce: Any,

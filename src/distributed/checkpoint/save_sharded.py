@@ -10,7 +10,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._logging import logger
-from .atomic import group_size, make_tmp, publish, step, validate
+from .atomic import group_size, make_tmp, publish_agreed, step, validate
 from .fmt import FORMAT, FORMAT_VERSION, METADATA_FILE, rank_file
 from .placements import Placement, checkpoint_local, placements
 from .st_writer import DTYPES, TensorSpec, write_file
@@ -54,13 +54,7 @@ def save_sharded(wrapper: Any, directory: str | os.PathLike[str], timeout: float
     except (OSError, ValueError) as err:
         error = err
     step(_WHAT, error, group, tmp, rank)
-    error = None
-    if rank == 0:
-        try:
-            publish(tmp, directory)
-        except OSError as err:
-            error = err
-    step(_WHAT, error, group, tmp, rank)
+    publish_agreed(_WHAT, tmp, directory, group, rank)
 
 
 def _writes(name: str, layouts: list[dict[str, Any]], rank: int) -> bool:

@@ -91,3 +91,14 @@ def plan_choice(text: str) -> str | None:
 PLAN_HELP = ("which plan: auto (as DistributedModelWrapper(model): the model's HF plan, else "
              "torchtp's built-in plan, else structural detection), builtin (torchtp's plan for "
              "the architecture), or a YAML/JSON plan file (default: auto)")
+
+
+def add_rank_options(p: Any) -> None:
+    """Options every command that launches rank processes shares (``verify``, ``bench``)."""
+    p.add_argument("--dtype", default=None, help="float32 (default for CPU), bfloat16, float16")
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE",
+                   help=PLAN_HELP)
+    p.add_argument("--seed", type=int, default=0, help="seed for random weights and tokens")
+    p.add_argument("--backend", default="auto", help="auto (nccl with one GPU per rank, else gloo)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
+    p.add_argument("--json", action="store_true", help="print JSON")

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._common import PLAN_HELP, dump_json, human_bytes, plan_choice, positive_int, progress, table
+from ._common import add_rank_options, dump_json, human_bytes, positive_int, progress, table
 from ._launch import launch, pick_backend
 from ._ranks import barrier, load_sharded, peak_device_bytes, peak_rss_bytes, random_tokens, say
 from .plan import require_splittable
@@ -33,12 +33,7 @@ def register(sub: Any) -> None:
     p.add_argument("--new-tokens", type=positive_int, default=16, help="decode steps (default 16)")
     p.add_argument("--reps", type=positive_int, default=5, help="timed prefills (default 5)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--dtype", default=None, help="float32 (default for CPU), bfloat16, float16")
-    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
-    p.add_argument("--seed", type=int, default=0, help="seed for random weights and tokens")
-    p.add_argument("--backend", default="auto", help="auto (nccl with one GPU per rank, else gloo)")
-    p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_rank_options(p)
     p.set_defaults(run=run)
 
 

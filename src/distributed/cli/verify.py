@@ -10,7 +10,7 @@ from torch import nn
 
 from .._comm import count_collectives
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ._common import PLAN_HELP, dump_json, human_bytes, plan_choice, positive_int, progress, table
+from ._common import add_rank_options, dump_json, human_bytes, positive_int, progress, table
 from ._launch import launch, pick_backend
 from ._ranks import (
     load_model,
@@ -39,14 +39,9 @@ def register(sub: Any) -> None:
     p.add_argument("--grad", action="store_true", help="also compare a backward pass's gradients")
     p.add_argument("--batch", type=positive_int, default=2, help="batch size (default 2)")
     p.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence (default 16)")
-    p.add_argument("--dtype", default=None, help="float32 (default for CPU), bfloat16, float16")
     p.add_argument("--tol", type=float, default=None,
                    help="max relative error allowed (default 1e-4 for float32, 2e-2 otherwise)")
-    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
-    p.add_argument("--seed", type=int, default=0, help="seed for random weights and tokens")
-    p.add_argument("--backend", default="auto", help="auto (nccl with one GPU per rank, else gloo)")
-    p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_rank_options(p)
     p.set_defaults(run=run)
 
 

@@ -88,3 +88,20 @@ def take_shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.T
     """Copy rank ``rank``'s chunk of ``t`` along ``dim`` into a new tensor."""
     n = t.shape[dim] // world_size
     return t.detach().narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
+
+
+def new_from_shards(
+    cls: type[nn.Module], who: str, weight: torch.Tensor, bias: torch.Tensor | None,
+    world_size: int | None, rank: int | None, group: ProcessGroup | None, requires_grad: bool,
+) -> nn.Module:
+    """An instance of ``cls`` holding already-cut tensors, without running ``__init__``.
+
+    ``__init__`` would allocate and initialise the parameters only to throw them
+    away; the caller still sets the layer's shape attributes.
+    """
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    layer.group, layer.world_size, layer.rank = resolve_placement(who, world_size, rank, group)
+    layer.weight = nn.Parameter(weight, requires_grad=requires_grad)
+    layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
+    return layer

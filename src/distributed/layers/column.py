@@ -8,7 +8,14 @@ from torch import nn
 
 from ..regions import reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region
 from ..runtime import ProcessGroup
-from ._base import check_divisible, full_linear, require_group, resolve_placement, take_shard
+from ._base import (
+    check_divisible,
+    full_linear,
+    new_from_shards,
+    require_group,
+    resolve_placement,
+    take_shard,
+)
 from ._shape import input_mismatch
 
 
@@ -106,14 +113,10 @@ class ColumnParallelLinear(nn.Module):
         requires_grad: bool = True,
     ) -> ColumnParallelLinear:
         """Wrap already-cut local tensors: ``weight`` ``(out_features, cols)``, full ``bias``."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
         who = f"ColumnParallelLinear(in_features={in_features}, out_features={out_features})"
-        layer.group, layer.world_size, layer.rank = resolve_placement(who, world_size, rank, group)
+        layer = new_from_shards(cls, who, weight, bias, world_size, rank, group, requires_grad)
         layer._set_shape(in_features, out_features, weight.shape[1], input_is_parallel)
-        layer.weight = nn.Parameter(weight, requires_grad=requires_grad)
-        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
-        return layer
+        return layer  # type: ignore[return-value]
 
     @property
     def expected_input_features(self) -> int:

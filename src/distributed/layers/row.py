@@ -12,6 +12,7 @@ from ..runtime import ProcessGroup
 from ._base import (
     check_divisible,
     full_linear,
+    new_from_shards,
     require_group,
     resolve_placement,
     take_shard,
@@ -115,14 +116,10 @@ class RowParallelLinear(nn.Module):
         The rows may be any subset of the full layer's (packed projections,
         replicated KV heads); ``out_features`` records the full size.
         """
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
         who = f"RowParallelLinear(in_features={in_features}, out_features={out_features})"
-        layer.group, layer.world_size, layer.rank = resolve_placement(who, world_size, rank, group)
+        layer = new_from_shards(cls, who, weight, bias, world_size, rank, group, requires_grad)
         layer._set_shape(in_features, out_features, weight.shape[0], gather_output)
-        layer.weight = nn.Parameter(weight, requires_grad=requires_grad)
-        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
-        return layer
+        return layer  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply this rank's rows: ``(..., in)`` -> ``(..., out/tp)`` or ``(..., out)``."""
