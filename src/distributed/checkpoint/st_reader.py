@@ -89,9 +89,12 @@ class StFile:
                 return out
             rows = max(1, _BLOCK // (mid * inner))
             view = out.view(outer, n * inner)
+            # One block buffer for the whole tensor: fresh 16 MB buffers per block
+            # would be kept resident by the allocator and count in peak RSS.
+            buffer = torch.empty(min(rows, outer) * mid * inner, dtype=torch.uint8)
             for first in range(0, outer, rows):
                 count = min(rows, outer - first)
-                block = torch.empty(count * mid * inner, dtype=torch.uint8)
+                block = buffer[: count * mid * inner]
                 f.seek(entry.begin + first * mid * inner)
                 _read_exact(f, block, self.path)
                 view[first:first + count] = block.view(count, mid * inner)[
