@@ -93,3 +93,11 @@ def test_offline_errors(tmp_path):
     with pytest.raises(ValueError, match="truncated or corrupt"):
         reshard(cases["truncated"], str(tmp_path / "r"), 2)
     assert not os.path.exists(str(tmp_path / "r2")) and not os.path.exists(str(tmp_path / "r"))
+
+
+def test_bad_max_shard_size_is_named_and_leaves_nothing(tmp_path):
+    w = torchtp.DistributedModelWrapper(build("llama"))
+    out = str(tmp_path / "hf")
+    with pytest.raises(ValueError, match="max_shard_size='5 gigs' is not a size"):
+        w.save_pretrained(out, max_shard_size="5 gigs")
+    assert not os.path.exists(out) and not os.path.exists(out + ".tmp-torchtp")

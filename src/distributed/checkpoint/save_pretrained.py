@@ -37,6 +37,7 @@ def save_pretrained(wrapper: Any, directory: str | os.PathLike[str],
     """Implementation of :meth:`DistributedModelWrapper.save_pretrained` (see there)."""
     directory = os.fspath(directory)
     group, rank = wrapper.group, wrapper.rank
+    max_bytes = parse_size(max_shard_size)  # before the temp dir exists: a bad size leaves nothing
     tmp = validate(_WHAT, directory, group, timeout, {"max_shard_size": str(max_shard_size)})
     error: BaseException | None = None
     if rank == 0:
@@ -50,7 +51,7 @@ def save_pretrained(wrapper: Any, directory: str | os.PathLike[str],
     items = placements(wrapper.base_model)
     layouts = gather_layouts(items, group)
     specs = [TensorSpec(p.name, p.layout.full_shape, p.tensor.dtype) for p in items]
-    files = plan_shards(specs, parse_size(max_shard_size))
+    files = plan_shards(specs, max_bytes)
     names = hf_file_names(len(files))
     by_name = {p.name: p for p in items}
     error = _stream(tmp, files, names, lambda s: gather_full(by_name[s.name], layouts, group), rank)

@@ -111,12 +111,20 @@ def write_index(directory: str, files: list[list[TensorSpec]], names: list[str])
 
 
 def parse_size(size: int | str) -> int:
-    """``5_000_000`` or ``"5GB"``/``"500MB"``/``"10KB"`` -> bytes."""
+    """``5_000_000`` or ``"5GB"``/``"500MB"``/``"10KB"`` -> bytes.
+
+    Raises:
+        ValueError: ``size`` is neither an int nor a number with a known unit.
+    """
     if isinstance(size, int):
         return size
     text = size.strip().upper()
-    for unit, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
-                       ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * mult)
-    return int(text)
+    try:
+        for unit, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
+                           ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+            if text.endswith(unit):
+                return int(float(text[: -len(unit)]) * mult)
+        return int(text)
+    except ValueError:
+        raise ValueError(f"max_shard_size={size!r} is not a size; give bytes (an int) or a "
+                         "number with a unit, e.g. '5GB', '500MB', '10KiB'") from None
