@@ -101,3 +101,24 @@ def test_bad_max_shard_size_is_named_and_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="max_shard_size='5 gigs' is not a size"):
         w.save_pretrained(out, max_shard_size="5 gigs")
     assert not os.path.exists(out) and not os.path.exists(out + ".tmp-torchtp")
+
+
+def _different_checkpoints(rank: int, world_size: int, paths: list[str]) -> str:
+    import torchtp
+
+    try:
+        torchtp.DistributedModelWrapper.from_pretrained(paths[rank], progress=False)
+    except torchtp.RankMismatchError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_ranks_given_different_checkpoints_raise_on_every_rank(ranks, tmp_path):
+    from ._hf_models import build
+
+    paths = []
+    for i, arch in enumerate(("llama", "mistral")):
+        build(arch).save_pretrained(tmp_path / str(i))
+        paths.append(str(tmp_path / str(i)))
+    for msg in ranks(_different_checkpoints, 2, paths):
+        assert "model config (sha256) must match across all ranks" in msg

@@ -83,6 +83,9 @@ def _reporting(name: str, body: Any) -> Any:
         except (ValueError, OSError) as err:
             sys.stderr.write(f"torchtp {name}: error: {err}\n")
             return 2
+        except Exception as err:  # e.g. transformers rejecting an odd config: still one line
+            sys.stderr.write(f"torchtp {name}: error: {type(err).__name__}: {err}\n")
+            return 2
     return func
 
 

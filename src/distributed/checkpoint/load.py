@@ -14,6 +14,7 @@ Steps, each ending in an agreement so a bad checkpoint raises on every rank:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from typing import Any
@@ -47,7 +48,9 @@ def from_pretrained(
         config = load_config(path)
     except (ValueError, TypeError) as err:
         error = err
-    agree(_WHAT, error, {}, group)
+    # Ranks given different checkpoints (or arguments) would load a silent mix;
+    # paths may differ across nodes, so compare what was read, not where.
+    agree(_WHAT, error, _fingerprint(config, dtype, plan), group)
     assert source is not None
     model = build_on_meta(config, model_class)
     wrapper = _wrap(cls, model, plan, group, source)
@@ -66,6 +69,11 @@ def from_pretrained(
     agree(_WHAT, error, {}, group)
     grad_sync.install(wrapper.base_model)
     return wrapper
+
+
+def _fingerprint(config: Any, dtype: torch.dtype | None, plan: Any) -> dict[str, str]:
+    digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:16] if config else ""
+    return {"model config (sha256)": digest, "dtype": str(dtype), "plan": repr(plan)}
 
 
 def _wrap(cls: Any, model: nn.Module, plan: Any, group: Any, source: Source) -> Any:

@@ -8,8 +8,10 @@ Per decoder layer and rank (``N`` = tp size, ``T`` = tokens in the step):
 * communication: two all-reduces (after ``o_proj`` and ``down_proj``) of
   ``T * hidden * dtype`` bytes, each ``steps(N) * alpha + 2(N-1)/N * bytes / busbw``.
 
-The embedding, final norm and the replicated ``lm_head`` run once per step and
-are not split.
+The embedding, final norm and ``lm_head`` run once per step. Their *time* is
+modelled unsplit (conservative: the HF plan splits ``lm_head`` and gathers its
+output, which is faster for large vocabularies), while *weight bytes per rank*
+follow the HF plan, which splits the embedding and ``lm_head`` by vocabulary.
 """
 
 from __future__ import annotations
