@@ -13,7 +13,7 @@ overhead comes from tp=1 decode), then predicts tp=2 and tp=4 with the fitted
 preset and with the stored ``cpu-gloo`` preset, and prints predicted vs
 measured. The tp=2/4 forwards are never used for fitting.
 
-    PYTHONPATH=.shim .venv/bin/python benchmarks/costmodel_validate.py --json out.json
+    .venv/bin/python benchmarks/costmodel_validate.py --json out.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and ColumnParallelLinear only ``F.linear`` + ``_comm.all_reduce_`` (no
 autograd Function, no input check). Prints medians of the slowest rank and
 ratios to the floor for tp 2 and 4, decode and prefill.
 
-    PYTHONPATH=.shim .venv/bin/python benchmarks/hotpath_experiment.py
+    .venv/bin/python benchmarks/hotpath_experiment.py
 """
 
 from __future__ import annotations

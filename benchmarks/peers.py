@@ -10,7 +10,7 @@ each variant timed in interleaved repetitions (barrier before every call,
 slowest rank per repetition, median over repetitions). Prints a table of
 milliseconds and ratios to the floor and writes JSON.
 
-    PYTHONPATH=.shim .venv/bin/python benchmarks/peers.py --json peers.json
+    .venv/bin/python benchmarks/peers.py --json peers.json
 """
 
 from __future__ import annotations

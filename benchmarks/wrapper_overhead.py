@@ -4,7 +4,7 @@ Single process, no process group: every torchtp layer takes its
 ``world_size == 1`` path, which should cost nothing next to ``nn.Linear``.
 Interleaved repetitions, medians, ratios (target <= 1.02).
 
-    PYTHONPATH=.shim .venv/bin/python benchmarks/wrapper_overhead.py --json wo.json
+    .venv/bin/python benchmarks/wrapper_overhead.py --json wo.json
 """
 
 from __future__ import annotations
