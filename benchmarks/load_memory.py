@@ -125,12 +125,19 @@ def main() -> None:
     parser.add_argument("--recipe", default="from_pretrained", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
+    parser.add_argument("--make", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     model = os.path.join(args.cache, "hf")
-    make_model(model)
+    if args.make:
+        make_model(model)
+        return
+    # Build the model in its own process: Linux keeps a process's peak RSS across
+    # fork and exec, so ranks started from a parent that held the full model
+    # would all report at least its size.
+    subprocess.run([sys.executable, __file__, "--make", "--cache", args.cache], check=True)
     print("| recipe | tp | baseline GiB | peak RSS GiB (max rank) | local params GiB | "
           "target GiB | within target | load s |")
     print("|---|---|---|---|---|---|---|---|")
