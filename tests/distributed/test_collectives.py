@@ -102,7 +102,10 @@ def _count_and_log(rank: int, world_size: int) -> tuple[dict[str, int], list[str
     with torchtp.count_collectives() as counter:
         torchtp.all_reduce_sum(torch.ones(2, 3))
         torchtp.all_gather(torch.ones(2, 3), dim=0)
-    return dict(counter.counts), records
+    counts = dict(counter.counts)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    torchtp.DistributedModelWrapper(model)  # layer swaps are logged too
+    return counts, records
 
 
 def test_tp_debug_logs_every_collective_and_counter_counts(ranks):
@@ -111,6 +114,8 @@ def test_tp_debug_logs_every_collective_and_counter_counts(ranks):
         assert counts == {"all_reduce": 1, "all_gather": 1}
         assert any("all_reduce shape=(2, 3) dtype=torch.float32 group_size=2" in m for m in logs)
         assert any(m.startswith("all_gather shape=(2, 3)") for m in logs)
+        assert any(m.startswith("swapped 0: Linear -> RowParallelLinear(") for m in logs)
+        assert any(m.startswith("swapped 2: Linear -> ColumnParallelLinear(") for m in logs)
 
 
 def test_single_process_collectives_are_identity():
