@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -53,6 +54,19 @@ def pick_backend(nprocs: int, backend: str = "auto") -> str:
     return backend
 
 
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock before anything (transformers) makes a progress bar.
+
+    tqdm otherwise creates a multiprocessing semaphore, which a rank ending with
+    ``os._exit`` never releases: the parent then warns about leaked semaphores.
+    """
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional; without it there is nothing to leak
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _worker(fn: Callable[..., Any], rank: int, nprocs: int, args: Sequence[Any], workdir: str,
             backend: str, threads: int, timeout_s: float) -> None:
     import torch
@@ -61,6 +75,7 @@ def _worker(fn: Callable[..., Any], rank: int, nprocs: int, args: Sequence[Any],
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nprocs)})
     torch.set_num_threads(threads)  # ranks share the machine's cores
+    _thread_lock_for_tqdm()
     ok, value = True, None
     try:
         if backend == "nccl":
