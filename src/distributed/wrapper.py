@@ -71,7 +71,9 @@ class DistributedModelWrapper(nn.Module):
             ctx = ShardContext(size, me, g, type(model).__name__)
             planned = prepare(model, plan, ctx)
             fingerprint = _fingerprint(model, planned.plan, ctx)
-        except (ValueError, TypeError) as err:
+        except Exception as err:
+            # Any rank-local error (e.g. a plan file missing on one node), not only
+            # validation errors, must reach agree(), or the other ranks hang in it.
             error = err
         # Every rank reaches this point, so a rank-local error raises everywhere.
         agree("DistributedModelWrapper", error, fingerprint, group)

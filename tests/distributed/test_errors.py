@@ -154,3 +154,25 @@ def test_unpicklable_module_types_are_not_needed_for_errors():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     model.anything = lambda x: x
     assert DistributedModelWrapper(model, world_size=2, rank=0).parallelized_layers == ["0", "2"]
+
+
+def _plan_file_on_rank_0_only(rank: int, world_size: int, directory: str) -> str:
+    # Multi-node launches often have a file on one node only: the rank that cannot
+    # read it must not leave the others waiting in the wrapper's agreement.
+    path = f"{directory}/plan_rank{rank}.json"
+    if rank == 0:
+        with open(path, "w") as f:
+            f.write('{"0": "colwise", "2": "rowwise"}')
+    try:
+        DistributedModelWrapper(mlp(), plan=path)
+    except (OSError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_plan_file_missing_on_one_rank_raises_on_every_rank(ranks, tmp_path):
+    messages = ranks(_plan_file_on_rank_0_only, 2, str(tmp_path), timeout=60, gloo_timeout=5)
+    assert re.search(r"FileNotFoundError: DistributedModelWrapper failed on rank 1 .*"
+                     r"plan file .*plan_rank1.json does not exist", messages[0]), messages[0]
+    assert re.match(r"FileNotFoundError: plan file .*plan_rank1.json does not exist",
+                    messages[1]), messages[1]
