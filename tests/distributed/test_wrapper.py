@@ -158,3 +158,50 @@ def _train(rank: int, world_size: int, steps: int) -> int:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sgd_training_matches_single_process(ranks, world_size):
     assert ranks(_train, world_size, 5) == [5] * world_size
+
+
+class _SharedModule(nn.Module):
+    """One Linear object inside two Sequentials (a shared module, not just a tied weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(8, 16)
+        self.a = nn.Sequential(shared, nn.ReLU(), nn.Linear(16, 8))
+        self.b = nn.Sequential(shared, nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+class _TiedPartner(nn.Module):
+    """A Sequential whose would-be rowwise partner shares its weight with another module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                                 nn.Linear(16, 8))
+        self.head = nn.Linear(16, 16)
+        self.head.weight = self.seq[2].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.seq(x) + self.head(torch.ones(16)).sum()
+
+
+def _shared_parity(rank: int, world_size: int) -> list[list[str]]:
+    layers = []
+    for cls in (_SharedModule, _TiedPartner):
+        torch.manual_seed(0)
+        ref = cls()
+        torch.manual_seed(0)
+        wrapped = DistributedModelWrapper(cls())
+        x = seeded(3, 8, seed=5)
+        torch.testing.assert_close(wrapped(x), ref(x))
+        layers.append(wrapped.parallelized_layers)
+    return layers
+
+
+def test_auto_plan_replicates_shared_modules_and_never_pairs_them(ranks):
+    # A shared Linear is kept whole, and so is the pairing around it: splitting its
+    # neighbour alone would feed sharded activations into a replicated layer.
+    got = ranks(_shared_parity, 2, timeout=120)
+    assert got[0] == [["a.2", "b.2"], ["seq.0", "seq.4"]]

@@ -26,16 +26,20 @@ ELEMENTWISE: tuple[type[nn.Module], ...] = (
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
-    """ids of Linear modules whose weight is also registered elsewhere (tied)."""
+    """ids of Linear modules whose weight is also registered elsewhere (tied).
+
+    Duplicates are kept, so a module shared by two parents counts as tied too.
+    """
     owners: dict[int, list[nn.Module]] = {}
-    for mod in model.modules():
+    for _, mod in model.named_modules(remove_duplicate=False):
         for p in mod.parameters(recurse=False):
             owners.setdefault(id(p), []).append(mod)
     return {id(m) for mods in owners.values() if len(mods) > 1 for m in mods}
 
 
-def _pairs_in(seq: nn.Sequential, prefix: str, world_size: int) -> list[tuple[str, str]]:
-    """(colwise name, rowwise name) pairs found in one Sequential."""
+def _pairs_in(seq: nn.Sequential, prefix: str, world_size: int,
+              tied: set[int]) -> list[tuple[str, str]]:
+    """(colwise name, rowwise name) pairs found in one Sequential; tied Linears never pair."""
     children = list(seq.named_children())
     pairs, i = [], 0
     while i < len(children):
@@ -45,6 +49,7 @@ def _pairs_in(seq: nn.Sequential, prefix: str, world_size: int) -> list[tuple[st
             j += 1
         nxt = children[j][1] if j < len(children) else None
         if (isinstance(mod, nn.Linear) and isinstance(nxt, nn.Linear)
+                and id(mod) not in tied and id(nxt) not in tied
                 and nxt.in_features == mod.out_features and mod.out_features % world_size == 0):
             pairs.append((prefix + name, prefix + children[j][0]))
             i = j + 1
@@ -60,7 +65,7 @@ def sequential_plan(model: nn.Module, world_size: int) -> ResolvedPlan:
     paired: dict[str, str] = {}
     for seq_name, mod in model.named_modules():
         if isinstance(mod, nn.Sequential):
-            for a, b in _pairs_in(mod, f"{seq_name}." if seq_name else "", world_size):
+            for a, b in _pairs_in(mod, f"{seq_name}." if seq_name else "", world_size, tied):
                 paired[a], paired[b] = "colwise", "rowwise"
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
