@@ -9,6 +9,7 @@ same error, naming the ranks and what differs, or all go on.
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 import torch.distributed as dist
@@ -39,7 +40,9 @@ def agree(
         if error is not None:
             raise error
         return
-    mine = (None if error is None else (type(error), str(error)), fingerprint)
+    # Only builtin exception classes travel (by name): pickling an arbitrary
+    # class can fail on one rank, which would leave the others in the gather.
+    mine = (None if error is None else (type(error).__name__, str(error)), fingerprint)
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     _raise_first_error(what, everyone, error)
@@ -52,8 +55,10 @@ def _raise_first_error(what: str, everyone: list[Any], own: BaseException | None
         return
     if own is not None:
         raise own
-    rank, (cls, msg) = failed[0]
-    exc_type = cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError
+    rank, (name, msg) = failed[0]
+    builtin = getattr(builtins, name, None)
+    exc_type = builtin if isinstance(builtin, type) and issubclass(builtin, Exception) \
+        else RuntimeError
     raise exc_type(f"{what} failed on rank {rank} (ranks {[r for r, _ in failed]} failed): {msg}")
 
 

@@ -47,7 +47,7 @@ class _SumHook:
         out = grad.clone()
         for sync in active:
             if sync.rows is None:
-                out = _comm.all_reduce(grad, sync.group)
+                out = _comm.all_reduce(out, sync.group)  # keeps earlier row sums
             else:
                 start, n = sync.rows
                 out[start:start + n] = _comm.all_reduce(grad[start:start + n], sync.group)

@@ -176,3 +176,26 @@ def test_plan_file_missing_on_one_rank_raises_on_every_rank(ranks, tmp_path):
                      r"plan file .*plan_rank1.json does not exist", messages[0]), messages[0]
     assert re.match(r"FileNotFoundError: plan file .*plan_rank1.json does not exist",
                     messages[1]), messages[1]
+
+
+def _local_exception_class(rank: int, world_size: int) -> str:
+    class PluginError(ValueError):  # defined in a function: it cannot be pickled
+        pass
+
+    def broken(*args: object) -> None:
+        raise PluginError("a plan plugin failed on rank 1")
+
+    plan = {"0": torchtp.plans.Colwise(), "2": torchtp.plans.Rowwise()}
+    if rank == 1:
+        plan["0"].check_type = broken  # fails during planning, on this rank only
+    try:
+        DistributedModelWrapper(mlp(), plan=plan)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_rank_local_error_of_an_unpicklable_class_still_raises_everywhere(ranks):
+    got = ranks(_local_exception_class, 2, timeout=60)
+    assert got[1] == "PluginError: a plan plugin failed on rank 1"
+    assert got[0].startswith("RuntimeError: DistributedModelWrapper failed on rank 1")

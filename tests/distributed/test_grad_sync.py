@@ -23,3 +23,18 @@ def _sync(rank: int, world_size: int) -> list[float]:
 
 def test_installed_hooks_sum_the_recorded_rows(ranks):
     assert ranks(_sync, 2) == [[1.0, 3.0, 3.0], [2.0, 3.0, 3.0]]
+
+
+def _rows_then_whole(rank: int, world_size: int) -> list[float]:
+    group = get_tensor_parallel_config().group
+    layer = nn.Linear(2, 3, bias=False)
+    grad_sync.mark(layer, "weight", (grad_sync.GradSync(group, rows=(1, 2)),
+                                     grad_sync.GradSync(group)))
+    grad_sync.install(layer)
+    layer(torch.full((1, 2), float(rank + 1))).sum().backward()
+    # rows 1-2: summed (1 + 2 = 3), then the whole tensor again (3 + 3 = 6); row 0: 1 + 2.
+    return layer.weight.grad[:, 0].tolist()
+
+
+def test_a_whole_tensor_sync_keeps_earlier_row_sums(ranks):
+    assert ranks(_rows_then_whole, 2) == [[3.0, 6.0, 6.0]] * 2

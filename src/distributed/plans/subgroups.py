@@ -6,7 +6,9 @@ import torch.distributed as dist
 
 from .styles import ShardContext
 
-_CACHE: dict[tuple[int, int], dist.ProcessGroup | None] = {}
+# Keyed by the TP group object too: a group destroyed and started again in the
+# same process gets fresh sub-groups instead of dead ones.
+_CACHE: dict[tuple[int, int, int], dist.ProcessGroup | None] = {}
 
 
 def sharing_subgroup(ctx: ShardContext, units: int) -> dist.ProcessGroup | None:
@@ -24,7 +26,7 @@ def sharing_subgroup(ctx: ShardContext, units: int) -> dist.ProcessGroup | None:
     if dist.get_world_size(ctx.group) != dist.get_world_size():
         raise ValueError("replicating KV heads (tp > num_key_value_heads) needs the TP group "
                          "to span all ranks; use tp <= num_key_value_heads with a sub-group")
-    key = (ctx.world_size, units)
+    key = (id(ctx.group), ctx.world_size, units)
     if key not in _CACHE:
         share = ctx.world_size // units
         ranks = [list(range(h * share, (h + 1) * share)) for h in range(units)]
