@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 from torch import nn
 
@@ -72,13 +72,19 @@ def resolve(model: nn.Module, plan: PlanArg, ctx: ShardContext) -> ResolvedPlan:
     return _builtin(model, required=False) or structural_plan(model)
 
 
+@overload
+def _builtin(model: nn.Module, required: Literal[True]) -> ResolvedPlan: ...
+@overload
+def _builtin(model: nn.Module, required: Literal[False]) -> ResolvedPlan | None: ...
+
+
 def _builtin(model: nn.Module, required: bool) -> ResolvedPlan | None:
     """torchtp's plan for the model's architecture (``plan="builtin"`` forces it)."""
     if not is_hf_model(model):
         if required:
             raise ValueError("plan='builtin' needs a HuggingFace model; pass a dict plan")
         return None
-    prefix = model.base_model_prefix if model.base_model is not model else ""
+    prefix = cast(str, model.base_model_prefix) if model.base_model is not model else ""
     model_type = getattr(model.config, "model_type", "")
     rules = builtin_plan(model_type, prefix)
     if rules is None:

@@ -13,6 +13,7 @@ import atexit
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,7 +124,7 @@ def init_tensor_parallel(
     chosen = _pick_backend(backend)
     if chosen == "nccl":
         torch.cuda.set_device(local_rank)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if timeout is not None:
         seconds = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         kwargs["timeout"] = seconds

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -79,9 +80,11 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], tp: int,
             mine = [p for p in items if p.name in found and _writes(p.name, layouts, rank)]
             specs = [TensorSpec(p.name, _ckpt_shape(p.layout), p.tensor.dtype) for p in mine]
             by_name = {p.name: p for p in mine}
-            write_file(os.path.join(tmp, rank_file(rank, tp)), specs,
-                       lambda s, b=by_name: source.read(found[s.name], b[s.name].layout.dim,
-                                                        b[s.name].layout.segments))
+            # The default argument binds this rank's placements; mypy cannot infer such a lambda.
+            produce = cast("Callable[[TensorSpec], torch.Tensor]",
+                           lambda s, b=by_name: source.read(found[s.name], b[s.name].layout.dim,
+                                                            b[s.name].layout.segments))
+            write_file(os.path.join(tmp, rank_file(rank, tp)), specs, produce)
         _write_metadata(tmp, wrappers[0], [p for p in per_rank[0] if p.name in found], layouts,
                         write_config=False)
         _copy_configs(src, tmp)

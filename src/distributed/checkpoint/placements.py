@@ -48,7 +48,7 @@ def placements(model: nn.Module) -> list[Placement]:
         layouts = getattr(mod, "tp_layouts", {})
         for attr, p in mod.named_parameters(recurse=False):
             _add(by_id, mod_name, attr, p, layouts.get(attr), True)
-        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
         for attr, b in mod.named_buffers(recurse=False):
             if attr not in skip:
                 _add(by_id, mod_name, attr, b, None, False)

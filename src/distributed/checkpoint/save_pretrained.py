@@ -124,6 +124,7 @@ def gather_full(p: Placement, layouts: list[dict[str, Any]], group: Any) -> torc
 
 
 def _place_one(local: torch.Tensor, p: Placement) -> torch.Tensor:
+    assert p.layout.dim is not None  # only split tensors are placed
     full = torch.empty(p.layout.full_shape, dtype=local.dtype)
     _scatter_segments(full, local.cpu(), p.layout.dim, p.layout.segments)
     return full

@@ -10,6 +10,7 @@ RSS (the file's bytes on top of the copy) for as long as it is mapped.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -105,8 +106,9 @@ class StFile:
 _BLOCK = 16 * 2**20  # bytes read at once for a strided (non-leading-dim) slice
 
 
-def _read_exact(f: object, out: torch.Tensor, path: str) -> None:
-    got = f.readinto(memoryview(out.numpy()))  # type: ignore[attr-defined]
+def _read_exact(f: io.BufferedReader, out: torch.Tensor, path: str) -> None:
+    # numpy's stubs declare the buffer protocol only for Python >= 3.12.
+    got = f.readinto(memoryview(out.numpy()))  # type: ignore[arg-type]
     if got != out.numel():
         raise ValueError(f"safetensors file {path} is truncated: read {got} of {out.numel()} "
                          "bytes; re-download or re-save it")

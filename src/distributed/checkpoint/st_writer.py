@@ -59,7 +59,8 @@ def header_bytes(specs: Sequence[TensorSpec], metadata: dict[str, str] | None = 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of ``t`` (contiguous, on CPU)."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    # numpy's stubs declare the buffer protocol only for Python >= 3.12.
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def write_file(path: str, specs: Sequence[TensorSpec],

@@ -112,6 +112,7 @@ def head_aware_assignments(model: nn.Module, plan: ResolvedPlan) -> dict[str, He
             plan.notes.append(f"'{name}': its out_features={view.out_features} do not map onto "
                               f"attention heads ({info}); split as rows only")
             continue
+        assert info is not None  # parts is None whenever info is
         plan.assignments[name] = HeadSplit(parts, style.name)
         found[parent_name] = info
     return found
@@ -128,11 +129,11 @@ def adjust_attention_modules(model: nn.Module, infos: dict[str, HeadInfo],
         for attr, value in overrides.items():
             setattr(module, attr, value)
         if hasattr(module, "num_key_value_groups"):
-            module.num_key_value_groups = local_heads // local_kv
+            module.num_key_value_groups = local_heads // local_kv  # type: ignore[assignment]
         config = getattr(module, "config", None)
         if config is not None and not isinstance(config, LocalConfig):
-            module.config = LocalConfig(config, _local_values(config, info, local_heads,
-                                                              local_kv, ctx.world_size))
+            module.config = LocalConfig(  # type: ignore[assignment]
+                config, _local_values(config, info, local_heads, local_kv, ctx.world_size))
 
 
 def _local_values(obj: object, info: HeadInfo, local_heads: int, local_kv: int,

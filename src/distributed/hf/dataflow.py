@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 
 from ..plans.linear_view import linear_view
 
@@ -26,7 +27,7 @@ def trace_sources(model: nn.Module, names: Iterable[str]) -> dict[str, set[str]]
     ``None`` when the model cannot run on its dummy inputs.
     """
     wanted = set(names)
-    inputs: dict[str, object] = {}
+    inputs: dict[str, Node | None] = {}
     hooks = []
     for name, mod in model.named_modules():
         if linear_view(mod) is None:
@@ -49,27 +50,28 @@ def trace_sources(model: nn.Module, names: Iterable[str]) -> dict[str, set[str]]
     return {n: _walk(node) for n, node in inputs.items()}
 
 
-def _recorder(name: str, wanted: set[str], inputs: dict[str, object]):
+def _recorder(name: str, wanted: set[str], inputs: dict[str, Node | None]):
     # Tags live in the node's metadata, which stays with the C++ node: Python
     # wrappers (and their ids) can die and be reused while the graph lives on.
     def hook(_mod: nn.Module, args: tuple, out: object) -> None:
         if isinstance(out, torch.Tensor) and out.grad_fn is not None:
-            out.grad_fn.metadata.setdefault(_TAG, name)
+            # Node.metadata is a property at runtime; torch's stubs declare a method.
+            out.grad_fn.metadata.setdefault(_TAG, name)  # type: ignore[attr-defined]
         if name in wanted and args and isinstance(args[0], torch.Tensor):
             inputs.setdefault(name, args[0].grad_fn)
     return hook
 
 
-def _walk(start: object) -> set[str]:
+def _walk(start: Node | None) -> set[str]:
     found: set[str] = set()
-    stack: list[object] = [start]
-    seen: dict[int, object] = {}  # holding the wrappers keeps their ids unique
+    stack: list[Node | None] = [start]
+    seen: dict[int, Node] = {}  # holding the wrappers keeps their ids unique
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        tag = node.metadata.get(_TAG)
+        tag = node.metadata.get(_TAG)  # type: ignore[attr-defined]
         if tag is not None:
             found.add(tag)
             continue

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..errors import MissingProcessGroupError, launch_hint, valid_sizes
 from ..runtime import ProcessGroup, get_tensor_parallel_config
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def resolve_placement(
@@ -91,9 +95,9 @@ def take_shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.T
 
 
 def new_from_shards(
-    cls: type[nn.Module], who: str, weight: torch.Tensor, bias: torch.Tensor | None,
+    cls: type[M], who: str, weight: torch.Tensor, bias: torch.Tensor | None,
     world_size: int | None, rank: int | None, group: ProcessGroup | None, requires_grad: bool,
-) -> nn.Module:
+) -> M:
     """An instance of ``cls`` holding already-cut tensors, without running ``__init__``.
 
     ``__init__`` would allocate and initialise the parameters only to throw them
@@ -101,7 +105,10 @@ def new_from_shards(
     """
     layer = cls.__new__(cls)
     nn.Module.__init__(layer)
-    layer.group, layer.world_size, layer.rank = resolve_placement(who, world_size, rank, group)
+    # The parallel layers declare these attributes; nn.Module's own setattr type does not.
+    layer.group, layer.world_size, layer.rank = resolve_placement(  # type: ignore[assignment]
+        who, world_size, rank, group)
     layer.weight = nn.Parameter(weight, requires_grad=requires_grad)
-    layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
+    layer.bias = None if bias is None else nn.Parameter(  # type: ignore[assignment]
+        bias, requires_grad=requires_grad)
     return layer

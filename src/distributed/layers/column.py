@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,7 +65,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.world_size, self.rank = resolve_placement(who, world_size, rank, group)
         local = check_divisible(who, "in_features", in_features, self.world_size, "weight columns")
         self._set_shape(in_features, out_features, local, input_is_parallel)
-        kw = {"dtype": dtype, "device": device}
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         if torch.device(device or "cpu").type != "meta":
@@ -116,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
         who = f"ColumnParallelLinear(in_features={in_features}, out_features={out_features})"
         layer = new_from_shards(cls, who, weight, bias, world_size, rank, group, requires_grad)
         layer._set_shape(in_features, out_features, weight.shape[1], input_is_parallel)
-        return layer  # type: ignore[return-value]
+        return layer
 
     @property
     def expected_input_features(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,7 +64,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.world_size, self.rank = resolve_placement(who, world_size, rank, group)
         local = check_divisible(who, "out_features", out_features, self.world_size, "weight rows")
         self._set_shape(in_features, out_features, local, gather_output)
-        kw = {"dtype": dtype, "device": device}
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(local, **kw)) if bias else None
         if torch.device(device or "cpu").type != "meta":
@@ -119,7 +121,7 @@ class RowParallelLinear(nn.Module):
         who = f"RowParallelLinear(in_features={in_features}, out_features={out_features})"
         layer = new_from_shards(cls, who, weight, bias, world_size, rank, group, requires_grad)
         layer._set_shape(in_features, out_features, weight.shape[0], gather_output)
-        return layer  # type: ignore[return-value]
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply this rank's rows: ``(..., in)`` -> ``(..., out/tp)`` or ``(..., out)``."""

@@ -9,6 +9,7 @@ either one the same way and record that the local weight is transposed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -60,6 +61,8 @@ def linear_view(module: nn.Module) -> LinearView | None:
                           module.bias, transposed=False)
     conv1d = _conv1d_type()
     if conv1d is not None and isinstance(module, conv1d):
-        n_in, n_out = module.weight.shape
-        return LinearView(n_in, n_out, module.weight, module.bias, transposed=True)
+        weight = cast(torch.Tensor, module.weight)
+        bias = cast("torch.Tensor | None", module.bias)
+        n_in, n_out = weight.shape
+        return LinearView(n_in, n_out, weight, bias, transposed=True)
     return None

@@ -72,11 +72,11 @@ def match_plan(model: nn.Module, plan: Plan, source: str) -> ResolvedPlan:
     for name, _ in model.named_modules():
         if not name:
             continue
-        pattern = next((p for p in styles if fnmatch.fnmatchcase(name, p)), None)
-        if pattern is not None:
-            resolved.assignments[name] = styles[pattern]
-            resolved.matches.setdefault(pattern, []).append(name)
-            used.add(pattern)
+        matched = next((p for p in styles if fnmatch.fnmatchcase(name, p)), None)
+        if matched is not None:
+            resolved.assignments[name] = styles[matched]
+            resolved.matches.setdefault(matched, []).append(name)
+            used.add(matched)
     for pattern in styles:
         if pattern not in used:
             logger.warning("torchtp plan rule %r (style %s) matches no module", pattern, styles[pattern].name)

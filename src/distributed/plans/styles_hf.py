@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
+import torch
 from torch import nn
 
 from ..grad_sync import GradSync, mark
@@ -110,8 +112,8 @@ class HeadSplit(Colwise):
         layer = super().apply(module, fqn, ctx)
         view = require_linear(self.name, module, fqn)
         shared, local = [], 0
-        for part, (_, n) in zip(self.parts_for(view), layer.tp_layouts["weight"].segments,
-                                strict=True):
+        tp_layouts = cast("dict[str, ParamLayout]", layer.tp_layouts)
+        for part, (_, n) in zip(self.parts_for(view), tp_layouts["weight"].segments, strict=True):
             if part.units % ctx.world_size:
                 # A replicated KV head: each rank's gradient covers only its own
                 # query heads; the sum over the ranks sharing the head is exact.
@@ -167,20 +169,21 @@ class EmbeddingRowwise(ParallelStyle):
                 "lookups would not sum to its output); mark it 'replicate'")
 
     def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
-        vocab, dim = module.weight.shape
+        vocab, dim = cast(torch.Tensor, module.weight).shape
         return LayerShapes((vocab, dim), (uneven_chunks(vocab, ctx.world_size, ctx.rank)[1], dim))
 
     def layouts(self, module: nn.Module, ctx: ShardContext) -> dict[str, ParamLayout]:
-        segment = uneven_chunks(module.weight.shape[0], ctx.world_size, ctx.rank)
-        return {"weight": ParamLayout(tuple(module.weight.shape), 0, (segment,))}
+        weight = cast(torch.Tensor, module.weight)
+        segment = uneven_chunks(weight.shape[0], ctx.world_size, ctx.rank)
+        return {"weight": ParamLayout(tuple(weight.shape), 0, (segment,))}
 
     def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
         emb = _require_embedding(self.name, module, fqn)
         layout = self.layouts(emb, ctx)["weight"]
         start = layout.segments[0][0]
         if type(emb).forward is not nn.Embedding.forward:  # keep the subclass's own forward
-            layer = shard_vocab_in_place(emb, layout.take(emb.weight), start, ctx.world_size,
-                                         ctx.group)
+            layer: nn.Module = shard_vocab_in_place(emb, layout.take(emb.weight), start,
+                                                    ctx.world_size, ctx.group)
             return attach_layouts(layer, {"weight": layout})
         layer = VocabParallelEmbedding(layout.take(emb.weight), emb.num_embeddings, start,
                                        emb.padding_idx, ctx.world_size, ctx.group,
@@ -206,12 +209,13 @@ class EmbeddingColwise(ParallelStyle):
                            "embedding_dim (weight columns)", emb.embedding_dim)]
 
     def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
-        vocab, dim = module.weight.shape
+        vocab, dim = cast(torch.Tensor, module.weight).shape
         return LayerShapes((vocab, dim), (vocab, dim // ctx.world_size))
 
     def layouts(self, module: nn.Module, ctx: ShardContext) -> dict[str, ParamLayout]:
-        dim = module.weight.shape[1]
-        return {"weight": ParamLayout(tuple(module.weight.shape), 1,
+        weight = cast(torch.Tensor, module.weight)
+        dim = weight.shape[1]
+        return {"weight": ParamLayout(tuple(weight.shape), 1,
                                       (even_chunks(dim, ctx.world_size, ctx.rank),))}
 
     def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from ..runtime import ProcessGroup
 from . import _index
 from ._index import Shape
 from .grid import Grid, check_root
+
+T = TypeVar("T")
 
 
 class Reduction(str, enum.Enum):
@@ -93,12 +96,12 @@ class GroupInfo:
         """Process-group rank of in-group member ``k`` (groups sort global ranks)."""
         return sorted(self.members).index(self.members[k])
 
-    def by_group_rank(self, items: Sequence[object]) -> list[object]:
+    def by_group_rank(self, items: Sequence[T]) -> list[T]:
         """Reorder per-member ``items`` (in-group order) into process-group rank order."""
         order = sorted(range(self.size), key=lambda k: self.members[k])
         return [items[k] for k in order]
 
-    def from_group_rank(self, items: Sequence[object]) -> list[object]:
+    def from_group_rank(self, items: Sequence[T]) -> list[T]:
         """Reorder ``items`` received in process-group rank order into in-group order."""
         return [items[self.group_rank(k)] for k in range(self.size)]
 
@@ -130,7 +133,7 @@ def record(op: str, x: torch.Tensor, pg: ProcessGroup | None) -> None:
     _comm.record(op, x, pg)
 
 
-def torch_op(reduction: Reduction) -> dist.ReduceOp:
+def torch_op(reduction: Reduction) -> dist.ReduceOp.RedOpType:
     """The torch reduce op computing ``reduction`` (AVERAGE sums, then divides)."""
     return _comm.REDUCE_OPS["sum" if reduction is Reduction.AVERAGE else reduction.value]
 

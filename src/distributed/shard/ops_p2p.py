@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..runtime import ProcessGroup
 from . import _common as c
 from . import _index
 from .grid import Grid
@@ -163,7 +164,7 @@ def _halo_dims(x: torch.Tensor, grid: Grid, split_axes: Sequence[Sequence[int] |
 
 
 def _exchange(out: torch.Tensor, dim: int, lo: int, hi: int, prev: int | None,
-              nxt: int | None, pg: object) -> None:
+              nxt: int | None, pg: ProcessGroup | None) -> None:
     size = out.shape[dim]
     ops, recvs = [], []
     # My first hi core elements fill prev's hi halo; my last lo fill next's lo halo.
@@ -182,7 +183,7 @@ def _exchange(out: torch.Tensor, dim: int, lo: int, hi: int, prev: int | None,
         ops.append(dist.P2POp(dist.irecv, buf, nxt, group=pg))
         recvs.append((size - hi, buf))
     if ops:
-        c.record("update_halo", out, pg)  # type: ignore[arg-type]
+        c.record("update_halo", out, pg)
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     for start, buf in recvs:

@@ -20,6 +20,7 @@ anything else                        DTENSOR            DTensor decides
 from __future__ import annotations
 
 import enum
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -116,7 +117,7 @@ def matmul(a: DTensor, b: DTensor, *, reduce: bool = True) -> DTensor:
                          f"{a.shape[-1]} and {b.shape[0]} differ")
     strategy = choose_matmul_strategy(a, b)
     if strategy is MatmulStrategy.DTENSOR:
-        return a @ b
+        return cast(DTensor, a @ b)  # DTensor ops return DTensors; torch's stubs say Tensor
     shape = (a.shape[0], b.shape[1])
     if strategy is MatmulStrategy.GATHER_B:
         b = b.redistribute(b.device_mesh, [Replicate()])  # one all-gather
@@ -143,7 +144,7 @@ def sharded_sum(x: DTensor, dim: int | None = None) -> DTensor:
     """
     place = x.placements[0] if x.device_mesh.ndim == 1 else None
     if place is None:
-        return x.sum() if dim is None else x.sum(dim)
+        return cast(DTensor, x.sum() if dim is None else x.sum(dim))
     local = x.to_local().sum() if dim is None else x.to_local().sum(dim)
     shape = () if dim is None else tuple(s for i, s in enumerate(x.shape) if i != dim % x.dim())
     if isinstance(place, Shard) and (dim is None or dim % x.dim() == place.dim):
@@ -162,5 +163,5 @@ def sharded_mean(x: DTensor, dim: int | None = None) -> DTensor:
     uneven shards (a mean of per-shard means would weight small shards too much).
     """
     count = x.numel() if dim is None else x.shape[dim]
-    total = sharded_sum(x if x.is_floating_point() else x.to(torch.float64), dim)
-    return total / count
+    total = sharded_sum(x if x.is_floating_point() else cast(DTensor, x.to(torch.float64)), dim)
+    return cast(DTensor, total / count)

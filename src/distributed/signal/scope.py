@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -196,5 +196,6 @@ def parallelize(module: nn.Module, name: str | None = None,
             isinstance(p, DTensor) for p in module.parameters()):
         module = distribute_module(module, grid.mesh)
     if cfg.compile:
-        return torch.compile(module, **(compile_kwargs or {}))
+        # torch.compile of a module returns an OptimizedModule (an nn.Module).
+        return cast(nn.Module, torch.compile(module, **(compile_kwargs or {})))
     return module

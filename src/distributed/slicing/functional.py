@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -195,13 +195,16 @@ def gather(partition: TensorPartition,
         raise ValueError(f"{op.name} needs slices of one shape, got {sorted(shapes)}; use "
                          "CONCAT, or a slice count that divides the split dims")
     if isinstance(cores[0], np.ndarray):
-        fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op.value]
-        return fn(np.stack(cores), axis=0)
+        np_reducers: dict[str, Callable[..., Array]] = {
+            "sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
+        return np_reducers[op.value](np.stack(cores), axis=0)
     stacked = torch.stack(cores)
     if op is ReduceOperation.MEAN:
         float_ok = stacked.is_floating_point() or stacked.is_complex()
         return (stacked if float_ok else stacked.to(torch.float64)).mean(0)
-    return {"sum": stacked.sum, "max": stacked.amax, "min": stacked.amin}[op.value](0)
+    reducers: dict[str, Callable[[int], torch.Tensor]] = {
+        "sum": stacked.sum, "max": stacked.amax, "min": stacked.amin}
+    return reducers[op.value](0)
 
 
 def _reduce_op(reduce_op: ReduceOperation | str) -> ReduceOperation:
@@ -214,6 +217,7 @@ def _reduce_op(reduce_op: ReduceOperation | str) -> ReduceOperation:
 
 def _concat(partition: TensorPartition, cores: list[Array]) -> Array:
     first = partition.data[0]
+    out: Array
     if isinstance(first, np.ndarray):
         out = np.empty(partition.shape, dtype=first.dtype)
     else:
