@@ -17,6 +17,7 @@ install: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks launch
+	$(PY) -m mypy --warn-unused-ignores src/distributed
 
 test: lint
 	$(PY) -m pytest tests -q -p no:cacheprovider

@@ -93,12 +93,12 @@ class _Broadcast(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
         ctx.is_src = group_rank(group) == src
         return _comm.broadcast(x, src, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return (grad if ctx.is_src else torch.zeros_like(grad)), None, None
 
 

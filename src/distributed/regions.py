@@ -37,12 +37,12 @@ class _CopyToRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _comm.all_reduce(grad, ctx.group), None
 
 
@@ -56,14 +56,14 @@ class _ReduceFromRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, inplace: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, inplace: bool) -> torch.Tensor:
         if inplace and x.is_contiguous():
             ctx.mark_dirty(x)
             return _comm.all_reduce_(x, group)
         return _comm.all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad, None, None
 
 
@@ -76,12 +76,12 @@ class _ScatterToRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _comm.split(x, dim, group_rank(group), group_size(group))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _comm.all_gather(grad, ctx.dim, ctx.group), None, None
 
 
@@ -94,12 +94,12 @@ class _GatherFromRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _comm.all_gather(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         g = ctx.group
         return _comm.split(grad, ctx.dim, group_rank(g), group_size(g)), None, None
 
@@ -113,12 +113,12 @@ class _ReduceScatterRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _comm.reduce_scatter(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _comm.all_gather(grad, ctx.dim, ctx.group), None, None
 
 

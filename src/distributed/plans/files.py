@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import ModuleType
 
 
 def load_plan_file(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -41,7 +42,7 @@ def load_plan_file(path: str | os.PathLike[str]) -> dict[str, str]:
     return data
 
 
-def _yaml():  # type: ignore[no-untyped-def]
+def _yaml() -> ModuleType:
     try:
         import yaml
     except ImportError as err:
