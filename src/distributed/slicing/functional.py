@@ -10,10 +10,11 @@ every cut by ``overlap`` on each side, clipped at the tensor's edges (no padding
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from ..shard import Sharding, shard_bounds
 from .types import ReduceOperation, SliceSpec, SlicingStrategy, TensorPartition
 
 Array = Any  # numpy.ndarray or torch.Tensor
-
+E = TypeVar("E", bound=enum.Enum)  # the enums parsed from user strings
 
 def split_offsets(size: int, parts: int, balance: bool = True) -> list[int]:
     """Start of each of ``parts`` slices of ``size`` elements, plus ``size``.
@@ -112,12 +113,17 @@ def plan(shape: Sequence[int], strategy: SlicingStrategy | str, num_slices: int 
     return specs, sharding, grid_shape
 
 
-def _strategy(strategy: SlicingStrategy | str) -> SlicingStrategy:
+def _parse(kind: type[E], value: E | str, label: str) -> E:
+    """``value`` as a member of the enum ``kind``, or a ValueError listing the members."""
     try:
-        return SlicingStrategy(strategy)
+        return kind(value)
     except ValueError:
-        names = ", ".join(s.name for s in SlicingStrategy)
-        raise ValueError(f"unknown slicing strategy {strategy!r}; use one of {names}") from None
+        names = ", ".join(m.name for m in kind)
+        raise ValueError(f"unknown {label} {value!r}; use one of {names}") from None
+
+
+def _strategy(strategy: SlicingStrategy | str) -> SlicingStrategy:
+    return _parse(SlicingStrategy, strategy, "slicing strategy")
 
 
 def _offsets(shape: tuple[int, ...], strategy: SlicingStrategy, dims: list[int],
@@ -208,11 +214,7 @@ def gather(partition: TensorPartition,
 
 
 def _reduce_op(reduce_op: ReduceOperation | str) -> ReduceOperation:
-    try:
-        return ReduceOperation(reduce_op)
-    except ValueError:
-        names = ", ".join(r.name for r in ReduceOperation)
-        raise ValueError(f"unknown reduce_op {reduce_op!r}; use one of {names}") from None
+    return _parse(ReduceOperation, reduce_op, "reduce_op")
 
 
 def _concat(partition: TensorPartition, cores: list[Array]) -> Array:
