@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchtp-installed
 
-.PHONY: test demo lint bench install clean
+.PHONY: test test-all demo lint bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks launch
 	$(PY) -m mypy --warn-unused-ignores src/distributed
 
+# make test skips tests marked slow (long matrices); make test-all runs them too.
 test: lint
+	$(PY) -m pytest tests -q -p no:cacheprovider -m "not slow"
+
+test-all: lint
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 demo: $(STAMP)
