@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BLOCK = re.compile(r"(?:<!-- run: (?P<how>[^>]*?) -->\s*\n)?```python\n(?P<code>.*?)```", re.S)
@@ -43,31 +44,44 @@ def command(how: str, script: str) -> list[str] | None:
     raise ValueError(f"unknown run marker {how!r}")
 
 
+def run_one(how: str, code: str, env: dict[str, str]) -> tuple[int, str, str]:
+    """Run one example; returns (exit code, output tail, note)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+    try:
+        cmd = command(how, f.name)
+        assert cmd is not None
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        note = ""
+        if proc.returncode and _gloo_exit_abort(proc.stderr):
+            # torch's Gloo teardown can abort a process *after* its work is done
+            # (docs/troubleshooting.md); rerun once instead of failing on it.
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+            note = " [rerun once after a Gloo abort at interpreter exit]"
+        return proc.returncode, proc.stdout[-3000:] + "\n" + proc.stderr[-3000:], note
+    finally:
+        os.unlink(f.name)
+
+
 def main(paths: list[str]) -> int:
-    failures = 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for path in map(Path, paths):
-        for line, how, code in examples(path):
-            with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-                f.write(code)
-            cmd = command(how, f.name)
-            where = f"{path}:{line}"
-            if cmd is None:
+    todo = [(f"{path}:{line}", how, code) for path in map(Path, paths)
+            for line, how, code in examples(path)]
+    # Examples are independent processes that mostly wait on start-up and Gloo:
+    # a few at a time finish sooner than one by one, in the same order of output.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {where: pool.submit(run_one, how, code, env)
+                   for where, how, code in todo if command(how, "x") is not None}
+        failures = 0
+        for where, how, _ in todo:
+            if where not in futures:
                 print(f"skip {where} ({how})")
                 continue
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-            note = ""
-            if proc.returncode and _gloo_exit_abort(proc.stderr):
-                # torch's Gloo teardown can abort a process *after* its work is done
-                # (docs/troubleshooting.md); rerun once instead of failing on it.
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-                note = " [rerun once after a Gloo abort at interpreter exit]"
-            status = "ok  " if proc.returncode == 0 else "FAIL"
-            print(f"{status} {where} ({how}){note}")
-            if proc.returncode:
+            code, tail, note = futures[where].result()
+            print(f"{'ok  ' if code == 0 else 'FAIL'} {where} ({how}){note}")
+            if code:
                 failures += 1
-                print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
-            os.unlink(f.name)
+                print(tail)
     print(f"{failures} failing example(s)")
     return 1 if failures else 0
 
