@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from .plans import ResolvedPlan, ShardContext
+if TYPE_CHECKING:
+    from .plans.resolved import ResolvedPlan
+    from .plans.styles import ShardContext
 
 Member = tuple[str, str]  # (module name, parameter name)
 
@@ -26,13 +30,12 @@ def check_ties(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> None:
     Raises:
         ValueError: names both modules, their styles and the fix.
     """
-    modules = dict(model.named_modules(remove_duplicate=False))
     for group in tied_groups(model):
         placements = []
         for mod_name, p_name in group:
-            style = plan.assignments.get(mod_name)
-            layout = style.layouts(modules[mod_name], ctx).get(p_name) if style else None
-            placements.append((mod_name, p_name, style.name if style else "replicate", layout))
+            layer = plan.layers.get(mod_name)
+            layout = layer.layouts.get(p_name) if layer else None
+            placements.append((mod_name, p_name, layer.style if layer else "replicate", layout))
         first = placements[0]
         for other in placements[1:]:
             if other[3] != first[3]:

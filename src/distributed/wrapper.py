@@ -10,15 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import grad_sync
-from ._logging import logger
 from .agreement import agree
+from .checkpoint.load import from_pretrained
+from .checkpoint.save_pretrained import save_pretrained
+from .checkpoint.save_sharded import save_sharded
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
-from .planning import PlanArg, Planned, finish, prepare
-from .plans import ResolvedPlan, ShardContext
+from .plans import PlanArg, ResolvedPlan, ShardContext, apply_plan, resolve_plan
 from .runtime import ProcessGroup, get_tensor_parallel_config
-from .tying import retie, tied_groups
 
 
 class DistributedModelWrapper(nn.Module):
@@ -64,34 +63,34 @@ class DistributedModelWrapper(nn.Module):
         super().__init__()
         group = group if group is not None else _running_group()
         error: BaseException | None = None
-        ctx, planned, fingerprint = None, None, {"world_size": world_size}
+        ctx, resolved, fingerprint = None, None, {"world_size": world_size}
         try:
             _check_not_wrapped(model)
             g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
             ctx = ShardContext(size, me, g, type(model).__name__)
-            planned = prepare(model, plan, ctx)
-            fingerprint = _fingerprint(model, planned.plan, ctx)
+            resolved = resolve_plan(model, plan, ctx)
+            fingerprint = _fingerprint(resolved, ctx)
         except Exception as err:
             # Any rank-local error (e.g. a plan file missing on one node), not only
             # validation errors, must reach agree(), or the other ranks hang in it.
             error = err
         # Every rank reaches this point, so a rank-local error raises everywhere.
         agree("DistributedModelWrapper", error, fingerprint, group)
-        assert ctx is not None and planned is not None
+        assert ctx is not None and resolved is not None
         self.base_model = model
         self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
-        self._planned = planned
-        self.parallelized_layers = _apply(model, planned, ctx)
+        self._resolved = resolved
+        self.parallelized_layers = apply_plan(model, resolved, ctx)
 
     @property
     def resolved_plan(self) -> ResolvedPlan:
-        """The plan that was applied (source, rules, per-module styles, notes)."""
-        return self._planned.plan
+        """The plan that was applied (source, rules, per-module styles and why, notes)."""
+        return self._resolved
 
     @property
     def valid_world_sizes(self) -> list[int]:
         """Every tp size (up to 64) this model and plan accept."""
-        return self._planned.valid_world_sizes
+        return self._resolved.valid_world_sizes
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped model unchanged."""
@@ -141,9 +140,9 @@ class DistributedModelWrapper(nn.Module):
                 config, metadata from another model, or a tp the model cannot
                 split at (naming the saved tp, the current tp and the dimension).
         """
-        from .checkpoint.load import from_pretrained
-
-        return from_pretrained(cls, path, plan, dtype, device, model_class, group, progress)
+        group = group if group is not None else _running_group()
+        return from_pretrained(lambda model: cls(model, plan=plan, group=group), path, plan,
+                               dtype, device, model_class, group, progress)
 
     def save_sharded(self, directory: str | os.PathLike[str], timeout: float = 120.0) -> None:
         """Collective: every rank writes its shard, rank 0 the metadata (see docs/checkpoints.md).
@@ -153,8 +152,6 @@ class DistributedModelWrapper(nn.Module):
             ValueError: the directory cannot be written (on every rank; the
                 previous checkpoint there stays intact).
         """
-        from .checkpoint.save_sharded import save_sharded
-
         save_sharded(self, directory, timeout)
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
@@ -165,12 +162,10 @@ class DistributedModelWrapper(nn.Module):
             RuntimeError: not every rank called it within ``timeout`` seconds (Gloo).
             ValueError: the directory cannot be written (on every rank).
         """
-        from .checkpoint.save_pretrained import save_pretrained
-
         save_pretrained(self, directory, max_shard_size, timeout)
 
     def describe_plan(self) -> str:
-        """The applied plan as a readable table."""
+        """The applied plan as text: rules, every module's final style and why, collectives."""
         return self.resolved_plan.table()
 
     def extra_repr(self) -> str:
@@ -194,29 +189,8 @@ def _check_not_wrapped(model: nn.Module) -> None:
                              f"{type(mod).__name__}; wrap the original model once")
 
 
-def _fingerprint(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:
-    modules = dict(model.named_modules())
+def _fingerprint(plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:
     prints: dict[str, Any] = {"world_size": ctx.world_size, "plan": plan.rules}
-    for name, style in plan.assignments.items():
-        shapes = style.shapes(modules[name], ctx)
-        prints[f"layer '{name}'"] = (style.name, shapes.full)
+    for name, layer in plan.layers.items():
+        prints[f"layer '{name}'"] = (layer.style, layer.full)
     return prints
-
-
-def _apply(model: nn.Module, planned: Planned, ctx: ShardContext) -> list[str]:
-    ties = tied_groups(model)
-    swapped = []
-    for name, style in planned.plan.assignments.items():
-        old = model.get_submodule(name)
-        new = style.apply(old, name, ctx)
-        if new is not old:
-            parent_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), leaf, new)
-        elif not getattr(new, "tp_layouts", None):
-            continue  # kept whole (replicate, grad-allreduce)
-        swapped.append(name)
-        logger.debug("swapped %s: %s -> %s", name, type(old).__name__, new)
-    retie(model, ties)
-    finish(model, planned, ctx)
-    grad_sync.install(model)
-    return swapped

@@ -187,7 +187,7 @@ def _local_exception_class(rank: int, world_size: int) -> str:
 
     plan = {"0": torchtp.plans.Colwise(), "2": torchtp.plans.Rowwise()}
     if rank == 1:
-        plan["0"].check_type = broken  # fails during planning, on this rank only
+        plan["0"].plan = broken  # fails during planning, on this rank only
     try:
         DistributedModelWrapper(mlp(), plan=plan)
     except Exception as err:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from torch import nn
 from .. import grad_sync
 from .._logging import logger
 from ..agreement import agree
+from ..runtime import ProcessGroup, group_size
 from .build import build_on_meta, load_config
 from .placements import Placement, placements
 from .sources import Source, TorchTPSource, open_source
@@ -32,15 +34,30 @@ from .sources import Source, TorchTPSource, open_source
 _WHAT = "from_pretrained"
 
 
-def from_pretrained(
-    cls: Any, path: str | os.PathLike[str], plan: Any = None, dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None, model_class: type | None = None,
-    group: Any = None, progress: bool = True,
-) -> Any:
-    """Implementation of :meth:`DistributedModelWrapper.from_pretrained` (see there)."""
-    from ..wrapper import _running_group
+class Wrapped(Protocol):
+    """What loading needs of the wrapped model (:class:`~torchtp.DistributedModelWrapper`)."""
 
-    group = group if group is not None else _running_group()
+    @property
+    def base_model(self) -> nn.Module: ...
+    @property
+    def rank(self) -> int: ...
+
+
+W = TypeVar("W", bound=Wrapped)
+
+
+def from_pretrained(
+    wrap: Callable[[nn.Module], W], path: str | os.PathLike[str], plan: object = None,
+    dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+    model_class: type | None = None, group: ProcessGroup | None = None, progress: bool = True,
+) -> W:
+    """Build the model on meta, ``wrap`` it, and read only this rank's shard of each tensor.
+
+    The implementation of :meth:`DistributedModelWrapper.from_pretrained` (see
+    there for the arguments); ``wrap`` makes the model tensor-parallel with the
+    same ``plan`` and ``group`` (the plan is passed here only to check that
+    every rank uses the same one).
+    """
     path = os.fspath(path)
     source, config, error = None, None, None
     try:
@@ -53,7 +70,7 @@ def from_pretrained(
     agree(_WHAT, error, _fingerprint(config, dtype, plan), group)
     assert source is not None
     model = build_on_meta(config, model_class)
-    wrapper = _wrap(cls, model, plan, group, source)
+    wrapper = _wrap(wrap, model, group, source)
     found, error = None, None
     try:
         found = _check(wrapper.base_model, source, config)
@@ -71,26 +88,21 @@ def from_pretrained(
     return wrapper
 
 
-def _fingerprint(config: Any, dtype: torch.dtype | None, plan: Any) -> dict[str, str]:
+def _fingerprint(config: Any, dtype: torch.dtype | None, plan: object) -> dict[str, str]:
     digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:16] if config else ""
     return {"model config (sha256)": digest, "dtype": str(dtype), "plan": repr(plan)}
 
 
-def _wrap(cls: Any, model: nn.Module, plan: Any, group: Any, source: Source) -> Any:
+def _wrap(wrap: Callable[[nn.Module], W], model: nn.Module, group: ProcessGroup | None,
+          source: Source) -> W:
     try:
-        return cls(model, plan=plan, group=group)
+        return wrap(model)
     except ValueError as err:
         if isinstance(source, TorchTPSource):
-            here = group_size_of(group)
+            here = group_size(group)
             raise ValueError(f"torchtp checkpoint {source.path} was saved at tp={source.tp_size} "
                              f"and cannot be loaded at the current tp={here}: {err}") from err
         raise
-
-
-def group_size_of(group: Any) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group) if group is not None else 1
 
 
 def _lookup(p: Placement, names: set[str], prefix: str) -> str | None:
@@ -143,7 +155,7 @@ def _check_same_model(source: TorchTPSource, config: Any, used: set[str]) -> Non
             f"{extra[:5]}); the metadata and config.json come from different saves")
 
 
-def _materialise(wrapper: Any, source: Source, found: dict[str, str], dtype: torch.dtype | None,
+def _materialise(wrapper: Wrapped, source: Source, found: dict[str, str], dtype: torch.dtype | None,
                  device: torch.device, progress: bool) -> None:
     from tqdm.auto import tqdm
 
@@ -163,7 +175,10 @@ def _materialise(wrapper: Any, source: Source, found: dict[str, str], dtype: tor
         new = nn.Parameter(t, requires_grad=p.tensor.requires_grad) if p.is_param else t
         for mod_name, attr in p.owners:
             module = model.get_submodule(mod_name)
-            (module._parameters if p.is_param else module._buffers)[attr] = new
+            if isinstance(new, nn.Parameter):
+                module._parameters[attr] = new
+            else:
+                module._buffers[attr] = new
     for module in model.modules():
         for attr, b in list(module._buffers.items()):
             if b is not None and b.device != device:

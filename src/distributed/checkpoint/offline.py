@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch import nn
 
 from .._logging import logger
+from ..plans import ResolvedPlan, ShardContext, apply_plan, resolve_plan
 from .atomic import TMP_SUFFIX, check_target, make_tmp, publish
 from .build import build_on_meta, load_config
 from .fmt import rank_file
@@ -31,6 +34,23 @@ def _copy_configs(src: str, tmp: str) -> None:
     for name in _CONFIG_FILES:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(tmp, name))
+
+
+@dataclass
+class _RankModel:
+    """One target rank's model on the meta device, planned and swapped as the wrapper would."""
+
+    base_model: nn.Module
+    world_size: int
+    rank: int
+    resolved_plan: ResolvedPlan
+
+
+def _plan_rank(model: nn.Module, tp: int, rank: int, plan: Any) -> _RankModel:
+    ctx = ShardContext(tp, rank, None, type(model).__name__)
+    resolved = resolve_plan(model, plan, ctx)
+    apply_plan(model, resolved, ctx)
+    return _RankModel(model, tp, rank, resolved)
 
 
 def _saved_tp(source: Source) -> str:
@@ -53,16 +73,13 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], tp: int,
             do not allow (naming the saved tp, ``tp`` and the dimension), or an
             unwritable ``dst``.
     """
-    from ..wrapper import DistributedModelWrapper
-
     src, dst = os.fspath(src), os.fspath(dst)
     source, config = open_source(src), load_config(src)
     check_target(dst)
     wrappers = []
     for rank in range(tp):
         try:
-            wrappers.append(DistributedModelWrapper(build_on_meta(config, model_class), world_size=tp,
-                                                    rank=rank, plan=plan))
+            wrappers.append(_plan_rank(build_on_meta(config, model_class), tp, rank, plan))
         except ValueError as err:
             raise ValueError(f"checkpoint {src} (saved at {_saved_tp(source)}) cannot be "
                              f"resharded to tp={tp}: {err}") from err

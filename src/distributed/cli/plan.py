@@ -9,14 +9,11 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from collections import Counter
 from typing import Any
 
 from torch import nn
 
-from ..hf import head_aware_assignments
-from ..planning import prepare, resolve
-from ..plans import ResolvedPlan, ShardContext, valid_tp_sizes
+from ..plans import ResolvedPlan, ShardContext, resolve_plan, valid_tp_sizes
 from ._common import PLAN_HELP, CliError, dump_json, human_bytes, plan_choice, positive_int, table
 from ._hf import build_model, load_config, parse_dtype
 
@@ -27,10 +24,6 @@ EXAMPLES = """examples:
   torchtp plan ./Phi-3-mini --tp 2 --plan builtin     # torchtp's packed plan instead of HF's
 exit status: 0 when the model splits at --tp, 1 when there are blockers, 2 on bad input
 """
-# Collectives one forward of a module in each style issues (styles not listed issue none).
-COLLECTIVES = {"rowwise": "all_reduce", "rowwise_split_input": "all_reduce",
-               "colwise_gather_output": "all_gather", "embedding_rowwise": "all_reduce",
-               "embedding_colwise": "all_gather"}
 
 
 def register(sub: Any) -> None:
@@ -49,71 +42,51 @@ def analyze(path: str, tp: int, dtype_name: str | None = None,
             plan: str | None = None) -> dict[str, Any]:
     """The plan report as data (used by ``plan``, ``verify``, ``bench`` and ``demo``).
 
-    Resolves and checks the plan as ``DistributedModelWrapper(model)`` does, on
-    a meta-device model, but collects every blocker instead of stopping at the
-    first; the wrapper's own check (:func:`torchtp.planning.prepare`) has the
-    last word, so ``plan`` never says "works" where the wrapper would refuse.
+    Resolves the plan as ``DistributedModelWrapper(model)`` does
+    (:func:`torchtp.plans.resolve_plan`), on a meta-device model, but collects
+    every blocker instead of stopping at the first; the wrapper's strict check
+    has the last word, so ``plan`` never says "works" where the wrapper would refuse.
     """
     config = load_config(path)
     dtype = parse_dtype(dtype_name, config)
     model = build_model(config, dtype, device="meta")
     ctx = ShardContext(tp, 0, None, type(model).__name__)
     try:
-        resolved = resolve(model, plan, ctx)
+        resolved = resolve_plan(model, plan, ctx, strict=False)
     except (TypeError, ValueError) as err:
         raise CliError(f"{path}: torchtp cannot plan this model: {err}") from None
-    blockers = _type_blockers(model, resolved)
-    head_aware_assignments(model, resolved)  # q/k/v styles become whole-head splits
-    layers, layouts, constraints, found = _layers(model, resolved, ctx)
+    blockers = [str(err) for err in resolved.problems]
+    layers, layouts, found = _layers(resolved, ctx)
     blockers += found
-    try:
-        prepare(model, plan, ctx)
-    except (TypeError, ValueError) as err:
-        blockers = blockers or [str(err)]
+    if not blockers:
+        try:
+            resolve_plan(model, plan, ctx)
+        except (TypeError, ValueError) as err:
+            blockers = [str(err)]
     full, local = _param_bytes(model, layouts)
-    collectives = Counter(COLLECTIVES[s.name] for s in resolved.assignments.values()
-                          if s.name in COLLECTIVES)
+    collectives = resolved.collectives()
     return {"path": str(path), "model_type": config.model_type, "tp": tp, "dtype": str(dtype),
             "plan_source": resolved.source, "plan": resolved.rules, "layers": layers,
             "param_bytes_unsharded": full, "param_bytes_per_rank": local,
             "collectives_per_forward": dict(collectives),
             "blockers": list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", b) for b in blockers)),
-            "valid_tp_sizes": valid_tp_sizes(constraints), "notes": resolved.notes}
+            "valid_tp_sizes": valid_tp_sizes(resolved.constraints), "notes": resolved.notes}
 
 
-def _type_blockers(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
-    """Styles that do not fit their module's type (checked before head splitting, as the wrapper does)."""
-    modules, found = dict(model.named_modules()), []
-    for name, style in resolved.assignments.items():
-        try:
-            style.check_type(modules[name], name)
-        except (TypeError, ValueError) as err:
-            found.append(str(err))
-    return found
-
-
-def _layers(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext
-            ) -> tuple[list[dict[str, Any]], dict[str, Any], list[Any], list[str]]:
-    """Per-module rows, parameter layouts, all constraints and the failing ones at ``ctx.world_size``."""
-    modules = dict(model.named_modules())
-    layers, layouts, constraints, blockers = [], {}, [], []
-    for name, style in resolved.assignments.items():
-        mod = modules[name]
-        try:
-            own = style.constraints(mod, name)
-        except (TypeError, ValueError) as err:
-            blockers.append(str(err))
-            continue
-        constraints += own
-        failing = [c.problem(ctx.world_size) for c in own if not c.ok(ctx.world_size)]
+def _layers(resolved: ResolvedPlan, ctx: ShardContext
+            ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    """Per-module rows, parameter layouts and the failing constraints at ``ctx.world_size``."""
+    layers, layouts, blockers = [], {}, []
+    for name, layer in resolved.layers.items():
+        failing = [c.problem(ctx.world_size) for c in layer.constraints
+                   if not c.ok(ctx.world_size)]
         blockers += failing
         if failing:
             continue  # shapes and layouts are undefined at this tp size
-        shapes = style.shapes(mod, ctx)
-        layers.append({"module": name, "style": style.name, "full": list(shapes.full),
-                       "local": list(shapes.local)})
-        layouts.update({f"{name}.{p}": lay for p, lay in style.layouts(mod, ctx).items()})
-    return layers, layouts, constraints, blockers
+        layers.append({"module": name, "style": layer.style, "full": list(layer.full),
+                       "local": list(layer.local)})
+        layouts.update({f"{name}.{p}": lay for p, lay in layer.layouts.items()})
+    return layers, layouts, blockers
 
 
 def _param_bytes(model: nn.Module, layouts: dict[str, Any]) -> tuple[int, int]:

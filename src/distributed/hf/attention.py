@@ -2,13 +2,14 @@
 
 Two steps around the swap:
 
-1. :func:`head_aware_assignments` (before): for every module whose query/key/
-   value projections the plan shards, replace their styles by a
-   :class:`~torchtp.plans.styles_hf.HeadSplit` that splits whole heads: KV
+1. :func:`split_whole_heads` (while resolving the plan): for every module whose
+   query/key/value projections the plan shards, replace their styles by a
+   :class:`~torchtp.hf.styles.HeadSplit` that splits whole heads, and say so in
+   the plan's ``why`` (shown by ``describe_plan()``): KV
    heads are split when tp divides them and replicated on the ranks that use
    them when tp is a multiple (vLLM's approach); fused ``qkv`` projections are
    split part by part.
-2. :func:`adjust_attention_modules` (after): rewrite the attributes the
+2. :func:`localize_attention` (after the swap): rewrite the attributes the
    module's forward reads (head counts, widths, ``num_key_value_groups`` and a
    per-module view of ``config``) to their local values.
 """
@@ -19,12 +20,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..plans import ResolvedPlan, ShardContext
 from ..plans.linear_view import linear_view
-from ..plans.styles import Colwise
-from ..plans.styles_hf import HeadSplit, Part
+from ..plans.resolved import ResolvedPlan
+from ..plans.styles import Colwise, ShardContext
 from .config_view import LocalConfig
 from .detect import text_config
+from .styles import HeadSplit, Part
 
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
@@ -88,8 +89,10 @@ def _parts(rows: int, style_name: str, info: HeadInfo) -> tuple[Part, ...] | Non
     return None
 
 
-def head_aware_assignments(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInfo]:
+def split_whole_heads(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInfo]:
     """Upgrade styles of sharded attention projections to whole-head splits.
+
+    Each upgrade is recorded in ``plan.why`` (and so in ``describe_plan()``).
 
     Returns:
         ``{attention module name: HeadInfo}`` for the modules whose heads are
@@ -114,12 +117,14 @@ def head_aware_assignments(model: nn.Module, plan: ResolvedPlan) -> dict[str, He
             continue
         assert info is not None  # parts is None whenever info is
         plan.assignments[name] = HeadSplit(parts, style.name)
+        plan.why[name] = (f"{plan.why.get(name, style.name)}; whole heads of attention "
+                          f"'{parent_name}' ({info.heads} heads, {info.kv_heads} KV heads, "
+                          f"head_dim {info.head_dim})")
         found[parent_name] = info
     return found
 
 
-def adjust_attention_modules(model: nn.Module, infos: dict[str, HeadInfo],
-                             ctx: ShardContext) -> None:
+def localize_attention(model: nn.Module, infos: dict[str, HeadInfo], ctx: ShardContext) -> None:
     """Set each head-split attention module's head counts and widths to local values."""
     for name, info in infos.items():
         module = model.get_submodule(name)

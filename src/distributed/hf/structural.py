@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..plans import ResolvedPlan, match_plan
 from ..plans.linear_view import LinearView, linear_view
+from ..plans.resolved import Rules
 from .attention import _is_attention, _parts, head_info
 from .dataflow import trace_sources
 from .detect import text_config
@@ -87,17 +87,16 @@ def _attention_pair(parent: nn.Module, inputs: list[tuple[str, LinearView]], out
     return {**{n: "colwise" for n, _ in inputs}, out_name: "rowwise"}, None
 
 
-def structural_plan(model: nn.Module) -> ResolvedPlan:
+def structural_plan(model: nn.Module) -> Rules:
     """Detect a plan from the module tree; unsure parts stay replicated with a note."""
     config = text_config(model)
     hidden = next((getattr(config, a) for a in ("hidden_size", "n_embd", "d_model")
                    if isinstance(getattr(config, a, None), int)), None)
     stacks = _block_lists(model)
     if not stacks or hidden is None:
-        plan = match_plan(model, {}, "structural detection")
-        plan.notes.append("structural detection found no repeated blocks or no hidden size: "
-                          "everything stays replicated; pass plan= to shard")
-        return plan
+        return Rules("structural detection", {}, [
+            "structural detection found no repeated blocks or no hidden size: everything "
+            "stays replicated; pass plan= to shard"])
     rules: dict[str, str] = {}
     notes: list[str] = []
     checked = True
@@ -107,9 +106,7 @@ def structural_plan(model: nn.Module) -> ResolvedPlan:
         checked = checked and ok
     source = "structural detection" + ((" (pairs checked against dataflow)" if checked
                                         else " (tree order only)") if rules else "")
-    plan = match_plan(model, rules, source)
-    plan.notes.extend(notes)
-    return plan
+    return Rules(source, rules, notes)
 
 
 def _detect_stack(model: nn.Module, list_name: str, blocks: nn.ModuleList, hidden: int,

@@ -1,26 +1,27 @@
-"""Plans: which module gets which parallel style."""
+"""Plans: which module gets which parallel style (see :func:`resolve_plan`)."""
 
 from __future__ import annotations
 
-from .constraints import Constraint, check, valid_tp_sizes
-from .files import load_plan_file
-from .registry import STYLES, SUPPORTED, get_style
-from .resolve import Plan, ResolvedPlan, match_plan
-from .sequential import sequential_plan
-from .styles import (
-    Colwise,
-    LayerShapes,
-    ParallelStyle,
-    Replicate,
-    Rowwise,
-    ShardContext,
-)
-from .styles_hf import (
+from ..hf.styles import (
     EmbeddingColwise,
     EmbeddingRowwise,
     HeadSplit,
     Part,
     ReplicatedWithGradAllreduce,
+)
+from .apply import apply_plan
+from .constraints import Constraint, check, valid_tp_sizes
+from .files import load_plan_file
+from .registry import STYLES, SUPPORTED, get_style
+from .resolve import PlanArg, match_rules, resolve_plan
+from .resolved import Plan, ResolvedPlan, Rules
+from .styles import (
+    Colwise,
+    LayerPlan,
+    ParallelStyle,
+    Replicate,
+    Rowwise,
+    ShardContext,
     Unsupported,
 )
 
@@ -32,20 +33,23 @@ __all__ = [
     "EmbeddingColwise",
     "EmbeddingRowwise",
     "HeadSplit",
-    "LayerShapes",
+    "LayerPlan",
     "ParallelStyle",
     "Part",
     "Plan",
+    "PlanArg",
     "Replicate",
     "ReplicatedWithGradAllreduce",
     "ResolvedPlan",
     "Rowwise",
+    "Rules",
     "ShardContext",
     "Unsupported",
+    "apply_plan",
     "check",
     "get_style",
     "load_plan_file",
-    "match_plan",
-    "sequential_plan",
+    "match_rules",
+    "resolve_plan",
     "valid_tp_sizes",
 ]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from .styles import Colwise, ParallelStyle, Replicate, Rowwise
-from .styles_hf import (
+from ..hf.styles import (
     EmbeddingColwise,
     EmbeddingRowwise,
     HeadSplit,
     ReplicatedWithGradAllreduce,
-    Unsupported,
 )
+from .styles import Colwise, ParallelStyle, Replicate, Rowwise, Unsupported
 
 _MOE = "mixture-of-experts layers need expert parallelism, which torchtp does not implement yet"
 

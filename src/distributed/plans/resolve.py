@@ -1,56 +1,118 @@
-"""Turn a plan (``{fnmatch pattern: style}``) into per-module assignments."""
+"""Decide what to split: the one planning pipeline (see docs/concepts.md, "Follow a wrap").
+
+:func:`resolve_plan` runs four steps, each visible in ``describe_plan()``:
+
+1. pick the source of the rules: the ``plan`` argument (a dict, a YAML/JSON
+   file, or ``"builtin"``); else, for HuggingFace models, the model's own
+   plan, then torchtp's built-in plan for its architecture, then structural
+   detection; else (plain models) the automatic ``nn.Sequential`` chain plan;
+2. match the rules' ``fnmatch`` patterns against module names;
+3. upgrade sharded attention projections to whole-head splits;
+4. plan every layer once (:meth:`~torchtp.plans.styles.ParallelStyle.plan`) and
+   check the constraints on the tp size and tied parameters.
+
+Nothing here touches a weight or communicates.
+"""
 
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from typing import Any, cast
 
 from torch import nn
 
 from .._logging import logger
+from ..hf.attention import split_whole_heads
+from ..hf.builtin import BUILTIN_PLANS, builtin_plan
+from ..hf.detect import is_hf_model
+from ..hf.plan_source import hf_plan
+from ..hf.structural import structural_plan
+from ..tying import check_ties
+from .constraints import check
+from .files import load_plan_file
 from .registry import get_style
-from .styles import ParallelStyle
+from .resolved import Plan, ResolvedPlan, Rules
+from .sequential import sequential_plan
+from .styles import ShardContext
 
-Plan = Mapping[str, "str | ParallelStyle"]
+PlanArg = Mapping[str, Any] | str | os.PathLike[str] | None
 
 
-@dataclass
-class ResolvedPlan:
-    """The plan actually applied.
+def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext,
+                 strict: bool = True) -> ResolvedPlan:
+    """Pick the plan's source, match it, split heads whole, and plan every layer.
 
-    Attributes:
-        source: Where the plan came from (``"argument"``, ``"auto: nn.Sequential chains"``...).
-        rules: The plan as data: pattern -> style name.
-        assignments: Module name -> style, in module-tree order (only sharding styles
-            and explicit ``replicate`` rules that matched).
-        notes: Decisions worth telling the user (layers kept replicated and why).
+    Args:
+        model: The model to plan (may live on the meta device).
+        plan: As for :class:`~torchtp.DistributedModelWrapper`.
+        ctx: The tp size and this rank.
+        strict: Raise the first problem; with ``False`` problems are collected in
+            ``problems`` and constraints are left unchecked (``torchtp plan``
+            lists every blocker).
+
+    Raises:
+        TypeError: a style does not fit its module's type.
+        ValueError: unknown style, unsupported style, a dimension that does not
+            split at ``ctx.world_size`` (listing the valid sizes), or a tied
+            parameter split two ways.
     """
-
-    source: str
-    rules: dict[str, str]
-    assignments: dict[str, ParallelStyle] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    matches: dict[str, list[str]] = field(default_factory=dict)
-
-    def table(self) -> str:
-        """The plan as a table: one row per rule with the modules it matched."""
-        rows = [(rule, style, self.matches.get(rule, [rule] if rule in self.assignments else []))
-                for rule, style in self.rules.items()]
-        width = max([len(r) for r, _, _ in rows] + [4])
-        swidth = max([len(s) for _, s, _ in rows] + [5])
-        lines = [f"plan source: {self.source}",
-                 f"{'rule':<{width}}  {'style':<{swidth}}  modules"]
-        for rule, style, names in rows:
-            shown = names[0] if len(names) == 1 else f"{len(names)} (e.g. {names[0]})" if names \
-                else "none"
-            lines.append(f"{rule:<{width}}  {style:<{swidth}}  {shown}")
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+    resolved = match_rules(model, pick_rules(model, plan, ctx))
+    resolved.heads = split_whole_heads(model, resolved)
+    modules = dict(model.named_modules())
+    for name, style in resolved.assignments.items():
+        try:
+            resolved.layers[name] = style.plan(modules[name], name, ctx)
+        except (TypeError, ValueError) as err:
+            resolved.problems.append(err)
+    if strict:
+        if resolved.problems:
+            raise resolved.problems[0]
+        check(resolved.constraints, ctx.world_size, ctx.model_name)
+        check_ties(model, resolved, ctx)
+        for note in resolved.notes:
+            logger.info("torchtp: %s", note)
+    return resolved
 
 
-def match_plan(model: nn.Module, plan: Plan, source: str) -> ResolvedPlan:
-    """Assign each module the style of the first plan pattern that matches its name.
+def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext) -> Rules:
+    """The rules for ``model`` from the first source in the resolution order."""
+    if plan == "builtin":
+        return _builtin(model) or _no_builtin(model)
+    if isinstance(plan, (str, os.PathLike)):
+        return Rules(f"file {os.fspath(plan)}", load_plan_file(plan))
+    if plan is not None:
+        return Rules("argument", plan)
+    if not is_hf_model(model):
+        return sequential_plan(model, ctx.world_size)
+    own = hf_plan(model)
+    if own:
+        return Rules("HF plan (config.base_model_tp_plan + _tp_plan)", own)
+    return _builtin(model) or structural_plan(model)
+
+
+def _builtin(model: nn.Module) -> Rules | None:
+    """torchtp's plan for the model's architecture, if it has one."""
+    if not is_hf_model(model):
+        return None
+    prefix = cast(str, model.base_model_prefix) if model.base_model is not model else ""
+    model_type = getattr(model.config, "model_type", "")
+    rules = builtin_plan(model_type, prefix)
+    return None if rules is None else Rules(f"torchtp built-in plan for {model_type!r}", rules)
+
+
+def _no_builtin(model: nn.Module) -> Rules:
+    """Raise why ``plan="builtin"`` cannot be honoured for ``model``."""
+    if not is_hf_model(model):
+        raise ValueError("plan='builtin' needs a HuggingFace model; pass a dict plan")
+    model_type = getattr(model.config, "model_type", "")
+    raise ValueError(f"plan='builtin': torchtp has no built-in plan for "
+                     f"model_type={model_type!r}; built-in plans exist for {sorted(BUILTIN_PLANS)}")
+
+
+def match_rules(model: nn.Module, rules: Rules) -> ResolvedPlan:
+    """Assign each module the style of the first pattern that matches its name.
 
     Patterns use :mod:`fnmatch` syntax on the full module name (``*`` also
     matches dots, so ``layers.*.mlp.up_proj`` matches ``layers.3.mlp.up_proj``).
@@ -59,6 +121,7 @@ def match_plan(model: nn.Module, plan: Plan, source: str) -> ResolvedPlan:
         ValueError: a style name is unknown (all rules are checked, matched or not).
         TypeError: the plan is not a mapping of strings to styles.
     """
+    plan: Plan = rules.rules
     if not isinstance(plan, Mapping):
         raise TypeError("plan must be a dict of {module pattern: style}, "
                         f"got {type(plan).__name__}")
@@ -67,8 +130,8 @@ def match_plan(model: nn.Module, plan: Plan, source: str) -> ResolvedPlan:
         if not isinstance(pattern, str):
             raise TypeError(f"plan keys must be module-name patterns (str), got {pattern!r}")
         styles[pattern] = get_style(style, pattern)
-    resolved = ResolvedPlan(source, {p: s.name for p, s in styles.items()})
-    used: set[str] = set()
+    resolved = ResolvedPlan(rules.source, {p: s.name for p, s in styles.items()},
+                            notes=list(rules.notes))
     for name, _ in model.named_modules():
         if not name:
             continue
@@ -76,9 +139,10 @@ def match_plan(model: nn.Module, plan: Plan, source: str) -> ResolvedPlan:
         if matched is not None:
             resolved.assignments[name] = styles[matched]
             resolved.matches.setdefault(matched, []).append(name)
-            used.add(matched)
+            resolved.why[name] = rules.why.get(matched, f"rule {matched!r}")
     for pattern in styles:
-        if pattern not in used:
-            logger.warning("torchtp plan rule %r (style %s) matches no module", pattern, styles[pattern].name)
+        if pattern not in resolved.matches:
+            logger.warning("torchtp plan rule %r (style %s) matches no module", pattern,
+                           styles[pattern].name)
             resolved.notes.append(f"rule {pattern!r} matched no module")
     return resolved

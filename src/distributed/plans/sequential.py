@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .registry import STYLES
-from .resolve import ResolvedPlan
+from .resolved import Rules
 
 # Modules that act on each element independently, so they commute with a
 # split of the feature dimension. Dropout in training mode also does, but its
@@ -58,9 +57,10 @@ def _pairs_in(seq: nn.Sequential, prefix: str, world_size: int,
     return pairs
 
 
-def sequential_plan(model: nn.Module, world_size: int) -> ResolvedPlan:
+def sequential_plan(model: nn.Module, world_size: int) -> Rules:
     """Build the automatic plan for a plain model at ``world_size``."""
-    plan = ResolvedPlan("auto: nn.Sequential chains", {})
+    rules: dict[str, str] = {}
+    plan = Rules("auto: nn.Sequential chains", rules)
     tied = _shared_weights(model)
     paired: dict[str, str] = {}
     for seq_name, mod in model.named_modules():
@@ -88,6 +88,5 @@ def sequential_plan(model: nn.Module, world_size: int) -> ResolvedPlan:
             plan.notes.append(f"'{name}' kept replicated: neither out_features="
                               f"{mod.out_features} nor in_features={mod.in_features} is "
                               f"divisible by world_size={world_size}")
-        plan.rules[name] = style
-        plan.assignments[name] = STYLES[style]
+        rules[name] = style
     return plan

@@ -1,5 +1,14 @@
 """Parallel styles: small objects that turn one module into its TP form.
 
+Every style has one contract with two steps:
+
+1. :meth:`ParallelStyle.plan` checks the module and computes its
+   :class:`LayerPlan` once (constraints on the tp size, full and local weight
+   shapes, parameter layouts, collectives per forward). It touches no weight
+   and never communicates, so plans work on meta-device models too.
+2. :meth:`ParallelStyle.apply` cuts this rank's shards as the layer plan says
+   and returns the module to put in place.
+
 Style names keep their PyTorch/HF meaning, which is named after the
 Megatron-style *math* split rather than the weight layout:
 
@@ -13,14 +22,16 @@ style                       splits                              becomes
 ``replicate``               nothing                             unchanged
 ==========================  ==================================  ========================
 
-More styles (packed projections, embeddings, replicated norms) live in
-:mod:`torchtp.plans.styles_hf`.
+HuggingFace styles (whole-head splits, embeddings, replicated per-head norms)
+live in :mod:`torchtp.hf.styles`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
@@ -42,36 +53,52 @@ class ShardContext:
 
 
 @dataclass(frozen=True)
-class LayerShapes:
-    """A planned swap's full and local weight shapes (for reports and rank checks)."""
+class LayerPlan:
+    """What one style does to one module at one tp size, computed once.
 
-    full: tuple[int, ...]
-    local: tuple[int, ...]
+    Attributes:
+        fqn: The module's name in the model.
+        style: The style's name (``"colwise"``, ``"rowwise"``...).
+        constraints: What the split needs of the tp size.
+        full: The full weight's shape, ``(out_features, in_features)`` for Linears.
+        local: This rank's weight shape; ``()`` when a constraint fails at this tp.
+        layouts: How each split parameter maps onto the full tensor (empty when
+            nothing is split or a constraint fails).
+        collectives: Collectives one forward of the module issues.
+        detail: How the split was refined (e.g. whole heads), for ``describe_plan()``.
+    """
+
+    fqn: str
+    style: str
+    constraints: tuple[Constraint, ...] = ()
+    full: tuple[int, ...] = ()
+    local: tuple[int, ...] = ()
+    layouts: Mapping[str, ParamLayout] = field(default_factory=dict)
+    collectives: tuple[str, ...] = ()
+    detail: str = ""
+
+    def fits(self, tp: int) -> bool:
+        """Whether every constraint holds at tp size ``tp``."""
+        return all(c.ok(tp) for c in self.constraints)
 
 
 class ParallelStyle:
-    """Base class: one style, one job (check, describe, apply to one module)."""
+    """Base class: plan one module once, then apply the plan (keeps it whole by default)."""
 
     name: str = "style"
 
-    def check_type(self, module: nn.Module, fqn: str) -> None:
-        """Raise ``TypeError`` if this style cannot handle ``module``'s type."""
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        """Check ``module`` and compute its layer plan at ``ctx`` (no weight is touched).
 
-    def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
-        """What this style needs of the tp size for ``module``."""
-        return []
-
-    def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
-        """Full and per-rank weight shapes after applying this style."""
+        Raises:
+            TypeError: the style does not fit the module's type.
+            ValueError: the module cannot be split this way at all (any tp).
+        """
         weight = getattr(module, "weight", None)
-        shape = tuple(weight.shape) if weight is not None else ()
-        return LayerShapes(shape, shape)
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
+        return LayerPlan(fqn, self.name, full=shape, local=shape)
 
-    def layouts(self, module: nn.Module, ctx: ShardContext) -> dict[str, ParamLayout]:
-        """How each split parameter maps onto the full tensor (empty: all replicated)."""
-        return {}
-
-    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         """Return the module to put in place of ``module`` (may be ``module`` itself)."""
         return module
 
@@ -94,13 +121,57 @@ def split_constraint(style: str, fqn: str, dim: str, what: str, value: int) -> C
     return Constraint(f"module '{fqn}' (style {style!r})", f"{dim} ({what})", value)
 
 
-def attach_layouts(module: nn.Module, layouts: dict[str, ParamLayout]) -> nn.Module:
+def attach_layouts(module: nn.Module, layouts: Mapping[str, ParamLayout]) -> nn.Module:
     """Record how each parameter of ``module`` maps onto the checkpoint tensor."""
-    module.tp_layouts = layouts  # type: ignore[assignment]
+    module.tp_layouts = dict(layouts)  # type: ignore[assignment]
     return module
 
 
-class Colwise(ParallelStyle):
+class LinearStyle(ParallelStyle):
+    """A split of a Linear-like module's weight; subclasses pick the dim and the ranges."""
+
+    collectives: tuple[str, ...] = ()
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        view = require_linear(self.name, module, fqn)
+        self.check(view, module, fqn)
+        constraints = tuple(self.constraints(view, fqn))
+        full = (view.out_features, view.in_features)
+        if not all(c.ok(ctx.world_size) for c in constraints):
+            return LayerPlan(fqn, self.name, constraints, full, collectives=self.collectives)
+        layouts = self.layouts(view, ctx)
+        return LayerPlan(fqn, self.name, constraints, full, layouts["weight"].local_shape,
+                         layouts, self.collectives, self.detail(view))
+
+    def check(self, view: LinearView, module: nn.Module, fqn: str) -> None:
+        """Raise if the module's forward is not the plain linear map the swap computes."""
+        check_linear_forward(module, fqn, self.name)
+
+    def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
+        """What the split needs of the tp size."""
+        raise NotImplementedError
+
+    def layouts(self, view: LinearView, ctx: ShardContext) -> dict[str, ParamLayout]:
+        """How weight and bias map onto the full tensors on this rank."""
+        raise NotImplementedError
+
+    def detail(self, view: LinearView) -> str:
+        """How the split was refined, for ``describe_plan()`` (empty: plain split)."""
+        return ""
+
+
+def _shards(module: nn.Module, layer: LayerPlan
+            ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """This rank's weight and bias cut from the module's (checkpoint-orientation) tensors,
+    and whether the weight trains."""
+    weight = module.weight
+    bias = getattr(module, "bias", None)
+    assert isinstance(weight, torch.Tensor)
+    cut_bias = layer.layouts["bias"].take(bias) if isinstance(bias, torch.Tensor) else None
+    return layer.layouts["weight"].take(weight), cut_bias, weight.requires_grad
+
+
+class Colwise(LinearStyle):
     """Split weight rows (out_features): Linear -> :class:`RowParallelLinear`.
 
     Args:
@@ -111,41 +182,28 @@ class Colwise(ParallelStyle):
     def __init__(self, gather_output: bool = False) -> None:
         self.gather_output = gather_output
         self.name = "colwise_gather_output" if gather_output else "colwise"
+        self.collectives = ("all_gather",) if gather_output else ()
 
-    def check_type(self, module: nn.Module, fqn: str) -> None:
-        require_linear(self.name, module, fqn)
-        check_linear_forward(module, fqn, self.name)
-
-    def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
-        view = require_linear(self.name, module, fqn)
+    def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
         return [split_constraint(self.name, fqn, "out_features", "weight rows", view.out_features)]
-
-    def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
-        view = require_linear(self.name, module, "?")
-        out, inp = view.out_features, view.in_features
-        return LayerShapes((out, inp), (out // ctx.world_size, inp))
 
     def row_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
         """Which output rows this rank keeps (subclasses pick other rows)."""
         return (even_chunks(view.out_features, ctx.world_size, ctx.rank),)
 
-    def layouts(self, module: nn.Module, ctx: ShardContext) -> dict[str, ParamLayout]:
-        view = require_linear(self.name, module, "?")
+    def layouts(self, view: LinearView, ctx: ShardContext) -> dict[str, ParamLayout]:
         return view.layouts(0, self.row_segments(view, ctx))
 
-    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
-        view = require_linear(self.name, module, fqn)
-        layouts = self.layouts(module, ctx)
-        layer = RowParallelLinear.from_shards(
-            layouts["weight"].take(view.checkpoint_weight),
-            None if view.bias is None else layouts["bias"].take(view.bias),
-            view.in_features, view.out_features, world_size=ctx.world_size, rank=ctx.rank,
-            gather_output=self.gather_output, group=ctx.group,
-            requires_grad=view.checkpoint_weight.requires_grad)
-        return attach_layouts(layer, layouts)
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        weight, bias, trains = _shards(module, layer)
+        out, inp = layer.full
+        swapped = RowParallelLinear.from_shards(
+            weight, bias, inp, out, world_size=ctx.world_size, rank=ctx.rank,
+            gather_output=self.gather_output, group=ctx.group, requires_grad=trains)
+        return attach_layouts(swapped, layer.layouts)
 
 
-class Rowwise(ParallelStyle):
+class Rowwise(LinearStyle):
     """Split weight columns (in_features): Linear -> :class:`ColumnParallelLinear`.
 
     Args:
@@ -153,41 +211,43 @@ class Rowwise(ParallelStyle):
             ``rowwise_split_input`` style); otherwise it is already sharded.
     """
 
+    collectives = ("all_reduce",)
+
     def __init__(self, split_input: bool = False) -> None:
         self.split_input = split_input
         self.name = "rowwise_split_input" if split_input else "rowwise"
 
-    def check_type(self, module: nn.Module, fqn: str) -> None:
-        require_linear(self.name, module, fqn)
-        check_linear_forward(module, fqn, self.name)
-
-    def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
-        view = require_linear(self.name, module, fqn)
+    def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
         return [split_constraint(self.name, fqn, "in_features", "weight columns", view.in_features)]
 
-    def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
-        view = require_linear(self.name, module, "?")
-        out, inp = view.out_features, view.in_features
-        return LayerShapes((out, inp), (out, inp // ctx.world_size))
-
-    def layouts(self, module: nn.Module, ctx: ShardContext) -> dict[str, ParamLayout]:
-        view = require_linear(self.name, module, "?")
+    def layouts(self, view: LinearView, ctx: ShardContext) -> dict[str, ParamLayout]:
         segments = (even_chunks(view.in_features, ctx.world_size, ctx.rank),)
         return view.layouts(1, segments, bias_split=False)
 
-    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
-        view = require_linear(self.name, module, fqn)
-        layouts = self.layouts(module, ctx)
-        layer = ColumnParallelLinear.from_shards(
-            layouts["weight"].take(view.checkpoint_weight),
-            None if view.bias is None else layouts["bias"].take(view.bias),
-            view.in_features, view.out_features, world_size=ctx.world_size, rank=ctx.rank,
-            input_is_parallel=not self.split_input, group=ctx.group,
-            requires_grad=view.checkpoint_weight.requires_grad)
-        return attach_layouts(layer, layouts)
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        weight, bias, trains = _shards(module, layer)
+        out, inp = layer.full
+        swapped = ColumnParallelLinear.from_shards(
+            weight, bias, inp, out, world_size=ctx.world_size, rank=ctx.rank,
+            input_is_parallel=not self.split_input, group=ctx.group, requires_grad=trains)
+        return attach_layouts(swapped, layer.layouts)
 
 
 class Replicate(ParallelStyle):
     """Keep the module whole on every rank."""
 
     name = "replicate"
+
+
+class Unsupported(ParallelStyle):
+    """A style name torchtp knows but cannot honour: refuse instead of replicating."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self.name = name
+        self.why = why
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        raise ValueError(
+            f"plan style {self.name!r} for module '{fqn}' ({type(module).__name__}) is not "
+            f"supported by torchtp: {self.why}. torchtp does not silently replicate a module "
+            "the plan asks to shard; override it with plan={...: 'replicate'} to keep it whole")

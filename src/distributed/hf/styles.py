@@ -8,7 +8,9 @@
   partial on each rank (Qwen3's per-head ``q_norm``/``k_norm``).
 * :class:`EmbeddingRowwise` / :class:`EmbeddingColwise` - vocab- or
   feature-split embeddings.
-* :class:`Unsupported` - styles torchtp refuses rather than silently replicate.
+
+Each follows the style contract of :mod:`torchtp.plans.styles`: ``plan`` once,
+then ``apply``.
 """
 
 from __future__ import annotations
@@ -16,24 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
-import torch
 from torch import nn
 
 from ..grad_sync import GradSync, mark
 from ..layers import FeatureParallelEmbedding, VocabParallelEmbedding
 from ..layers.embedding import shard_vocab_in_place
 from ..layouts import ParamLayout, even_chunks, uneven_chunks
-from .constraints import Constraint
-from .fidelity import embedding_splits_exactly
-from .linear_view import LinearView
-from .styles import (
-    Colwise,
-    LayerShapes,
-    ParallelStyle,
-    ShardContext,
-    attach_layouts,
-    require_linear,
-)
+from ..plans.constraints import Constraint
+from ..plans.fidelity import embedding_splits_exactly
+from ..plans.linear_view import LinearView
+from ..plans.styles import Colwise, LayerPlan, ParallelStyle, ShardContext, attach_layouts
 from .subgroups import sharing_subgroup
 
 
@@ -70,59 +64,54 @@ class HeadSplit(Colwise):
         self.parts = parts
         self.name = name
 
-    def parts_for(self, view: LinearView) -> tuple[Part, ...]:
+    def parts_for(self, out_features: int) -> tuple[Part, ...]:
         """The parts, inferring two equal halves when none were given."""
         if self.parts is not None:
             return self.parts
-        half = view.out_features // 2
+        half = out_features // 2
         return (Part(half, half, "first half of the packed out_features (weight rows)"),
-                Part(view.out_features - half, half,
+                Part(out_features - half, half,
                      "second half of the packed out_features (weight rows)"))
 
-    def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
-        view = require_linear(self.name, module, fqn)
-        where = f"module '{fqn}' (style {self.name!r})"
-        return [Constraint(where, p.name, p.units, allow_multiple=p.replicable)
-                for p in self.parts_for(view)]
-
-    def check_type(self, module: nn.Module, fqn: str) -> None:
-        super().check_type(module, fqn)
-        view = require_linear(self.name, module, fqn)
-        sizes = [p.size for p in self.parts_for(view)]
+    def check(self, view: LinearView, module: nn.Module, fqn: str) -> None:
+        super().check(view, module, fqn)
+        sizes = [p.size for p in self.parts_for(view.out_features)]
         if sum(sizes) != view.out_features or (self.parts is None and view.out_features % 2):
             raise ValueError(
                 f"style {self.name!r} for module '{fqn}': its out_features={view.out_features} "
                 f"(weight rows) do not split into the packed parts {sizes}; a packed projection "
                 "stacks equal parts (e.g. gate and up) along out_features")
 
-    def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
-        view = require_linear(self.name, module, "?")
-        rows = sum(n for _, n in self.row_segments(view, ctx))
-        return LayerShapes((view.out_features, view.in_features), (rows, view.in_features))
+    def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
+        where = f"module '{fqn}' (style {self.name!r})"
+        return [Constraint(where, p.name, p.units, allow_multiple=p.replicable)
+                for p in self.parts_for(view.out_features)]
 
     def row_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
-        parts = self.parts_for(view)
         segments, offset = [], 0
-        for part in parts:
+        for part in self.parts_for(view.out_features):
             segments.append(part.segment(offset, ctx))
             offset += part.size
         return tuple(segments)
 
-    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
-        layer = super().apply(module, fqn, ctx)
-        view = require_linear(self.name, module, fqn)
+    def detail(self, view: LinearView) -> str:
+        parts = self.parts_for(view.out_features)
+        return "split part by part: " + ", ".join(f"{p.units} {p.name}" for p in parts)
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        swapped = super().apply(module, layer, ctx)
         shared, local = [], 0
-        tp_layouts = cast("dict[str, ParamLayout]", layer.tp_layouts)
-        for part, (_, n) in zip(self.parts_for(view), tp_layouts["weight"].segments, strict=True):
+        segments = layer.layouts["weight"].segments
+        for part, (_, n) in zip(self.parts_for(layer.full[0]), segments, strict=True):
             if part.units % ctx.world_size:
                 # A replicated KV head: each rank's gradient covers only its own
                 # query heads; the sum over the ranks sharing the head is exact.
                 shared.append(GradSync(sharing_subgroup(ctx, part.units), (local, n)))
             local += n
         if shared:
-            for name, _ in layer.named_parameters(recurse=False):
-                mark(layer, name, tuple(shared))
-        return layer
+            for name, _ in swapped.named_parameters(recurse=False):
+                mark(swapped, name, tuple(shared))
+        return swapped
 
 
 class ReplicatedWithGradAllreduce(ParallelStyle):
@@ -134,7 +123,7 @@ class ReplicatedWithGradAllreduce(ParallelStyle):
 
     name = "replicated_with_grad_allreduce"
 
-    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size > 1:
             for name, _ in module.named_parameters(recurse=False):
                 mark(module, name, (GradSync(ctx.group),))
@@ -159,7 +148,7 @@ class EmbeddingRowwise(ParallelStyle):
 
     name = "embedding_rowwise"
 
-    def check_type(self, module: nn.Module, fqn: str) -> None:
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
         emb = _require_embedding(self.name, module, fqn)
         if type(emb).forward is not nn.Embedding.forward and \
                 embedding_splits_exactly(emb, 2) is False:
@@ -167,28 +156,24 @@ class EmbeddingRowwise(ParallelStyle):
                 f"style {self.name!r} for module '{fqn}' ({type(emb).__name__}): its forward "
                 "adds work that does not commute with splitting the vocabulary (partial "
                 "lookups would not sum to its output); mark it 'replicate'")
+        vocab, dim = emb.weight.shape
+        segment = uneven_chunks(vocab, ctx.world_size, ctx.rank)
+        layouts = {"weight": ParamLayout((vocab, dim), 0, (segment,))}
+        return LayerPlan(fqn, self.name, (), (vocab, dim), (segment[1], dim), layouts,
+                         ("all_reduce",))
 
-    def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
-        vocab, dim = cast(torch.Tensor, module.weight).shape
-        return LayerShapes((vocab, dim), (uneven_chunks(vocab, ctx.world_size, ctx.rank)[1], dim))
-
-    def layouts(self, module: nn.Module, ctx: ShardContext) -> dict[str, ParamLayout]:
-        weight = cast(torch.Tensor, module.weight)
-        segment = uneven_chunks(weight.shape[0], ctx.world_size, ctx.rank)
-        return {"weight": ParamLayout(tuple(weight.shape), 0, (segment,))}
-
-    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
-        emb = _require_embedding(self.name, module, fqn)
-        layout = self.layouts(emb, ctx)["weight"]
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        emb = cast(nn.Embedding, module)
+        layout = layer.layouts["weight"]
         start = layout.segments[0][0]
         if type(emb).forward is not nn.Embedding.forward:  # keep the subclass's own forward
-            layer: nn.Module = shard_vocab_in_place(emb, layout.take(emb.weight), start,
-                                                    ctx.world_size, ctx.group)
-            return attach_layouts(layer, {"weight": layout})
-        layer = VocabParallelEmbedding(layout.take(emb.weight), emb.num_embeddings, start,
-                                       emb.padding_idx, ctx.world_size, ctx.group,
-                                       emb.weight.requires_grad)
-        return attach_layouts(layer, {"weight": layout})
+            swapped: nn.Module = shard_vocab_in_place(emb, layout.take(emb.weight), start,
+                                                      ctx.world_size, ctx.group)
+            return attach_layouts(swapped, layer.layouts)
+        swapped = VocabParallelEmbedding(layout.take(emb.weight), emb.num_embeddings, start,
+                                         emb.padding_idx, ctx.world_size, ctx.group,
+                                         emb.weight.requires_grad)
+        return attach_layouts(swapped, layer.layouts)
 
 
 class EmbeddingColwise(ParallelStyle):
@@ -196,45 +181,26 @@ class EmbeddingColwise(ParallelStyle):
 
     name = "embedding_colwise"
 
-    def check_type(self, module: nn.Module, fqn: str) -> None:
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
         emb = _require_embedding(self.name, module, fqn)
         if type(emb).forward is not nn.Embedding.forward:
             raise ValueError(f"style {self.name!r} for module '{fqn}' ({type(emb).__name__}): "
                              "embedding subclasses with their own forward can only be split "
                              "with 'embedding_rowwise' (or kept 'replicate')")
+        vocab, dim = emb.weight.shape
+        constraints = (Constraint(f"module '{fqn}' (style {self.name!r})",
+                                  "embedding_dim (weight columns)", dim),)
+        if dim % ctx.world_size:
+            return LayerPlan(fqn, self.name, constraints, (vocab, dim),
+                             collectives=("all_gather",))
+        segment = even_chunks(dim, ctx.world_size, ctx.rank)
+        layouts = {"weight": ParamLayout((vocab, dim), 1, (segment,))}
+        return LayerPlan(fqn, self.name, constraints, (vocab, dim), (vocab, segment[1]),
+                         layouts, ("all_gather",))
 
-    def constraints(self, module: nn.Module, fqn: str) -> list[Constraint]:
-        emb = _require_embedding(self.name, module, fqn)
-        return [Constraint(f"module '{fqn}' (style {self.name!r})",
-                           "embedding_dim (weight columns)", emb.embedding_dim)]
-
-    def shapes(self, module: nn.Module, ctx: ShardContext) -> LayerShapes:
-        vocab, dim = cast(torch.Tensor, module.weight).shape
-        return LayerShapes((vocab, dim), (vocab, dim // ctx.world_size))
-
-    def layouts(self, module: nn.Module, ctx: ShardContext) -> dict[str, ParamLayout]:
-        weight = cast(torch.Tensor, module.weight)
-        dim = weight.shape[1]
-        return {"weight": ParamLayout(tuple(weight.shape), 1,
-                                      (even_chunks(dim, ctx.world_size, ctx.rank),))}
-
-    def apply(self, module: nn.Module, fqn: str, ctx: ShardContext) -> nn.Module:
-        emb = _require_embedding(self.name, module, fqn)
-        layout = self.layouts(emb, ctx)["weight"]
-        layer = FeatureParallelEmbedding(layout.take(emb.weight), emb.padding_idx,
-                                         ctx.world_size, ctx.group, emb.weight.requires_grad)
-        return attach_layouts(layer, {"weight": layout})
-
-
-class Unsupported(ParallelStyle):
-    """A style name torchtp knows but cannot honour: refuse instead of replicating."""
-
-    def __init__(self, name: str, why: str) -> None:
-        self.name = name
-        self.why = why
-
-    def check_type(self, module: nn.Module, fqn: str) -> None:
-        raise ValueError(
-            f"plan style {self.name!r} for module '{fqn}' ({type(module).__name__}) is not "
-            f"supported by torchtp: {self.why}. torchtp does not silently replicate a module "
-            "the plan asks to shard; override it with plan={...: 'replicate'} to keep it whole")
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        emb = cast(nn.Embedding, module)
+        swapped = FeatureParallelEmbedding(layer.layouts["weight"].take(emb.weight),
+                                           emb.padding_idx, ctx.world_size, ctx.group,
+                                           emb.weight.requires_grad)
+        return attach_layouts(swapped, layer.layouts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .styles import ShardContext
+from ..plans.styles import ShardContext
 
 # Keyed by the TP group object too: a group destroyed and started again in the
 # same process gets fresh sub-groups instead of dead ones.

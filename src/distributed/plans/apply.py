@@ -1,0 +1,38 @@
+"""Apply a resolved plan: swap every planned module for its TP form, in place."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .. import grad_sync
+from .._logging import logger
+from ..hf.attention import localize_attention
+from ..tying import retie, tied_groups
+from .resolved import ResolvedPlan
+from .styles import ShardContext
+
+
+def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) -> list[str]:
+    """Cut this rank's shards as each layer plan says; return the swapped module names.
+
+    After the swap, tied parameters are tied again, attention modules whose
+    heads are split read their local head counts, and gradient hooks for
+    partially replicated parameters are installed.
+    """
+    ties = tied_groups(model)
+    swapped = []
+    for name, style in resolved.assignments.items():
+        layer = resolved.layers[name]
+        old = model.get_submodule(name)
+        new = style.apply(old, layer, ctx)
+        if new is not old:
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), leaf, new)
+        elif not layer.layouts:
+            continue  # kept whole (replicate, grad-allreduce)
+        swapped.append(name)
+        logger.debug("swapped %s: %s -> %s", name, type(old).__name__, new)
+    retie(model, ties)
+    localize_attention(model, resolved.heads, ctx)
+    grad_sync.install(model)
+    return swapped
