@@ -12,6 +12,7 @@ from torch import nn
 
 from . import grad_sync
 from ._logging import logger
+from ._torch_compat import registered_child
 from .agreement import agree
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
@@ -101,7 +102,7 @@ class DistributedModelWrapper(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            base = self.__dict__["_modules"].get("base_model")
+            base = registered_child(self, "base_model")
             if base is None:
                 raise
             return getattr(base, name)
