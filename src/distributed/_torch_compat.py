@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-CHECKED_TORCH = ("2.13.0", "2.14.1")
+CHECKED_TORCH = ("2.13.0",)
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -31,7 +31,7 @@ def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, is_par
     ``__setattr__`` override or registration hook runs and the slot keeps its
     kind (a non-persistent buffer stays non-persistent); owners of a tied
     weight all receive the same object.
-    Checked: torch 2.13.0, 2.14.1.
+    Checked: torch 2.13.0.
     """
     (module._parameters if is_param else module._buffers)[name] = tensor  # type: ignore[assignment]
 
@@ -41,7 +41,7 @@ def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
     Reads ``nn.Module._non_persistent_buffers_set``: ``state_dict`` would say the
     same but recurses and detaches.
-    Checked: torch 2.13.0, 2.14.1.
+    Checked: torch 2.13.0.
     """
     skip: set[str] = module._non_persistent_buffers_set
     for name, buf in module.named_buffers(recurse=False):
@@ -53,7 +53,7 @@ def shallow_copy_module(module: M) -> M:
     """A shallow copy of ``module`` that shares its buffers but has its own parameter dict.
 
     Assigning a parameter on the copy leaves ``module`` untouched.
-    Checked: torch 2.13.0, 2.14.1.
+    Checked: torch 2.13.0.
     """
     probe = copy.copy(module)
     probe._parameters = dict(module._parameters)
@@ -64,7 +64,7 @@ def registered_child(module: nn.Module, name: str) -> nn.Module | None:
     """The child ``name`` registered on ``module``, read without ``__getattr__``.
 
     For use inside a ``__getattr__`` override, where ``getattr`` would recurse.
-    Checked: torch 2.13.0, 2.14.1.
+    Checked: torch 2.13.0.
     """
     children: dict[str, nn.Module | None] = module.__dict__["_modules"]
     return children.get(name)
@@ -75,7 +75,7 @@ def node_metadata(node: Any) -> dict[str, Any]:
 
     A property at runtime, declared a method in torch's type stubs; it lives
     with the C++ node, so it survives the Python wrapper being freed.
-    Checked: torch 2.13.0, 2.14.1.
+    Checked: torch 2.13.0.
     """
     metadata: dict[str, Any] = node.metadata
     return metadata
@@ -84,7 +84,7 @@ def node_metadata(node: Any) -> dict[str, Any]:
 def node_inputs(node: Any) -> Iterator[Any]:
     """The autograd nodes ``node`` passes gradients to (``next_functions``, ``None`` kept).
 
-    Checked: torch 2.13.0, 2.14.1.
+    Checked: torch 2.13.0.
     """
     for fn, _ in getattr(node, "next_functions", ()):
         yield fn

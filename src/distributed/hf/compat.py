@@ -18,13 +18,13 @@ from torch import nn
 
 from .config_view import LocalConfig
 
-CHECKED_TRANSFORMERS = ("4.45.2", "5.23.0")
+CHECKED_TRANSFORMERS = ("5.23.0",)
 
 # Attribute families attention modules read in their forward, across model
 # families (Llama/Mistral/Qwen2: num_heads or config-only + head_dim and
 # num_key_value_groups; GPT-2: num_heads/split_size/embed_dim; Falcon:
 # num_heads/num_kv_heads; GPT-NeoX: head_size; Phi-3: reads self.config).
-# Checked: transformers 4.45.2, 5.23.0.
+# Checked: transformers 5.23.0.
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
 HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
@@ -42,7 +42,7 @@ def localize_attention(module: nn.Module, heads: int, kv_heads: int, head_dim: i
     full values. ``heads`` and ``kv_heads`` are the full counts, ``tp`` the
     number of ranks the heads are split over; KV heads are replicated when
     there are fewer than ``tp``.
-    Checked: transformers 4.45.2, 5.23.0.
+    Checked: transformers 5.23.0.
     """
     local_heads = heads // tp
     local_kv = max(kv_heads // tp, 1)
@@ -75,7 +75,7 @@ def _local_values(obj: object, heads: int, kv_heads: int, head_dim: int, tp: int
 def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
     """``PreTrainedModel.dummy_inputs`` (undocumented): tiny inputs the model accepts, or ``None``.
 
-    Checked: transformers 4.45.2, 5.23.0 (a property returning ``{"input_ids": ...}``).
+    Checked: transformers 5.23.0 (a property returning ``{"input_ids": ...}``).
     """
     dummy = getattr(model, "dummy_inputs", None)
     return dummy if isinstance(dummy, dict) else None
@@ -84,10 +84,9 @@ def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
 def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     """The TP plan transformers assembled on the instance, or ``None``.
 
-    transformers >= 4.50 exposes it as ``model.tp_plan``; 4.45-4.49 keep it in
-    the instance attribute ``model._tp_plan`` (the class's plan until
-    ``post_init`` merges the base model's).
-    Checked: transformers 4.45.2, 5.23.0.
+    transformers 5 exposes it as ``model.tp_plan``; older releases keep an
+    instance plan in the attribute ``model._tp_plan``.
+    Checked: transformers 5.23.0.
     """
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, dict):
@@ -98,7 +97,7 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
 def class_tp_plan(cls: type) -> dict[str, str]:
     """The plan a model class adds on top of its base model's (``cls._tp_plan``), e.g. for ``lm_head``.
 
-    Checked: transformers 4.45.2, 5.23.0.
+    Checked: transformers 5.23.0.
     """
     return dict(getattr(cls, "_tp_plan", None) or {})
 
@@ -106,7 +105,7 @@ def class_tp_plan(cls: type) -> dict[str, str]:
 def is_causal_lm_config(config: Any) -> bool:
     """Whether ``AutoModelForCausalLM`` has a class for ``config``'s type (its ``_model_mapping``).
 
-    Checked: transformers 4.45.2, 5.23.0.
+    Checked: transformers 5.23.0.
     """
     import transformers
 
@@ -119,7 +118,7 @@ def from_config(cls: Any, config: Any) -> Any:
     Auto classes have the public ``from_config``; model classes only the
     private ``_from_config`` (which also applies the attention implementation
     and dtype the config asks for); other classes are called directly.
-    Checked: transformers 4.45.2, 5.23.0.
+    Checked: transformers 5.23.0.
     """
     if hasattr(cls, "from_config"):
         return cls.from_config(config)
