@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
 from .checkpoint.save_pretrained import save_pretrained
@@ -100,7 +101,7 @@ class DistributedModelWrapper(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            base = self.__dict__["_modules"].get("base_model")
+            base = registered_child(self, "base_model")
             if base is None:
                 raise
             return getattr(base, name)

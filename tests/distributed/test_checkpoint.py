@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 import torchtp
@@ -21,8 +22,6 @@ from torchtp.checkpoint.cli_commands import consolidate_main, reshard_main
 
 from ._ckpt_checks import ARCHS, assert_exact, check_archs
 from ._hf_models import build
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,6 @@ from torchtp.checkpoint import reshard
 from ._ckpt_checks import check_errors
 from ._hf_models import build
 
-transformers = pytest.importorskip("transformers")
-
 
 def _copy(src: str, dst: str) -> str:
     shutil.copytree(src, dst)

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from torchtp.cli import SUBCOMMANDS, main
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from ..hf.compat import from_config, is_causal_lm_config
+
 
 def load_config(path: str) -> Any:
     """The HF config in ``path`` (``config.json``).
@@ -35,7 +37,7 @@ def model_class_for(config: Any, model_class: type | None) -> Any:
         cls = getattr(transformers, arch, None)
         if isinstance(cls, type):
             return cls
-    if type(config) in transformers.AutoModelForCausalLM._model_mapping:
+    if is_causal_lm_config(config):
         return transformers.AutoModelForCausalLM
     return transformers.AutoModel
 
@@ -51,12 +53,7 @@ def build_on_meta(config: Any, model_class: type | None) -> nn.Module:
 
     cls = model_class_for(config, model_class)
     with init_empty_weights(include_buffers=False):
-        if hasattr(cls, "from_config"):
-            model = cls.from_config(config)
-        elif hasattr(cls, "_from_config"):
-            model = cls._from_config(config)
-        else:
-            model = cls(config)
+        model = from_config(cls, config)
     if hasattr(model, "tie_weights"):
         # accelerate's meta context re-creates a Parameter on every assignment,
         # which undoes the tie made in __init__; tie again outside it.

@@ -25,6 +25,7 @@ from torch import nn
 
 from .. import grad_sync
 from .._logging import logger
+from .._torch_compat import set_module_tensor
 from ..agreement import agree
 from ..runtime import ProcessGroup, group_size
 from .build import build_on_meta, load_config
@@ -175,14 +176,11 @@ def _materialise(wrapper: Wrapped, source: Source, found: dict[str, str], dtype:
         new = nn.Parameter(t, requires_grad=p.tensor.requires_grad) if p.is_param else t
         for mod_name, attr in p.owners:
             module = model.get_submodule(mod_name)
-            if isinstance(new, nn.Parameter):
-                module._parameters[attr] = new
-            else:
-                module._buffers[attr] = new
+            set_module_tensor(module, attr, new, p.is_param)
     for module in model.modules():
-        for attr, b in list(module._buffers.items()):
-            if b is not None and b.device != device:
-                module._buffers[attr] = b.to(device)
+        for attr, b in list(module.named_buffers(recurse=False)):
+            if b.device != device:
+                set_module_tensor(module, attr, b.to(device), is_param=False)
     left = [n for n, t in model.named_parameters() if t.is_meta]
     if left:
         raise RuntimeError(f"parameters left unloaded: {left[:5]}")

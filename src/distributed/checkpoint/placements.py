@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._torch_compat import persistent_buffers
 from ..layouts import ParamLayout, replicated
 
 
@@ -48,10 +49,8 @@ def placements(model: nn.Module) -> list[Placement]:
         layouts = getattr(mod, "tp_layouts", {})
         for attr, p in mod.named_parameters(recurse=False):
             _add(by_id, mod_name, attr, p, layouts.get(attr), True)
-        skip: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
-        for attr, b in mod.named_buffers(recurse=False):
-            if attr not in skip:
-                _add(by_id, mod_name, attr, b, None, False)
+        for attr, b in persistent_buffers(mod):
+            _add(by_id, mod_name, attr, b, None, False)
     return list(by_id.values())
 
 

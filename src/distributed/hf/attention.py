@@ -23,15 +23,10 @@ from torch import nn
 from ..plans.linear_view import linear_view
 from ..plans.resolved import ResolvedPlan
 from ..plans.styles import Colwise, ShardContext
-from .config_view import LocalConfig
+from . import compat
+from .compat import HEAD_ATTRS, HEAD_DIM_ATTRS, KV_ATTRS
 from .detect import text_config
 from .styles import HeadSplit, Part
-
-HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
-KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
-HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
-WIDTH_ATTRS = ("all_head_size", "split_size", "embed_dim", "inner_dim", "hidden_size",
-               "hidden_size_per_partition", "inner_size", "n_embd")
 
 
 @dataclass(frozen=True)
@@ -127,32 +122,5 @@ def split_whole_heads(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInf
 def localize_attention(model: nn.Module, infos: dict[str, HeadInfo], ctx: ShardContext) -> None:
     """Set each head-split attention module's head counts and widths to local values."""
     for name, info in infos.items():
-        module = model.get_submodule(name)
-        local_heads = info.heads // ctx.world_size
-        local_kv = max(info.kv_heads // ctx.world_size, 1)
-        overrides = _local_values(module, info, local_heads, local_kv, ctx.world_size)
-        for attr, value in overrides.items():
-            setattr(module, attr, value)
-        if hasattr(module, "num_key_value_groups"):
-            module.num_key_value_groups = local_heads // local_kv  # type: ignore[assignment]
-        config = getattr(module, "config", None)
-        if config is not None and not isinstance(config, LocalConfig):
-            module.config = LocalConfig(  # type: ignore[assignment]
-                config, _local_values(config, info, local_heads, local_kv, ctx.world_size))
-
-
-def _local_values(obj: object, info: HeadInfo, local_heads: int, local_kv: int,
-                  tp: int) -> dict[str, int]:
-    """Attributes of ``obj`` holding full head counts/widths -> their local values."""
-    width = info.heads * info.head_dim
-    out: dict[str, int] = {}
-    for attr in HEAD_ATTRS:
-        if getattr(obj, attr, None) == info.heads:
-            out[attr] = local_heads
-    for attr in KV_ATTRS:
-        if getattr(obj, attr, None) == info.kv_heads:
-            out[attr] = local_kv
-    for attr in WIDTH_ATTRS:
-        if getattr(obj, attr, None) == width:
-            out[attr] = width // tp
-    return out
+        compat.localize_attention(model.get_submodule(name), info.heads, info.kv_heads,
+                                  info.head_dim, ctx.world_size)

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
+from .._torch_compat import node_inputs, node_metadata
 from ..plans.linear_view import linear_view
+from .compat import dummy_inputs
 
 _TAG = "torchtp_producer"  # key in an autograd node's metadata: the module that made it
 
@@ -34,8 +36,8 @@ def trace_sources(model: nn.Module, names: Iterable[str]) -> dict[str, set[str]]
             continue
         hooks.append(mod.register_forward_hook(_recorder(name, wanted, inputs)))
     try:
-        dummy = getattr(model, "dummy_inputs", None)
-        if not isinstance(dummy, dict):
+        dummy = dummy_inputs(model)
+        if dummy is None:
             return None
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         dummy = {k: (v.clamp(0, vocab - 1) if k == "input_ids" and vocab else v)
@@ -55,8 +57,7 @@ def _recorder(name: str, wanted: set[str], inputs: dict[str, Node | None]):
     # wrappers (and their ids) can die and be reused while the graph lives on.
     def hook(_mod: nn.Module, args: tuple, out: object) -> None:
         if isinstance(out, torch.Tensor) and out.grad_fn is not None:
-            # Node.metadata is a property at runtime; torch's stubs declare a method.
-            out.grad_fn.metadata.setdefault(_TAG, name)  # type: ignore[attr-defined]
+            node_metadata(out.grad_fn).setdefault(_TAG, name)
         if name in wanted and args and isinstance(args[0], torch.Tensor):
             inputs.setdefault(name, args[0].grad_fn)
     return hook
@@ -71,9 +72,9 @@ def _walk(start: Node | None) -> set[str]:
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        tag = node.metadata.get(_TAG)  # type: ignore[attr-defined]
+        tag = node_metadata(node).get(_TAG)
         if tag is not None:
             found.add(tag)
             continue
-        stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+        stack.extend(node_inputs(node))
     return found

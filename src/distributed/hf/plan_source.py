@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .compat import class_tp_plan, instance_tp_plan
+
 
 def hf_plan(model: nn.Module) -> dict[str, str] | None:
     """The model's own TP plan with full module names, or ``None`` if it has none.
@@ -14,12 +16,7 @@ def hf_plan(model: nn.Module) -> dict[str, str] | None:
     ``{"lm_head": "colwise_gather_output"}``, and ``embed_tokens`` as
     ``embedding_rowwise``). Older versions are assembled here the same way.
     """
-    plan = getattr(model, "tp_plan", None)
-    if not isinstance(plan, dict):
-        plan = getattr(model, "_tp_plan", None)
-    if isinstance(plan, dict) and plan:
-        return dict(plan)
-    return _assemble(model)
+    return instance_tp_plan(model) or _assemble(model)
 
 
 def _assemble(model: nn.Module) -> dict[str, str] | None:
@@ -29,5 +26,5 @@ def _assemble(model: nn.Module) -> dict[str, str] | None:
     prefix = getattr(model, "base_model_prefix", "")
     has_base = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
     plan = {(f"{prefix}.{k}" if has_base else k): v for k, v in base_plan.items()}
-    plan.update(getattr(type(model), "_tp_plan", None) or {})
+    plan.update(class_tp_plan(type(model)))
     return plan

@@ -15,12 +15,11 @@ Meta-device modules cannot be probed; they are trusted and a note says so.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._torch_compat import shallow_copy_module
 from .linear_view import linear_view
 
 _PLAIN_FORWARDS = {nn.Linear.forward, nn.Embedding.forward}
@@ -80,8 +79,7 @@ def embedding_splits_exactly(emb: nn.Embedding, world_size: int) -> bool | None:
     gen = torch.Generator(device="cpu").manual_seed(0)
     full = torch.randn(rows, emb.embedding_dim, generator=gen).to(emb.weight)  # (rows, dim)
     ids = torch.arange(rows, device=emb.weight.device)
-    probe = copy.copy(emb)  # shallow: shares buffers (e.g. a scale), own parameter dict
-    probe._parameters = dict(emb._parameters)
+    probe = shallow_copy_module(emb)  # shares buffers (e.g. a scale), own parameter dict
     probe.padding_idx = None
     want = _lookup(probe, full, ids)
     total = torch.zeros_like(want)

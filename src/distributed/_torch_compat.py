@@ -1,0 +1,90 @@
+"""Every use of a private or version-sensitive torch name, in one place.
+
+Code elsewhere in torchtp calls these functions instead of touching torch
+internals, so a torch release that changes one of them breaks one function
+here (and ``make compat`` says which), not a dozen call sites.
+``tests/distributed/test_compat_fence.py`` fails when a torch private name is
+used outside this module and ``hf/compat.py``.
+
+Each entry names the torch releases it was checked against (``make compat``
+runs them); ``CHECKED_TORCH`` is that list.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+CHECKED_TORCH = ("2.13.0",)
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) -> None:
+    """Put ``tensor`` into ``module``'s parameter or buffer slot ``name`` as is.
+
+    Writes ``nn.Module._parameters`` / ``_buffers`` directly, so no
+    ``__setattr__`` override or registration hook runs and the slot keeps its
+    kind (a non-persistent buffer stays non-persistent); owners of a tied
+    weight all receive the same object.
+    Checked: torch 2.13.0.
+    """
+    (module._parameters if is_param else module._buffers)[name] = tensor  # type: ignore[assignment]
+
+
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s own buffers that go into its ``state_dict`` (not ``persistent=False`` ones).
+
+    Reads ``nn.Module._non_persistent_buffers_set``: ``state_dict`` would say the
+    same but recurses and detaches.
+    Checked: torch 2.13.0.
+    """
+    skip: set[str] = module._non_persistent_buffers_set
+    for name, buf in module.named_buffers(recurse=False):
+        if name not in skip:
+            yield name, buf
+
+
+def shallow_copy_module(module: M) -> M:
+    """A shallow copy of ``module`` that shares its buffers but has its own parameter dict.
+
+    Assigning a parameter on the copy leaves ``module`` untouched.
+    Checked: torch 2.13.0.
+    """
+    probe = copy.copy(module)
+    probe._parameters = dict(module._parameters)
+    return probe
+
+
+def registered_child(module: nn.Module, name: str) -> nn.Module | None:
+    """The child ``name`` registered on ``module``, read without ``__getattr__``.
+
+    For use inside a ``__getattr__`` override, where ``getattr`` would recurse.
+    Checked: torch 2.13.0.
+    """
+    children: dict[str, nn.Module | None] = module.__dict__["_modules"]
+    return children.get(name)
+
+
+def node_metadata(node: Any) -> dict[str, Any]:
+    """The per-node dict of an autograd ``Node`` (``torch.autograd.graph.Node.metadata``).
+
+    A property at runtime, declared a method in torch's type stubs; it lives
+    with the C++ node, so it survives the Python wrapper being freed.
+    Checked: torch 2.13.0.
+    """
+    metadata: dict[str, Any] = node.metadata
+    return metadata
+
+
+def node_inputs(node: Any) -> Iterator[Any]:
+    """The autograd nodes ``node`` passes gradients to (``next_functions``, ``None`` kept).
+
+    Checked: torch 2.13.0.
+    """
+    for fn, _ in getattr(node, "next_functions", ()):
+        yield fn

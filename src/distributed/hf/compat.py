@@ -1,0 +1,127 @@
+"""Every use of a private or undocumented transformers name, in one place.
+
+transformers reorganises attention modules and model internals between
+releases; code elsewhere in torchtp calls these functions, so such a change
+breaks one function here (and ``make compat`` says which).
+``tests/distributed/test_compat_fence.py`` fails when a transformers private
+name is used outside this module and ``_torch_compat.py``.
+
+Each entry names the transformers releases it was checked against (``make
+compat`` runs them); ``CHECKED_TRANSFORMERS`` is that list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .config_view import LocalConfig
+
+CHECKED_TRANSFORMERS = ("5.23.0",)
+
+# Attribute families attention modules read in their forward, across model
+# families (Llama/Mistral/Qwen2: num_heads or config-only + head_dim and
+# num_key_value_groups; GPT-2: num_heads/split_size/embed_dim; Falcon:
+# num_heads/num_kv_heads; GPT-NeoX: head_size; Phi-3: reads self.config).
+# Checked: transformers 5.23.0.
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
+HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
+WIDTH_ATTRS = ("all_head_size", "split_size", "embed_dim", "inner_dim", "hidden_size",
+               "hidden_size_per_partition", "inner_size", "n_embd")
+
+
+def localize_attention(module: nn.Module, heads: int, kv_heads: int, head_dim: int, tp: int) -> None:
+    """Rewrite the head counts and widths ``module``'s forward reads to one rank's values.
+
+    Sets every attribute of the families above that holds the full value,
+    ``num_key_value_groups`` (query heads per KV head), and gives the module a
+    per-module view of its ``config`` (:class:`LocalConfig`) for forwards that
+    read ``self.config.num_attention_heads``; the shared config keeps the
+    full values. ``heads`` and ``kv_heads`` are the full counts, ``tp`` the
+    number of ranks the heads are split over; KV heads are replicated when
+    there are fewer than ``tp``.
+    Checked: transformers 5.23.0.
+    """
+    local_heads = heads // tp
+    local_kv = max(kv_heads // tp, 1)
+    for attr, value in _local_values(module, heads, kv_heads, head_dim, tp).items():
+        setattr(module, attr, value)
+    if hasattr(module, "num_key_value_groups"):
+        module.num_key_value_groups = local_heads // local_kv  # type: ignore[assignment]
+    config = getattr(module, "config", None)
+    if config is not None and not isinstance(config, LocalConfig):
+        module.config = LocalConfig(  # type: ignore[assignment]
+            config, _local_values(config, heads, kv_heads, head_dim, tp))
+
+
+def _local_values(obj: object, heads: int, kv_heads: int, head_dim: int, tp: int) -> dict[str, int]:
+    """Attributes of ``obj`` holding full head counts/widths -> their local values."""
+    width = heads * head_dim
+    out: dict[str, int] = {}
+    for attr in HEAD_ATTRS:
+        if getattr(obj, attr, None) == heads:
+            out[attr] = heads // tp
+    for attr in KV_ATTRS:
+        if getattr(obj, attr, None) == kv_heads:
+            out[attr] = max(kv_heads // tp, 1)
+    for attr in WIDTH_ATTRS:
+        if getattr(obj, attr, None) == width:
+            out[attr] = width // tp
+    return out
+
+
+def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
+    """``PreTrainedModel.dummy_inputs`` (undocumented): tiny inputs the model accepts, or ``None``.
+
+    Checked: transformers 5.23.0 (a property returning ``{"input_ids": ...}``).
+    """
+    dummy = getattr(model, "dummy_inputs", None)
+    return dummy if isinstance(dummy, dict) else None
+
+
+def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The TP plan transformers assembled on the instance, or ``None``.
+
+    transformers 5 exposes it as ``model.tp_plan``; older releases keep an
+    instance plan in the attribute ``model._tp_plan``.
+    Checked: transformers 5.23.0.
+    """
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, dict):
+        plan = getattr(model, "_tp_plan", None)
+    return dict(plan) if isinstance(plan, dict) and plan else None
+
+
+def class_tp_plan(cls: type) -> dict[str, str]:
+    """The plan a model class adds on top of its base model's (``cls._tp_plan``), e.g. for ``lm_head``.
+
+    Checked: transformers 5.23.0.
+    """
+    return dict(getattr(cls, "_tp_plan", None) or {})
+
+
+def is_causal_lm_config(config: Any) -> bool:
+    """Whether ``AutoModelForCausalLM`` has a class for ``config``'s type (its ``_model_mapping``).
+
+    Checked: transformers 5.23.0.
+    """
+    import transformers
+
+    return type(config) in transformers.AutoModelForCausalLM._model_mapping
+
+
+def from_config(cls: Any, config: Any) -> Any:
+    """``cls`` built from ``config`` with fresh weights.
+
+    Auto classes have the public ``from_config``; model classes only the
+    private ``_from_config`` (which also applies the attention implementation
+    and dtype the config asks for); other classes are called directly.
+    Checked: transformers 5.23.0.
+    """
+    if hasattr(cls, "from_config"):
+        return cls.from_config(config)
+    if hasattr(cls, "_from_config"):
+        return cls._from_config(config)
+    return cls(config)

@@ -1,0 +1,179 @@
+"""Private torch/transformers names are used only in the two compatibility modules.
+
+An AST scan of ``src/distributed``: outside ``_torch_compat.py`` and
+``hf/compat.py`` no code may read or write a private attribute of torch or
+transformers (``m._parameters``, ``getattr(model, "_tp_plan")``), import a
+private torch/transformers module, or touch the undocumented internals listed
+in ``INTERNALS``. Private names torchtp defines itself are allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from torchtp import _torch_compat
+from torchtp.hf import compat as hf_compat
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "distributed"
+FENCE = {SRC / "_torch_compat.py", SRC / "hf" / "compat.py"}
+FOREIGN_ROOTS = {"torch", "transformers", "accelerate", "safetensors", "huggingface_hub"}
+# Undocumented internals without a leading underscore.
+INTERNALS = {"dummy_inputs", "num_key_value_groups", "next_functions", "metadata", "tp_plan"}
+_PRIVATE = re.compile(r"^_[A-Za-z]\w*$")
+
+
+def _is_private(name: str) -> bool:
+    return bool(_PRIVATE.match(name)) and not name.endswith("__")
+
+
+def _foreign_private_names() -> set[str]:
+    """Private attribute names carried by the torch/transformers objects torchtp handles."""
+    objects: list[object] = [
+        nn.Module(), nn.Linear(2, 2), nn.Embedding(2, 2), nn.Parameter(torch.ones(1)), torch.ones(1),
+        torch, torch.distributed, torch.autograd, torch.autograd.graph.Node,
+        (torch.ones(1, requires_grad=True) * 2).grad_fn,
+        transformers, transformers.PreTrainedModel, transformers.PretrainedConfig,
+        transformers.AutoModel, transformers.AutoModelForCausalLM, transformers.AutoConfig,
+    ]
+    return {n for obj in objects for n in dir(obj) if _is_private(n)}
+
+
+FOREIGN = _foreign_private_names()
+# Private names of the objects torchtp rewrites: flagged even where torchtp has a name alike.
+MODULE_PRIVATE = {n for obj in [nn.Module(), transformers.PreTrainedModel, transformers.PretrainedConfig,
+                                transformers.AutoModelForCausalLM,
+                                (torch.ones(1, requires_grad=True) * 2).grad_fn]
+                  for n in dir(obj) if _is_private(n)} - {"_apply"}  # torchtp's wrapper._apply
+# The ones torchtp has used, whichever version is installed.
+MODULE_PRIVATE |= {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_tp_plan",
+                   "_from_config", "_model_mapping"}
+
+
+def _own_private_names(trees: list[ast.Module], files: list[Path]) -> set[str]:
+    """Private names torchtp defines: modules, functions, classes, variables, own attributes."""
+    own = {p.stem for p in files if _is_private(p.stem)}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                # Attributes set on our own objects, or tagged ``_torchtp*`` on foreign ones.
+                base = node.value
+                if (isinstance(base, ast.Name) and base.id in ("self", "cls")) or \
+                        node.attr.startswith("_torchtp"):
+                    own.add(node.attr)
+            elif isinstance(node, ast.Call) and _call_name(node) == "__setattr__" and \
+                    len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                own.add(str(node.args[1].value))  # object.__setattr__(self, "_x", ...)
+    return {n for n in own if _is_private(n)}
+
+
+def _call_name(node: ast.Call) -> str | None:
+    func = node.func
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
+
+
+def violations(source: str, own: set[str]) -> list[str]:
+    """Uses of foreign private names or internals in ``source`` (one line each)."""
+    found: list[str] = []
+
+    def bad(name: str) -> bool:
+        return name in INTERNALS or name in MODULE_PRIVATE or (name in FOREIGN and name not in own)
+
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute) and bad(node.attr):
+            found.append(f"{line}: attribute .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                node.value in MODULE_PRIVATE:
+            found.append(f"{line}: string {node.value!r}")
+        elif isinstance(node, ast.Call) and _call_name(node) in ("getattr", "hasattr", "setattr",
+                                                                   "delattr") and \
+                len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and \
+                isinstance(node.args[1].value, str) and bad(node.args[1].value):
+            found.append(f"{line}: {_call_name(node)}(..., {node.args[1].value!r})")
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+            if isinstance(node, ast.ImportFrom) and node.level:
+                continue  # relative: torchtp's own modules
+            paths = [module] if module else [a.name for a in node.names]
+            for path in paths:
+                parts = path.split(".")
+                if parts[0] in FOREIGN_ROOTS and any(_is_private(p) for p in parts):
+                    found.append(f"{line}: import {path}")
+            if module.split(".")[0] in FOREIGN_ROOTS:
+                found += [f"{line}: from {module} import {a.name}" for a in node.names
+                          if _is_private(a.name)]
+    return found
+
+
+def _sources() -> tuple[list[Path], list[ast.Module]]:
+    files = sorted(SRC.rglob("*.py"))
+    return files, [ast.parse(p.read_text()) for p in files]
+
+
+def test_no_private_torch_or_transformers_name_outside_the_compat_modules() -> None:
+    files, trees = _sources()
+    own = _own_private_names(trees, files)
+    report = {str(p.relative_to(SRC)): v for p in files if p not in FENCE
+              for v in [violations(p.read_text(), own)] if v}
+    assert not report, ("private torch/transformers names used outside _torch_compat.py and "
+                        f"hf/compat.py; add a function there instead: {report}")
+
+
+def test_the_scan_finds_each_kind_of_use() -> None:
+    files, trees = _sources()
+    own = _own_private_names(trees, files)
+    # Each known kind of private use, as it appeared before the fence.
+    for snippet in [
+        "m._parameters['w'] = t",
+        "for k, b in m._buffers.items(): pass",
+        "x = m._non_persistent_buffers_set",
+        "plan = getattr(model, '_tp_plan', None)",
+        "cls._from_config(config)",
+        "ok = type(c) in transformers.AutoModelForCausalLM._model_mapping",
+        "base = self.__dict__['_modules']",
+        "d = model.dummy_inputs",
+        "module.num_key_value_groups = 2",
+        "node.metadata.get('k')",
+        "stack.extend(getattr(node, 'next_functions', ()))",
+        "from torch.distributed._tensor import DTensor",
+        "import torch._dynamo",
+        "from torch.distributed.tensor.parallel.style import _prepare_input_fn",
+        "y = torch._C._nn.linear(x, w)",
+    ]:
+        assert violations(snippet, own), snippet
+    # torchtp's own private names and public torch API pass.
+    for snippet in ["from ._comm import split", "layer._set_shape(1, 2, 3, True)",
+                    "self._name()", "from torch.distributed.tensor import DTensor",
+                    "m.register_buffer('b', t, persistent=False)"]:
+        assert not violations(snippet, own), snippet
+    # The fenced modules themselves would fail the scan anywhere else.
+    for path in FENCE:
+        assert violations(path.read_text(), own), path
+
+
+def test_every_compat_entry_names_the_versions_it_was_checked_against() -> None:
+    for module, versions in [(_torch_compat, _torch_compat.CHECKED_TORCH),
+                             (hf_compat, hf_compat.CHECKED_TRANSFORMERS)]:
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if fn.__module__ != module.__name__ or name.startswith("_"):
+                continue
+            doc = inspect.getdoc(fn) or ""
+            checked = re.search(r"Checked: (?:torch|transformers) ([^\n]+)", doc)
+            assert checked, f"{module.__name__}.{name} does not say which versions it was checked against"
+            listed = re.findall(r"\d+\.\d+\.\d+", checked.group(1))
+            assert listed and set(listed) <= set(versions), (name, listed, versions)
