@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._comm import CollectiveCounter, count_collectives
 from ._logging import configure_from_env, logger
+from .clip import clip_grad_norm_, grad_norm
 from .collectives import (
     all_gather,
     all_reduce_sum,
@@ -26,6 +27,7 @@ from .regions import (
     reduce_scatter_to_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from .rng import manual_seed
 from .runtime import (
     TensorParallelConfig,
     get_tensor_parallel_config,
@@ -62,12 +64,15 @@ __all__ = [
     "all_gather",
     "all_reduce_sum",
     "broadcast_tensor",
+    "clip_grad_norm_",
     "copy_to_tensor_parallel_region",
     "count_collectives",
     "gather_from_tensor_parallel_region",
     "get_tensor_parallel_config",
+    "grad_norm",
     "init_tensor_parallel",
     "logger",
+    "manual_seed",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter",
     "reduce_scatter_to_tensor_parallel_region",

@@ -4,16 +4,18 @@
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT), starts the default process group and
 records a :class:`TensorParallelConfig`. Without torchrun's environment it
 returns a world-size-1 config and starts nothing, so the same script runs on
-one device unchanged.
+one device unchanged. With ``tp_size=k`` the world becomes a 2-D
+``DeviceMesh`` ``("dp", "tp")`` (see :mod:`torchtp.mesh`). :func:`tp_group` is
+the one place that answers "which group is the TP group".
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,12 +23,19 @@ import torch.distributed as dist
 from ._logging import configure_from_env, logger
 from .errors import MissingProcessGroupError, launch_hint
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 ProcessGroup = dist.ProcessGroup
 
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
-    """Where this process sits in the tensor-parallel group.
+    """Where this process sits in the tensor-parallel (and data-parallel) groups.
+
+    ``world_size``, ``rank`` and ``group`` always mean the **TP group** (the
+    whole world unless ``init_tensor_parallel(tp_size=k)`` made a 2-D mesh);
+    ``tp_size``/``tp_rank``/``tp_group`` are the same values under explicit names.
 
     Attributes:
         world_size: Number of ranks in the tensor-parallel group.
@@ -34,7 +43,13 @@ class TensorParallelConfig:
         local_rank: Rank on this node (selects the CUDA device).
         backend: ``"nccl"``, ``"gloo"``, or ``None`` when no process group exists.
         device: Device this rank computes on.
-        group: The process group, or ``None`` for a single process.
+        group: The TP process group, or ``None`` for a single process.
+        dp_size: Number of data-parallel replicas (TP groups); 1 without a mesh.
+        dp_rank: This process's rank in its DP group (which replica it is).
+        dp_group: The DP group (same TP rank in every replica), or ``None``
+            when ``dp_size == 1``.
+        mesh: The ``DeviceMesh`` of shape ``(dp_size, tp_size)`` with dim names
+            ``("dp", "tp")``, or ``None`` without ``tp_size``.
     """
 
     world_size: int = 1
@@ -43,6 +58,25 @@ class TensorParallelConfig:
     backend: str | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     group: ProcessGroup | None = None
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_group: ProcessGroup | None = None
+    mesh: DeviceMesh | None = None
+
+    @property
+    def tp_size(self) -> int:
+        """Number of ranks in the TP group (= ``world_size``)."""
+        return self.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This process's rank in the TP group (= ``rank``)."""
+        return self.rank
+
+    @property
+    def tp_group(self) -> ProcessGroup | None:
+        """The TP process group (= ``group``)."""
+        return self.group
 
 
 _CONFIG: TensorParallelConfig | None = None
@@ -85,13 +119,41 @@ def _config_from_group(local_rank: int) -> TensorParallelConfig:
     )
 
 
+def _with_mesh(base: TensorParallelConfig, tp_size: int | None) -> TensorParallelConfig:
+    """``base`` (whole world = TP) split into a ``("dp", "tp")`` mesh when ``tp_size`` is given."""
+    if tp_size is None:
+        return base
+    from .mesh import build_mesh
+
+    m = build_mesh(tp_size, base.device.type)
+    dp_group = m.get_group("dp") if m.size(0) > 1 else None
+    tp = m.get_group("tp")
+    return replace(base, world_size=m.size(1), rank=m.get_local_rank("tp"), group=tp,
+                   dp_size=m.size(0), dp_rank=m.get_local_rank("dp"), dp_group=dp_group, mesh=m)
+
+
+def _adopt(local_rank: int, tp_size: int | None) -> TensorParallelConfig:
+    """The config of the running default group; an existing mesh of the same tp is reused."""
+    if (_CONFIG is not None and _CONFIG.mesh is not None and _CONFIG.group is not None
+            and tp_size in (None, _CONFIG.tp_size)):
+        return _CONFIG
+    return _with_mesh(_config_from_group(local_rank), tp_size)
+
+
 def init_tensor_parallel(
-    backend: str | None = None, timeout: float | timedelta | None = None
+    backend: str | None = None, timeout: float | timedelta | None = None,
+    tp_size: int | None = None,
 ) -> TensorParallelConfig:
     """Start (or adopt) the default process group and return the TP config.
 
     Idempotent: a second call, or a call after the user started the process
     group themselves, returns the config of the existing group.
+
+    With ``tp_size=k`` the world of ``W`` ranks becomes a ``DeviceMesh`` of
+    shape ``(W/k, k)`` with dim names ``("dp", "tp")``: TP groups are the
+    contiguous ranks ``[i*k, (i+1)*k)`` (TP stays inside a node), DP groups
+    the strided ones. Collective: every rank must call it with the same
+    ``tp_size``.
 
     Args:
         backend: ``"nccl"`` or ``"gloo"``; ``None`` picks ``nccl`` when CUDA is
@@ -99,18 +161,21 @@ def init_tensor_parallel(
             to ``gloo`` with a warning, so GPU scripts also run on CPU machines.
         timeout: Collective timeout in seconds (or a ``timedelta``); ``None``
             keeps torch's default.
+        tp_size: Ranks per TP group; ``None`` makes the whole world one TP
+            group (no data parallelism).
 
     Returns:
         The :class:`TensorParallelConfig` for this process.
 
     Raises:
-        ValueError: torchrun's variables are malformed or inconsistent.
+        ValueError: torchrun's variables are malformed or inconsistent, or the
+            world size is not divisible by ``tp_size`` (naming the valid values).
     """
     global _CONFIG
     configure_from_env()
     local_rank = _env_int("LOCAL_RANK", 0)
     if dist.is_available() and dist.is_initialized():
-        _CONFIG = _config_from_group(local_rank)
+        _CONFIG = _adopt(local_rank, tp_size)
         return _CONFIG
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -118,6 +183,9 @@ def init_tensor_parallel(
         raise ValueError(f"RANK={rank} and WORLD_SIZE={world_size} are inconsistent: "
                          "need 0 <= RANK < WORLD_SIZE")
     if world_size == 1:
+        if tp_size not in (None, 1):
+            raise ValueError(f"tp_size={tp_size} needs {tp_size} ranks, but WORLD_SIZE=1; "
+                             f"launch with torchrun --nproc-per-node {tp_size} or use tp_size=1")
         _CONFIG = TensorParallelConfig()
         logger.debug("init_tensor_parallel: no torchrun environment, world_size=1")
         return _CONFIG
@@ -133,7 +201,7 @@ def init_tensor_parallel(
     # threads can abort the process at exit ("terminate called without an
     # active exception") after all the work is done.
     atexit.register(shutdown_tensor_parallel)
-    _CONFIG = _config_from_group(local_rank)
+    _CONFIG = _with_mesh(_config_from_group(local_rank), tp_size)
     logger.debug("init_tensor_parallel: %s", _CONFIG)
     return _CONFIG
 
@@ -166,11 +234,23 @@ def get_tensor_parallel_config() -> TensorParallelConfig:
     return TensorParallelConfig()
 
 
+def tp_group() -> ProcessGroup | None:
+    """The TP group: the config's ``tp_group`` after :func:`init_tensor_parallel`,
+    else the default group when one is running, else ``None`` (one process).
+
+    The one answer to "which group is the TP group" for the wrapper, the
+    layers and the collectives.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return get_tensor_parallel_config().group
+
+
 def resolve_group(group: ProcessGroup | None = None) -> ProcessGroup | None:
     """Return the process group a collective should use.
 
-    ``group`` if given; else the TP group from :func:`init_tensor_parallel`;
-    else the default group when one is running; else ``None`` (one process).
+    ``group`` if given; else :func:`tp_group` when a group is running; else
+    ``None`` (one process).
 
     Raises:
         MissingProcessGroupError: torchrun's environment says WORLD_SIZE > 1 but
@@ -179,10 +259,9 @@ def resolve_group(group: ProcessGroup | None = None) -> ProcessGroup | None:
     """
     if group is not None:
         return group
-    if dist.is_available() and dist.is_initialized():
-        if _CONFIG is not None and _CONFIG.group is not None:
-            return _CONFIG.group
-        return dist.group.WORLD
+    running = tp_group()
+    if running is not None:
+        return running
     env_world = _env_int("WORLD_SIZE", 1)
     if env_world > 1:
         raise MissingProcessGroupError(

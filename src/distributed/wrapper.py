@@ -7,18 +7,20 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from . import _torch_compat, clip, rng
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
 from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
+from .ddp_guard import check_fsdp, ignored_by_ddp
+from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
 from .plans import PlanArg, ResolvedPlan, ShardContext, apply_plan, resolve_plan
-from .runtime import ProcessGroup, get_tensor_parallel_config
+from .runtime import ProcessGroup, tp_group
 
 
 class DistributedModelWrapper(nn.Module):
@@ -62,7 +64,7 @@ class DistributedModelWrapper(nn.Module):
         plan: PlanArg = None, group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        group = group if group is not None else _running_group()
+        group = group if group is not None else tp_group()
         error: BaseException | None = None
         ctx, resolved, fingerprint = None, None, {"world_size": world_size}
         try:
@@ -70,18 +72,21 @@ class DistributedModelWrapper(nn.Module):
             g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
             ctx = ShardContext(size, me, g, type(model).__name__)
             resolved = resolve_plan(model, plan, ctx)
-            fingerprint = _fingerprint(resolved, ctx)
+            fingerprint = _fingerprint(model, resolved, ctx)
         except Exception as err:
             # Any rank-local error (e.g. a plan file missing on one node), not only
             # validation errors, must reach agree(), or the other ranks hang in it.
             error = err
         # Every rank reaches this point, so a rank-local error raises everywhere.
         agree("DistributedModelWrapper", error, fingerprint, group)
+        rng.sync(group)
         assert ctx is not None and resolved is not None
         self.base_model = model
         self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
         self._resolved = resolved
         self.parallelized_layers = apply_plan(model, resolved, ctx)
+        clip.track(model)
+        rng.install(model)
 
     @property
     def resolved_plan(self) -> ResolvedPlan:
@@ -93,9 +98,44 @@ class DistributedModelWrapper(nn.Module):
         """Every tp size (up to 64) this model and plan accept."""
         return self._resolved.valid_world_sizes
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Before the module's hooks: FSDP2's pre-forward hook would replace the
+        # sharded DTensor parameters that the composition check looks at.
+        if not torch.compiler.is_compiling():
+            first = next(self.base_model.parameters(), None)
+            if first is not None and id(first) != self.__dict__.get("_checked_param"):
+                check_fsdp(self.base_model, self.group)
+                self.__dict__["_checked_param"] = id(first)
+            if (self.training and not self.__dict__.get("_inputs_checked")) \
+                    or input_check_requested():
+                check_same_inputs(args, kwargs, self.group)
+                self.__dict__["_inputs_checked"] = self.training
+            if self.training:
+                # Replicated regions draw from the TP group's shared stream (see rng.py).
+                rng.enter_model()
+                try:
+                    return super().__call__(*args, **kwargs)
+                finally:
+                    rng.exit_model()
+        return super().__call__(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped model unchanged."""
         return self.base_model(*args, **kwargs)
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """Read by ``DistributedDataParallel.__init__``: split parameters when DDP spans the
+        TP group, nothing over a DP group; raises over a group mixing both (see ddp_guard)."""
+        ddp = _torch_compat.ddp_under_construction()
+        extra = list(self.__dict__.get("_user_ddp_ignore", []))
+        if ddp is None:
+            return extra
+        return extra + ignored_by_ddp(self.base_model, self.group, ddp.process_group, "base_model")
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names: list[str]) -> None:
+        self.__dict__["_user_ddp_ignore"] = list(names)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -141,7 +181,7 @@ class DistributedModelWrapper(nn.Module):
                 config, metadata from another model, or a tp the model cannot
                 split at (naming the saved tp, the current tp and the dimension).
         """
-        group = group if group is not None else _running_group()
+        group = group if group is not None else tp_group()
         return from_pretrained(lambda model: cls(model, plan=plan, group=group), path, plan,
                                dtype, device, model_class, group, progress)
 
@@ -174,12 +214,6 @@ class DistributedModelWrapper(nn.Module):
                 f"parallelized_layers={len(self.parallelized_layers)}")
 
 
-def _running_group() -> ProcessGroup | None:
-    if dist.is_available() and dist.is_initialized():
-        return get_tensor_parallel_config().group
-    return None
-
-
 def _check_not_wrapped(model: nn.Module) -> None:
     if isinstance(model, DistributedModelWrapper):
         raise ValueError("model is already a DistributedModelWrapper; wrap the original "
@@ -190,8 +224,13 @@ def _check_not_wrapped(model: nn.Module) -> None:
                              f"{type(mod).__name__}; wrap the original model once")
 
 
-def _fingerprint(plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:
+def _fingerprint(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:
     prints: dict[str, Any] = {"world_size": ctx.world_size, "plan": plan.rules}
     for name, layer in plan.layers.items():
         prints[f"layer '{name}'"] = (layer.style, layer.full)
+    # Before slicing: ranks built from different seeds or checkpoint copies would
+    # otherwise each keep a slice of a different model, silently.
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        prints[f"weights of '{name}' (sampled digest; ranks built with different seeds or "
+               "from different checkpoint copies?)"] = tensor_digest(t)
     return prints

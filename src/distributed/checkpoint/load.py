@@ -27,6 +27,7 @@ from .. import grad_sync
 from .._logging import logger
 from .._torch_compat import set_module_tensor
 from ..agreement import agree
+from ..fingerprints import tensor_digest
 from ..runtime import ProcessGroup, group_size
 from .build import build_on_meta, load_config
 from .placements import Placement, placements
@@ -68,7 +69,10 @@ def from_pretrained(
         error = err
     # Ranks given different checkpoints (or arguments) would load a silent mix;
     # paths may differ across nodes, so compare what was read, not where.
-    agree(_WHAT, error, _fingerprint(config, dtype, plan), group)
+    prints = _fingerprint(config, dtype, plan)
+    if source is not None:
+        prints.update(_content_fingerprint(source))
+    agree(_WHAT, error, prints, group)
     assert source is not None
     model = build_on_meta(config, model_class)
     wrapper = _wrap(wrap, model, group, source)
@@ -87,6 +91,21 @@ def from_pretrained(
     agree(_WHAT, error, {}, group)
     grad_sync.install(wrapper.base_model)
     return wrapper
+
+
+def _content_fingerprint(source: Source) -> dict[str, str]:
+    """A digest of two sampled rows of every checkpoint tensor: a stale per-node copy
+    with the same config differs here (reads a few KB per tensor)."""
+    prints = {}
+    for name in sorted(source.names()):
+        shape = source.shape(name)
+        if not shape or not shape[0]:
+            rows = source.read(name)
+        else:
+            rows = source.read(name, 0, ((0, 1), (shape[0] // 2, 1)))
+        prints[f"checkpoint tensor '{name}' (sampled digest; a stale or different copy of "
+               "the checkpoint on some node?)"] = tensor_digest(rows)
+    return prints
 
 
 def _fingerprint(config: Any, dtype: torch.dtype | None, plan: object) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..plans.styles import ShardContext
+from ..runtime import get_tensor_parallel_config
 
 # Keyed by the TP group object too: a group destroyed and started again in the
 # same process gets fresh sub-groups instead of dead ones.
@@ -14,21 +15,38 @@ _CACHE: dict[tuple[int, int, int], dist.ProcessGroup | None] = {}
 def sharing_subgroup(ctx: ShardContext, units: int) -> dist.ProcessGroup | None:
     """The group of ranks that hold the same one of ``units`` replicated heads.
 
-    With tp = ``units * k`` ranks ``h*k .. h*k+k-1`` share head ``h``. Every
-    rank must call this in the same order (all ranks apply the same plan).
+    With tp = ``units * k`` the TP ranks ``h*k .. h*k+k-1`` share head ``h``.
+    ``new_subgroups_by_enumeration`` is collective over the whole world, so
+    every rank of the world creates the sub-groups of every TP group (all TP
+    groups of the ``("dp", "tp")`` mesh), in the same order; all ranks apply
+    the same plan.
 
     Raises:
-        ValueError: the TP group is not the whole world (sub-groups of a
-            sub-group are not supported).
+        ValueError: the TP group is neither the whole world nor a row of the
+            mesh from ``init_tensor_parallel(tp_size=...)``.
     """
     if ctx.group is None or ctx.world_size == 1:
         return None
-    if dist.get_world_size(ctx.group) != dist.get_world_size():
-        raise ValueError("replicating KV heads (tp > num_key_value_heads) needs the TP group "
-                         "to span all ranks; use tp <= num_key_value_heads with a sub-group")
     key = (id(ctx.group), ctx.world_size, units)
     if key not in _CACHE:
         share = ctx.world_size // units
-        ranks = [list(range(h * share, (h + 1) * share)) for h in range(units)]
+        ranks = [tp_ranks[h * share:(h + 1) * share]
+                 for tp_ranks in _all_tp_groups(ctx) for h in range(units)]
         _CACHE[key], _ = dist.new_subgroups_by_enumeration(ranks)
     return _CACHE[key]
+
+
+def _all_tp_groups(ctx: ShardContext) -> list[list[int]]:
+    """Global ranks of every TP group of the world (this rank's among them)."""
+    assert ctx.group is not None
+    world = dist.get_world_size()
+    if dist.get_world_size(ctx.group) == world:
+        return [dist.get_process_group_ranks(ctx.group)]
+    mesh = get_tensor_parallel_config().mesh
+    if mesh is None or get_tensor_parallel_config().group is not ctx.group:
+        raise ValueError(
+            "replicating KV heads (tp > num_key_value_heads) needs the TP group to be the "
+            f"whole world or the mesh's tp group (a group of {dist.get_world_size(ctx.group)} of "
+            f"{world} ranks was given); use init_tensor_parallel(tp_size=...) and its tp_group, "
+            "or tp <= num_key_value_heads")
+    return [[int(r) for r in row] for row in mesh.mesh.reshape(-1, ctx.world_size).tolist()]

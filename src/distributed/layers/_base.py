@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import MissingProcessGroupError, launch_hint, valid_sizes
-from ..runtime import ProcessGroup, get_tensor_parallel_config
+from ..runtime import ProcessGroup, tp_group
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -27,8 +27,8 @@ def resolve_placement(
         ValueError: an explicit ``world_size``/``rank`` contradicts the group, or
             ``rank`` is outside ``0..world_size-1``.
     """
-    if group is None and dist.is_available() and dist.is_initialized():
-        group = get_tensor_parallel_config().group
+    if group is None:
+        group = tp_group()
     if group is not None:
         size, me = dist.get_world_size(group), dist.get_rank(group)
         if world_size is not None and world_size != size:

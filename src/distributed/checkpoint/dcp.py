@@ -1,0 +1,236 @@
+"""Resumable training checkpoints through ``torch.distributed.checkpoint`` (DCP).
+
+The model's and the optimizer's tensors are handed to DCP as DTensors on the
+TP mesh, so DCP writes each global tensor once (DP replicas and ranks holding
+the same replicated tensor are deduplicated) and reads back whatever slice
+the loading rank needs, at any tp:
+
+* a parameter split into one even chunk per rank is ``Shard(dim)`` (in
+  torchtp's orientation: GPT-2's Conv1D weights are saved transposed);
+* one DTensor cannot express several segments per rank (packed QKV), uneven
+  chunks, or KV heads replicated over some ranks: such a tensor is
+  all-gathered and saved whole (replicated); loading cuts this rank's
+  segments out of it;
+* everything else (replicated parameters, buffers, the optimizer's scalar
+  ``step``) is a plain, replicated tensor.
+
+The optimizer's per-parameter state (AdamW's ``exp_avg``/``exp_avg_sq``) is
+stored under the parameter's name, like the parameter, so it reshards with it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..clip import layouts_of
+from ..layouts import ParamLayout
+from ..runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
+
+
+def save_training_state(directory: str | os.PathLike[str], model: nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None, step: int = 0,
+                        extra: dict[str, Any] | None = None) -> None:
+    """Collective over the world: write model, optimizer, step (and ``extra``) with DCP.
+
+    Args:
+        directory: Checkpoint directory (DCP's format; one file per rank plus metadata).
+        model: The wrapped model (or a DDP around it).
+        optimizer: Its optimizer (state stored per parameter name), or ``None``.
+        step: The training step to resume from.
+        extra: Other picklable objects to store (e.g. a scheduler's state_dict()).
+
+    Raises:
+        ValueError: the model is sharded by FSDP2 (use torch's own
+            ``get_state_dict`` there).
+    """
+    state = _state(_unwrap(model), optimizer, for_load=False)
+    state["step"] = step
+    # One opaque blob: DCP would flatten a dict into keys a loading rank cannot predict.
+    state["extra"] = io.BytesIO(pickle.dumps(extra or {}))
+    dcp.save(state, checkpoint_id=os.fspath(directory))
+
+
+def load_training_state(directory: str | os.PathLike[str], model: nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> tuple[int, dict]:
+    """Collective: load what :func:`save_training_state` wrote, at this run's tp/dp.
+
+    Returns:
+        ``(step, extra)`` as saved.
+    """
+    base = _unwrap(model)
+    if optimizer is not None:
+        _init_optimizer_state(optimizer)
+    state = _state(base, optimizer, for_load=True)
+    state["step"] = 0
+    state["extra"] = io.BytesIO()
+    dcp.load(state, checkpoint_id=os.fspath(directory))
+    with torch.no_grad():
+        _copy_back(base, optimizer, state)
+    # The blob this job's own save_training_state wrote (pickle, like torch.save).
+    return int(state["step"]), pickle.loads(state["extra"].getvalue())
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", model)  # DDP
+    base = getattr(inner, "base_model", inner)
+    if any(isinstance(p, DTensor) for p in base.parameters()):
+        raise ValueError("save_training_state/load_training_state: the model is sharded by "
+                         "FSDP2 (DTensor parameters); use torch.distributed.checkpoint.state_dict"
+                         ".get_state_dict with dcp.save for FSDP2 models")
+    return base
+
+
+def _tp_mesh(group: ProcessGroup | None) -> DeviceMesh | None:
+    cfg = get_tensor_parallel_config()
+    if group is None or group_size(group) == 1:
+        return None
+    if cfg.mesh is not None and group is cfg.group:
+        return cfg.mesh["tp"]
+    return DeviceMesh.from_group(group, cfg.device.type, mesh_dim_names=("tp",))
+
+
+def _params(base: nn.Module) -> list[tuple[str, torch.Tensor, ParamLayout | None, Any]]:
+    """``(state-dict name, tensor, layout, group)`` for every parameter and persistent buffer."""
+    out = []
+    seen: set[int] = set()
+    for mod_name, mod in base.named_modules():
+        group = getattr(mod, "group", None)
+        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        tensors = [*mod.named_parameters(recurse=False),
+                   *((a, b) for a, b in mod.named_buffers(recurse=False) if a not in skip)]
+        for attr, t in tensors:
+            if id(t) in seen:
+                continue  # tied: saved once, under its first name
+            seen.add(id(t))
+            out.append((f"{mod_name}.{attr}" if mod_name else attr, t,
+                        layouts_of(mod).get(attr), group))
+    return out
+
+
+def _expressible(layout: ParamLayout, group: ProcessGroup | None) -> bool:
+    """One even chunk per rank, at this rank's index: a ``Shard(dim)``."""
+    if layout.dim is None or len(layout.segments) != 1:
+        return False
+    start, n = layout.segments[0]
+    size = group_size(group)
+    return layout.full_shape[layout.dim] == n * size and start == n * group_rank(group)
+
+
+def _as_saved(t: torch.Tensor, layout: ParamLayout | None, group: Any,
+              for_load: bool) -> torch.Tensor:
+    """``t`` as DCP sees it: a Shard DTensor, a gathered full tensor, or itself."""
+    if layout is None or layout.dim is None or group is None or group_size(group) == 1:
+        return t.detach()
+    mesh = _tp_mesh(group)
+    assert mesh is not None
+    full = tuple(reversed(layout.full_shape)) if layout.transposed else layout.full_shape
+    if _expressible(layout, group):
+        dim = len(full) - 1 - layout.dim if layout.transposed else layout.dim
+        return DTensor.from_local(t.detach(), mesh, [Shard(dim)], run_check=False,
+                                  shape=torch.Size(full), stride=_contiguous_stride(full))
+    if for_load:
+        return torch.empty(full, dtype=t.dtype, device=t.device)
+    return _gather_full(t.detach(), layout, group, full)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def _gather_full(local: torch.Tensor, layout: ParamLayout, group: Any,
+                 full: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor (torchtp orientation) from every rank's segments."""
+    assert layout.dim is not None
+    dim = len(full) - 1 - layout.dim if layout.transposed else layout.dim
+    pieces: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(pieces, (layout.segments, local.cpu()), group=group)
+    out = torch.empty(full, dtype=local.dtype, device=local.device)
+    for segments, tensor in pieces:
+        offset = 0
+        for start, n in segments:
+            out.narrow(dim, start, n).copy_(tensor.narrow(dim, offset, n))
+            offset += n
+    return out
+
+
+def _state(base: nn.Module, optimizer: torch.optim.Optimizer | None,
+           for_load: bool) -> dict[str, Any]:
+    entries = _params(base)
+    model = {name: _as_saved(t, lay, g, for_load) for name, t, lay, g in entries}
+    state: dict[str, Any] = {"model": model}
+    if optimizer is not None:
+        by_param = {id(t): (name, lay, g) for name, t, lay, g in entries}
+        per_param: dict[str, dict[str, Any]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name, lay, g = by_param[id(p)]
+                per_param[name] = {k: _as_saved(v, lay, g, for_load)
+                                   if torch.is_tensor(v) and v.shape == p.shape else v
+                                   for k, v in optimizer.state.get(p, {}).items()}
+        hyper = [{k: v for k, v in grp.items() if k != "params"} for grp in optimizer.param_groups]
+        state["optim"] = {"state": per_param, "param_groups": hyper}
+    return state
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (a zero-gradient step at lr 0) so DCP can load into it."""
+    if all(p in optimizer.state for g in optimizer.param_groups for p in g["params"]):
+        return
+    saved = [(g["lr"], g.get("weight_decay")) for g in optimizer.param_groups]
+    grads = {p: p.grad for g in optimizer.param_groups for p in g["params"]}
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, (lr, _) in zip(optimizer.param_groups, saved, strict=True):
+        g["lr"] = lr
+    for p, grad in grads.items():
+        p.grad = grad
+
+
+def _copy_back(base: nn.Module, optimizer: torch.optim.Optimizer | None,
+               state: dict[str, Any]) -> None:
+    """Put loaded values that DCP could not load in place (gathered tensors, scalars)."""
+    entries = _params(base)
+    for name, t, lay, _ in entries:
+        _assign(t, state["model"][name], lay)
+    if optimizer is None:
+        return
+    by_id = {id(t): (name, lay) for name, t, lay, _ in entries}
+    for group, hyper in zip(optimizer.param_groups, state["optim"]["param_groups"], strict=True):
+        group.update(hyper)
+        for p in group["params"]:
+            name, lay = by_id[id(p)]
+            current = optimizer.state[p]
+            for k, v in state["optim"]["state"][name].items():
+                if torch.is_tensor(current.get(k)):
+                    _assign(current[k], v, lay if current[k].shape == p.shape else None)
+                else:
+                    current[k] = v
+
+
+def _assign(target: torch.Tensor, loaded: Any, layout: ParamLayout | None) -> None:
+    if isinstance(loaded, DTensor):
+        local = loaded.to_local()
+        if local.data_ptr() != target.data_ptr():
+            target.copy_(local)
+    elif layout is not None and layout.dim is not None and loaded.shape != target.shape:
+        full = loaded.t() if layout.transposed else loaded
+        target.copy_(layout.take(full))
+    elif loaded.data_ptr() != target.data_ptr():
+        target.copy_(loaded)

@@ -1,0 +1,276 @@
+"""Rank functions for test_training.py: TP x DP training against one process.
+
+Every rank also trains the unsharded model on the global batch itself (same
+seed), so the reference never comes from the shard under test.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchtp
+
+from ._hf_models import VOCAB, build
+
+STEPS = 3
+MAX_NORM = 0.5  # below the first steps' norms (~2-4), so clipping is active
+# fp32 with a different summation order (all-reduced partial matmuls, DDP/FSDP
+# averaging, the norm's sum over ranks): a few ulps per op, amplified by 3 Adam steps.
+TOL = {"rtol": 2e-4, "atol": 2e-5}
+
+
+def _batch(n: int = 4, length: int = 8) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (n, length), generator=g)
+
+
+def _train(model: nn.Module, ids: torch.Tensor, clip: Callable[..., torch.Tensor],
+           params: Callable[[], Any]) -> tuple[list[float], list[float]]:
+    """STEPS of forward + backward + clip + AdamW; (losses, pre-clip norms)."""
+    opt = torch.optim.AdamW(params(), lr=1e-2)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norms.append(float(clip(params(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, norms
+
+
+def _reference(arch: str) -> tuple[nn.Module, list[float], list[float]]:
+    ref = build(arch, seed=0).train()
+    ids = _batch()
+    losses, norms = _train(ref, ids, torch.nn.utils.clip_grad_norm_, ref.parameters)
+    return ref, losses, norms
+
+
+def _global_loss(losses: list[float], group: Any) -> list[float]:
+    """Mean over the DP ranks of each step's slice loss (= the global-batch loss)."""
+    t = torch.tensor(losses)
+    torch.distributed.all_reduce(t, group=group)
+    return (t / torch.distributed.get_world_size(group)).tolist()
+
+
+def _raises(fn: Callable[[], Any], match: str) -> str:
+    with pytest.raises(ValueError, match=match) as info:
+        fn()
+    return str(info.value)
+
+
+def _misuse(cfg: Any) -> list[str]:
+    """DDP over the world (TP peers + DP peers), FSDP2 over TP peers or with grad-synced KV."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = _batch()[:1]
+    msgs = [_raises(lambda: DDP(torchtp.DistributedModelWrapper(build("llama"))),
+                    r"DistributedDataParallel over ranks \[0, 1, 2, 3\] mixes tensor-parallel "
+                    r"peers .* process_group=.*dp_group")]
+    world = init_device_mesh("cpu", (4,))
+    sharded = fully_shard(torchtp.DistributedModelWrapper(build("llama")), mesh=world)
+    msgs.append(_raises(lambda: sharded(input_ids=ids),
+                        r"FSDP's mesh \[0, 1, 2, 3\] contains tensor-parallel peers"))
+    mqa = fully_shard(torchtp.DistributedModelWrapper(build("mistral-mqa")), mesh=cfg.mesh["dp"])
+    msgs.append(_raises(lambda: mqa(input_ids=ids),
+                        r"FSDP2 around a torchtp model whose '.*k_proj' sums gradients"))
+    return msgs
+
+
+def dp_tp_ddp_fsdp(rank: int, world_size: int) -> dict[str, Any]:
+    """dp 2 x tp 2: mesh attributes, DDP (MQA: KV heads replicated in each TP group), FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cfg = torchtp.init_tensor_parallel(tp_size=2)
+    out: dict[str, Any] = {"cfg": (cfg.tp_size, cfg.tp_rank, cfg.dp_size, cfg.dp_rank,
+                                   cfg.world_size, cfg.rank, cfg.mesh.mesh_dim_names,
+                                   torch.distributed.get_process_group_ranks(cfg.tp_group),
+                                   torch.distributed.get_process_group_ranks(cfg.dp_group))}
+    mine = _batch()[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]  # this DP rank's slice
+    out["misuse"] = _misuse(cfg)
+    for arch, kind in (("mistral-mqa", "ddp"), ("llama", "fsdp")):
+        ref, ref_losses, ref_norms = _reference(arch)
+        wrapped = torchtp.DistributedModelWrapper(build(arch, seed=0).train())
+        if kind == "ddp":
+            model: nn.Module = DDP(wrapped, process_group=cfg.dp_group)
+        else:
+            for layer in wrapped.model.layers:
+                fully_shard(layer, mesh=cfg.mesh["dp"])
+            model = fully_shard(wrapped, mesh=cfg.mesh["dp"])
+            assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+        losses, norms = _train(model, mine, torchtp.clip_grad_norm_, model.parameters)
+        torch.testing.assert_close(norms, ref_norms, **TOL)
+        torch.testing.assert_close(_global_loss(losses, cfg.dp_group), ref_losses, **TOL)
+        with torch.no_grad():
+            full = _batch()
+            got = (model.module if kind == "ddp" else model)(input_ids=full).logits
+            torch.testing.assert_close(got, ref(input_ids=full).logits, **TOL)
+        out[kind] = norms
+    return out
+
+
+def tp_only(rank: int, world_size: int) -> list[float]:
+    """World = TP group: grad_norm vs torch, then plain DDP(wrapped) trains exactly."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torchtp.init_tensor_parallel()
+    got = _clip_matches_torch()
+    ref, ref_losses, ref_norms = _reference("mistral-mqa")
+    wrapped = torchtp.DistributedModelWrapper(build("mistral-mqa", seed=0).train())
+    model = DDP(wrapped)
+    assert "base_model.model.layers.0.self_attn.q_proj.weight" in model.parameters_to_ignore
+    losses, norms = _train(model, _batch(), torchtp.clip_grad_norm_, model.parameters)
+    torch.testing.assert_close(losses, ref_losses, **TOL)
+    torch.testing.assert_close(norms, ref_norms, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(model.module(input_ids=_batch()).logits,
+                                   ref(input_ids=_batch()).logits, **TOL)
+    return got + norms
+
+
+def _clip_matches_torch() -> list[float]:
+    """grad_norm for p = 2, 1, inf (MQA: replicated KV segments) vs the unsharded model."""
+    ref = build("mistral-mqa", seed=0)
+    wrapped = torchtp.DistributedModelWrapper(copy.deepcopy(ref))
+    for m in (ref, wrapped):
+        m(input_ids=_batch(), labels=_batch()).loss.backward()
+    got = []
+    for p in (2.0, 1.0, float("inf")):
+        want = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()], p)
+        mine = torchtp.grad_norm(wrapped.parameters(), p)
+        torch.testing.assert_close(mine, want, rtol=1e-5, atol=0)
+        got.append(float(mine))
+    return got
+
+
+def agreement(rank: int, world_size: int, tmp: str) -> list[str]:
+    """Different seeds, different batches, a stale checkpoint copy: RankMismatchError everywhere."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from ._models import mlp
+
+    torchtp.init_tensor_parallel()
+    msgs = []
+    with pytest.raises(torchtp.RankMismatchError, match=r"weights of '0.weight' .*different seeds"):
+        torchtp.DistributedModelWrapper(mlp(seed=rank))
+    wrapped = torchtp.DistributedModelWrapper(mlp())
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+    wrapped.eval()
+    wrapped(x)  # eval: not checked by default
+    os.environ["TP_CHECK_INPUTS"] = "1"
+    with pytest.raises(torchtp.RankMismatchError, match=r"argument 0 differs on TP ranks \[1\]"):
+        wrapped(x)
+    del os.environ["TP_CHECK_INPUTS"]
+    wrapped.train()
+    with pytest.raises(torchtp.RankMismatchError, match=r"data sampler") as info:
+        wrapped(x)
+    msgs.append(str(info.value))
+    wrapped(torch.ones(2, 16))  # the same batch everywhere: fine, and checked once only
+    wrapped(x)
+    # One copy of the files per "node", same config, rank 1's copy is stale.
+    model = build("llama")
+    if rank == 1:
+        with torch.no_grad():
+            model.model.layers[1].mlp.up_proj.weight.mul_(2)
+    # HF's save_pretrained writes on the main process only: write the files directly.
+    model.config.save_pretrained(f"{tmp}/node{rank}")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              f"{tmp}/node{rank}/model.safetensors")
+    torch.distributed.barrier()
+    with pytest.raises(torchtp.RankMismatchError,
+                       match=r"checkpoint tensor 'model.layers.1.mlp.up_proj.weight' .*stale"):
+        torchtp.DistributedModelWrapper.from_pretrained(f"{tmp}/node{rank}")
+    return msgs
+
+
+def _same_on_every_rank(t: torch.Tensor) -> bool:
+    everyone = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(everyone, t.detach().contiguous())
+    return all(torch.equal(e, everyone[0]) for e in everyone)
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def rng_streams(rank: int, world_size: int) -> list[bool]:
+    """Dropout everywhere (GPT-2: embedding, attention probs, residual), different RNG states."""
+    from torchtp import rng
+
+    from ._models import deep_mlp
+
+    torchtp.init_tensor_parallel()
+    results = []
+    for model, inputs in ((build("gpt2", resid_pdrop=0.3, attn_pdrop=0.3, embd_pdrop=0.3),
+                           {"input_ids": _batch()}),
+                          (nn.Sequential(deep_mlp(), nn.Dropout(0.5)), (torch.randn(4, 16),))):
+        wrapped = torchtp.DistributedModelWrapper(model.train())
+        torch.manual_seed(100 + rank)  # every rank's own RNG state differs from here on
+        before = torch.get_rng_state()
+        args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+        out = _logits(wrapped(*args, **kwargs))
+        assert torch.equal(torch.get_rng_state(), before)  # the user's stream is untouched
+        out.square().mean().backward()
+        replicated = [p.grad for n, p in wrapped.named_parameters()
+                      if "ln" in n or "norm" in n or n.endswith("4.weight")]
+        assert replicated
+        results.append(_same_on_every_rank(out) and all(map(_same_on_every_rank, replicated)))
+        torchtp.manual_seed(7)
+        first = _logits(wrapped(*args, **kwargs))
+        later = _logits(wrapped(*args, **kwargs))
+        torchtp.manual_seed(7)
+        again = _logits(wrapped(*args, **kwargs))
+        results.append(torch.equal(first, again) and not torch.equal(first, later))
+    local = rng._TRACKER.local
+    assert local is not None
+    results.append(not _same_on_every_rank(local[0]))  # sharded regions: per-rank stream
+    return results
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, n: int) -> list[float]:
+    losses = []
+    for _ in range(n):
+        loss = model(input_ids=_batch(), labels=_batch()).loss
+        loss.backward()
+        torchtp.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def resume(rank: int, world_size: int, tmp: str) -> list[float]:
+    """Save after 2 steps, resume in a fresh model/optimizer (tp 2 and tp 1): same losses."""
+    from torchtp.checkpoint.dcp import load_training_state, save_training_state
+
+    torchtp.init_tensor_parallel()
+    # mistral-mqa at tp 2: KV heads replicated (saved gathered), the rest Shard(dim).
+    model = torchtp.DistributedModelWrapper(build("mistral-mqa").train())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, 2)
+    save_training_state(tmp, model, opt, step=2, extra={"note": "x"})
+    uninterrupted = _steps(model, opt, 2)
+    fresh = torchtp.DistributedModelWrapper(build("mistral-mqa", seed=5).train())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    assert load_training_state(tmp, fresh, fresh_opt) == (2, {"note": "x"})
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2
+    assert _steps(fresh, fresh_opt, 2) == uninterrupted  # bit-identical at the same tp
+    # tp 2 -> 1: every rank loads the whole model into its own 1-rank TP group.
+    single, _ = torch.distributed.new_subgroups_by_enumeration([[0], [1]])
+    one = torchtp.DistributedModelWrapper(build("mistral-mqa", seed=5).train(), group=single)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-3)
+    assert load_training_state(tmp, one, one_opt)[0] == 2
+    resharded = _steps(one, one_opt, 2)
+    torch.testing.assert_close(resharded, uninterrupted, **TOL)
+    return uninterrupted

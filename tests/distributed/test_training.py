@@ -1,0 +1,35 @@
+"""Training a torchtp model: meshes, DDP/FSDP2 composition, TP-aware clipping."""
+
+from __future__ import annotations
+
+from . import _training_checks as checks
+
+
+def test_dp2_tp2_ddp_and_fsdp2_match_one_process(ranks):
+    got = ranks(checks.dp_tp_ddp_fsdp, 4)
+    assert [g["cfg"][:6] for g in got] == [(2, r % 2, 2, r // 2, 2, r % 2) for r in range(4)]
+    assert [g["cfg"][6:] for g in got] == [
+        (("dp", "tp"), [0, 1], [0, 2]), (("dp", "tp"), [0, 1], [1, 3]),
+        (("dp", "tp"), [2, 3], [0, 2]), (("dp", "tp"), [2, 3], [1, 3])]
+    assert all(g["ddp"] == got[0]["ddp"] and g["fsdp"] == got[0]["fsdp"] for g in got)
+    assert all(len(g["misuse"]) == 3 for g in got)  # every rank raised each error
+
+
+def test_grad_norm_and_plain_ddp_over_the_tp_group_are_exact(ranks):
+    got = ranks(checks.tp_only, 2)
+    assert got[0] == got[1]  # the same norms, so the same clipping factor, on every rank
+
+
+def test_ranks_that_disagree_on_weights_inputs_or_files_raise_everywhere(ranks, tmp_path):
+    got = ranks(checks.agreement, 2, str(tmp_path))
+    assert got[0] == got[1]
+
+
+def test_dropout_keeps_replicated_activations_and_grads_identical(ranks):
+    # [gpt2 same, gpt2 reseeded, mlp same, mlp reseeded, local streams differ]
+    assert ranks(checks.rng_streams, 2) == [[True] * 5] * 2
+
+
+def test_resume_from_a_dcp_checkpoint_equals_the_uninterrupted_run(ranks, tmp_path):
+    got = ranks(checks.resume, 2, str(tmp_path / "ckpt"))
+    assert got[0] == got[1]
