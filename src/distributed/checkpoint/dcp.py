@@ -105,7 +105,7 @@ def _params(base: nn.Module) -> list[tuple[str, torch.Tensor, ParamLayout | None
     seen: set[int] = set()
     for mod_name, mod in base.named_modules():
         group = getattr(mod, "group", None)
-        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
         tensors = [*mod.named_parameters(recurse=False),
                    *((a, b) for a, b in mod.named_buffers(recurse=False) if a not in skip)]
         for attr, t in tensors:
