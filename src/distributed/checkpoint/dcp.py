@@ -32,9 +32,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..clip import layouts_of
 from ..layouts import ParamLayout
 from ..runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
+from .placements import placements
 
 
 def save_training_state(directory: str | os.PathLike[str], model: nn.Module,
@@ -53,7 +53,8 @@ def save_training_state(directory: str | os.PathLike[str], model: nn.Module,
         ValueError: the model is sharded by FSDP2 (use torch's own
             ``get_state_dict`` there).
     """
-    state = _state(_unwrap(model), optimizer, for_load=False)
+    base, group = _unwrap(model)
+    state = _state(base, group, optimizer, for_load=False)
     state["step"] = step
     # One opaque blob: DCP would flatten a dict into keys a loading rank cannot predict.
     state["extra"] = io.BytesIO(pickle.dumps(extra or {}))
@@ -67,27 +68,31 @@ def load_training_state(directory: str | os.PathLike[str], model: nn.Module,
     Returns:
         ``(step, extra)`` as saved.
     """
-    base = _unwrap(model)
+    base, group = _unwrap(model)
     if optimizer is not None:
         _init_optimizer_state(optimizer)
-    state = _state(base, optimizer, for_load=True)
+    state = _state(base, group, optimizer, for_load=True)
     state["step"] = 0
     state["extra"] = io.BytesIO()
     dcp.load(state, checkpoint_id=os.fspath(directory))
     with torch.no_grad():
-        _copy_back(base, optimizer, state)
+        _copy_back(_params(base, group), optimizer, state)
     # The blob this job's own save_training_state wrote (pickle, like torch.save).
     return int(state["step"]), pickle.loads(state["extra"].getvalue())
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", model)  # DDP
+def _unwrap(model: nn.Module) -> tuple[nn.Module, ProcessGroup | None]:
+    """The wrapped model's base model and TP group (through a DDP around it)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
     base = getattr(inner, "base_model", inner)
+    group = getattr(inner, "group", None)
     if any(isinstance(p, DTensor) for p in base.parameters()):
         raise ValueError("save_training_state/load_training_state: the model is sharded by "
                          "FSDP2 (DTensor parameters); use torch.distributed.checkpoint.state_dict"
                          ".get_state_dict with dcp.save for FSDP2 models")
-    return base
+    return base, group
 
 
 def _tp_mesh(group: ProcessGroup | None) -> DeviceMesh | None:
@@ -99,22 +104,10 @@ def _tp_mesh(group: ProcessGroup | None) -> DeviceMesh | None:
     return DeviceMesh.from_group(group, cfg.device.type, mesh_dim_names=("tp",))
 
 
-def _params(base: nn.Module) -> list[tuple[str, torch.Tensor, ParamLayout | None, Any]]:
-    """``(state-dict name, tensor, layout, group)`` for every parameter and persistent buffer."""
-    out = []
-    seen: set[int] = set()
-    for mod_name, mod in base.named_modules():
-        group = getattr(mod, "group", None)
-        skip: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
-        tensors = [*mod.named_parameters(recurse=False),
-                   *((a, b) for a, b in mod.named_buffers(recurse=False) if a not in skip)]
-        for attr, t in tensors:
-            if id(t) in seen:
-                continue  # tied: saved once, under its first name
-            seen.add(id(t))
-            out.append((f"{mod_name}.{attr}" if mod_name else attr, t,
-                        layouts_of(mod).get(attr), group))
-    return out
+def _params(base: nn.Module, group: Any) -> list[tuple[str, torch.Tensor, ParamLayout | None, Any]]:
+    """``(state-dict name, tensor, layout, group)`` for every parameter and persistent buffer
+    (tied tensors once, under their first name)."""
+    return [(p.name, p.tensor, p.layout, group) for p in placements(base)]
 
 
 def _expressible(layout: ParamLayout, group: ProcessGroup | None) -> bool:
@@ -167,16 +160,16 @@ def _gather_full(local: torch.Tensor, layout: ParamLayout, group: Any,
     return out
 
 
-def _state(base: nn.Module, optimizer: torch.optim.Optimizer | None,
+def _state(base: nn.Module, group: ProcessGroup | None, optimizer: torch.optim.Optimizer | None,
            for_load: bool) -> dict[str, Any]:
-    entries = _params(base)
+    entries = _params(base, group)
     model = {name: _as_saved(t, lay, g, for_load) for name, t, lay, g in entries}
     state: dict[str, Any] = {"model": model}
     if optimizer is not None:
         by_param = {id(t): (name, lay, g) for name, t, lay, g in entries}
         per_param: dict[str, dict[str, Any]] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
+        for param_group in optimizer.param_groups:
+            for p in param_group["params"]:
                 name, lay, g = by_param[id(p)]
                 per_param[name] = {k: _as_saved(v, lay, g, for_load)
                                    if torch.is_tensor(v) and v.shape == p.shape else v
@@ -203,10 +196,9 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = grad
 
 
-def _copy_back(base: nn.Module, optimizer: torch.optim.Optimizer | None,
-               state: dict[str, Any]) -> None:
+def _copy_back(entries: list[tuple[str, torch.Tensor, ParamLayout | None, Any]],
+               optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
     """Put loaded values that DCP could not load in place (gathered tensors, scalars)."""
-    entries = _params(base)
     for name, t, lay, _ in entries:
         _assign(t, state["model"][name], lay)
     if optimizer is None:
