@@ -91,18 +91,14 @@ def node_inputs(node: Any) -> Iterator[Any]:
         yield fn
 
 
-# DistributedDataParallel.__init__ reads this attribute of the module it wraps
-# (after setting self.process_group) and leaves the named parameters and
-# buffers out of its start-up broadcast and gradient averaging.
-# Checked: torch 2.13.0.
-DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
-
-
 def ddp_under_construction(depth: int = 2) -> Any:
     """The ``DistributedDataParallel`` whose ``__init__`` is ``depth`` frames up, else ``None``.
 
-    Lets a module answer DDP's :data:`DDP_IGNORE_ATTR` query knowing DDP's
-    process group. Checked: torch 2.13.0.
+    ``DistributedDataParallel.__init__`` sets ``self.process_group``, then reads
+    ``module._ddp_params_and_buffers_to_ignore`` and leaves those parameters
+    out of its start-up broadcast and gradient averaging; a module answering
+    that query through a property calls this to learn DDP's process group.
+    Checked: torch 2.13.0.
     """
     from torch.nn.parallel import DistributedDataParallel
 
