@@ -28,8 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
-import torchtp
 from _handwritten import TITAN_PLAN, VOCAB, TitanLlama
+
+import torchtp
 from torchtp.cli._launch import launch
 
 GATHER_ALL = {"layers.*.attention.w?": "colwise_gather_output",
