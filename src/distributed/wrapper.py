@@ -38,11 +38,16 @@ class DistributedModelWrapper(nn.Module):
             (``"colwise"`` splits out_features, ``"rowwise"`` splits in_features,
             ``"colwise_gather_output"``, ``"rowwise_split_input"``,
             ``"packed_colwise"``, ``"embedding_rowwise"``, ``"replicate"``...),
-            a path to a YAML/JSON file holding one, or ``None``: the model's
-            own HF plan, else torchtp's built-in plan for its architecture,
-            else structural detection (HF models), or ``nn.Sequential``
-            chain pairing (plain models).
+            a path to a YAML/JSON file holding one, or ``None`` (``"auto"``): the
+            model's own HF plan, else torchtp's built-in plan for its
+            architecture, else structural detection (HF models), or the
+            automatic plan that pairs Linears by dataflow (any other model).
+            ``"auto-memory"`` also splits what the automatic plan's cost guard
+            keeps replicated (more communication, less memory per rank).
         group: Process group; ``None`` for the default TP group.
+        example_inputs: Inputs for one small probe forward of the automatic
+            plan (positional args as a tuple, or keyword args as a dict);
+            ``None`` derives them from the model's first layer.
 
     Attributes:
         base_model: The parallelized model.
@@ -62,6 +67,7 @@ class DistributedModelWrapper(nn.Module):
     def __init__(
         self, model: nn.Module, world_size: int | None = None, rank: int | None = None,
         plan: PlanArg = None, group: ProcessGroup | None = None,
+        example_inputs: object = None,
     ) -> None:
         super().__init__()
         group = group if group is not None else tp_group()
@@ -71,7 +77,7 @@ class DistributedModelWrapper(nn.Module):
             _check_not_wrapped(model)
             g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
             ctx = ShardContext(size, me, g, type(model).__name__)
-            resolved = resolve_plan(model, plan, ctx)
+            resolved = resolve_plan(model, plan, ctx, example_inputs=example_inputs)
             fingerprint = _fingerprint(model, resolved, ctx)
         except Exception as err:
             # Any rank-local error (e.g. a plan file missing on one node), not only

@@ -124,3 +124,8 @@ def localize_attention(model: nn.Module, infos: dict[str, HeadInfo], ctx: ShardC
     for name, info in infos.items():
         compat.localize_attention(model.get_submodule(name), info.heads, info.kv_heads,
                                   info.head_dim, ctx.world_size)
+
+
+def local_overrides(module: nn.Module, info: HeadInfo, tp: int) -> dict[str, object]:
+    """The attributes of ``module`` to set when its heads are split over ``tp`` ranks."""
+    return compat.local_attention_values(module, info.heads, info.kv_heads, info.head_dim, tp)

@@ -23,37 +23,49 @@ CHECKED_TRANSFORMERS = ("5.23.0",)
 # Attribute families attention modules read in their forward, across model
 # families (Llama/Mistral/Qwen2: num_heads or config-only + head_dim and
 # num_key_value_groups; GPT-2: num_heads/split_size/embed_dim; Falcon:
-# num_heads/num_kv_heads; GPT-NeoX: head_size; Phi-3: reads self.config).
+# num_heads/num_kv_heads; GPT-NeoX: head_size; Phi-3: reads self.config), and in
+# hand-written models (torchtitan: n_heads/n_kv_heads/n_rep; timm: num_heads/attn_dim).
 # Checked: transformers 5.23.0.
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
 HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
 WIDTH_ATTRS = ("all_head_size", "split_size", "embed_dim", "inner_dim", "hidden_size",
-               "hidden_size_per_partition", "inner_size", "n_embd")
+               "hidden_size_per_partition", "inner_size", "n_embd", "attn_dim")
+GROUP_ATTRS = ("num_key_value_groups", "n_rep")  # query heads per KV head
 
 
 def localize_attention(module: nn.Module, heads: int, kv_heads: int, head_dim: int, tp: int) -> None:
     """Rewrite the head counts and widths ``module``'s forward reads to one rank's values.
 
-    Sets every attribute of the families above that holds the full value,
-    ``num_key_value_groups`` (query heads per KV head), and gives the module a
-    per-module view of its ``config`` (:class:`LocalConfig`) for forwards that
-    read ``self.config.num_attention_heads``; the shared config keeps the
-    full values. ``heads`` and ``kv_heads`` are the full counts, ``tp`` the
-    number of ranks the heads are split over; KV heads are replicated when
-    there are fewer than ``tp``.
+    Sets every attribute :func:`local_attention_values` names. ``heads`` and
+    ``kv_heads`` are the full counts, ``tp`` the number of ranks the heads are
+    split over; KV heads are replicated when there are fewer than ``tp``.
+    Checked: transformers 5.23.0.
+    """
+    for attr, value in local_attention_values(module, heads, kv_heads, head_dim, tp).items():
+        setattr(module, attr, value)
+
+
+def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_dim: int,
+                           tp: int) -> dict[str, object]:
+    """The attributes ``module``'s forward reads, with one rank's values.
+
+    Every attribute of the families above that holds the full value, the query
+    heads per KV head (``num_key_value_groups``, ``n_rep``), and a per-module
+    view of its ``config`` (:class:`LocalConfig`) for forwards that read
+    ``self.config.num_attention_heads``; the shared config keeps the full values.
     Checked: transformers 5.23.0.
     """
     local_heads = heads // tp
     local_kv = max(kv_heads // tp, 1)
-    for attr, value in _local_values(module, heads, kv_heads, head_dim, tp).items():
-        setattr(module, attr, value)
-    if hasattr(module, "num_key_value_groups"):
-        module.num_key_value_groups = local_heads // local_kv  # type: ignore[assignment]
+    out: dict[str, object] = dict(_local_values(module, heads, kv_heads, head_dim, tp))
+    for attr in GROUP_ATTRS:
+        if getattr(module, attr, None) == heads // kv_heads:
+            out[attr] = local_heads // local_kv
     config = getattr(module, "config", None)
     if config is not None and not isinstance(config, LocalConfig):
-        module.config = LocalConfig(  # type: ignore[assignment]
-            config, _local_values(config, heads, kv_heads, head_dim, tp))
+        out["config"] = LocalConfig(config, _local_values(config, heads, kv_heads, head_dim, tp))
+    return out
 
 
 def _local_values(obj: object, heads: int, kv_heads: int, head_dim: int, tp: int) -> dict[str, int]:

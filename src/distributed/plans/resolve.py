@@ -5,9 +5,11 @@
 1. pick the source of the rules: the ``plan`` argument (a dict, a YAML/JSON
    file, or ``"builtin"``); else, for HuggingFace models, the model's own
    plan, then torchtp's built-in plan for its architecture, then structural
-   detection; else (plain models) the automatic ``nn.Sequential`` chain plan;
+   detection; else (any other model) the automatic plan, which pairs Linears
+   by the dataflow of one probe forward (:mod:`torchtp.plans.auto`);
 2. match the rules' ``fnmatch`` patterns against module names;
-3. upgrade sharded attention projections to whole-head splits;
+3. upgrade sharded attention projections to whole-head splits (the automatic
+   plan splits heads itself, confirmed by its probe);
 4. plan every layer once (:meth:`~torchtp.plans.styles.ParallelStyle.plan`) and
    check the constraints on the tp size and tied parameters.
 
@@ -30,18 +32,19 @@ from ..hf.detect import is_hf_model
 from ..hf.plan_source import hf_plan
 from ..hf.structural import structural_plan
 from ..tying import check_ties
+from .auto import auto_plan
 from .constraints import check
 from .files import load_plan_file
 from .registry import get_style
 from .resolved import Plan, ResolvedPlan, Rules
-from .sequential import sequential_plan
 from .styles import ShardContext
 
 PlanArg = Mapping[str, Any] | str | os.PathLike[str] | None
+AUTO = ("auto", "auto-memory")  # the default resolution; "-memory" lets the cost guard pass
 
 
-def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext,
-                 strict: bool = True) -> ResolvedPlan:
+def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: bool = True,
+                 example_inputs: object = None) -> ResolvedPlan:
     """Pick the plan's source, match it, split heads whole, and plan every layer.
 
     Args:
@@ -51,6 +54,8 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext,
         strict: Raise the first problem; with ``False`` problems are collected in
             ``problems`` and constraints are left unchecked (``torchtp plan``
             lists every blocker).
+        example_inputs: Inputs for the automatic plan's probe forward (see
+            :func:`~torchtp.plans.auto.auto_plan`).
 
     Raises:
         TypeError: a style does not fit its module's type.
@@ -58,8 +63,10 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext,
             split at ``ctx.world_size`` (listing the valid sizes), or a tied
             parameter split two ways.
     """
-    resolved = match_rules(model, pick_rules(model, plan, ctx))
-    resolved.heads = split_whole_heads(model, resolved)
+    rules = pick_rules(model, plan, ctx, example_inputs)
+    resolved = match_rules(model, rules)
+    resolved.heads = (dict(rules.heads) if rules.heads is not None
+                      else split_whole_heads(model, resolved))
     modules = dict(model.named_modules())
     for name, style in resolved.assignments.items():
         try:
@@ -76,8 +83,12 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext,
     return resolved
 
 
-def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext) -> Rules:
+def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
+               example_inputs: object = None) -> Rules:
     """The rules for ``model`` from the first source in the resolution order."""
+    memory = plan == "auto-memory"
+    if plan in AUTO:
+        plan = None
     if plan == "builtin":
         return _builtin(model) or _no_builtin(model)
     if isinstance(plan, (str, os.PathLike)):
@@ -85,7 +96,7 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext) -> Rules:
     if plan is not None:
         return Rules("argument", plan)
     if not is_hf_model(model):
-        return sequential_plan(model, ctx.world_size)
+        return auto_plan(model, ctx, example_inputs, memory)
     own = hf_plan(model)
     if own:
         return Rules("HF plan (config.base_model_tp_plan + _tp_plan)", own)

@@ -26,12 +26,15 @@ class Rules:
         rules: ``{fnmatch pattern: style}``.
         notes: What the source decided not to split, and why.
         why: Per rule, why the source chose it (default: the rule itself).
+        heads: Attention modules whose heads the source already split whole
+            (``None``: the pipeline upgrades q/k/v styles itself).
     """
 
     source: str
     rules: Plan
     notes: list[str] = field(default_factory=list)
     why: dict[str, str] = field(default_factory=dict)
+    heads: dict[str, HeadInfo] | None = None
 
 
 @dataclass

@@ -1,0 +1,458 @@
+"""The automatic plan for any model: pair Linears by dataflow, split attention by whole heads.
+
+One probe forward (:mod:`torchtp.plans.dataflow`) records which Linear feeds
+which. A Linear ``B`` whose input is made only from the outputs of Linears
+``A1..Ak``, through operations that do not mix the split features (elementwise
+ops, activations, dropout, products of two split branches as in SwiGLU,
+per-head reshapes and attention), and whose producers feed nothing else, is a
+candidate pair: the ``A``'s split out_features (``colwise``), ``B`` splits
+in_features (``rowwise``), one all-reduce per pair, across module boundaries.
+
+Every candidate is confirmed by a local probe before it is used: for each
+rank, the model runs with each producer returning that rank's slice of its
+recorded output and, for attention, the module's head-count attributes set to
+their local values; what reaches ``B`` must equal that rank's slice of ``B``'s
+recorded input. A module that reads its width from its input (nanoGPT's
+``C = x.size(-1)``) fails this check and stays replicated, with the reason in
+``describe_plan()``.
+
+Cost guard: a unit is split only when the bytes it communicates per forward
+(on the probe's inputs) are at most the weight bytes each rank saves by not
+running it replicated; ``plan="auto-memory"`` splits regardless, to save memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..hf.attention import HeadInfo, _is_attention, _parts, head_info, local_overrides
+from ..hf.styles import HeadSplit
+from .dataflow import Inputs, Region, Trace, probe_mode, record
+from .linear_view import linear_view
+from .resolved import Rules
+from .styles import Colwise, ParallelStyle, Rowwise, ShardContext
+
+SOURCE = "auto: dataflow pairs (any model)"
+EXAMPLE_TOKENS = (2, 4)  # (batch, sequence) of inputs derived from the model
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A candidate pair: producers split out_features, the consumer splits in_features.
+
+    Attributes:
+        consumer: The Linear that reads the producers' outputs.
+        styles: Style per module of the pair (producers and consumer).
+        attention: The attention module whose heads are split, if any.
+        info: Its head geometry.
+        how: How the split was found, for ``describe_plan()``.
+    """
+
+    consumer: str
+    styles: dict[str, ParallelStyle]
+    attention: str | None = None
+    info: HeadInfo | None = None
+    how: str = "feature-wise ops only"
+
+    @property
+    def producers(self) -> list[str]:
+        """The producers, in module order."""
+        return [n for n in self.styles if n != self.consumer]
+
+
+def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None,
+              memory: bool = False) -> Rules:
+    """The automatic plan for ``model`` at ``ctx.world_size``.
+
+    Args:
+        model: Any ``nn.Module``.
+        ctx: The tp size.
+        example_inputs: Positional args (a tuple, or one tensor) or keyword args
+            (a dict) for one small forward; ``None`` derives them from the first
+            layer (an ``nn.Embedding`` gets token ids, an ``nn.Linear`` features).
+        memory: Split even where communication costs more than replicating.
+    """
+    rules = Rules(SOURCE, {}, heads={})
+    linears = {n: m for n, m in model.named_modules() if linear_view(m) is not None}
+    tied = _shared_weights(model)
+    trace = _probe(model, example_inputs, rules.notes)
+    styles: dict[str, ParallelStyle | str] = {}
+    if trace is not None:
+        for pair in _confirmed(model, trace, linears, tied, ctx, rules):
+            if _pair_pays(pair, trace, linears, memory, rules):
+                _take(pair, styles, rules)
+    for name, module in linears.items():
+        if name in rules.why:  # in a pair that was refused: kept whole, no collective at all
+            styles.setdefault(name, "replicate")
+        elif name not in styles:
+            styles[name], rules.why[name] = _lone(name, module, id(module) in tied, trace, ctx,
+                                                   memory, rules.notes)
+    order = list(dict(model.named_modules()))
+    rules.rules = {n: styles[n] for n in sorted(styles, key=order.index)}
+    return rules
+
+
+def _take(pair: Pair, styles: dict[str, ParallelStyle | str], rules: Rules) -> None:
+    """Record a confirmed pair's styles, reasons and head geometry."""
+    producers = pair.producers
+    for name, style in pair.styles.items():
+        styles[name] = style
+        rules.why[name] = (f"dataflow: feeds '{pair.consumer}' ({pair.how})" if name != pair.consumer
+                           else f"dataflow: reads only {producers}; one all-reduce")
+    if pair.attention is not None and pair.info is not None:
+        assert rules.heads is not None
+        rules.heads[pair.attention] = pair.info
+
+
+def _probe(model: nn.Module, example_inputs: object, notes: list[str]) -> Trace | None:
+    """Run the probe forward, or say in ``notes`` why it could not run."""
+    hint = "pass example_inputs=(...) to DistributedModelWrapper, or plan={...}"
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        notes.append(f"the model is on the meta device, so no probe forward can run: every "
+                     f"Linear stays replicated; {hint}")
+        return None
+    inputs = _as_inputs(example_inputs) if example_inputs is not None else _derive(model)
+    if inputs is None:
+        notes.append(f"no example inputs could be derived from the model: every Linear stays "
+                     f"replicated; {hint}")
+        return None
+    try:
+        return record(model, inputs)
+    except Exception as err:  # any model-specific failure: no dataflow, no split
+        notes.append(f"the probe forward failed ({type(err).__name__}: {err}): every Linear "
+                     f"stays replicated; {hint}")
+        return None
+
+
+def _as_inputs(example: object) -> Inputs:
+    if isinstance(example, Mapping):
+        return (), dict(example)
+    if isinstance(example, tuple):
+        return example, {}
+    return (example,), {}
+
+
+def _derive(model: nn.Module) -> Inputs | None:
+    """Inputs for the first parameterized layer in registration order, if it says its width."""
+    gen = torch.Generator().manual_seed(0)  # never touches the global RNG every rank shares
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        if isinstance(module, nn.Embedding):
+            ids = torch.randint(0, module.num_embeddings, EXAMPLE_TOKENS, generator=gen)
+            return (ids.to(weight.device),), {}
+        view = linear_view(module)
+        if view is not None:
+            x = torch.randn(*EXAMPLE_TOKENS, view.in_features, generator=gen)
+            return (x.to(weight.device, weight.dtype),), {}
+        return None
+    return None
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of modules whose parameters are also registered elsewhere (tied)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(mod)
+    return {id(m) for mods in owners.values() if len(mods) > 1 for m in mods}
+
+
+def _confirmed(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], tied: set[int],
+               ctx: ShardContext, rules: Rules) -> list[Pair]:
+    """Candidate pairs in forward order, each confirmed by the local probe.
+
+    The members of a refused pair stay replicated (``rules.why`` says why).
+    """
+    candidates = _candidates(model, trace, linears, tied, ctx, rules.notes)
+    first = [alts[0] for alts in candidates]
+    verdicts, ran = _simulate(model, trace, first, ctx)
+    out = []
+    for alts in candidates:
+        chosen, reasons = None, []
+        for i, pair in enumerate(alts):
+            # A joint run that raised cannot tell which pair broke it: retry alone.
+            alone = i > 0 or not (ran or len(first) == 1)
+            why = (_simulate(model, trace, [pair], ctx)[0] if alone else verdicts)[pair.consumer]
+            if why is None:
+                chosen = pair
+                break
+            reasons.append(why)
+        if chosen is not None:
+            out.append(chosen)
+            continue
+        where = alts[0].attention or alts[0].consumer
+        why = (f"with {alts[0].producers} split, the local probe does not reproduce this "
+               f"rank's slice of '{alts[0].consumer}''s input ({reasons[-1]}); the module "
+               "probably reads a full size from its input (e.g. C = x.size(-1)) or a full-width "
+               "tensor; pass plan= to shard it by hand")
+        rules.notes.append(f"'{where}' kept replicated: {why}")
+        for name in alts[0].styles:
+            rules.why[name] = f"kept replicated: {why}"
+    return out
+
+
+def _candidates(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], tied: set[int],
+                ctx: ShardContext, notes: list[str]) -> list[list[Pair]]:
+    """Per consumer (forward order), the ways its producers could be split, best first."""
+    taken: set[str] = set()
+    out: list[list[Pair]] = []
+    for b in trace.order:
+        region = trace.region(b)
+        producers = sorted(region.producers, key=trace.order.index)
+        if not producers or b in taken:
+            continue
+        group = [*producers, b]
+        if any(n in taken or len(trace.calls[n]) != 1 or id(linears[n]) in tied for n in group):
+            continue
+        problem = _region_problem(trace, b, region, producers)
+        if problem:
+            notes.append(f"'{b}' not paired with {producers}: {problem}")
+            continue
+        alts = _alternatives(model, b, producers, linears, ctx)
+        if alts:
+            out.append(alts)
+            taken.update(group)
+    return out
+
+
+def _region_problem(trace: Trace, b: str, region: Region, producers: list[str]) -> str | None:
+    """Why the ops between the producers and ``b`` cannot run on split features, if they cannot."""
+    if region.leaves:
+        return ("it also reads a parameter or an input on the way (e.g. a norm's weight), "
+                "which would need splitting too")
+    users = trace.consumers()
+    allowed = set(region.nodes) | trace.internal_nodes(b)
+    outs = [trace.calls[p][0].output_node for p in producers]
+    returned = {id(n) for n in trace.roots}  # the model's outputs are read by the caller
+    for node in [*region.nodes.values(), *outs]:
+        if id(node) in returned or not users.get(id(node), set()) <= allowed:
+            return "a tensor between them is also read elsewhere (e.g. a residual)"
+    return None
+
+
+def _alternatives(model: nn.Module, b: str, producers: list[str], linears: dict[str, nn.Module],
+                  ctx: ShardContext) -> list[Pair]:
+    """Ways to split the pair that satisfy the tp size, attention (whole heads) first."""
+    views = {n: linear_view(linears[n]) for n in [*producers, b]}
+    width = views[b].in_features  # type: ignore[union-attr]
+    alts: list[Pair] = []
+    owner = _common_owner([*producers, b])
+    attention = model.get_submodule(owner) if owner is not None else model
+    if _is_attention(attention):
+        info = head_info(attention, SimpleNamespace(hidden_size=width))
+        for layout in ("packed_colwise", "colwise"):  # stacked q|k|v, then per-head groups
+            pair = _head_pair(b, producers, views, info, layout, owner or "", width)
+            if pair is not None and pair not in alts:
+                alts.append(pair)
+    rows = [views[p].out_features for p in producers]  # type: ignore[union-attr]
+    if all(r == width for r in rows):
+        alts.append(Pair(b, {**{p: Colwise() for p in producers}, b: Rowwise()}))
+    elif len(producers) == 1 and rows[0] == 2 * width:
+        alts.append(Pair(b, {producers[0]: HeadSplit(), b: Rowwise()},
+                         how="two stacked halves, e.g. a fused gate|up"))
+    return [p for p in alts if _fits(p, linears, ctx)]
+
+
+def _head_pair(b: str, producers: list[str], views: dict[str, Any], info: HeadInfo | None,
+               layout: str, owner: str, width: int) -> Pair | None:
+    if info is None or info.heads * info.head_dim != width:
+        return None
+    styles: dict[str, ParallelStyle] = {}
+    for p in producers:
+        parts = _parts(views[p].out_features, layout, info)
+        if parts is None:
+            return None
+        styles[p] = HeadSplit(parts, "colwise")
+    styles[b] = Rowwise()
+    how = (f"whole heads of '{owner}' ({info.heads} heads, {info.kv_heads} KV heads, "
+           f"head_dim {info.head_dim}), local head counts confirmed by the probe")
+    return Pair(b, styles, owner, info, how)
+
+
+def _common_owner(names: list[str]) -> str | None:
+    """The innermost module that holds all ``names`` (``None``: the model itself)."""
+    parts = [n.split(".")[:-1] for n in names]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common) if common else None
+
+
+def _fits(pair: Pair, linears: dict[str, nn.Module], ctx: ShardContext) -> bool:
+    """Every module of the pair splits at this tp size."""
+    for name, style in pair.styles.items():
+        try:
+            layer = style.plan(linears[name], name, ctx)
+        except (TypeError, ValueError):
+            return False
+        if not layer.fits(ctx.world_size):
+            return False
+    return True
+
+
+def _simulate(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardContext
+              ) -> tuple[dict[str, str | None], bool]:
+    """Run every rank's local computation between each pair.
+
+    Returns:
+        Per consumer ``None`` (exact on every rank) or why not, and whether the
+        forward ran at all (if not, every pair gets the same error).
+    """
+    verdict: dict[str, str | None] = {p.consumer: None for p in pairs}
+    # At tp 1 the local computation is the full one: nothing to confirm.
+    for rank in range(ctx.world_size if pairs and ctx.world_size > 1 else 0):
+        local = ShardContext(ctx.world_size, rank, None, ctx.model_name)
+        seen: dict[str, torch.Tensor] = {}
+        try:
+            with _local_run(model, trace, pairs, local, seen), torch.no_grad():
+                args, kwargs = trace.inputs
+                model(*args, **kwargs)
+        except Exception as err:  # the local computation does not even run
+            return {p.consumer: f"rank {rank}: {type(err).__name__}: {err}" for p in pairs}, False
+        for pair in pairs:
+            if verdict[pair.consumer] is None:
+                want = _cut(trace.calls[pair.consumer][0].input, pair.styles[pair.consumer],
+                            model, pair.consumer, local, dim=1)
+                verdict[pair.consumer] = _differs(seen.get(pair.consumer), want, rank)
+    return verdict, True
+
+
+def _differs(got: torch.Tensor | None, want: torch.Tensor, rank: int) -> str | None:
+    if got is None:
+        return f"rank {rank}: not called"
+    if got.shape != want.shape:
+        return f"rank {rank}: shape {tuple(got.shape)} instead of {tuple(want.shape)}"
+    # Same ops on the same numbers, only fewer heads/features per call: any
+    # difference beyond reordered float sums means the split is wrong.
+    scale = want.abs().max().item() if want.numel() else 0.0
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-5 * max(scale, 1.0)):
+        diff = (got - want).abs().max().item()
+        return f"rank {rank}: differs by up to {diff:.3g}"
+    return None
+
+
+def _cut(full: torch.Tensor, style: ParallelStyle, model: nn.Module, name: str,
+         ctx: ShardContext, dim: int) -> torch.Tensor:
+    """This rank's features of ``full`` (last dim), as ``style`` splits weight dim ``dim``."""
+    layout = style.plan(model.get_submodule(name), name, ctx).layouts["weight"]
+    split = layout.dim if not layout.transposed or layout.dim is None else 1 - layout.dim
+    assert split == dim, f"'{name}': expected a split of weight dim {dim}, got {split}"
+    return torch.cat([full.narrow(-1, s, n) for s, n in layout.segments], -1)
+
+
+@contextlib.contextmanager
+def _local_run(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardContext,
+               seen: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Producers return this rank's slice, consumers record their input, heads are local."""
+    saved: list[tuple[nn.Module, str, object, bool]] = []
+
+    def override(module: nn.Module, attr: str, value: object) -> None:
+        had = attr in module.__dict__
+        saved.append((module, attr, module.__dict__.get(attr), had))
+        object.__setattr__(module, attr, value)
+
+    try:
+        for pair in pairs:
+            for name, style in pair.styles.items():
+                module = model.get_submodule(name)
+                recorded = trace.calls[name][0]
+                if name == pair.consumer:
+                    override(module, "forward", _consumer_stub(name, recorded.output, seen))
+                else:
+                    part = _cut(recorded.output, style, model, name, ctx, dim=0)
+                    override(module, "forward", _producer_stub(part))
+            if pair.attention is not None and pair.info is not None:
+                module = model.get_submodule(pair.attention)
+                for attr, value in local_overrides(module, pair.info, ctx.world_size).items():
+                    override(module, attr, value)
+        with probe_mode(model):
+            yield
+    finally:
+        for module, attr, value, had in reversed(saved):
+            if had:
+                object.__setattr__(module, attr, value)
+            else:
+                del module.__dict__[attr]
+
+
+def _producer_stub(part: torch.Tensor) -> Any:
+    def forward(*_a: object, **_k: object) -> torch.Tensor:
+        return part
+    return forward
+
+
+def _consumer_stub(name: str, output: torch.Tensor, seen: dict[str, torch.Tensor]) -> Any:
+    def forward(x: torch.Tensor, *_a: object, **_k: object) -> torch.Tensor:
+        seen[name] = x
+        return output
+    return forward
+
+
+def _pair_pays(pair: Pair, trace: Trace, linears: dict[str, nn.Module], memory: bool,
+               rules: Rules) -> bool:
+    """The cost guard for a pair: its all-reduce moves no more bytes than it saves."""
+    out = trace.calls[pair.consumer][0].output
+    comm = 2 * out.numel() * out.element_size()  # ring all-reduce: 2(tp-1)/tp per rank
+    saved = sum(_weight_bytes(linears[n]) for n in pair.styles)  # (1-1/tp) per rank, cancels
+    if comm <= saved or memory:
+        return True
+    why = (f"kept replicated: the pair's all-reduce ({comm} bytes per forward on the example "
+           f"inputs) costs more than running it replicated ({saved} weight bytes per rank); "
+           "plan='auto-memory' splits it anyway")
+    rules.notes.append(f"{pair.producers} -> '{pair.consumer}' {why}")
+    for name in pair.styles:
+        rules.why[name] = why
+    return False
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.numel() * weight.element_size()
+
+
+def _lone(name: str, module: nn.Module, tied: bool, trace: Trace | None, ctx: ShardContext,
+          memory: bool, notes: list[str]) -> tuple[str, str]:
+    """The style of a Linear without a partner (gathered, input-split, replicated) and why."""
+    view = linear_view(module)
+    assert view is not None
+    if tied:
+        return _noted(notes, name, "replicate", "kept replicated: its weight is shared with "
+                      "another module")
+    if trace is None:
+        return "replicate", "kept replicated: no probe forward (see the notes)"
+    if name not in trace.calls:
+        return _noted(notes, name, "replicate", "kept replicated: the probe forward did not call it")
+    tp = ctx.world_size
+    out, inp = view.out_features, view.in_features
+    sent = sum(c.output.numel() * c.output.element_size() for c in trace.calls[name])
+    saved = _weight_bytes(module)
+    if out % tp == 0 and (sent <= saved or memory):
+        return _noted(notes, name, "colwise_gather_output", "has no partner Linear: split "
+                      "out_features and gather its output (one all-gather)")
+    if inp % tp == 0 and (2 * sent <= saved or memory):
+        return _noted(notes, name, "rowwise_split_input", "has no partner Linear: split "
+                      "in_features and reduce its output (one all-reduce)")
+    if out % tp and inp % tp:
+        return _noted(notes, name, "replicate", f"kept replicated: neither out_features={out} "
+                      f"nor in_features={inp} is divisible by world_size={tp}")
+    return _noted(notes, name, "replicate", f"kept replicated: it has no partner Linear, and "
+                  f"splitting it alone would communicate {sent} bytes per forward on the example "
+                  f"inputs, more than running it replicated costs ({saved} weight bytes per "
+                  "rank); plan='auto-memory' splits it anyway")
+
+
+def _noted(notes: list[str], name: str, style: str, why: str) -> tuple[str, str]:
+    notes.append(f"'{name}' {why}")
+    return style, why

@@ -1,0 +1,212 @@
+"""Which Linear feeds which: the autograd graph of one probe forward.
+
+One forward of the model on small inputs, with gradients enabled, is
+recorded: forward hooks tag the autograd node that produced each Linear-like
+module's output (in the node's metadata, which lives with the C++ node) and
+keep the node its input came from, plus the tensors it saw. Walking the graph
+back from a Linear's input until tagged nodes are reached says which Linears
+feed it and through which operations; the consumers of every node say whether
+anything else reads what lies between them.
+
+Used by the automatic plan for any model (:mod:`torchtp.plans.auto`) and by
+HF structural detection (:mod:`torchtp.hf.structural`) alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._torch_compat import node_inputs, node_metadata
+from .linear_view import linear_view
+
+_TAG = "torchtp_producer"  # key in an autograd node's metadata: the module that made it
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of a forward call
+
+
+@dataclass
+class Call:
+    """One call of a Linear-like module during the probe forward.
+
+    Attributes:
+        input: The input it received, detached, ``(..., in_features)``.
+        output: The output it returned, detached, ``(..., out_features)``.
+        input_node: The autograd node that produced the input (``None``: a constant).
+        output_node: The autograd node of the output.
+    """
+
+    input: torch.Tensor
+    output: torch.Tensor
+    input_node: Any
+    output_node: Any
+
+
+@dataclass
+class Region:
+    """What lies between a Linear's input and the Linears that produce it.
+
+    Attributes:
+        producers: Linear-like modules whose outputs reach the input.
+        nodes: Autograd nodes in between (ids -> nodes).
+        leaves: Leaf tensors reached without passing a producer (parameters
+            of other modules, inputs that need gradients), as node names.
+    """
+
+    producers: set[str] = field(default_factory=set)
+    nodes: dict[int, Any] = field(default_factory=dict)
+    leaves: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Trace:
+    """The recorded probe forward.
+
+    Attributes:
+        calls: Per Linear-like module, its calls in order.
+        order: Modules in the order of their first call.
+        roots: Autograd nodes of the model's outputs.
+        inputs: The probe's inputs, as given.
+    """
+
+    calls: dict[str, list[Call]]
+    order: list[str]
+    roots: list[Any]
+    inputs: Inputs = ((), {})
+    _consumers: dict[int, set[int]] | None = None
+    _keep: dict[int, Any] = field(default_factory=dict)  # holding nodes keeps their ids unique
+
+    def region(self, name: str) -> Region:
+        """Walk back from ``name``'s input to the tagged producer outputs."""
+        found = Region()
+        start = self.calls[name][0].input_node
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in found.nodes:
+                continue
+            tag = node_metadata(node).get(_TAG)
+            if tag is not None:
+                found.producers.add(tag)
+                continue
+            found.nodes[id(node)] = node
+            nexts = list(node_inputs(node))
+            if not nexts and hasattr(node, "variable"):  # AccumulateGrad: a leaf tensor
+                found.leaves.append(type(node).__name__)
+            stack.extend(nexts)
+        return found
+
+    def sources(self, name: str) -> set[str]:
+        """The Linear-like modules whose outputs reach ``name``'s input."""
+        return self.region(name).producers
+
+    def consumers(self) -> dict[int, set[int]]:
+        """Node id -> ids of the nodes that read it, over the whole graph."""
+        if self._consumers is None:
+            users: dict[int, set[int]] = {}
+            starts = [*self.roots, *(c.output_node for cs in self.calls.values() for c in cs)]
+            seen = self._keep
+            stack = [n for n in starts if n is not None]
+            while stack:
+                node = stack.pop()
+                if id(node) in seen:
+                    continue
+                seen[id(node)] = node
+                for nxt in node_inputs(node):
+                    if nxt is not None:
+                        users.setdefault(id(nxt), set()).add(id(node))
+                        stack.append(nxt)
+            self._consumers = users
+        return self._consumers
+
+    def internal_nodes(self, name: str) -> set[int]:
+        """Ids of the nodes ``name``'s own forward created (from its output back to its input)."""
+        call = self.calls[name][0]
+        inside: set[int] = set()
+        stack = [call.output_node]
+        while stack:
+            node = stack.pop()
+            if node is None or node is call.input_node or id(node) in inside:
+                continue
+            inside.add(id(node))
+            stack.extend(node_inputs(node))
+        return inside
+
+
+def record(model: nn.Module, inputs: Inputs) -> Trace:
+    """Run ``model`` once on ``inputs`` and record every Linear-like module's calls.
+
+    The model runs in eval mode with gradients enabled (trainable flags and
+    mode are restored afterwards, and the CPU RNG state too), so dropout is
+    the identity and the graph connects every Linear.
+
+    Raises:
+        Exception: whatever the model's forward raises on ``inputs``.
+    """
+    calls: dict[str, list[Call]] = {}
+    hooks = [mod.register_forward_hook(_recorder(name, calls))
+             for name, mod in model.named_modules() if linear_view(mod) is not None]
+    args, kwargs = inputs
+    try:
+        with probe_mode(model), torch.enable_grad():
+            out = model(*_needing_grad(args), **dict(zip(kwargs, _needing_grad(tuple(
+                kwargs.values())), strict=True)))
+    finally:
+        for h in hooks:
+            h.remove()
+    roots = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+    return Trace(calls, list(calls), roots, inputs)
+
+
+def _recorder(name: str, calls: dict[str, list[Call]]) -> Callable[..., None]:
+    def hook(_mod: nn.Module, args: tuple[Any, ...], out: object) -> None:
+        if not (isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor)):
+            return
+        if out.grad_fn is not None:
+            node_metadata(out.grad_fn).setdefault(_TAG, name)
+        calls.setdefault(name, []).append(
+            Call(args[0].detach(), out.detach(), args[0].grad_fn, out.grad_fn))
+    return hook
+
+
+@contextlib.contextmanager
+def probe_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode, every floating parameter trainable, CPU RNG untouched; all restored."""
+    modes = [(m, m.training) for m in model.modules()]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        model.eval()
+        for p, _ in flags:
+            if p.is_floating_point():
+                p.requires_grad_(True)
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _needing_grad(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Floating tensors as fresh leaves that need gradients, so the graph shows them as inputs."""
+    return tuple(v.detach().requires_grad_(True) if isinstance(v, torch.Tensor)
+                 and v.is_floating_point() else v for v in values)
+
+
+def _tensors(out: object) -> list[torch.Tensor]:
+    """Every tensor in a (nested) forward output: tensors, tuples, lists, dicts, dataclasses."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, Mapping):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _tensors(v)]
+    if hasattr(out, "__dataclass_fields__"):
+        return [t for k in out.__dataclass_fields__ for t in _tensors(getattr(out, k))]
+    return []

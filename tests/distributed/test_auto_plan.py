@@ -1,0 +1,155 @@
+"""The automatic plan for hand-written models: dataflow pairs, whole heads, a cost guard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtp
+from torchtp import DistributedModelWrapper
+
+from ._handwritten import MLP, PLANS, batch, build, example_inputs, loss_of
+from ._hf_checks import GRADS, compare_params
+
+KINDS = ["mlp", "titan", "vit", "nanogpt", "sequential"]
+# Collectives per forward of the hand-written Megatron plans in _handwritten.py:
+# one all-reduce per pair, one all-gather for an untied output projection.
+MEGATRON = {"mlp": {"all_reduce": 1}, "titan": {"all_reduce": 4, "all_gather": 1},
+            "vit": {"all_reduce": 4, "all_gather": 1}, "nanogpt": {"all_reduce": 2},
+            "sequential": {"all_reduce": 1}}
+
+
+def _step_counts(kind: str, model: nn.Module, data: tuple[torch.Tensor, ...]
+                 ) -> tuple[torch.Tensor, dict[str, int], dict[str, int]]:
+    with torchtp.count_collectives() as fwd:
+        loss = loss_of(kind, model, data)
+    with torchtp.count_collectives() as bwd:
+        loss.backward()
+    return loss, dict(fwd.counts), dict(bwd.counts)
+
+
+def _outputs(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _check_kinds(rank: int, world_size: int, kinds: list[str]) -> dict[str, dict]:
+    results = {}
+    for kind in kinds:
+        ref = build(kind).train()
+        auto = DistributedModelWrapper(build(kind).train(), example_inputs=example_inputs(kind))
+        hand = DistributedModelWrapper(build(kind).train(), plan=PLANS[kind])
+        data = batch(kind)
+        with torch.no_grad():
+            torch.testing.assert_close(_outputs(kind, auto, data[0]), _outputs(kind, ref, data[0]),
+                                       **GRADS)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        opt = torch.optim.SGD(auto.parameters(), lr=0.1)
+        for _ in range(2):  # every gradient, then the parameters after each step
+            opt_ref.zero_grad()
+            opt.zero_grad()
+            want = loss_of(kind, ref, data)
+            want.backward()
+            got, fwd, bwd = _step_counts(kind, auto, data)
+            torch.testing.assert_close(got, want, **GRADS)
+            compare_params(auto, ref, grads=True)
+            opt_ref.step()
+            opt.step()
+            compare_params(auto, ref, grads=False)
+        _, hand_fwd, hand_bwd = _step_counts(kind, hand, data)
+        results[kind] = {"fwd": fwd, "bwd": bwd, "hand_fwd": hand_fwd, "hand_bwd": hand_bwd,
+                         "planned": auto.resolved_plan.collectives(),
+                         "source": auto.resolved_plan.source}
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_handwritten_models_match_unsharded_and_megatron_counts(ranks, world_size):
+    # Wrapped with no plan: outputs, every gradient and two SGD steps equal the
+    # unsharded model's, and the collectives equal a hand-written Megatron plan's.
+    for got in ranks(_check_kinds, world_size, KINDS, timeout=240):
+        for kind in KINDS:
+            r = got[kind]
+            assert r["source"] == "auto: dataflow pairs (any model)", kind
+            assert r["fwd"] == r["hand_fwd"] == r["planned"] == MEGATRON[kind], (kind, r)
+            assert r["bwd"] == r["hand_bwd"], (kind, r)
+
+
+def test_nanogpt_attention_stays_replicated_and_says_why():
+    model = DistributedModelWrapper(build("nanogpt"), world_size=2, rank=0)
+    text = model.describe_plan()
+    assert "'transformer.h.0.attn' kept replicated: with ['transformer.h.0.attn.c_attn'] split" in text
+    assert "C = x.size(-1)" in text
+    assert "collectives per forward: 2 x all_reduce" in text
+    assert model.resolved_plan.rules["transformer.h.0.attn.c_attn"] == "replicate"
+    assert "'lm_head' kept replicated: its weight is shared" in text
+
+
+def test_torchtitan_attention_splits_whole_heads_and_localizes_head_counts():
+    model = DistributedModelWrapper(build("titan"), world_size=4, rank=3)
+    attention = model.base_model.layers["0"].attention
+    assert (attention.n_heads, attention.n_kv_heads, attention.n_rep) == (1, 1, 1)
+    assert attention.wk.tp_layouts["weight"].segments == ((8, 8),)  # KV head 1 of 2, replicated
+    assert "whole heads of 'layers.*.attention' (4 heads, 2 KV heads, head_dim 8)" in \
+        model.describe_plan()
+
+
+class _Softmaxed(nn.Module):
+    """A softmax over the hidden features mixes them: no split is exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x).softmax(-1))
+
+
+class _Leaky(nn.Module):
+    """The hidden activation is also returned: splitting it would change the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = F.gelu(self.fc1(x))
+        return self.fc2(h), h
+
+
+def test_ops_that_mix_features_or_leak_the_hidden_state_are_never_paired():
+    torch.manual_seed(0)
+    soft = DistributedModelWrapper(_Softmaxed(), world_size=2, rank=0)
+    assert soft.resolved_plan.rules["fc2"] != "rowwise"
+    assert "the local probe does not reproduce this rank's slice of 'fc2''s input (rank 0: " \
+           "differs by up to" in soft.describe_plan()
+    leaky = DistributedModelWrapper(_Leaky(), world_size=2, rank=0)
+    assert leaky.resolved_plan.rules["fc2"] != "rowwise"
+    assert "a tensor between them is also read elsewhere" in leaky.describe_plan()
+
+
+def test_cost_guard_keeps_pairs_whole_unless_memory_is_asked_for():
+    torch.manual_seed(0)
+    big_batch = (torch.zeros(1, 1000, 16),)  # 1000 tokens: the all-reduce outweighs the weights
+    guarded = DistributedModelWrapper(MLP(), world_size=2, rank=0, example_inputs=big_batch)
+    assert guarded.parallelized_layers == []
+    assert guarded.resolved_plan.collectives() == {}
+    assert "costs more than running it replicated" in guarded.describe_plan()
+    assert "plan='auto-memory' splits it anyway" in guarded.describe_plan()
+    memory = DistributedModelWrapper(MLP(), world_size=2, rank=0, example_inputs=big_batch,
+                                     plan="auto-memory")
+    assert memory.resolved_plan.rules == {"fc1": "colwise", "fc2": "rowwise"}
+
+
+def test_without_a_probe_everything_stays_replicated_and_says_how_to_fix_it():
+    vit = DistributedModelWrapper(build("vit"), world_size=2, rank=0)  # first layer: a Conv2d
+    assert vit.parallelized_layers == []
+    assert "no example inputs could be derived from the model" in vit.describe_plan()
+    assert "pass example_inputs=(...)" in vit.describe_plan()
+    with torch.device("meta"):
+        meta = MLP()
+    planned = DistributedModelWrapper(meta, world_size=2, rank=0)
+    assert planned.parallelized_layers == []
+    assert "the model is on the meta device" in planned.describe_plan()
