@@ -9,6 +9,8 @@
   ``fc1/act/fc2``; class token; a classifier ``head``.
 * :class:`NanoGPT` - nanoGPT: fused ``c_attn`` split with ``n_embd`` and viewed
   with ``C // n_head`` where ``C`` comes from the input; ``lm_head`` tied to ``wte``.
+* :class:`ToyTransformer` - PyTorch's DTensor test Transformer: ``wq/wk/wv/wo``
+  viewed with ``self.n_heads``, a GELU ``FeedForward``, learned positions.
 * :func:`seed_sequential` - the seed guide's ``nn.Sequential`` MLP.
 
 Every builder takes a seed, so every rank builds the same weights.
@@ -304,6 +306,80 @@ class NanoGPT(nn.Module):
 NANOGPT_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
 
 
+# PyTorch (torch/testing/_internal/distributed/_tensor/common_dtensor.py), reduced.
+class ToyAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.n_heads = n_heads
+        self.resid_dropout = nn.Dropout(0.0)
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, _ = x.size()
+        queries, keys, values = self.wq(x), self.wk(x), self.wv(x)
+        queries = queries.view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        keys = keys.view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        values = values.view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        output = F.scaled_dot_product_attention(queries, keys, values, None, 0.0, True)
+        return self.resid_dropout(self.wo(output.transpose(1, 2).reshape(bsz, seq_len, -1)))
+
+
+class ToyFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim)
+        self.gelu = nn.GELU()
+        self.w2 = nn.Linear(hidden_dim, dim)
+        self.resid_dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.resid_dropout(self.w2(self.gelu(self.w1(x))))
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(dim)
+        self.attention = ToyAttention(dim, n_heads)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.feed_forward = ToyFeedForward(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class ToyTransformer(nn.Module):
+    def __init__(self, dim: int = 32, n_heads: int = 4, n_layers: int = 2,
+                 max_seq_len: int = 16) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.pos_embeddings = nn.Embedding(max_seq_len, dim)
+        self.dropout = nn.Dropout(0.0)
+        self.layers = nn.ModuleList([ToyBlock(dim, n_heads) for _ in range(n_layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(0, tokens.size(1), device=tokens.device)
+        h = self.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(pos))
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+TOY_PLAN = {
+    "layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+    "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w2": "rowwise",
+    "output": "colwise_gather_output",
+}
+
+
 def seed_sequential(d: int = 32, h: int = 128) -> nn.Sequential:
     """The seed guide's ``nn.Sequential(Linear(4096, 16384), ReLU, Linear(16384, 4096))``, scaled."""
     return nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, d))
@@ -317,17 +393,17 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     """A fresh ``kind`` model under ``seed`` (the same weights on every rank)."""
     torch.manual_seed(seed)
     return {"mlp": MLP, "titan": TitanLlama, "vit": ViT, "nanogpt": NanoGPT,
-            "sequential": seed_sequential}[kind]()
+            "toy": ToyTransformer, "sequential": seed_sequential}[kind]()
 
 
 PLANS = {"mlp": MLP_PLAN, "titan": TITAN_PLAN, "vit": VIT_PLAN, "nanogpt": NANOGPT_PLAN,
-         "sequential": SEQ_PLAN}
+         "toy": TOY_PLAN, "sequential": SEQ_PLAN}
 
 
 def batch(kind: str) -> tuple[torch.Tensor, ...]:
     """Inputs and targets for one training step of ``kind`` (same on every rank)."""
     gen = torch.Generator().manual_seed(7)
-    if kind in ("titan", "nanogpt"):
+    if kind in ("titan", "nanogpt", "toy"):
         ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
         return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     if kind == "vit":
@@ -341,7 +417,7 @@ def loss_of(kind: str, model: nn.Module, data: tuple[torch.Tensor, ...]) -> torc
     if kind == "nanogpt":
         return model(x, target)[1]
     out = model(x)
-    if kind == "titan":
+    if kind in ("titan", "toy"):
         return F.cross_entropy(out.flatten(0, 1), target.flatten())
     if kind == "vit":
         return F.cross_entropy(out, target)

@@ -13,11 +13,12 @@ from torchtp import DistributedModelWrapper
 from ._handwritten import MLP, PLANS, batch, build, example_inputs, loss_of
 from ._hf_checks import GRADS, compare_params
 
-KINDS = ["mlp", "titan", "vit", "nanogpt", "sequential"]
+KINDS = ["mlp", "titan", "vit", "nanogpt", "toy", "sequential"]
 # Collectives per forward of the hand-written Megatron plans in _handwritten.py:
 # one all-reduce per pair, one all-gather for an untied output projection.
 MEGATRON = {"mlp": {"all_reduce": 1}, "titan": {"all_reduce": 4, "all_gather": 1},
             "vit": {"all_reduce": 4, "all_gather": 1}, "nanogpt": {"all_reduce": 2},
+            "toy": {"all_reduce": 4, "all_gather": 1},
             "sequential": {"all_reduce": 1}}
 
 
