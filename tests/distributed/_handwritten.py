@@ -372,12 +372,8 @@ class ToyTransformer(nn.Module):
         return self.output(self.norm(h))
 
 
-TOY_PLAN = {
-    "layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
-    "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
-    "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w2": "rowwise",
-    "output": "colwise_gather_output",
-}
+# The same names as torchtitan's, with a GELU MLP (no w3).
+TOY_PLAN = {k: v for k, v in TITAN_PLAN.items() if not k.endswith(".w3")}
 
 
 def seed_sequential(d: int = 32, h: int = 128) -> nn.Sequential:
