@@ -154,3 +154,24 @@ def test_without_a_probe_everything_stays_replicated_and_says_how_to_fix_it():
     planned = DistributedModelWrapper(meta, world_size=2, rank=0)
     assert planned.parallelized_layers == []
     assert "the model is on the meta device" in planned.describe_plan()
+
+
+class _FusedSwiGLU(nn.Module):
+    """gate|up in one Linear, chunked (DINOv2's SwiGLUFFN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w12, self.w3 = nn.Linear(16, 64), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = self.w12(x).chunk(2, dim=-1)
+        return self.w3(F.silu(x1) * x2)
+
+
+def test_a_fused_gate_up_is_split_half_by_half():
+    torch.manual_seed(0)
+    model = DistributedModelWrapper(_FusedSwiGLU(), world_size=2, rank=1)
+    assert model.resolved_plan.rules == {"w12": "packed_colwise", "w3": "rowwise"}
+    # rank 1 keeps rows 16..31 of the gate half and 48..63 of the up half
+    assert model.base_model.w12.tp_layouts["weight"].segments == ((16, 16), (48, 16))
+    assert "two stacked halves, e.g. a fused gate|up" in model.describe_plan()
