@@ -175,3 +175,27 @@ def test_a_fused_gate_up_is_split_half_by_half():
     # rank 1 keeps rows 16..31 of the gate half and 48..63 of the up half
     assert model.base_model.w12.tp_layouts["weight"].segments == ((16, 16), (48, 16))
     assert "two stacked halves, e.g. a fused gate|up" in model.describe_plan()
+
+
+class _InterleavedQKV(nn.Module):
+    """Fused qkv laid out per head as [q k v] groups (GPT-NeoX's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = 4, 4
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, self.num_heads, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def test_the_probe_tells_interleaved_from_stacked_fused_qkv():
+    torch.manual_seed(0)
+    model = DistributedModelWrapper(_InterleavedQKV(), world_size=2, rank=1)
+    assert model.resolved_plan.rules == {"qkv": "colwise", "proj": "rowwise"}
+    assert model.base_model.qkv.tp_layouts["weight"].segments == ((24, 24),)  # heads 2 and 3
+    assert model.base_model.num_heads == 2
