@@ -4,9 +4,10 @@ One run, 4 Gloo CPU processes (one thread each), the small Llama of
 benchmarks/_llama.py with the same random weights everywhere, on the mesh of
 ``init_tensor_parallel(tp_size=2)``. A step is forward + backward + gradient
 clipping (``torchtp.clip_grad_norm_`` / ``torch.nn.utils.clip_grad_norm_`` on
-DTensors) + AdamW. Both variants live in the same processes and are timed in
-interleaved repetitions (barrier before every step, slowest rank per
-repetition, median). Peak RSS is measured in two further runs, one variant
+DTensors, one norm per mesh) + AdamW (``foreach=False`` for both). Both
+variants live in the same processes and are timed in interleaved repetitions
+(barrier before every step, slowest rank per repetition, median). Peak RSS
+is measured in two further runs, one variant
 each (a process's peak cannot be split between two variants). Prints a table
 of milliseconds, MiB and the torchtp/DTensor ratios; target: step time <= 0.85x.
 
@@ -63,12 +64,29 @@ def _dtensor(cfg: Any) -> torch.nn.Module:
     return fully_shard(model, mesh=cfg.mesh["dp"])
 
 
+def _dtensor_clip(parameters: Any, max_norm: float) -> torch.Tensor:
+    """torch's clip for a model whose DTensor grads live on two meshes (2-D TP+FSDP
+    weights, 1-D FSDP-only norms): one norm per mesh, combined (torchtitan's recipe);
+    ``torch.nn.utils.clip_grad_norm_`` refuses to stack norms of different meshes."""
+    params = [p for p in parameters if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
+    norms = [torch.nn.utils.get_total_norm(g).full_tensor() for g in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    for p in params:  # per tensor: foreach ops refuse DTensors of different meshes
+        p.grad.mul_(coef)
+    return total
+
+
 def _stepper(name: str, cfg: Any) -> Any:
     import torchtp
 
     model = _torchtp(cfg) if name == "torchtp" else _dtensor(cfg)
-    clip = torchtp.clip_grad_norm_ if name == "torchtp" else torch.nn.utils.clip_grad_norm_
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    clip = torchtp.clip_grad_norm_ if name == "torchtp" else _dtensor_clip
+    # foreach=False for both: DTensor's foreach kernels refuse a list mixing meshes.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     g = torch.Generator().manual_seed(cfg.dp_rank)
     ids = torch.randint(0, SMALL["vocab_size"], (BATCH, SEQ), generator=g)
 

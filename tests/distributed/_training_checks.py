@@ -90,7 +90,11 @@ def dp_tp_ddp_fsdp(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    with pytest.raises(ValueError, match=r"tp_size=3 must divide the world size 4; "
+                       r"valid tp_size values: \[1, 2, 4\]"):
+        torchtp.init_tensor_parallel(tp_size=3)
     cfg = torchtp.init_tensor_parallel(tp_size=2)
+    assert torchtp.init_tensor_parallel(tp_size=2) is cfg  # idempotent: the same mesh
     out: dict[str, Any] = {"cfg": (cfg.tp_size, cfg.tp_rank, cfg.dp_size, cfg.dp_rank,
                                    cfg.world_size, cfg.rank, cfg.mesh.mesh_dim_names,
                                    torch.distributed.get_process_group_ranks(cfg.tp_group),

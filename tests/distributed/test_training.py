@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
+
+import torchtp
+
 from . import _training_checks as checks
+
+
+def test_tp_size_without_enough_ranks_raises(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=r"tp_size=2 needs 2 ranks, but WORLD_SIZE=1"):
+        torchtp.init_tensor_parallel(tp_size=2)
+    assert torchtp.init_tensor_parallel(tp_size=1).dp_size == 1
 
 
 def test_dp2_tp2_ddp_and_fsdp2_match_one_process(ranks):
