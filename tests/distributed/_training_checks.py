@@ -85,7 +85,7 @@ def _misuse(cfg: Any) -> list[str]:
     return msgs
 
 
-def dp_tp_ddp_fsdp(rank: int, world_size: int) -> dict[str, Any]:
+def dp_tp_ddp_fsdp(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """dp 2 x tp 2: mesh attributes, DDP (MQA: KV heads replicated in each TP group), FSDP2."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -112,6 +112,14 @@ def dp_tp_ddp_fsdp(rank: int, world_size: int) -> dict[str, Any]:
             model = fully_shard(wrapped, mesh=cfg.mesh["dp"])
             assert all(type(p).__name__ == "DTensor" for p in model.parameters())
         losses, norms = _train(model, mine, torchtp.clip_grad_norm_, model.parameters)
+        if kind == "ddp":  # a DCP round trip of a dp x tp job (DP replicas deduplicated)
+            from torchtp.checkpoint.dcp import load_training_state, save_training_state
+
+            save_training_state(tmp, model)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            load_training_state(tmp, model)
         torch.testing.assert_close(norms, ref_norms, **TOL)
         torch.testing.assert_close(_global_loss(losses, cfg.dp_group), ref_losses, **TOL)
         with torch.no_grad():

@@ -17,8 +17,8 @@ def test_tp_size_without_enough_ranks_raises(monkeypatch):
     assert torchtp.init_tensor_parallel(tp_size=1).dp_size == 1
 
 
-def test_dp2_tp2_ddp_and_fsdp2_match_one_process(ranks):
-    got = ranks(checks.dp_tp_ddp_fsdp, 4)
+def test_dp2_tp2_ddp_and_fsdp2_match_one_process(ranks, tmp_path):
+    got = ranks(checks.dp_tp_ddp_fsdp, 4, str(tmp_path / "ckpt"), timeout=300)
     assert [g["cfg"][:6] for g in got] == [(2, r % 2, 2, r // 2, 2, r % 2) for r in range(4)]
     assert [g["cfg"][6:] for g in got] == [
         (("dp", "tp"), [0, 1], [0, 2]), (("dp", "tp"), [0, 1], [1, 3]),
