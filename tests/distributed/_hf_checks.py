@@ -10,6 +10,10 @@ import torchtp
 
 from ._hf_models import GENERATES, SEQ2SEQ, VOCAB, build
 
+# Architectures also generating with transformers' StaticCache (GQA with split
+# and, at tp=4 > 2 KV heads, replicated KV heads; per-head q/k norms).
+STATIC_CACHE = ("llama", "qwen3")
+
 # Logits: fp32, sharding only reorders additions; observed differences are
 # ~3e-7 on these 2-layer models, so 1e-5 (torch's fp32 default atol) holds.
 LOGITS = {"rtol": 1.3e-6, "atol": 1e-5}
@@ -96,6 +100,11 @@ def check_arch(rank: int, world_size: int, arch: str, steps: int, structural: bo
         got = wrapped.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want), f"{arch}: generated {got.tolist()} != {want.tolist()}"
         result["generated"] = got.shape[1] - prompt.shape[1]
+        if arch in STATIC_CACHE:  # preallocated per-rank KV cache: local KV heads only
+            got = wrapped.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                   cache_implementation="static")
+            assert torch.equal(got, want), f"{arch} static cache: {got.tolist()} != {want.tolist()}"
+            result["static_cache"] = True
     return result
 
 

@@ -74,14 +74,15 @@ PRESETS: dict[str, Hardware] = {
         mem_bandwidth=3.35e12, mem_efficiency=0.65, bus_bandwidth=365e9, latency=4e-6,
         steps="tree", layer_overhead=0.0, shared_cores=None, dtype_bytes=2,
         source="NVIDIA H100 SXM datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3); NCCL "
-               "all-reduce busbw ~365-370 GB/s on an H100 NVLink ring (nccl-tests, "
-               f"ANCHORS.md); alpha, efficiencies and overhead as a100-nvlink ({_GPT_FAST})"),
+               "all-reduce busbw ~365-370 GB/s on an H100 NVLink ring (published nccl-tests "
+               f"all_reduce_perf results); alpha, efficiencies and overhead as a100-nvlink ({_GPT_FAST})"),
     "a100-nvlink": Hardware(
         name="a100-nvlink", peak_flops=312e12, gemm_efficiency=0.6,
         mem_bandwidth=2.0e12, mem_efficiency=0.65, bus_bandwidth=230e9, latency=4e-6,
         steps="tree", layer_overhead=0.0, shared_cores=None, dtype_bytes=2,
         source="NVIDIA A100 80GB SXM datasheet (312 TFLOP/s dense bf16, 2.0 TB/s HBM2e); "
-               f"NCCL all-reduce busbw ~230 GB/s over NVLink (ANCHORS.md); {_GPT_FAST}"),
+               f"NCCL all-reduce busbw ~230 GB/s over NVLink (published nccl-tests all_reduce_perf "
+               f"results); {_GPT_FAST}"),
     "pcie4": Hardware(
         name="pcie4", peak_flops=312e12, gemm_efficiency=0.6,
         mem_bandwidth=1.555e12, mem_efficiency=0.65, bus_bandwidth=20e9, latency=10e-6,
@@ -98,10 +99,10 @@ PRESETS: dict[str, Hardware] = {
                "(load average 4-5), by benchmarks/costmodel_validate.py: fp32, one thread per "
                "rank, medians of 3 runs; GEMM 8.3e10 FLOP/s in 60-GEMM loops; Gloo all-reduce "
                "timed between computations as a forward issues it: ~1 ms at tp=2 for small "
-               "messages (ANCHORS.md's ~0.35 ms floor is the idle, back-to-back figure; the "
-               "rest is waiting for a preempted peer), ~1.1 GB/s bus bandwidth (ANCHORS.md: "
-               "~1.3 GB/s), 1.2 ms per ring step with 4 ranks on 2 cores; the other jobs leave "
-               "our ranks about 1 core in total; 1.0 ms per decoder layer of Python/dispatch "
+               "messages (~0.35 ms when timed in isolation after a barrier; the rest is "
+               "waiting for a preempted peer), ~1.1 GB/s bus bandwidth, 1.2 ms per ring "
+               "step with 4 ranks on 2 cores; the other jobs leave our ranks about 1 core in "
+               "total; 1.0 ms per decoder layer of Python/dispatch "
                "overhead (HF Llama decode at tp=1)"),
 }
 

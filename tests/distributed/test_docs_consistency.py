@@ -1,0 +1,148 @@
+"""What the docs state about the code, checked against the code where that is checkable.
+
+* Every signature the docs quote (``name(arg, key=default)`` in a heading, a
+  table cell or a plain code block) names a real torchtp callable, its
+  parameters exist, and each quoted default equals ``inspect.signature``'s.
+* Every repository file the docs, README and source strings cite exists.
+* Behaviour the API reference states in words: ``backend="nccl"`` without CUDA.
+
+Python examples in the docs are run by ``test_docs_examples.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchtp
+import torchtp.regions
+import torchtp.runtime
+import torchtp.shard
+import torchtp.signal
+import torchtp.slicing
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NAMESPACES = [torchtp, torchtp.regions, torchtp.shard, torchtp.signal, torchtp.slicing]
+# Where the docs state a signature (not an example call): a heading, a table's
+# first cell, or a plain (language-less) code block holding only the signature.
+_CALL = r"(?P<name>[A-Za-z_][\w.]*)\((?P<args>[^()`]*(?:\([^()`]*\)[^()`]*)*)\)(?: -> [^`\n]*)?"
+SIGNATURE = re.compile(rf"^#+ `{_CALL}`$|^\| `{_CALL.replace('?P<', '?P<t_')}` \||"
+                       rf"^```\n{_CALL.replace('?P<', '?P<b_')}\n```$", re.M)
+_MISSING = object()
+
+
+def _resolve(name: str, page: Path) -> Any:
+    """The torchtp callable ``name`` refers to on ``page``, or ``None`` (not torchtp's)."""
+    parts = name.removeprefix("torchtp.").split(".")
+    own = getattr(torchtp, page.stem, None)  # shard.md documents torchtp.shard first
+    for space in ([own] if own in NAMESPACES else []) + NAMESPACES:
+        obj: Any = space
+        for part in parts:
+            obj = getattr(obj, part, _MISSING)
+            if obj is _MISSING:
+                break
+        if obj is not _MISSING and callable(obj):
+            return obj
+    return None
+
+
+def _split_args(args: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in args:
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def documented_signatures() -> list[tuple[Path, str, str, str]]:
+    """(page, page:line, name, args) for every quoted call signature of a torchtp callable."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in SIGNATURE.finditer(text):
+            groups = {k.removeprefix("t_").removeprefix("b_"): v for k, v in m.groupdict().items()
+                      if v is not None}
+            if _resolve(groups["name"], page) is None:
+                continue
+            line = text.count("\n", 0, m.start()) + 1
+            found.append((page, f"{page.relative_to(ROOT)}:{line}", groups["name"], groups["args"]))
+    return found
+
+
+def test_documented_defaults_match_the_code() -> None:
+    sigs = documented_signatures()
+    assert len(sigs) >= 10, sigs  # the scan finds the API reference's signatures
+    problems = []
+    for page, where, name, args in sigs:
+        target = _resolve(name, page)
+        params = inspect.signature(target).parameters
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        for arg in _split_args(args):
+            key, eq, value = arg.partition("=")
+            key = key.strip().lstrip("*")
+            if not eq or (key not in params and takes_kwargs):
+                continue  # positional names in the docs may be shorthand (`t` for `tensor`)
+            if key not in params:
+                problems.append(f"{where}: {name} has no parameter {key!r} (has {list(params)})")
+                continue
+            try:
+                stated = ast.literal_eval(value.strip())
+            except ValueError:
+                continue  # a symbolic default such as `Replicate()`: not a literal to compare
+            actual = params[key].default
+            if actual is inspect.Parameter.empty or actual != stated:
+                problems.append(f"{where}: {name}({key}={value.strip()}) but the code's default "
+                                f"is {actual!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_default_scan_catches_a_wrong_default() -> None:
+    params = inspect.signature(torchtp.init_tensor_parallel).parameters
+    assert params["backend"].default is None
+    stated = ast.literal_eval("'gloo'")
+    assert stated != params["backend"].default  # what the check above compares
+
+
+CITED = re.compile(r"(?<![\w/.-])((?:docs|benchmarks|src|tests|launch|\.ci)/[\w./-]+"
+                   r"\.(?:md|py|yaml|yml|json|txt)|[A-Z][A-Z_]+\.md)\b")
+
+
+def _cited_files() -> list[tuple[str, str]]:
+    sources = [*PAGES, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "src").rglob("*.py")),
+               *sorted((ROOT / "benchmarks").glob("*.py"))]
+    return [(f"{path.relative_to(ROOT)}", m.group(1)) for path in sources
+            for m in CITED.finditer(path.read_text())]
+
+
+def test_cited_repository_files_exist() -> None:
+    cited = _cited_files()
+    assert any(name == "benchmarks/costmodel_validate.py" for _, name in cited)
+    missing = sorted({f"{where} cites {name}" for where, name in cited
+                      if not ((ROOT / name).exists() or (ROOT / "docs" / name).exists())})
+    assert not missing, missing
+
+
+def test_nccl_without_cuda_falls_back_to_gloo_as_documented(monkeypatch, caplog) -> None:
+    api = (ROOT / "docs" / "api.md").read_text()
+    assert '`"nccl"` without CUDA falls back to `"gloo"`' in api
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="torchtp"):
+        assert torchtp.runtime._pick_backend("nccl") == "gloo"
+    assert "CUDA is not available: using 'gloo'" in caplog.text
+    with pytest.raises(ValueError, match="unknown backend 'ncc'"):
+        torchtp.runtime._pick_backend("ncc")
