@@ -127,7 +127,16 @@ def test_wrapper_forwards_attributes_and_state_dict_holds_local_shards():
     assert set(sd) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert sd["0.weight"].shape == (16, 16) and sd["2.weight"].shape == (16, 16)
     assert sd["0.bias"].shape == (16,) and sd["2.bias"].shape == (16,)
-    wrapped.load_state_dict(sd)
+    # Shards of another model (seed 1) load under the same names and shapes.
+    other = DistributedModelWrapper(mlp(seed=1), world_size=4, rank=3).state_dict()
+    before = {k: v.clone() for k, v in sd.items()}  # sd shares storage with the parameters
+    result = wrapped.load_state_dict(other)
+    assert not result.missing_keys and not result.unexpected_keys
+    for name, tensor in wrapped.state_dict().items():
+        assert torch.equal(tensor, other[name]), name
+        assert not torch.equal(tensor, before[name]), name  # really replaced
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0\.weight"):
+        wrapped.load_state_dict({**other, "0.weight": torch.zeros(64, 16)})  # unsharded size
 
 
 def _train(rank: int, world_size: int, steps: int) -> int:
