@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import torch
@@ -104,3 +105,16 @@ def ddp_under_construction(depth: int = 2) -> Any:
 
     caller = sys._getframe(depth).f_locals.get("self")
     return caller if isinstance(caller, DistributedDataParallel) else None
+
+
+def implicit_replication() -> AbstractContextManager[None]:
+    """DTensor's implicit replication: plain tensors mixed with DTensors act as replicated.
+
+    ``torch.distributed.tensor.experimental.implicit_replication`` (experimental
+    namespace, so fenced here). It flips one process-wide flag and restores the
+    previous value on exit, so nested uses must exit in reverse order.
+    Checked: torch 2.13.0.
+    """
+    from torch.distributed.tensor.experimental import implicit_replication as replicate
+
+    return replicate()

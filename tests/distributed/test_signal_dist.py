@@ -63,11 +63,26 @@ def _signals(rank: int, world_size: int, path: str) -> dict[str, Any]:
         out["all_gather_comms"] = mode.get_total_counts()
         out["d_ok"] = torch.allclose(d.full_tensor(), a.full_tensor() @ both.full_tensor(),
                                      atol=1e-4)
+        # The document's code as written: a plain B (and w) act as replicated in a scope.
+        plain_b = torch.randn(64, 32)
+        with CommDebugMode() as mode:
+            c_plain = a @ plain_b
+        out["plain_comms"] = mode.get_total_counts()
+        out["plain_ok"] = (isinstance(c_plain, DTensor) and c_plain.placements == (Shard(0),)
+                           and torch.allclose(c_plain.full_tensor(), a.full_tensor() @ plain_b,
+                                              atol=1e-4))
         x = signal.randn(128, 64)
+        total = x.sum()  # DTensor's own reduction: a partial sum, all-reduced on read
+        out["plain_sum_ok"] = torch.allclose(total.full_tensor(), x.full_tensor().sum(), atol=1e-3)
         out["sum_ok"] = torch.allclose(shard.sharded_sum(x).to_local(), x.full_tensor().sum(),
                                        atol=1e-3)
         out["mean_ok"] = torch.allclose(shard.sharded_mean(x).to_local(),
                                         x.full_tensor().mean(), atol=1e-5)
+    try:
+        a @ torch.randn(64, 32)  # outside the scope: mixing is refused again
+        out["mixed_refused"] = False
+    except RuntimeError as err:
+        out["mixed_refused"] = "mixed torch.Tensor and DTensor" in str(err)
     out["batch_local"] = tuple(batch.to_local().shape)
     out["batch_is_dtensor"] = isinstance(batch, DTensor)
     torch.manual_seed(0)
@@ -133,6 +148,8 @@ def test_signals_across_four_processes(ranks, tmp_path: Path):
         assert r["embarrassing_comms"] == 0 and r["c_local"] == (32, 32)
         assert r["all_gather_comms"] == 1 and r["d_ok"]
         assert r["sum_ok"] and r["mean_ok"]
+        assert r["plain_ok"] and r["plain_comms"] == 0 and r["plain_sum_ok"]
+        assert r["mixed_refused"]
         # model_parallel: workers [0, 1], axis 1: 512 features -> 256 per worker.
         assert r["weight_local"] == ((1024, 256) if rank < 2 else (0,))
         assert r["weight_placement"] == str((Shard(1),))

@@ -2,6 +2,8 @@
 
 Inside a scope, factories return DTensors sharded along the signal's axis on
 the 1-D sub-grid of its workers; outside any scope they return plain tensors.
+Inside a scope, plain tensors mixed with those DTensors act as replicated
+(DTensor's implicit replication), so ``A @ B`` with a plain ``B`` runs.
 Scopes are SPMD: every rank of the world enters the same signals in the same
 order (the first use of a worker set builds its grid, which is collective).
 """
@@ -9,7 +11,7 @@ order (the first use of a worker set builds its grid, which is collective).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
+from .._torch_compat import implicit_replication
 from ..shard import Grid
 from .config import SignalConfig, get_config
 
@@ -27,6 +30,7 @@ class _Frame:
     name: str
     config: SignalConfig
     backward: str | None
+    replication: AbstractContextManager[None]  # plain tensors act as replicated DTensors
 
 
 _STACK: list[_Frame] = []
@@ -83,7 +87,9 @@ def enter(name: str, backward: str | None = None) -> SignalConfig:
     """
     cfg = get_config(name)
     _workers(name, cfg)
-    _STACK.append(_Frame(name, cfg, _check_backward(name, cfg, backward)))
+    frame = _Frame(name, cfg, _check_backward(name, cfg, backward), implicit_replication())
+    frame.replication.__enter__()
+    _STACK.append(frame)
     return cfg
 
 
@@ -94,7 +100,7 @@ def exit(name: str | None = None) -> None:
     if name is not None and _STACK[-1].name != name:
         raise RuntimeError(f"signal.exit({name!r}) but the innermost signal is "
                            f"{_STACK[-1].name!r}; exit scopes in reverse order")
-    _STACK.pop()
+    _STACK.pop().replication.__exit__(None, None, None)
 
 
 @contextmanager
