@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchtp-installed
 
-.PHONY: test test-all demo lint bench install clean
+.PHONY: test test-all demo lint bench install clean compat compat-smoke
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,46 @@ lint: $(STAMP)
 	$(PY) -m mypy --warn-unused-ignores src/distributed
 
 # make test skips tests marked slow (long matrices); make test-all runs them too.
+# It ends with the compatibility smoke run (oldest supported transformers).
 test: lint
 	$(PY) -m pytest tests -q -p no:cacheprovider -m "not slow"
+	$(MAKE) compat-smoke
+
+# Compatibility runs (docs/compat.md). "old": the oldest supported versions:
+# torch 2.13.0 (reused from $(VENV), the same wheel) with the oldest supported
+# transformers; "new": the newest releases installable here, standalone.
+# pyproject.toml's lower bounds are COMPAT_OLD's versions.
+COMPAT_OLD_TRANSFORMERS ?= 5.3.0
+COMPAT_NEW_TORCH ?= 2.14.1
+COMPAT_NEW_TRANSFORMERS ?= 5.23.0
+COMPAT_OLD := .venv-compat-old/.installed-$(COMPAT_OLD_TRANSFORMERS)
+COMPAT_NEW := .venv-compat-new/.installed-$(COMPAT_NEW_TORCH)-$(COMPAT_NEW_TRANSFORMERS)
+# The compat venvs import torchtp from this checkout, whatever is installed.
+COMPAT_SHIM := build/compat-shim
+COMPAT_PYTEST = PYTHONPATH=$(CURDIR)/$(COMPAT_SHIM) $(1)/bin/python -m pytest -q -p no:cacheprovider
+# Smoke subset: the private-name fence, HF plans/attention on real models,
+# a checkpoint build from config.json, dataflow tracing.
+COMPAT_SMOKE ?= tests/distributed/test_compat_fence.py $(COMPAT_SMOKE_HF)
+
+$(COMPAT_OLD): $(STAMP) .ci/compat_venv.py
+	$(PY) .ci/compat_venv.py .venv-compat-old --base $(VENV) transformers==$(COMPAT_OLD_TRANSFORMERS)
+	touch $@
+
+$(COMPAT_NEW): .ci/compat_venv.py
+	$(PY) .ci/compat_venv.py .venv-compat-new torch==$(COMPAT_NEW_TORCH) \
+		transformers==$(COMPAT_NEW_TRANSFORMERS)
+	touch $@
+
+$(COMPAT_SHIM)/torchtp:
+	mkdir -p $(COMPAT_SHIM)
+	ln -sfn $(CURDIR)/src/distributed $@
+
+compat-smoke: $(COMPAT_OLD) $(COMPAT_SHIM)/torchtp
+	$(call COMPAT_PYTEST,.venv-compat-old) $(COMPAT_SMOKE)
+
+compat: $(COMPAT_OLD) $(COMPAT_NEW) $(COMPAT_SHIM)/torchtp
+	$(call COMPAT_PYTEST,.venv-compat-old) tests -m "not slow"
+	$(call COMPAT_PYTEST,.venv-compat-new) tests -m "not slow"
 
 test-all: lint
 	$(PY) -m pytest tests -q -p no:cacheprovider
@@ -33,4 +71,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-compat-old .venv-compat-new $(COMPAT_SHIM) .pytest_cache .ruff_cache

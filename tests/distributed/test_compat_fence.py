@@ -14,6 +14,7 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from torch import nn
@@ -177,3 +178,27 @@ def test_every_compat_entry_names_the_versions_it_was_checked_against() -> None:
             assert checked, f"{module.__name__}.{name} does not say which versions it was checked against"
             listed = re.findall(r"\d+\.\d+\.\d+", checked.group(1))
             assert listed and set(listed) <= set(versions), (name, listed, versions)
+
+
+def test_declared_lower_bounds_are_the_versions_make_compat_runs() -> None:
+    root = SRC.parents[1]
+    pyproject = (root / "pyproject.toml").read_text()
+    makefile = (root / "Makefile").read_text()
+    old_tf = re.search(r"^COMPAT_OLD_TRANSFORMERS \?= (\S+)$", makefile, re.M)
+    assert old_tf and old_tf.group(1) == hf_compat.MIN_TRANSFORMERS
+    major_minor = ".".join(hf_compat.MIN_TRANSFORMERS.split(".")[:2])
+    assert f'"transformers>={major_minor}"' in pyproject
+    # The old venv reuses the main venv's torch: constraints.txt's pin is the oldest torch.
+    torch_pin = re.search(r"^torch==(\S+)$", (root / "constraints.txt").read_text(), re.M)
+    assert torch_pin and torch_pin.group(1) in _torch_compat.CHECKED_TORCH
+    assert f'"torch>={".".join(torch_pin.group(1).split(".")[:2])}"' in pyproject
+
+
+def test_older_transformers_is_refused_with_the_fix() -> None:
+    from types import SimpleNamespace
+
+    with pytest.raises(RuntimeError, match=r"needs transformers>=5\.3\.0 .* found 5\.2\.0: .*"
+                                           r"pip install 'transformers>=5\.3\.0'"):
+        hf_compat.require_supported_transformers(SimpleNamespace(__version__="5.2.0"))
+    hf_compat.require_supported_transformers(SimpleNamespace(__version__="5.3.0"))
+    hf_compat.require_supported_transformers(transformers)  # the installed one is supported

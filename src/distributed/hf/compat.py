@@ -19,6 +19,30 @@ from torch import nn
 from .config_view import LocalConfig
 
 CHECKED_TRANSFORMERS = ("5.23.0",)
+# The oldest release torchtp supports (pyproject's lower bound, run by ``make
+# compat``). Older releases ship tp plans torchtp would follow into wrong
+# gradients: before 5.3 Qwen3's plan leaves the per-head ``q_norm``/``k_norm``
+# without a gradient all-reduce.
+MIN_TRANSFORMERS = "5.3.0"
+
+
+def require_supported_transformers(transformers: Any) -> None:
+    """Raise unless the loaded ``transformers`` is at least :data:`MIN_TRANSFORMERS`.
+
+    Checked: transformers 5.23.0.
+
+    Raises:
+        RuntimeError: an older transformers; the message names both versions and the fix.
+    """
+    from packaging.version import Version
+
+    found = str(transformers.__version__)
+    if Version(found) < Version(MIN_TRANSFORMERS):
+        raise RuntimeError(
+            f"torchtp needs transformers>={MIN_TRANSFORMERS} to parallelize a HuggingFace model, "
+            f"found {found}: older releases ship tp plans that give wrong gradients under "
+            f"tensor parallelism (e.g. Qwen3's per-head norms); pip install "
+            f"'transformers>={MIN_TRANSFORMERS}'")
 
 # Attribute families attention modules read in their forward, across model
 # families (Llama/Mistral/Qwen2: num_heads or config-only + head_dim and
@@ -94,16 +118,29 @@ def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
 
 
 def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
-    """The TP plan transformers assembled on the instance, or ``None``.
+    """The TP plan transformers assembled on the instance, completed as 5.21+ ships it, or ``None``.
 
-    transformers 5 exposes it as ``model.tp_plan``; older releases keep an
-    instance plan in the attribute ``model._tp_plan``.
+    ``model.tp_plan`` (``model._tp_plan`` where the property is missing) holds
+    the base model's ``config.base_model_tp_plan`` with full module names.
+    Older releases leave parts out that 5.23 includes, so the plan is
+    completed the same way on every supported version: the class's own
+    entries (``{"lm_head": "colwise_gather_output"}``; missing up to 5.10) and
+    the base model's ``embed_tokens`` as ``"embedding_rowwise"`` when it is an
+    ``nn.Embedding`` the plan does not name (added by transformers from 5.21).
     Checked: transformers 5.23.0.
     """
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, dict):
         plan = getattr(model, "_tp_plan", None)
-    return dict(plan) if isinstance(plan, dict) and plan else None
+    if not isinstance(plan, dict) or not plan:
+        return None
+    base = getattr(model, "base_model", model)
+    extra: dict[str, str] = {}
+    if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
+        name = "embed_tokens" if base is model else f"{model.base_model_prefix}.embed_tokens"
+        if name not in plan:
+            extra[name] = "embedding_rowwise"
+    return {**class_tp_plan(type(model)), **extra, **plan}
 
 
 def class_tp_plan(cls: type) -> dict[str, str]:

@@ -7,6 +7,8 @@ from types import ModuleType
 
 from torch import nn
 
+from .compat import require_supported_transformers
+
 
 def require_transformers() -> ModuleType:
     """Import transformers or raise an ImportError that says how to install it."""
@@ -19,11 +21,18 @@ def require_transformers() -> ModuleType:
 
 
 def is_hf_model(model: nn.Module) -> bool:
-    """True for a ``transformers.PreTrainedModel`` (only checked if transformers is loaded)."""
+    """True for a ``transformers.PreTrainedModel`` (only checked if transformers is loaded).
+
+    Raises:
+        RuntimeError: it is one, but transformers is older than torchtp supports.
+    """
     # A model of that class can only exist if transformers was imported already.
     loaded = sys.modules.get("transformers")
     base = getattr(loaded, "PreTrainedModel", None) if loaded is not None else None
-    return base is not None and isinstance(model, base)
+    found = base is not None and isinstance(model, base)
+    if found:
+        require_supported_transformers(loaded)
+    return found
 
 
 def text_config(model: nn.Module) -> object:
