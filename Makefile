@@ -37,9 +37,18 @@ COMPAT_NEW := .venv-compat-new/.installed-$(COMPAT_NEW_TORCH)-$(COMPAT_NEW_TRANS
 # The compat venvs import torchtp from this checkout, whatever is installed.
 COMPAT_SHIM := build/compat-shim
 COMPAT_PYTEST = PYTHONPATH=$(CURDIR)/$(COMPAT_SHIM) $(1)/bin/python -m pytest -q -p no:cacheprovider
-# Smoke subset: the private-name fence, HF plans/attention on real models,
-# a checkpoint build from config.json, dataflow tracing.
-COMPAT_SMOKE ?= tests/distributed/test_compat_fence.py $(COMPAT_SMOKE_HF)
+# Smoke subset: the private-name fence; HF plan sources (completed plans),
+# dataflow tracing, styles and ties; 12 architectures at tp=2 against the
+# unsharded model (head-split attention, static cache); collective counts.
+HF_PLANS := tests/distributed/test_hf_plans.py
+COMPAT_SMOKE ?= tests/distributed/test_compat_fence.py \
+	$(HF_PLANS)::test_plan_sources_and_printing \
+	$(HF_PLANS)::test_structural_detection_keeps_unsure_parts_replicated_and_says_why \
+	$(HF_PLANS)::test_unknown_and_moe_styles_are_refused_not_replicated \
+	$(HF_PLANS)::test_tied_weights_stay_one_parameter \
+	$(HF_PLANS)::test_tp_above_kv_heads_must_be_a_multiple \
+	"tests/distributed/test_hf_models.py::test_architectures_match_the_unsharded_model[2]" \
+	tests/distributed/test_collective_counts.py
 
 $(COMPAT_OLD): $(STAMP) .ci/compat_venv.py
 	$(PY) .ci/compat_venv.py .venv-compat-old --base $(VENV) transformers==$(COMPAT_OLD_TRANSFORMERS)
