@@ -18,7 +18,7 @@ from torch import nn
 
 from .config_view import LocalConfig
 
-CHECKED_TRANSFORMERS = ("5.23.0",)
+CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0")
 # The oldest release torchtp supports (pyproject's lower bound, run by ``make
 # compat``). Older releases ship tp plans torchtp would follow into wrong
 # gradients: before 5.3 Qwen3's plan leaves the per-head ``q_norm``/``k_norm``
@@ -29,7 +29,7 @@ MIN_TRANSFORMERS = "5.3.0"
 def require_supported_transformers(transformers: Any) -> None:
     """Raise unless the loaded ``transformers`` is at least :data:`MIN_TRANSFORMERS`.
 
-    Checked: transformers 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0.
 
     Raises:
         RuntimeError: an older transformers; the message names both versions and the fix.
@@ -49,7 +49,7 @@ def require_supported_transformers(transformers: Any) -> None:
 # num_key_value_groups; GPT-2: num_heads/split_size/embed_dim; Falcon:
 # num_heads/num_kv_heads; GPT-NeoX: head_size; Phi-3: reads self.config), and in
 # hand-written models (torchtitan: n_heads/n_kv_heads/n_rep; timm: num_heads/attn_dim).
-# Checked: transformers 5.23.0.
+# Checked: transformers 5.3.0, 5.23.0.
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
 HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
@@ -64,7 +64,7 @@ def localize_attention(module: nn.Module, heads: int, kv_heads: int, head_dim: i
     Sets every attribute :func:`local_attention_values` names. ``heads`` and
     ``kv_heads`` are the full counts, ``tp`` the number of ranks the heads are
     split over; KV heads are replicated when there are fewer than ``tp``.
-    Checked: transformers 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0.
     """
     for attr, value in local_attention_values(module, heads, kv_heads, head_dim, tp).items():
         setattr(module, attr, value)
@@ -78,7 +78,7 @@ def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_di
     heads per KV head (``num_key_value_groups``, ``n_rep``), and a per-module
     view of its ``config`` (:class:`LocalConfig`) for forwards that read
     ``self.config.num_attention_heads``; the shared config keeps the full values.
-    Checked: transformers 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0.
     """
     local_heads = heads // tp
     local_kv = max(kv_heads // tp, 1)
@@ -111,7 +111,7 @@ def _local_values(obj: object, heads: int, kv_heads: int, head_dim: int, tp: int
 def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
     """``PreTrainedModel.dummy_inputs`` (undocumented): tiny inputs the model accepts, or ``None``.
 
-    Checked: transformers 5.23.0 (a property returning ``{"input_ids": ...}``).
+    Checked: transformers 5.3.0, 5.23.0 (a property returning ``{"input_ids": ...}``).
     """
     dummy = getattr(model, "dummy_inputs", None)
     return dummy if isinstance(dummy, dict) else None
@@ -127,7 +127,7 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     entries (``{"lm_head": "colwise_gather_output"}``; missing up to 5.10) and
     the base model's ``embed_tokens`` as ``"embedding_rowwise"`` when it is an
     ``nn.Embedding`` the plan does not name (added by transformers from 5.21).
-    Checked: transformers 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0.
     """
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, dict):
@@ -146,7 +146,7 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
 def class_tp_plan(cls: type) -> dict[str, str]:
     """The plan a model class adds on top of its base model's (``cls._tp_plan``), e.g. for ``lm_head``.
 
-    Checked: transformers 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0.
     """
     return dict(getattr(cls, "_tp_plan", None) or {})
 
@@ -154,7 +154,7 @@ def class_tp_plan(cls: type) -> dict[str, str]:
 def is_causal_lm_config(config: Any) -> bool:
     """Whether ``AutoModelForCausalLM`` has a class for ``config``'s type (its ``_model_mapping``).
 
-    Checked: transformers 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0.
     """
     import transformers
 
@@ -167,7 +167,7 @@ def from_config(cls: Any, config: Any) -> Any:
     Auto classes have the public ``from_config``; model classes only the
     private ``_from_config`` (which also applies the attention implementation
     and dtype the config asks for); other classes are called directly.
-    Checked: transformers 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0.
     """
     if hasattr(cls, "from_config"):
         return cls.from_config(config)
