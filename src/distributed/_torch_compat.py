@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-CHECKED_TORCH = ("2.13.0",)
+CHECKED_TORCH = ("2.13.0", "2.14.1")
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -55,7 +55,7 @@ def shallow_copy_module(module: M) -> M:
     """A shallow copy of ``module`` that shares its buffers but has its own parameter dict.
 
     Assigning a parameter on the copy leaves ``module`` untouched.
-    Checked: torch 2.13.0.
+    Checked: torch 2.13.0, 2.14.1.
     """
     probe = copy.copy(module)
     probe._parameters = dict(module._parameters)
@@ -66,7 +66,7 @@ def registered_child(module: nn.Module, name: str) -> nn.Module | None:
     """The child ``name`` registered on ``module``, read without ``__getattr__``.
 
     For use inside a ``__getattr__`` override, where ``getattr`` would recurse.
-    Checked: torch 2.13.0.
+    Checked: torch 2.13.0, 2.14.1.
     """
     children: dict[str, nn.Module | None] = module.__dict__["_modules"]
     return children.get(name)
@@ -77,7 +77,7 @@ def node_metadata(node: Any) -> dict[str, Any]:
 
     A property at runtime, declared a method in torch's type stubs; it lives
     with the C++ node, so it survives the Python wrapper being freed.
-    Checked: torch 2.13.0.
+    Checked: torch 2.13.0, 2.14.1.
     """
     metadata: dict[str, Any] = node.metadata
     return metadata
@@ -86,7 +86,7 @@ def node_metadata(node: Any) -> dict[str, Any]:
 def node_inputs(node: Any) -> Iterator[Any]:
     """The autograd nodes ``node`` passes gradients to (``next_functions``, ``None`` kept).
 
-    Checked: torch 2.13.0.
+    Checked: torch 2.13.0, 2.14.1.
     """
     for fn, _ in getattr(node, "next_functions", ()):
         yield fn
@@ -113,7 +113,7 @@ def implicit_replication() -> AbstractContextManager[None]:
     ``torch.distributed.tensor.experimental.implicit_replication`` (experimental
     namespace, so fenced here). It flips one process-wide flag and restores the
     previous value on exit, so nested uses must exit in reverse order.
-    Checked: torch 2.13.0.
+    Checked: torch 2.13.0, 2.14.1.
     """
     from torch.distributed.tensor.experimental import implicit_replication as replicate
 
