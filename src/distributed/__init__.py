@@ -20,6 +20,7 @@ from .collectives import (
 )
 from .errors import MissingProcessGroupError, RankMismatchError
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .loss import vocab_parallel_cross_entropy
 from .regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -79,4 +80,5 @@ __all__ = [
     "scatter_to_tensor_parallel_region",
     "shutdown_tensor_parallel",
     "synchronize_across_ranks",
+    "vocab_parallel_cross_entropy",
 ]

@@ -21,6 +21,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
 from .plans import PlanArg, ResolvedPlan, ShardContext, apply_plan, resolve_plan
 from .runtime import ProcessGroup, tp_group
+from .options import Options
 
 
 class DistributedModelWrapper(nn.Module):
@@ -48,6 +49,17 @@ class DistributedModelWrapper(nn.Module):
         example_inputs: Inputs for one small probe forward of the automatic
             plan (positional args as a tuple, or keyword args as a dict);
             ``None`` derives them from the model's first layer.
+        loss_parallel: HF causal LMs: keep the LM head's vocabulary split (weight
+            rows) and compute ``outputs.loss`` from the split logits
+            (:func:`~torchtp.vocab_parallel_cross_entropy`) when called with
+            ``labels=``; ``outputs.logits`` is then this rank's vocabulary slice
+            ``(B, T, V_r)``. Without labels (``generate()``) logits are full.
+            See docs/sequence_parallel.md.
+        sequence_parallel: Llama-family and GPT-2 models: norms, dropout and
+            residual adds run on sequence shards; an all-gather enters each
+            attention/MLP block and a reduce-scatter leaves it (instead of an
+            all-reduce). Also turned on by a ``"sequence_parallel"`` style in
+            the plan. See docs/sequence_parallel.md.
 
     Attributes:
         base_model: The parallelized model.
@@ -67,18 +79,22 @@ class DistributedModelWrapper(nn.Module):
     def __init__(
         self, model: nn.Module, world_size: int | None = None, rank: int | None = None,
         plan: PlanArg = None, group: ProcessGroup | None = None,
-        example_inputs: object = None,
+        example_inputs: object = None, *,
+        loss_parallel: bool = False, sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         group = group if group is not None else tp_group()
         error: BaseException | None = None
         ctx, resolved, fingerprint = None, None, {"world_size": world_size}
+        options = Options(loss_parallel, sequence_parallel)
         try:
             _check_not_wrapped(model)
             g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
             ctx = ShardContext(size, me, g, type(model).__name__)
-            resolved = resolve_plan(model, plan, ctx, example_inputs=example_inputs)
+            resolved = resolve_plan(model, plan, ctx, example_inputs=example_inputs,
+                                    adjust=options.adjust)
             fingerprint = _fingerprint(model, resolved, ctx)
+            fingerprint["options"] = (loss_parallel, sequence_parallel)  # type: ignore[assignment]
         except Exception as err:
             # Any rank-local error (e.g. a plan file missing on one node), not only
             # validation errors, must reach agree(), or the other ranks hang in it.
@@ -91,6 +107,9 @@ class DistributedModelWrapper(nn.Module):
         self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
         self._resolved = resolved
         self.parallelized_layers = apply_plan(model, resolved, ctx)
+        options.install(model, ctx)
+        self.loss_parallel = loss_parallel
+        self.sequence_parallel = options.sequence is not None
         clip.track(model)
         rng.install(model)
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..regions import reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region
 from ..runtime import ProcessGroup
+from ..sequence_parallel import reduce_scatter_to_sequence_shards
 from ._base import (
     check_divisible,
     full_linear,
@@ -48,11 +49,19 @@ class ColumnParallelLinear(nn.Module):
         input_is_parallel: The input is already this rank's slice of features.
         group: Process group; ``None`` for the default TP group.
 
+    Attributes:
+        sequence_dim: Set by sequence parallelism: reduce-scatter the partial
+            output along this (sequence) dimension instead of all-reducing it,
+            so each rank gets its sequence shard; the bias is then added to the
+            shard and its gradient is summed over the TP group.
+
     Raises:
         ValueError: ``in_features`` is not divisible by ``world_size`` (the
             message lists the valid sizes), or ``world_size``/``rank`` contradict
             the process group.
     """
+
+    sequence_dim: int | None = None
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True,
@@ -142,8 +151,10 @@ class ColumnParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
         partial = F.linear(x, self.weight)  # (..., out), this rank's partial sum
-        # partial is our own temporary, so the all-reduce may write into it.
-        y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
+        if self.sequence_dim is not None:  # (B, S, out): this rank's sequence shard
+            y = reduce_scatter_to_sequence_shards(partial, group, self.sequence_dim)
+        else:  # partial is our own temporary, so the all-reduce may write into it.
+            y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
         if self.bias is not None:
             # Once, after the sum, so its gradient equals nn.Linear's. In place: y is
             # our own all-reduced temporary and the matmul's backward does not need it.

@@ -47,11 +47,19 @@ class RowParallelLinear(nn.Module):
         gather_output: All-gather the output so every rank has all features.
         group: Process group; ``None`` for the default TP group.
 
+    Attributes:
+        sequence_dim: Set by sequence parallelism: the input was all-gathered
+            from sequence shards along this dimension by
+            :func:`~torchtp.sequence_parallel.gather_for_tensor_parallel`, whose
+            backward reduce-scatters the input gradient, so no all-reduce here.
+
     Raises:
         ValueError: ``out_features`` is not divisible by ``world_size`` (the
             message lists the valid sizes), or ``world_size``/``rank`` contradict
             the process group.
     """
+
+    sequence_dim: int | None = None
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True,
@@ -136,9 +144,10 @@ class RowParallelLinear(nn.Module):
                 raise mismatch from err
         if not x.dim() or x.shape[-1] != self.in_features:
             raise input_mismatch(self, x, self.in_features)  # type: ignore[misc]
-        if self.group is not None:
+        # With sequence parallelism the gather before us reduce-scatters the input gradient.
+        if self.group is not None and self.sequence_dim is None:
             x = copy_to_tensor_parallel_region(x, self.group)
-        elif x.requires_grad:
+        elif self.group is None and x.requires_grad:
             raise MissingProcessGroupError(
                 f"{self._name()}: the input gradient needs an all-reduce across "
                 f"world_size={self.world_size} ranks but no process group is running; "

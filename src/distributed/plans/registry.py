@@ -9,6 +9,7 @@ from ..hf.styles import (
     ReplicatedWithGradAllreduce,
 )
 from .styles import Colwise, ParallelStyle, Replicate, Rowwise, Unsupported
+from .styles_sp import SequenceParallel
 
 _MOE = "mixture-of-experts layers need expert parallelism, which torchtp does not implement yet"
 
@@ -31,8 +32,7 @@ STYLES: dict[str, ParallelStyle] = {
     "grouped_gemm": Unsupported("grouped_gemm", _MOE),
     "packed_rowwise": Unsupported("packed_rowwise", "fused input-side projections are not "
                                   "split by torchtp yet"),
-    "sequence_parallel": Unsupported("sequence_parallel", "sequence parallelism is not "
-                                     "implemented yet"),
+    "sequence_parallel": SequenceParallel(),
     "mla_kv_a_proj": Unsupported("mla_kv_a_proj", "multi-head latent attention is not "
                                  "implemented yet"),
     "all_reduce": Unsupported("all_reduce", "partial-output modules are not implemented yet"),

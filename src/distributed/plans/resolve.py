@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from torch import nn
@@ -40,11 +40,15 @@ from .resolved import Plan, ResolvedPlan, Rules
 from .styles import ShardContext
 
 PlanArg = Mapping[str, Any] | str | os.PathLike[str] | None
+# Edits the matched plan before its layers are planned (the wrapper's
+# loss_parallel / sequence_parallel options).
+PlanAdjust = Callable[[nn.Module, ResolvedPlan, ShardContext], None]
 AUTO = ("auto", "auto-memory")  # the default resolution; "-memory" lets the cost guard pass
 
 
 def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: bool = True,
-                 example_inputs: object = None) -> ResolvedPlan:
+                 example_inputs: object = None,
+                 adjust: PlanAdjust | None = None) -> ResolvedPlan:
     """Pick the plan's source, match it, split heads whole, and plan every layer.
 
     Args:
@@ -56,6 +60,8 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             lists every blocker).
         example_inputs: Inputs for the automatic plan's probe forward (see
             :func:`~torchtp.plans.auto.auto_plan`).
+        adjust: Called with the matched plan after the head splits, before the
+            layers are planned (may change assignments).
 
     Raises:
         TypeError: a style does not fit its module's type.
@@ -67,6 +73,8 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
     resolved = match_rules(model, rules)
     resolved.heads = (dict(rules.heads) if rules.heads is not None
                       else split_whole_heads(model, resolved))
+    if adjust is not None:
+        adjust(model, resolved, ctx)
     modules = dict(model.named_modules())
     for name, style in resolved.assignments.items():
         try:

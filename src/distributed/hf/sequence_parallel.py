@@ -1,0 +1,230 @@
+"""Sequence parallelism for HuggingFace decoder models (Llama family, GPT-2).
+
+Per decoder layer, with ``T`` tokens and ``S = ceil(T / tp)``::
+
+    residual (B, S, d)  shard ──┬─────────────────────────────────────────┐
+    input norm (B, S, d)        │ sequence_parallel style: grads summed   │
+    all-gather ─► (B, T, d)     │ attention pre-hook                      │
+    q/k/v  (weight rows split)  │ no all-reduce in backward               │
+    attention on full sequence  │ rotary, position ids, masks: full T     │
+    o_proj (weight columns split) ─► reduce-scatter ─► (B, S, d) + residual
+    (the same for the MLP: all-gather at its input, reduce-scatter after down_proj)
+
+The first layer's input is cut into shards (:func:`scatter_to_sequence_shards`)
+and the final norm's output is gathered again, so the model's outputs,
+``last_hidden_state`` and the LM head see the full sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..grad_sync import GradSync, mark
+from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..plans import ResolvedPlan, ShardContext
+from ..plans.linear_view import linear_view
+from ..plans.registry import STYLES
+from ..plans.styles import Colwise, Rowwise
+from ..plans.styles_sp import SequenceParallel
+from ..sequence_parallel import (
+    gather_for_tensor_parallel,
+    gather_from_sequence_shards,
+    scatter_to_sequence_shards,
+)
+from .detect import is_hf_model
+
+SEQ_DIM = 1  # HF hidden states are (B, T, d)
+WHO = "DistributedModelWrapper(sequence_parallel=True)"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a decoder architecture keeps its blocks (attribute names)."""
+
+    layers: str
+    attention: str
+    mlp: str
+    norms: tuple[str, ...]
+    final_norm: str
+
+
+_LLAMA = Layout("layers", "self_attn", "mlp", ("input_layernorm", "post_attention_layernorm"),
+                "norm")
+LAYOUTS: dict[str, Layout] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+    "gpt2": Layout("h", "attn", "mlp", ("ln_1", "ln_2"), "ln_f"),
+}
+
+
+@dataclass
+class SequencePlan:
+    """Module names the hooks go on (full names in the wrapped model)."""
+
+    base: str
+    first_layer: str
+    attentions: list[str] = field(default_factory=list)
+    mlps: list[str] = field(default_factory=list)
+    final_norm: str = ""
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> SequencePlan:
+    """Give every norm of the decoder the ``sequence_parallel`` style and check the blocks.
+
+    Raises:
+        ValueError: the architecture is not supported, the plan marks a module
+            outside the decoder's norms ``sequence_parallel``, or an attention/MLP
+            block is not split as colwise in-projections + one rowwise out-projection.
+    """
+    layout = _layout(model)
+    base = model.base_model  # type: ignore[union-attr]
+    prefix = next(n for n, m in model.named_modules() if m is base)
+    layers = getattr(base, layout.layers)
+    sp = SequencePlan(prefix, _join(prefix, f"{layout.layers}.0"),
+                      final_norm=_join(prefix, layout.final_norm))
+    rule = _join(prefix, f"{layout.layers}.*")
+    by_rule: dict[str, list[str]] = {f"{rule}.{n}": [] for n in layout.norms}
+    by_rule[sp.final_norm] = [sp.final_norm]
+    for i in range(len(layers)):
+        layer = _join(prefix, f"{layout.layers}.{i}")
+        for n in layout.norms:
+            by_rule[f"{rule}.{n}"].append(f"{layer}.{n}")
+        sp.attentions.append(f"{layer}.{layout.attention}")
+        sp.mlps.append(f"{layer}.{layout.mlp}")
+    norms = [name for names in by_rule.values() for name in names]
+    for name, style in plan.assignments.items():
+        if isinstance(style, SequenceParallel) and name not in norms:
+            raise ValueError(
+                f"plan style 'sequence_parallel' for module '{name}': in "
+                f"{type(model).__name__} only the decoder's norms run on sequence shards "
+                f"(e.g. '{sp.final_norm}'); give '{name}' another style")
+    for name in norms:
+        plan.assignments[name] = STYLES["sequence_parallel"]
+    for pattern, names in by_rule.items():
+        plan.rules[pattern], plan.matches[pattern] = "sequence_parallel", names
+        for name in names:
+            plan.why[name] = "sequence_parallel=True: runs on sequence shards"
+    modules = dict(model.named_modules())
+    for block in sp.attentions + sp.mlps:
+        _check_block(block, modules, plan)
+    if ctx.world_size > 1:
+        plan.notes.append(f"sequence parallelism: norms, dropout and residual adds of "
+                          f"{len(layers)} layers run on sequence shards")
+    return sp
+
+
+def _layout(model: nn.Module) -> Layout:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not is_hf_model(model) or model_type not in LAYOUTS:
+        raise ValueError(
+            f"{WHO}: {type(model).__name__} (model_type={model_type!r}) is not supported; "
+            f"sequence parallelism is implemented for model types {sorted(LAYOUTS)}. "
+            "Wrap it without sequence_parallel")
+    if getattr(model.config, "add_cross_attention", False):
+        raise ValueError(f"{WHO}: {type(model).__name__} has cross-attention, which is not "
+                         "sequence-parallel; wrap it without sequence_parallel")
+    return LAYOUTS[model_type]
+
+
+def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) -> None:
+    """Colwise in-projections (output not gathered) and exactly one rowwise out-projection."""
+    outs = []
+    for name, mod in modules[block].named_modules():
+        if linear_view(mod) is None:
+            continue
+        full = f"{block}.{name}"
+        style = plan.assignments.get(full)
+        if isinstance(style, Rowwise) and not style.split_input:
+            outs.append(full)
+        elif not (isinstance(style, Colwise) and not style.gather_output):
+            raise ValueError(
+                f"{WHO}: '{full}' is {style.name if style else 'replicated'}, but every "
+                f"projection in '{block}' must be split: 'colwise' (weight rows) for the "
+                "projections reading the block's input, 'rowwise' (weight columns) for the "
+                "one writing its output")
+    if len(outs) != 1:
+        raise ValueError(f"{WHO}: '{block}' needs exactly one 'rowwise' output projection "
+                         f"(weight columns split), found {outs or 'none'}")
+
+
+class _Hooks:
+    """The forward hooks that move hidden states between shards and full sequences."""
+
+    def __init__(self, ctx: ShardContext, config: object) -> None:
+        self.group = ctx.group
+        self.config = config
+        self.length = 0  # tokens of the current forward (set where the shards are cut)
+
+    def check_outputs(self, _mod: nn.Module, _args: tuple, kwargs: dict) -> None:
+        wanted = kwargs.get("output_hidden_states")
+        if wanted or (wanted is None and getattr(self.config, "output_hidden_states", False)):
+            raise ValueError(f"{WHO}: output_hidden_states=True is not supported (the "
+                             "decoder layers' outputs are sequence shards); call without it")
+
+    def scatter(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def cut(x: torch.Tensor) -> torch.Tensor:
+            self.length = x.shape[SEQ_DIM]
+            return scatter_to_sequence_shards(x, self.group, SEQ_DIM)  # (B, S, d)
+        return _map_hidden(args, kwargs, cut)
+
+    def gather_attention(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # The length comes from this call's position ids, so a recomputation under
+        # gradient checkpointing uses the same length as the original forward.
+        positions = kwargs.get("position_ids")
+        if not isinstance(positions, torch.Tensor):
+            raise RuntimeError(f"{WHO}: the attention module got no position_ids tensor, so the "
+                               "sequence length (to drop the shard padding) is unknown")
+        length = positions.shape[-1]
+        return _map_hidden(args, kwargs, lambda x: gather_for_tensor_parallel(
+            x, self.group, SEQ_DIM, length))  # (B, T, d)
+
+    def gather_mlp(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # Token-wise: the padding rows may pass through (B, S*tp, d).
+        return _map_hidden(args, kwargs, lambda x: gather_for_tensor_parallel(
+            x, self.group, SEQ_DIM, None))
+
+    def gather_output(self, _mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence_shards(out, self.group, SEQ_DIM, self.length)  # (B, T, d)
+
+
+def _map_hidden(args: tuple, kwargs: dict, fn: Any) -> tuple[tuple, dict]:
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise RuntimeError(f"{WHO}: found no hidden_states argument to shard or gather")
+
+
+def install_sequence_parallel(model: nn.Module, sp: SequencePlan, ctx: ShardContext) -> None:
+    """After the swap: mark the projections and register the shard/gather hooks.
+
+    Call :func:`torchtp.grad_sync.install` afterwards (the out-projection
+    biases' gradients are summed over the TP group).
+    """
+    if ctx.world_size == 1:
+        return
+    hooks = _Hooks(ctx, model.config)
+    model.get_submodule(sp.base).register_forward_pre_hook(hooks.check_outputs, with_kwargs=True)
+    model.get_submodule(sp.first_layer).register_forward_pre_hook(hooks.scatter,
+                                                                  with_kwargs=True)
+    for block in sp.attentions + sp.mlps:
+        module = model.get_submodule(block)
+        gather = hooks.gather_attention if block in sp.attentions else hooks.gather_mlp
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        for layer in module.modules():
+            if isinstance(layer, (RowParallelLinear, ColumnParallelLinear)):
+                layer.sequence_dim = SEQ_DIM
+            if isinstance(layer, ColumnParallelLinear) and layer.bias is not None:
+                # Added to this rank's tokens only: the gradient is a partial sum.
+                mark(layer, "bias", (GradSync(ctx.group),))
+    model.get_submodule(sp.final_norm).register_forward_hook(hooks.gather_output)

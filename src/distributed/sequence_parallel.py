@@ -1,0 +1,188 @@
+"""Sequence-parallel regions: tensors split along the sequence dimension.
+
+With sequence parallelism, the parts of a transformer layer that work token
+by token (norms, dropout, residual adds) run on a *sequence shard*: rank ``r``
+holds tokens ``r*S .. (r+1)*S`` of the sequence, ``S = ceil(T / tp)``. A
+sequence that does not divide by ``tp`` is padded at its end with zero rows
+up to ``S * tp`` (so the last ranks may hold padding); every collective then
+moves equal shards, exactly as for a divisible length. The padding rows never
+reach a real token: attention and the model's output drop them (their
+gradients are zero), so results and gradients are exact.
+
+=================================  ==================================  ==============================
+operator                           forward                             backward
+=================================  ==================================  ==============================
+scatter_to_sequence_shards         pad, keep own shard                 all-gather shards, drop padding
+gather_from_sequence_shards        all-gather, drop padding            pad, keep own shard
+gather_for_tensor_parallel         all-gather (drop padding)           pad, reduce-scatter (sum partials)
+reduce_scatter_to_sequence_shards  pad, reduce-scatter (sum partials)  all-gather, drop padding
+=================================  ==================================  ==============================
+
+``gather_for_tensor_parallel`` enters a TP region (the input of the
+weight-rows-split projections): inside it every rank computes with its own
+heads or features, so each rank's input gradient is a *partial* sum, and the
+backward reduce-scatter both sums it and returns each rank its shard (the
+all-reduce of :func:`~torchtp.regions.copy_to_tensor_parallel_region` is not
+needed). ``reduce_scatter_to_sequence_shards`` leaves it (the output of the
+weight-columns-split projection) instead of an all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _comm
+from .runtime import ProcessGroup, group_rank, group_size
+
+
+def shard_length(length: int, world_size: int) -> int:
+    """Tokens per sequence shard: ``ceil(length / world_size)``."""
+    return -(-length // world_size)
+
+
+def pad_sequence(x: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:
+    """``x`` with zero rows appended along ``dim`` up to a multiple of ``world_size``."""
+    extra = shard_length(x.shape[dim], world_size) * world_size - x.shape[dim]
+    if not extra:
+        return x
+    dim = dim % x.dim()
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]  # F.pad lists the last dim first
+    return F.pad(x, pad)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    # A view (of a temporary) returned by an autograd.Function cannot be modified in
+    # place later (e.g. a bias added in place); copy in the rare case one is a view.
+    return t.clone() if t._base is not None else t
+
+
+def _shard(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    size = group_size(group)
+    return _owned(_comm.split(pad_sequence(x, dim, size), dim, group_rank(group), size))
+
+
+def _gather(x: torch.Tensor, dim: int, group: ProcessGroup, length: int | None) -> torch.Tensor:
+    full = _comm.all_gather(x, dim, group)  # (..., S * tp, ...)
+    if length is not None and length != full.shape[dim]:
+        full = full.narrow(dim, 0, length).contiguous()
+    return _owned(full)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return _owned(_comm.reduce_scatter(pad_sequence(x, dim, group_size(group)), dim, group))
+
+
+class _ScatterToShards(torch.autograd.Function):
+    """forward: pad, keep own sequence shard; backward: all-gather, drop padding.
+
+    The input is replicated, so each rank's shard gradient is complete for
+    its tokens and gathering them gives the full gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.length = group, dim, x.shape[dim]
+        return _shard(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.dim, ctx.group, ctx.length), None, None
+
+
+class _GatherFromShards(torch.autograd.Function):
+    """forward: all-gather sequence shards, drop padding; backward: pad, keep own shard.
+
+    The gathered tensor is used identically on every rank (replicated), so
+    each rank holds its full gradient and its shard's gradient is a slice.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int, length: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, dim, group, length)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _shard(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _GatherForTensorParallel(torch.autograd.Function):
+    """forward: all-gather sequence shards (drop padding); backward: pad, reduce-scatter.
+
+    The gathered tensor feeds weight-rows-split projections: each rank's
+    gradient of it is a partial sum over its heads/features; the reduce-scatter
+    sums the partials and hands each rank its shard.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int,
+                length: int | None) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, dim, group, length)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatterToShards(torch.autograd.Function):
+    """forward: pad, reduce-scatter partial sums; backward: all-gather, drop padding.
+
+    Leaves a weight-columns-split projection: the output shard is the sum of
+    every rank's partial output, so every partial input's gradient is the
+    full (gathered) gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.length = group, dim, x.shape[dim]
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.dim, ctx.group, ctx.length), None, None
+
+
+def _needs_grad(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+def scatter_to_sequence_shards(x: torch.Tensor, group: ProcessGroup | None,
+                               dim: int = 1) -> torch.Tensor:
+    """Replicated ``(B, T, d)`` -> own shard ``(B, S, d)``. backward: all-gather."""
+    if group is None or group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _shard(x, dim, group)
+    return _ScatterToShards.apply(x, group, dim)
+
+
+def gather_from_sequence_shards(x: torch.Tensor, group: ProcessGroup | None, dim: int,
+                                length: int) -> torch.Tensor:
+    """Shard ``(B, S, d)`` -> replicated ``(B, length, d)``. backward: keep own shard."""
+    if group is None or group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _gather(x, dim, group, length)
+    return _GatherFromShards.apply(x, group, dim, length)
+
+
+def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim: int,
+                               length: int | None) -> torch.Tensor:
+    """Shard ``(B, S, d)`` -> ``(B, length or S*tp, d)`` for TP compute. backward: reduce-scatter."""
+    if group is None or group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _gather(x, dim, group, length)
+    return _GatherForTensorParallel.apply(x, group, dim, length)
+
+
+def reduce_scatter_to_sequence_shards(x: torch.Tensor, group: ProcessGroup | None,
+                                      dim: int) -> torch.Tensor:
+    """Partial ``(B, T, d)`` -> summed own shard ``(B, S, d)``. backward: all-gather."""
+    if group is None or group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _reduce_scatter(x, dim, group)
+    return _ReduceScatterToShards.apply(x, group, dim)
