@@ -82,3 +82,120 @@ def check_generate(rank: int, world_size: int, arch: str, loss_parallel: bool,
     logits = wrapped(input_ids=prompt).logits  # no labels: the full vocabulary
     torch.testing.assert_close(logits, ref(input_ids=prompt).logits, **LOGITS)
     return got.shape[1] - prompt.shape[1]
+
+
+def check_num_items(rank: int, world_size: int) -> None:
+    """Trainer's ``num_items_in_batch`` (sum, then divide) is honoured as HF does."""
+    ref = build("llama")
+    wrapped = torchtp.DistributedModelWrapper(build("llama"), loss_parallel=True)
+    data = batch(9)
+    count = torch.tensor(13)
+    torch.testing.assert_close(wrapped(**data, num_items_in_batch=count).loss,
+                               ref(**data, num_items_in_batch=count).loss, **LOSS)
+
+
+def cross_entropy_cases(rank: int, world_size: int, vocab: int) -> dict:
+    """vocab_parallel_cross_entropy on this rank's balanced slice vs F.cross_entropy."""
+    from torchtp.layouts import uneven_chunks
+
+    start, n = uneven_chunks(vocab, world_size, rank)
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 5, vocab, generator=gen) * 3  # (B, T, V), same on every rank
+    labels = torch.randint(0, vocab, (3, 5), generator=gen)
+    labels[0, :2] = labels[2, 4] = -100
+    labels[1, 0] = vocab - 1  # owned by the last rank (the smaller slice)
+    counts = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        # bf16 logits: both sides compute in fp32 from the same bf16 values; the
+        # gradient is rounded to bf16 once, so bf16's resolution (8e-3) bounds it.
+        tol = LOSS if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+        for smoothing in (0.0, 0.1, 1.0):
+            for reduction in ("mean", "sum", "none"):
+                ref = full.to(dtype).clone().requires_grad_()
+                want = nn.functional.cross_entropy(
+                    ref.float().flatten(0, 1), labels.flatten(), label_smoothing=smoothing,
+                    reduction=reduction)
+                (want.sum() * 1.5).backward()
+                local = full.to(dtype)[..., start:start + n].clone().requires_grad_()
+                with torchtp.count_collectives() as c:
+                    got = torchtp.vocab_parallel_cross_entropy(
+                        local, labels, label_smoothing=smoothing, reduction=reduction)
+                (got.sum() * 1.5).backward()
+                want = want.view(labels.shape) if reduction == "none" else want
+                torch.testing.assert_close(got, want, **tol)
+                torch.testing.assert_close(local.grad, ref.grad[..., start:start + n], **tol)
+                counts = {"ops": dict(c.counts), "largest": max(
+                    torch.Size(r.shape).numel() for r in c.records)}
+    custom = torchtp.vocab_parallel_cross_entropy(
+        full[..., start:start + n], torch.where(labels == -100, 7, labels), ignore_index=7)
+    torch.testing.assert_close(custom, nn.functional.cross_entropy(
+        full.flatten(0, 1), torch.where(labels == -100, 7, labels).flatten(), ignore_index=7))
+    all_ignored = torchtp.vocab_parallel_cross_entropy(
+        full[..., start:start + n], torch.full((3, 5), -100))
+    bad = labels.clone()
+    bad[2, 1] = vocab
+    try:
+        torchtp.vocab_parallel_cross_entropy(full[..., start:start + n], bad)
+    except ValueError as err:
+        counts["error"] = str(err)
+    counts["all_ignored_nan"] = bool(all_ignored.isnan())
+    return counts
+
+
+def check_loss_parallel_suite(rank: int, world_size: int) -> dict:
+    """Llama (untied) and GPT-2 (tied, built-in plan) with loss_parallel, and errors."""
+    out = {"llama": check_training(rank, world_size, "llama", 9, True, False),
+           "gpt2": check_training(rank, world_size, "gpt2", 9, True, False, steps=1),
+           "generated": check_generate(rank, world_size, "llama-tied", True, False)}
+    check_num_items(rank, world_size)
+    for arch in ("bert",):
+        try:
+            torchtp.DistributedModelWrapper(build(arch), loss_parallel=True)
+        except ValueError as err:
+            out[f"{arch} error"] = str(err)
+    try:
+        torchtp.DistributedModelWrapper(nn.Sequential(nn.Linear(8, 8)), loss_parallel=True)
+    except ValueError as err:
+        out["plain error"] = str(err)
+    return out
+
+
+def check_sequence_parallel_suite(rank: int, world_size: int,
+                                  cases: list[tuple[str, int, bool, bool]],
+                                  errors: bool = False) -> dict:
+    """``(arch, seq, loss_parallel, checkpointing)`` cases with sequence_parallel=True."""
+    out: dict = {"errors": sequence_parallel_errors(rank, world_size)} if errors else {}
+    for arch, seq, lp, ckpt in cases:
+        out[f"{arch} seq={seq} lp={lp} ckpt={ckpt}"] = check_training(
+            rank, world_size, arch, seq, lp, True, ckpt, steps=2 if not ckpt else 1)
+    out["generated"] = check_generate(rank, world_size, "llama", True, True)
+    return out
+
+
+def sequence_parallel_errors(rank: int, world_size: int) -> dict:
+    """Each unsupported use raises on every rank with a message naming the fix."""
+    out = {}
+    attempts = {
+        "arch": lambda: torchtp.DistributedModelWrapper(build("opt"), sequence_parallel=True),
+        "outside norms": lambda: torchtp.DistributedModelWrapper(
+            build("llama"), plan={"model.layers.*.mlp": "sequence_parallel"}),
+        "replicated projection": lambda: torchtp.DistributedModelWrapper(
+            build("llama"), sequence_parallel=True,
+            plan={"model.layers.*.self_attn.[qkv]_proj": "colwise",
+                  "model.layers.*.self_attn.o_proj": "rowwise",
+                  "model.layers.*.mlp.down_proj": "rowwise",
+                  "model.layers.*.mlp.gate_proj": "colwise"}),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except (TypeError, ValueError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    plan = {**build("llama").tp_plan, "model.norm": "sequence_parallel"}
+    wrapped = torchtp.DistributedModelWrapper(build("llama"), plan=plan)  # the style turns SP on
+    out["style turns it on"] = wrapped.sequence_parallel
+    try:
+        wrapped(**batch(9), output_hidden_states=True)
+    except ValueError as err:
+        out["hidden states"] = str(err)
+    return out

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from torch import nn
-
-from .linear_view import linear_view
 from ..hf.styles import ReplicatedWithGradAllreduce
 
 
@@ -16,16 +13,8 @@ class SequenceParallel(ReplicatedWithGradAllreduce):
     weight gradient that is not summed is Megatron's bug #1446). Assigning
     this style turns on sequence parallelism for the whole model (see
     ``DistributedModelWrapper(sequence_parallel=True)``), which places the
-    gathers and reduce-scatters around attention and MLP blocks.
+    gathers and reduce-scatters around attention and MLP blocks, and checks
+    that only the decoder's norms carry this style.
     """
 
     name = "sequence_parallel"
-
-    def check_type(self, module: nn.Module, fqn: str) -> None:
-        for name, sub in module.named_modules():
-            if linear_view(sub) is not None:
-                raise TypeError(
-                    f"plan style 'sequence_parallel' for module '{fqn}' "
-                    f"({type(module).__name__}): it contains the projection "
-                    f"'{name or fqn}', but only token-wise modules (norms, dropout) run on "
-                    "sequence shards; give its projections 'colwise'/'rowwise'")

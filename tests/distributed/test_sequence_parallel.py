@@ -1,0 +1,60 @@
+"""Sequence parallelism (with loss parallelism and checkpointing) vs the unsharded model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtp.sequence_parallel import pad_sequence, shard_length
+
+from ._sp_checks import check_sequence_parallel_suite
+
+
+def test_padding_rule():
+    assert [shard_length(t, 4) for t in (1, 4, 9, 12)] == [1, 1, 3, 3]
+    x = torch.ones(2, 9, 3)
+    padded = pad_sequence(x, 1, 4)  # (2, 12, 3): zero rows at the end
+    assert padded.shape == (2, 12, 3)
+    assert torch.equal(padded[:, :9], x) and not padded[:, 9:].any()
+    assert pad_sequence(x, 1, 3) is x
+
+
+def test_sequence_parallel_tp2_and_errors(ranks):
+    # 9 tokens do not divide by 2: the last shard carries one padding row.
+    cases = [("llama", 9, False, False), ("qwen3", 9, False, False),
+             ("gpt2", 9, True, False), ("mistral", 9, True, True)]
+    results = ranks(check_sequence_parallel_suite, 2, cases, True, timeout=300, gloo_timeout=60)
+    got = results[0]
+    # Per layer: an all-gather into attention and MLP, a reduce-scatter out of each;
+    # + the final norm's all-gather (+ the LM head's, without loss parallelism).
+    assert got["llama seq=9 lp=False ckpt=False"]["forward"] == {
+        "all_reduce": 1, "all_gather": 6, "reduce_scatter": 4}
+    assert got["gpt2 seq=9 lp=True ckpt=False"]["forward"] == {
+        "all_reduce": 3, "all_gather": 5, "reduce_scatter": 4}
+    assert got["mistral seq=9 lp=True ckpt=True"]["grads_checked"] == 21
+    assert got["generated"] == 5
+    for res in results:  # the same error on every rank
+        errors = res["errors"]
+        assert "OPTForCausalLM (model_type='opt') is not supported" in errors["arch"]
+        assert errors["outside norms"].startswith(
+            "ValueError: plan style 'sequence_parallel' for module 'model.layers.0.mlp': in "
+            "LlamaForCausalLM only the decoder's norms run on sequence shards")
+        assert "'model.layers.0.mlp.up_proj' is replicated, but every projection" in \
+            errors["replicated projection"]
+        assert errors["style turns it on"] is True
+        assert "output_hidden_states=True is not supported" in errors["hidden states"]
+
+
+def test_sequence_parallel_tp4(ranks):
+    # tp 4, 9 tokens: shards of 3, the last rank holds padding only.
+    got = ranks(check_sequence_parallel_suite, 4, [("llama", 9, True, False)],
+                timeout=300, gloo_timeout=60)[0]
+    assert got["llama seq=9 lp=True ckpt=False"]["grads_checked"] == 21
+    assert got["generated"] == 5
+
+
+@pytest.mark.slow
+def test_sequence_parallel_tp4_more(ranks):
+    cases = [("qwen2", 5, False, True), ("gpt2", 7, True, True), ("qwen3", 12, True, False)]
+    got = ranks(check_sequence_parallel_suite, 4, cases, timeout=600, gloo_timeout=120)[0]
+    assert got["qwen2 seq=5 lp=False ckpt=True"]["grads_checked"] > 0
