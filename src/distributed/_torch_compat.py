@@ -118,3 +118,12 @@ def implicit_replication() -> AbstractContextManager[None]:
     from torch.distributed.tensor.experimental import implicit_replication as replicate
 
     return replicate()
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor (it has a ``_base``).
+
+    An autograd.Function output that is a view cannot be modified in place later.
+    Checked: torch 2.13.0.
+    """
+    return tensor._base is not None

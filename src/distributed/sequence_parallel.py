@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _comm
+from ._torch_compat import is_view
 from .runtime import ProcessGroup, group_rank, group_size
 
 
@@ -54,7 +55,7 @@ def pad_sequence(x: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:
 def _owned(t: torch.Tensor) -> torch.Tensor:
     # A view (of a temporary) returned by an autograd.Function cannot be modified in
     # place later (e.g. a bias added in place); copy in the rare case one is a view.
-    return t.clone() if t._base is not None else t
+    return t.clone() if is_view(t) else t
 
 
 def _shard(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:

@@ -19,9 +19,9 @@ from .ddp_guard import check_fsdp, ignored_by_ddp
 from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
+from .options import Options
 from .plans import PlanArg, ResolvedPlan, ShardContext, apply_plan, resolve_plan
 from .runtime import ProcessGroup, tp_group
-from .options import Options
 
 
 class DistributedModelWrapper(nn.Module):

@@ -171,7 +171,7 @@ def install_loss_parallel(model: nn.Module) -> None:
         raise ValueError(f"{WHO}: the LM head was not split by weight rows (it is a "
                          f"{type(head).__name__}); it must be 'colwise_gather_output'")
     switch = _LossParallel(model, head)
-    model.loss_function = switch.causal_lm_loss
+    model.loss_function = switch.causal_lm_loss  # type: ignore[assignment]
     model.register_forward_pre_hook(switch.before, with_kwargs=True)
     model.register_forward_hook(switch.after, with_kwargs=True)
     model.tp_loss_parallel = switch  # type: ignore[assignment]

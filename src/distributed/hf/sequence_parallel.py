@@ -87,7 +87,7 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
             block is not split as colwise in-projections + one rowwise out-projection.
     """
     layout = _layout(model)
-    base = model.base_model  # type: ignore[union-attr]
+    base = model.base_model
     prefix = next(n for n, m in model.named_modules() if m is base)
     layers = getattr(base, layout.layers)
     sp = SequencePlan(prefix, _join(prefix, f"{layout.layers}.0"),
