@@ -126,6 +126,16 @@ def _loss(name: str, model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.T
     return loss, logits
 
 
+def _backward(name: str, loss: torch.Tensor) -> None:
+    if name != "dtensor":
+        loss.backward()
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():  # DTensor needs it around the backward too
+        loss.backward()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (plain tensors as they are), outside autograd."""
     with torch.no_grad():
@@ -152,9 +162,9 @@ def _measure(name: str, model: torch.nn.Module, ids: torch.Tensor) -> tuple[int,
     local = _local(logits)
     saved.setdefault(local.untyped_storage().data_ptr(), local.untyped_storage().nbytes())
     value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    loss.backward()
+    _backward(name, loss)
     model.zero_grad(set_to_none=True)
-    return sum(saved.values()), float(value)
+    return sum(saved.values()), float(value.detach())
 
 
 def _rank(rank: int, world: int, cfg: dict[str, Any], seq: int, reps: int) -> dict[str, Any]:
@@ -175,7 +185,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any], seq: int, reps: int) -> di
         dist.barrier() if world > 1 else None
         start = time.perf_counter()
         loss, _ = _loss(name, models[name], ids)
-        loss.backward()
+        _backward(name, loss)
         opts[name].step()
         opts[name].zero_grad(set_to_none=True)
         return time.perf_counter() - start
