@@ -107,8 +107,9 @@ def _variant(name: str, cfg: dict[str, Any], seq: int, world: int) -> torch.nn.M
     import torchtp
 
     sp, lp = VARIANTS[name]
-    return torchtp.DistributedModelWrapper(_build(cfg, seq), plan={**HF_PLAN, "lm_head": "colwise_gather_output"},
-                                           sequence_parallel=sp, loss_parallel=lp)
+    plan = {**HF_PLAN, "lm_head": "colwise_gather_output"}
+    return torchtp.DistributedModelWrapper(_build(cfg, seq), plan=plan, sequence_parallel=sp,
+                                           loss_parallel=lp)
 
 
 def _loss(name: str, model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -201,7 +202,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any], seq: int, reps: int) -> di
 def summarize(world: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     first = per_rank[0]
     rows = {}
-    for name, mem in first["memory"].items():
+    for name in first["memory"]:
         slowest = [max(ts) for ts in zip(*(r["times"][name] for r in per_rank), strict=True)]
         rows[name] = {"memory_mib": max(r["memory"][name] for r in per_rank) / 2**20,
                       "step_ms": statistics.median(slowest) * 1e3, "loss": first["loss"][name]}
