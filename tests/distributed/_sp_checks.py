@@ -199,3 +199,22 @@ def sequence_parallel_errors(rank: int, world_size: int) -> dict:
     except ValueError as err:
         out["hidden states"] = str(err)
     return out
+
+
+def dp2_tp2_ddp(rank: int, world_size: int) -> list[float]:
+    """dp 2 x tp 2, DDP over the DP group, sequence + loss parallelism: as one process."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from . import _training_checks as training
+
+    cfg = torchtp.init_tensor_parallel(tp_size=2)
+    _, ref_losses, ref_norms = training._reference("llama")
+    wrapped = torchtp.DistributedModelWrapper(build("llama", seed=0).train(), loss_parallel=True,
+                                              sequence_parallel=True)
+    model = DDP(wrapped, process_group=cfg.dp_group)
+    mine = training._batch()[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]  # this DP rank's slice
+    losses, norms = training._train(model, mine, torchtp.clip_grad_norm_, model.parameters)
+    torch.testing.assert_close(norms, ref_norms, **training.TOL)
+    torch.testing.assert_close(training._global_loss(losses, cfg.dp_group), ref_losses,
+                               **training.TOL)
+    return norms

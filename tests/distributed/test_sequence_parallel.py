@@ -7,7 +7,7 @@ import torch
 
 from torchtp.sequence_parallel import pad_sequence, shard_length
 
-from ._sp_checks import check_sequence_parallel_suite
+from ._sp_checks import check_sequence_parallel_suite, dp2_tp2_ddp
 
 
 def test_padding_rule():
@@ -58,3 +58,9 @@ def test_sequence_parallel_tp4_more(ranks):
     cases = [("qwen2", 5, False, True), ("gpt2", 7, True, True), ("qwen3", 12, True, False)]
     got = ranks(check_sequence_parallel_suite, 4, cases, timeout=600, gloo_timeout=120)[0]
     assert got["qwen2 seq=5 lp=False ckpt=True"]["grads_checked"] > 0
+
+
+@pytest.mark.slow
+def test_dp2_tp2_ddp_with_sequence_and_loss_parallelism(ranks):
+    norms = ranks(dp2_tp2_ddp, 4, timeout=300, gloo_timeout=60)
+    assert all(n == norms[0] for n in norms)
