@@ -92,39 +92,26 @@ class _ScatterToShards(torch.autograd.Function):
 
 
 class _GatherFromShards(torch.autograd.Function):
-    """forward: all-gather sequence shards, drop padding; backward: pad, keep own shard.
+    """forward: all-gather sequence shards, drop padding; backward: pad, then
+    keep own shard (``partial=False``) or reduce-scatter (``partial=True``).
 
-    The gathered tensor is used identically on every rank (replicated), so
-    each rank holds its full gradient and its shard's gradient is a slice.
+    ``partial=False``: the gathered tensor is used identically on every rank
+    (replicated), so each rank holds its full gradient and its shard's
+    gradient is a slice. ``partial=True``: it feeds weight-rows-split
+    projections, each rank's gradient is a partial sum over its heads/features,
+    and the reduce-scatter sums the partials and hands each rank its shard.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int, length: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int, length: int | None,
+                partial: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.partial = group, dim, partial
         return _gather(x, dim, group, length)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _shard(grad, ctx.dim, ctx.group), None, None, None
-
-
-class _GatherForTensorParallel(torch.autograd.Function):
-    """forward: all-gather sequence shards (drop padding); backward: pad, reduce-scatter.
-
-    The gathered tensor feeds weight-rows-split projections: each rank's
-    gradient of it is a partial sum over its heads/features; the reduce-scatter
-    sums the partials and hands each rank its shard.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int,
-                length: int | None) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, dim, group, length)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        back = _reduce_scatter if ctx.partial else _shard
+        return back(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 class _ReduceScatterToShards(torch.autograd.Function):
@@ -166,7 +153,7 @@ def gather_from_sequence_shards(x: torch.Tensor, group: ProcessGroup | None, dim
         return x
     if not _needs_grad(x):
         return _gather(x, dim, group, length)
-    return _GatherFromShards.apply(x, group, dim, length)
+    return _GatherFromShards.apply(x, group, dim, length, False)
 
 
 def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim: int,
@@ -176,7 +163,7 @@ def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim:
         return x
     if not _needs_grad(x):
         return _gather(x, dim, group, length)
-    return _GatherForTensorParallel.apply(x, group, dim, length)
+    return _GatherFromShards.apply(x, group, dim, length, True)
 
 
 def reduce_scatter_to_sequence_shards(x: torch.Tensor, group: ProcessGroup | None,
