@@ -18,7 +18,7 @@ from .collectives import (
     reduce_scatter,
     synchronize_across_ranks,
 )
-from .errors import MissingProcessGroupError, RankMismatchError
+from .errors import InconsistentGroupError, MissingProcessGroupError, RankMismatchError
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .loss import vocab_parallel_cross_entropy
 from .regions import (
@@ -57,6 +57,7 @@ __all__ = [
     "CollectiveCounter",
     "ColumnParallelLinear",
     "DistributedModelWrapper",
+    "InconsistentGroupError",
     "MissingProcessGroupError",
     "RankMismatchError",
     "RowParallelLinear",

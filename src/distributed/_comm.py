@@ -3,9 +3,13 @@
 Each function returns a tensor the caller owns: inputs are never modified
 unless the caller passes one it created itself (``*_`` functions). Every call
 is logged under ``TP_DEBUG=1`` and recorded by :func:`count_collectives`.
-With ``TP_CHECK_SHAPES=1`` (read at import) every collective first checks that all ranks pass
-the same shape and dtype (Gloo silently accepts mismatched shapes of equal
-element count); this doubles the collectives, so it is a debugging aid only.
+Before a collective whose shape or dtype differs from the last one agreed for
+that op (the first of each op, every shape change; every call with
+``TP_CHECK_SHAPES=1``), all ranks agree on it through the group's store, so
+different shapes raise :class:`~torchtp.RankMismatchError` on every rank
+instead of garbage (Gloo silently accepts equal element counts) or an abort.
+A collective that is slow watches the store for another rank's failure (see
+:mod:`torchtp._health`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import _logging
+from . import _health
 from ._logging import debug_enabled, logger
-from .errors import RankMismatchError
 from .runtime import ProcessGroup
 
 # New names in torch 2.13; the old ones remain for torch>=2.4.
@@ -87,18 +90,38 @@ def count_collectives() -> Iterator[CollectiveCounter]:
         _COUNTERS.remove(counter)
 
 
-def record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
-    """Count and (under TP_DEBUG) log one collective; check shapes under TP_CHECK_SHAPES.
+def record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> int | None:
+    """Count, log (under TP_DEBUG) and check one collective; return its index in the group.
 
-    Eager only: inside ``torch.compile`` this is skipped (the compiled graph holds
-    the collectives; logging and Python counters cannot be traced). With no
-    counter, no debug logging and no shape checks it returns at once: this
-    runs on every collective of every forward.
+    Eager only: inside ``torch.compile`` this is skipped and returns ``None``
+    (the compiled graph holds the collectives; logging, counters and store
+    checks cannot be traced). This runs on every collective of every forward:
+    without counters or debug logging it costs a dict look-up and a shape
+    comparison.
+
+    Raises:
+        InconsistentGroupError: an earlier failure left the group out of step.
+        RankMismatchError: ranks pass different shapes or dtypes.
+    """
+    if _compiling():
+        return None
+    st = _health.state(group)
+    n = _health.before(op, tensor, st)
+    if _COUNTERS or debug_enabled():
+        count(op, tensor, group)
+    return n
+
+
+def count(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Count and (under TP_DEBUG) log one collective, without checking it.
+
+    For collectives that not every rank of ``group`` enters alike (send/recv),
+    which therefore cannot take part in the group's shape agreement.
     """
     if _compiling():
         return
     debug = debug_enabled()
-    if not (_COUNTERS or debug or _logging.CHECK_SHAPES):
+    if not (_COUNTERS or debug):
         return
     size = dist.get_world_size(group)
     if _COUNTERS:
@@ -108,24 +131,21 @@ def record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
     if debug:
         logger.debug("%s shape=%s dtype=%s group_size=%d", op, tuple(tensor.shape),
                      tensor.dtype, size)
-    if _logging.CHECK_SHAPES:
-        _check_same_signature(op, tensor, group)
 
 
-def _check_same_signature(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
-    mine = (op, tuple(tensor.shape), str(tensor.dtype))
-    everyone: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if any(other != mine for other in everyone):
-        raise RankMismatchError(f"ranks passed different tensors to {op}: "
-                                + ", ".join(f"rank {i}: {s}" for i, s in enumerate(everyone)))
+def _finish(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor,
+            group: ProcessGroup | None) -> None:
+    """Wait for an issued collective (bounded; see :func:`torchtp._health.finish`)."""
+    if work is not None and n is not None:
+        _health.finish(work, _health.state(group), n, op, tensor)
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
     """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller."""
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
-    record("all_reduce", tensor, group)
-    dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group)
+    n = record("all_reduce", tensor, group)
+    work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=n is not None)
+    _finish(work, n, "all_reduce", tensor, group)
     return tensor
 
 
@@ -142,8 +162,9 @@ def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> to
     # Gather into (size * d0, ...) along dim 0, where collectives are contiguous.
     out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype,
                       device=local.device)
-    record("all_gather", local, group)
-    gather_single(out, local, group=group)
+    n = record("all_gather", local, group)
+    work = gather_single(out, local, group=group, async_op=n is not None)
+    _finish(work, n, "all_gather", local, group)
     if dim == 0:
         return out
     return torch.cat(out.chunk(size, dim=0), dim=dim)
@@ -157,17 +178,19 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -
     full = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
     out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=full.dtype,
                       device=full.device)
-    record("reduce_scatter", full, group)
-    reduce_scatter_single(out, full, group=group)
+    n = record("reduce_scatter", full, group)
+    work = reduce_scatter_single(out, full, group=group, async_op=n is not None)
+    _finish(work, n, "reduce_scatter", full, group)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """Return ``src``'s ``tensor`` on every rank (fresh tensor; ``src`` is a group rank)."""
     out = tensor.clone(memory_format=torch.contiguous_format)
-    record("broadcast", out, group)
+    n = record("broadcast", out, group)
     global_src = src if group is None else dist.get_global_rank(group, src)
-    dist.broadcast(out, src=global_src, group=group)
+    work = dist.broadcast(out, src=global_src, group=group, async_op=n is not None)
+    _finish(work, n, "broadcast", out, group)
     return out
 
 

@@ -15,6 +15,14 @@ class RankMismatchError(RuntimeError):
     """Ranks disagree about something that must be identical on all of them."""
 
 
+class InconsistentGroupError(RuntimeError):
+    """A rank failed between collectives, so the group's collectives no longer line up.
+
+    Raised by every later torchtp collective of that group, on every rank that
+    knows of the failure, instead of computing on misaligned collectives.
+    """
+
+
 def launch_hint(world_size: int) -> str:
     """Return the one-line fix for a missing process group of ``world_size`` ranks."""
     return (

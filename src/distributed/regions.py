@@ -24,8 +24,20 @@ from __future__ import annotations
 
 import torch
 
-from . import _comm
+from . import _comm, _health
 from .runtime import ProcessGroup, group_rank, group_size
+
+
+def rank_local_error(group: ProcessGroup | None, error: BaseException) -> BaseException:
+    """Report ``error``, raised on this rank instead of its next collective, to the group.
+
+    Use it for checks that can fail on some ranks only (an input's shape, token
+    ids), as ``raise rank_local_error(group, err)``. If every rank raises at the
+    same point the group stays usable; otherwise the ranks waiting in that
+    collective raise :class:`~torchtp.InconsistentGroupError` naming this rank,
+    and every later collective of the group raises it (see :mod:`torchtp._health`).
+    """
+    return _health.fail(group, error)
 
 
 class _CopyToRegion(torch.autograd.Function):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
+import threading
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -80,6 +82,42 @@ class TensorParallelConfig:
 
 
 _CONFIG: TensorParallelConfig | None = None
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Collective timeout of the groups torchtp starts, in seconds (5 minutes).
+
+Long enough for ranks that load large checkpoints at different speeds, short
+enough that a rank stuck or gone is reported in minutes rather than after
+torch's 30. Change it with ``init_tensor_parallel(timeout=...)`` or the
+``TP_TIMEOUT`` environment variable (seconds); the explicit argument wins.
+"""
+
+_TIMEOUT_S: float | None = None  # set by init_tensor_parallel(timeout=...)
+_DYING: str | None = None  # "ExcType: message" once the process exits on an exception
+
+
+def collective_timeout() -> float:
+    """Seconds torchtp waits for other ranks before it reports them stuck.
+
+    The ``timeout`` given to :func:`init_tensor_parallel`, else ``TP_TIMEOUT``,
+    else :data:`DEFAULT_TIMEOUT_S`. It is also the process-group timeout of the
+    groups torchtp starts.
+
+    Raises:
+        ValueError: ``TP_TIMEOUT`` is not a positive number.
+    """
+    if _TIMEOUT_S is not None:
+        return _TIMEOUT_S
+    value = os.environ.get("TP_TIMEOUT", "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"TP_TIMEOUT={value!r} must be a positive number of seconds")
+    return seconds
 
 
 def _env_int(name: str, default: int) -> int:
@@ -159,8 +197,9 @@ def init_tensor_parallel(
         backend: ``"nccl"`` or ``"gloo"``; ``None`` picks ``nccl`` when CUDA is
             available and ``gloo`` otherwise. ``"nccl"`` without CUDA falls back
             to ``gloo`` with a warning, so GPU scripts also run on CPU machines.
-        timeout: Collective timeout in seconds (or a ``timedelta``); ``None``
-            keeps torch's default.
+        timeout: Collective timeout in seconds (or a ``timedelta``) of the group
+            started here and of torchtp's own waits; ``None`` uses ``TP_TIMEOUT``
+            or :data:`DEFAULT_TIMEOUT_S` (5 minutes).
         tp_size: Ranks per TP group; ``None`` makes the whole world one TP
             group (no data parallelism).
 
@@ -171,8 +210,10 @@ def init_tensor_parallel(
         ValueError: torchrun's variables are malformed or inconsistent, or the
             world size is not divisible by ``tp_size`` (naming the valid values).
     """
-    global _CONFIG
+    global _CONFIG, _TIMEOUT_S
     configure_from_env()
+    if timeout is not None:
+        _TIMEOUT_S = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     local_rank = _env_int("LOCAL_RANK", 0)
     if dist.is_available() and dist.is_initialized():
         _CONFIG = _adopt(local_rank, tp_size)
@@ -192,30 +233,69 @@ def init_tensor_parallel(
     chosen = _pick_backend(backend)
     if chosen == "nccl":
         torch.cuda.set_device(local_rank)
-    kwargs: dict[str, Any] = {}
-    if timeout is not None:
-        seconds = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
-        kwargs["timeout"] = seconds
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=collective_timeout())}
     dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, **kwargs)
-    # We started the group, so we end it: without a barrier + destroy, Gloo's
-    # threads can abort the process at exit ("terminate called without an
-    # active exception") after all the work is done.
+    # We started the group, so we end it (see shutdown_tensor_parallel), and we
+    # tell the other ranks when this one dies on an exception.
     atexit.register(shutdown_tensor_parallel)
+    _install_excepthook()
     _CONFIG = _with_mesh(_config_from_group(local_rank), tp_size)
     logger.debug("init_tensor_parallel: %s", _CONFIG)
     return _CONFIG
 
 
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_torchtp", False):
+        return
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        global _DYING
+        _DYING = f"{exc_type.__name__}: {exc}"
+        _announce_death(_DYING)
+        previous(exc_type, exc, tb)
+
+    hook._torchtp = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _announce_death(message: str) -> None:
+    """Post ``message`` for the other ranks, giving up after 2 s (the store may be gone)."""
+    from . import _health
+
+    def post() -> None:
+        try:
+            for st in _health.known_groups():
+                _health.post(st, st.seq, "died", message.replace("|", "/"))
+        except Exception:  # the store died with its host rank: nobody is left to tell
+            logger.debug("could not post this rank's failure", exc_info=True)
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    thread.join(2.0)
+
+
 def shutdown_tensor_parallel() -> None:
-    """Wait for every rank, then destroy the default process group (if one is running).
+    """End the default process group (if one is running), bounded in time.
 
     Registered at exit by :func:`init_tensor_parallel` when it started the
     group; call it yourself to end earlier. Safe to call more than once.
+
+    On a normal exit every rank waits for the others (at most
+    :func:`collective_timeout` seconds, less if a rank dies meanwhile), then
+    destroys the group. A process exiting on an exception, or whose group a
+    failure left inconsistent, waits for nobody: the other ranks learn of the
+    failure from the store (their error names this rank) or from the closed
+    connection, and ``torchrun`` ends the job at once.
     """
     global _CONFIG
+    from . import _health
+
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        if _DYING is None and not _health.poisoned_groups():
+            _health.exit_barrier(dist.group.WORLD, collective_timeout())
+            dist.destroy_process_group()
+            _health.forget_all()
     _CONFIG = None
 
 

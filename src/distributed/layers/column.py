@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..regions import reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region
+from ..regions import rank_local_error, reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region
 from ..runtime import ProcessGroup
 from ..sequence_parallel import reduce_scatter_to_sequence_shards
 from ._base import (
@@ -146,7 +146,9 @@ class ColumnParallelLinear(nn.Module):
                     raise
                 raise mismatch from err
         if not x.dim() or x.shape[-1] != self.expected_input_features:
-            raise input_mismatch(self, x, self.expected_input_features)  # type: ignore[misc]
+            mismatch = input_mismatch(self, x, self.expected_input_features)
+            # Other ranks may be fine and already waiting in the collective: tell them.
+            raise rank_local_error(self.group, mismatch)  # type: ignore[arg-type]
         group = require_group(self._name(), self.group, self.world_size)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)

@@ -6,9 +6,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..regions import gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region
+from .._comm import _compiling
+from ..regions import (
+    gather_from_tensor_parallel_region,
+    rank_local_error,
+    reduce_from_tensor_parallel_region,
+)
 from ..runtime import ProcessGroup
 from ._base import require_group
+
+
+def check_ids(who: str, ids: torch.Tensor, num_embeddings: int, world_size: int,
+              group: ProcessGroup | None) -> None:
+    """Raise IndexError, like ``nn.Embedding``, for ids outside ``[0, num_embeddings)``.
+
+    A vocab-split lookup would otherwise turn them into zero vectors on every
+    rank. Costs one min/max over the ids; skipped inside ``torch.compile``
+    (data-dependent), where an out-of-range id is not caught.
+    """
+    if _compiling() or ids.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(ids))
+    if lo >= 0 and hi < num_embeddings:
+        return
+    bad = lo if lo < 0 else hi
+    raise rank_local_error(group, IndexError(
+        f"{who}: token id {bad} is out of range for num_embeddings={num_embeddings} (valid ids "
+        f"are 0..{num_embeddings - 1}; this batch has ids {lo}..{hi}; vocabulary split over "
+        f"world_size={world_size}); nn.Embedding raises IndexError too: check the tokenizer's "
+        "vocabulary size against the model's"))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,7 +73,13 @@ class VocabParallelEmbedding(nn.Module):
         self._local_padding_idx = local_pad
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Look up ``ids`` (any shape) -> ``(*ids.shape, embedding_dim)`` on every rank."""
+        """Look up ``ids`` (any shape) -> ``(*ids.shape, embedding_dim)`` on every rank.
+
+        Raises:
+            IndexError: an id is outside ``[0, num_embeddings)`` (on every rank).
+        """
+        check_ids("VocabParallelEmbedding", ids, self.num_embeddings, self.world_size,
+                  self.group)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # (..., dim) partial
@@ -118,6 +150,7 @@ def shard_vocab_in_place(emb: nn.Embedding, weight: torch.Tensor, vocab_start: i
 
     def to_local_ids(_mod: nn.Module, args: tuple) -> tuple:
         ids = args[0]
+        check_ids(type(emb).__name__, ids, emb.num_embeddings, world_size, group)
         outside = (ids < vocab_start) | (ids >= vocab_end)
         outside_ids.append(outside)
         return ((ids - vocab_start).masked_fill(outside, 0), *args[1:])

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MissingProcessGroupError, launch_hint
-from ..regions import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region
+from ..regions import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, rank_local_error
 from ..runtime import ProcessGroup
 from ._base import (
     check_divisible,
@@ -143,7 +143,9 @@ class RowParallelLinear(nn.Module):
                     raise
                 raise mismatch from err
         if not x.dim() or x.shape[-1] != self.in_features:
-            raise input_mismatch(self, x, self.in_features)  # type: ignore[misc]
+            mismatch = input_mismatch(self, x, self.in_features)
+            # Other ranks may be fine and already waiting in the collective: tell them.
+            raise rank_local_error(self.group, mismatch)  # type: ignore[arg-type]
         # With sequence parallelism the gather before us reduce-scatters the input gradient.
         if self.group is not None and self.sequence_dim is None:
             x = copy_to_tensor_parallel_region(x, self.group)

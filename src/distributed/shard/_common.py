@@ -129,8 +129,11 @@ def group_info(grid: Grid, axes: tuple[int, ...]) -> GroupInfo:
 
 
 def record(op: str, x: torch.Tensor, pg: ProcessGroup | None) -> None:
-    """Count and log one collective (visible to ``torchtp.count_collectives``)."""
-    _comm.record(op, x, pg)
+    """Count and log one collective (visible to ``torchtp.count_collectives``).
+
+    Not checked through the store: some of these (send/recv) differ by rank.
+    """
+    _comm.count(op, x, pg)
 
 
 def torch_op(reduction: Reduction) -> dist.ReduceOp.RedOpType:

@@ -1,0 +1,110 @@
+"""Exit codes of many short tensor-parallel runs: does any run end abnormally?
+
+Each run starts ``--tp`` fresh Python processes the way ``torchrun`` does
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment),
+and each process calls ``torchtp.init_tensor_parallel()``, wraps a tiny model,
+runs one forward and returns from the script, leaving the exit to torchtp's
+shutdown at interpreter exit. A run passes when every process exits with 0.
+Torch's Gloo can abort a process at exit ("terminate called without an active
+exception", exit code -6) after all of its work is done; this counts how often.
+
+    .venv/bin/python benchmarks/exit_loop.py [--runs 100] [--tp 2] [--fail-rank R]
+
+``--fail-rank R`` makes rank R raise in the middle of the forward instead; the
+run then passes when rank R exits with 1 and the other ranks report an error
+naming rank R, all within ``--deadline`` seconds (no rank waits for a timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+
+SCRIPT = r"""
+import os, sys, torch
+from torch import nn
+import torchtp
+
+torchtp.init_tensor_parallel()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+tp = torchtp.DistributedModelWrapper(model)
+fail_rank = int(os.environ["EXIT_LOOP_FAIL_RANK"])
+x = torch.randn(2, 32)
+if torch.distributed.get_rank() == fail_rank:
+    x = torch.randn(2, 31)  # wrong input on this rank only
+with torch.no_grad():
+    for _ in range(3):
+        y = tp(x)
+print("ok", float(y.sum()))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_run(tp: int, fail_rank: int, deadline: float) -> tuple[list[int | None], float, list[str]]:
+    """Start ``tp`` rank processes; return their exit codes, seconds taken and stderr tails."""
+    port = _free_port()
+    procs = []
+    for rank in range(tp):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   EXIT_LOOP_FAIL_RANK=str(fail_rank), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    codes: list[int | None] = []
+    tails: list[str] = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(0.1, deadline - (time.monotonic() - start)))
+            codes.append(p.returncode)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            codes.append(None)
+        tails.append(err.strip().splitlines()[-1] if err.strip() else "")
+    return codes, time.monotonic() - start, tails
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=100)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--fail-rank", type=int, default=-1)
+    ap.add_argument("--deadline", type=float, default=60.0, help="seconds per run")
+    args = ap.parse_args()
+    outcomes: Counter[str] = Counter()
+    seconds = []
+    for i in range(args.runs):
+        codes, took, tails = one_run(args.tp, args.fail_rank, args.deadline)
+        seconds.append(took)
+        if args.fail_rank < 0:
+            ok = all(c == 0 for c in codes)
+        else:
+            others = [t for r, t in enumerate(tails) if r != args.fail_rank]
+            ok = codes[args.fail_rank] == 1 and all(
+                f"rank {args.fail_rank}" in t for t in others) and None not in codes
+        outcomes["pass" if ok else "FAIL"] += 1
+        if not ok:
+            print(f"run {i}: exit codes {codes} after {took:.1f}s; stderr tails: {tails}",
+                  flush=True)
+    seconds.sort()
+    print("| runs | tp | fail rank | passed | failed | median s | max s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {args.runs} | {args.tp} | {args.fail_rank if args.fail_rank >= 0 else '-'} "
+          f"| {outcomes['pass']} | {outcomes['FAIL']} | {seconds[len(seconds) // 2]:.1f} "
+          f"| {seconds[-1]:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""Keep every rank of a group in step: shape agreement, failures and deaths.
+
+A collective that one rank never enters blocks the others inside Gloo/NCCL
+until the group's timeout, and a collective entered with different shapes
+returns garbage (equal element counts) or aborts the process (different
+counts). torchtp therefore talks through the group's *store* (the rendezvous
+key-value store, reachable without the group's collectives) whenever ranks may
+disagree:
+
+* **Shape agreement.** Before a collective whose shape or dtype differs from
+  the last one the group agreed on for that op (so the first of each op, and
+  every shape change; every call under ``TP_CHECK_SHAPES=1``), the rank posts
+  the collective's signature and waits for every rank's. A rank whose shape
+  did *not* change is then blocked inside its own collective; while blocked it
+  polls the store, sees the request and answers with its signature, so every
+  rank raises :class:`RankMismatchError`, even though only some ranks decided
+  to check.
+* **Failures.** A rank-local error raised just before a collective (a wrong
+  input on one rank) is posted; ranks blocked in that collective see it
+  within :data:`POLL_S` and raise :class:`InconsistentGroupError` naming the
+  rank. If every rank failed at the same point the group is still in step and
+  nobody is poisoned; otherwise the group is *poisoned* on every rank: every
+  later torchtp collective raises at once instead of computing on misaligned
+  collectives.
+* **Deaths.** A rank dying on an exception posts it (see
+  :mod:`torchtp.runtime`), so the others' error names it.
+
+Store keys are per collective index ``n`` (the count of torchtp collectives
+issued on the group, identical on every rank that is in step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _logging
+from .errors import InconsistentGroupError, RankMismatchError
+from .runtime import ProcessGroup, collective_timeout
+
+# How long a blocked collective waits before it looks at the store. Only a
+# collective that is already slow pays the store round trip.
+POLL_S = 0.2
+_POLL = timedelta(seconds=POLL_S)
+_FAILURES = "torchtp/failures"
+
+
+@dataclass
+class GroupState:
+    """torchtp's view of one process group on this rank."""
+
+    group: ProcessGroup
+    rank: int
+    size: int
+    seq: int = 0  # index of the next torchtp collective
+    agreed: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
+    last_check: int | None = None
+    poisoned: str | None = None
+    _store: Any = None
+
+    @property
+    def store(self) -> Any:
+        """The group's key-value store (created lazily; only slow paths use it)."""
+        if self._store is None:
+            self._store = self.group.get_group_store()
+        return self._store
+
+
+_STATES: dict[ProcessGroup, GroupState] = {}
+
+
+def state(group: ProcessGroup | None) -> GroupState:
+    """Return (creating it on first use) the state of ``group`` (``None``: the default group)."""
+    pg = dist.group.WORLD if group is None else group
+    st = _STATES.get(pg)  # type: ignore[arg-type]
+    if st is None:
+        assert pg is not None, "a collective needs a process group"
+        st = GroupState(pg, dist.get_rank(pg), dist.get_world_size(pg))
+        _STATES[pg] = st
+    return st
+
+
+def forget_all() -> None:
+    """Drop every group's state (the groups were destroyed)."""
+    _STATES.clear()
+
+
+def poisoned_groups() -> list[GroupState]:
+    """The groups this rank knows to be out of step."""
+    return [st for st in _STATES.values() if st.poisoned is not None]
+
+
+def inconsistent(rank: int, what: str) -> str:
+    """The message every later collective of a poisoned group raises."""
+    return (f"a previous error on rank {rank} left the tensor-parallel group inconsistent "
+            f"({what}); the ranks' collectives no longer line up, so nothing more can be "
+            "computed in this group: fix the cause and restart every rank")
+
+
+def raise_if_poisoned(st: GroupState) -> None:
+    """Raise :class:`InconsistentGroupError` if the group is poisoned."""
+    if st.poisoned is not None:
+        raise InconsistentGroupError(st.poisoned)
+
+
+def before(op: str, tensor: torch.Tensor, st: GroupState) -> int:
+    """Run before every torchtp collective; returns its index.
+
+    Raises if the group is poisoned, and agrees on the signature when it
+    differs from the last one agreed for ``op`` (or always, under
+    ``TP_CHECK_SHAPES=1``).
+    """
+    if st.poisoned is not None:
+        raise InconsistentGroupError(st.poisoned)
+    n = st.seq
+    st.seq = n + 1
+    agreed = st.agreed.get(op)
+    if _logging.CHECK_SHAPES or agreed is None or agreed[0] != tensor.shape \
+            or agreed[1] != tensor.dtype:
+        _agree_signature(st, n, op, tensor)
+    return n
+
+
+def _signature(op: str, tensor: torch.Tensor) -> str:
+    return repr((op, tuple(tensor.shape), str(tensor.dtype)))
+
+
+def _agree_signature(st: GroupState, n: int, op: str, tensor: torch.Tensor) -> None:
+    store = st.store
+    mine = _signature(op, tensor)
+    store.set(f"torchtp/sig/{n}/{st.rank}", "check " + mine)
+    if st.last_check is not None:
+        # Everyone has read it: the collective after that (successful) check
+        # completed, so every rank had finished its check.
+        _delete(store, f"torchtp/sig/{st.last_check}/{st.rank}")
+        st.last_check = None
+    values = _gather(st, "sig", n, checking=True)
+    _compare_signatures(st, n, op, values, dangling=False)
+    st.last_check = n
+    st.agreed[op] = (tensor.shape, tensor.dtype)
+
+
+def _compare_signatures(st: GroupState, n: int, op: str, values: list[str],
+                        dangling: bool) -> None:
+    sigs = [v.split(" ", 1)[1] for v in values]
+    if all(s == sigs[0] for s in sigs):
+        return
+    # A rank that answered from inside its collective has an operation in flight
+    # that will never be matched: the group cannot be used any more.
+    if dangling or any(v.startswith("blocked ") for v in values):
+        st.poisoned = inconsistent(st.rank, f"ranks passed different tensors to collective {n}")
+    raise RankMismatchError(
+        f"ranks passed different tensors to {op}: "
+        + ", ".join(f"rank {r}: {s}" for r, s in enumerate(sigs))
+        + f" (torchtp collective {n} of this group); every rank of a tensor-parallel group must run the same model on inputs of the "
+        "same shape and dtype")
+
+
+def _gather(st: GroupState, kind: str, n: int, checking: bool = False) -> list[str]:
+    """Wait (bounded) until every rank posted ``torchtp/{kind}/{n}/{rank}``; return the values.
+
+    ``checking``: this rank is agreeing on the signature of collective ``n``,
+    so another rank's failure at ``n`` means it skips ``n`` with that rank.
+    """
+    keys = [f"torchtp/{kind}/{n}/{r}" for r in range(st.size)]
+    deadline = time.monotonic() + collective_timeout()
+    while True:
+        try:
+            st.store.wait(keys, _POLL)
+            break
+        except RuntimeError:  # DistStoreError: not all there yet
+            _check_failures(st, n, checking)
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not st.store.check([k])]
+                st.poisoned = inconsistent(st.rank, f"ranks {missing} never reached "
+                                           f"torchtp collective {n}")
+                raise InconsistentGroupError(
+                    f"rank {st.rank}: ranks {missing} did not reach torchtp collective {n} of "
+                    f"the tensor-parallel group within {collective_timeout():.0f} s (the "
+                    "collective timeout, TP_TIMEOUT); they are stuck, dead or took another "
+                    "code path") from None
+    return [st.store.get(k).decode() for k in keys]
+
+
+def _failure_records(st: GroupState) -> list[tuple[int, int, str, str]]:
+    """Every posted ``(rank, collective index, kind, message)``, oldest first."""
+    count = st.store.add(_FAILURES, 0)
+    records = []
+    for i in range(1, count + 1):
+        key = f"torchtp/failure/{i}"
+        if st.store.check([key]):
+            rank, n, kind, msg = st.store.get(key).decode().split("|", 3)
+            records.append((int(rank), int(n), kind, msg))
+    return records
+
+
+def _check_failures(st: GroupState, n: int, checking: bool) -> None:
+    for rank, m, kind, msg in _failure_records(st):
+        if rank == st.rank:
+            continue
+        if kind == "died":
+            st.poisoned = inconsistent(rank, f"rank {rank} exited with {msg}")
+            raise InconsistentGroupError(st.poisoned)
+        if checking and m == n:
+            # That rank raised instead of collective n; so does this one.
+            _skip_together(st, n, f"rank {rank} raised {msg}")
+            raise RuntimeError(f"rank {rank} of the tensor-parallel group raised {msg} (rank "
+                               f"{st.rank} stops at the same collective)")
+
+
+def _skip_together(st: GroupState, n: int, what: str) -> None:
+    """This rank skips collective ``n``; poison the group unless every rank skipped it."""
+    st.store.set(f"torchtp/ack/{n}/{st.rank}", "skipped")
+    acks = _gather(st, "ack", n)
+    if any(a != "skipped" for a in acks):
+        st.poisoned = inconsistent(st.rank, what)
+
+
+def post(st: GroupState, n: int, kind: str, message: str) -> None:
+    """Append a failure record for the other ranks to find."""
+    i = st.store.add(_FAILURES, 1)
+    st.store.set(f"torchtp/failure/{i}", f"{st.rank}|{n}|{kind}|{message}")
+
+
+def fail(group: ProcessGroup | None, error: BaseException) -> BaseException:
+    """Tell the other ranks that this rank raises ``error`` instead of its next collective.
+
+    Waits (bounded) for every rank to say whether it also skipped that
+    collective. If all did (the same error on every rank), the group is still
+    in step; otherwise it is poisoned here, and the ranks blocked in that
+    collective raise :class:`InconsistentGroupError` naming this rank.
+
+    Returns:
+        ``error``, for ``raise fail(group, err)``.
+    """
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return error
+    st = state(group)
+    if st.poisoned is not None:
+        return error
+    n = st.seq
+    st.seq = n + 1
+    what = f"{type(error).__name__}: {error}"
+    post(st, n, "fail", what)
+    _skip_together(st, n, what)
+    return error
+
+
+def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor) -> None:
+    """Wait for collective ``n``; while it is slow, answer the store and watch for failures."""
+    if tensor.device.type != "cpu":
+        # NCCL's wait only orders streams; its own watchdog bounds the time.
+        _wait_converting(work, st, n)
+        return
+    try:
+        work.wait(_POLL)
+        return
+    except RuntimeError as err:
+        if work.is_completed():
+            raise_converted(st, f"collective {n}", err)
+    while True:
+        _answer_store(st, n, op, tensor)
+        try:
+            work.wait(_POLL)
+            return
+        except RuntimeError as err:
+            if work.is_completed():
+                raise_converted(st, f"collective {n}", err)
+
+
+def _wait_converting(work: Any, st: GroupState, n: int) -> None:
+    try:
+        work.wait()
+    except RuntimeError as err:
+        raise_converted(st, f"collective {n}", err)
+
+
+def _answer_store(st: GroupState, n: int, op: str, tensor: torch.Tensor) -> None:
+    """(Blocked in collective ``n``) react to another rank's failure or shape check."""
+    for rank, m, kind, msg in _failure_records(st):
+        if rank != st.rank and (kind == "died" or m >= n):
+            if kind == "fail":
+                st.store.set(f"torchtp/ack/{m}/{st.rank}", "in flight")
+            st.poisoned = inconsistent(rank, f"rank {rank} raised {msg}" if kind == "fail"
+                                       else f"rank {rank} exited with {msg}")
+            raise InconsistentGroupError(st.poisoned)
+    requested = any(st.store.check([f"torchtp/sig/{n}/{r}"])
+                    for r in range(st.size) if r != st.rank)
+    if requested:
+        st.store.set(f"torchtp/sig/{n}/{st.rank}", "blocked " + _signature(op, tensor))
+        _compare_signatures(st, n, op, _gather(st, "sig", n), dangling=True)
+
+
+def raise_converted(st: GroupState, what: str, err: RuntimeError) -> None:
+    """``what`` failed inside torch: poison the group and raise, naming the rank that caused it.
+
+    Raises:
+        InconsistentGroupError: always.
+    """
+    try:
+        records = [r for r in _failure_records(st) if r[0] != st.rank]
+    except RuntimeError:  # the store itself is gone (its host rank died)
+        records = []
+    if records:
+        rank, _m, kind, msg = records[0]
+        cause = f"rank {rank} raised {msg}" if kind == "fail" else f"rank {rank} exited with {msg}"
+        st.poisoned = inconsistent(rank, cause)
+    else:
+        st.poisoned = (f"{what} of the tensor-parallel group failed on rank {st.rank} "
+                       f"and no rank reported why (a rank was killed, or it timed out after "
+                       f"TP_TIMEOUT={collective_timeout():.0f} s): {err}")
+    raise InconsistentGroupError(st.poisoned) from err
+
+
+def _delete(store: Any, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except RuntimeError:  # stores without deletion (rare): the key is small; keep it
+        pass
+
+
+def known_groups() -> list[GroupState]:
+    """Every group this rank has run a torchtp collective on, plus the default group."""
+    if dist.is_initialized():
+        state(None)
+    return list(_STATES.values())
+
+
+def exit_barrier(group: ProcessGroup | None, timeout: float) -> bool:
+    """Wait until every rank of ``group`` arrives here, at most ``timeout`` seconds.
+
+    Gives up early when a rank posted that it died. Uses the store, not a
+    collective, so a rank that never comes cannot block this one past the bound.
+
+    Returns:
+        True when every rank arrived.
+    """
+    st = state(group)
+    st.store.add("torchtp/exit", 1)
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while st.store.add("torchtp/exit", 0) < st.size:
+        if time.monotonic() > deadline or any(
+                kind == "died" for _r, _n, kind, _m in _failure_records(st)):
+            _logging.logger.warning(
+                "rank %d: not every rank reached the end of the program within %.0f s "
+                "(or one died); exiting without waiting for them", st.rank, timeout)
+            return False
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+    return True

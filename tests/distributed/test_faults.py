@@ -1,0 +1,158 @@
+"""Faults on real Gloo processes: every rank is told, within a bound, with a clear message.
+
+Each rank function checks several faults in order (the group stays usable
+after a fault every rank sees alike) and returns what it saw; the test asserts
+the message on every rank and the seconds it took. Faults that leave the group
+inconsistent come last in their launch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchtp
+from torchtp import DistributedModelWrapper
+from torchtp.layers import VocabParallelEmbedding
+
+from ._models import mlp
+
+# The ranks' own bound on waiting for each other (TP_TIMEOUT): short, so a
+# missed report shows up as a slow test rather than a 5-minute hang.
+FAST = {"TP_TIMEOUT": "20"}
+INCONSISTENT = r"a previous error on rank 1 left the tensor-parallel group inconsistent"
+
+
+def _timed(fn, *args):
+    """``(exception type name, message, seconds)`` of ``fn(*args)``, which must raise."""
+    start = time.monotonic()
+    try:
+        fn(*args)
+    except Exception as err:  # the test asserts the type and message
+        return type(err).__name__, str(err), time.monotonic() - start
+    return None, "did not raise", time.monotonic() - start
+
+
+def _wrapped(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    model = mlp(hidden=16, ffn=32, seed=seed)
+    ref = mlp(hidden=16, ffn=32, seed=seed)
+    return DistributedModelWrapper(model), ref
+
+
+def _vocab_embedding(rank: int, world: int) -> nn.Module:
+    """A 10-token vocabulary split over the ranks (rows 5*rank .. 5*rank+4 at tp 2)."""
+    torch.manual_seed(0)
+    full = nn.Embedding(10, 8)
+    rows = 10 // world
+    return VocabParallelEmbedding(
+        full.weight.detach()[rank * rows:(rank + 1) * rows].clone(), 10, rank * rows, None, world,
+        dist.group.WORLD)
+
+
+def _forward(tp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return tp(x)
+
+
+def _recoverable_faults(rank: int, world: int) -> dict:
+    """Faults every rank sees alike: each raises on all ranks and the group stays usable."""
+    tp, ref = _wrapped()
+    seen = {}
+    # Every rank passes the wrong width: all raise the layer's ValueError, nothing hangs.
+    seen["all_wrong"] = _timed(_forward, tp, torch.randn(2, 15))
+    # Different batch shapes of equal element count on the first call: Gloo would sum garbage.
+    x = torch.randn(2, 3, 16) if rank == 0 else torch.randn(3, 2, 16)
+    seen["first_call_mismatch"] = _timed(_forward, tp, x)
+    torch.manual_seed(1)
+    x = torch.randn(4, 16)
+    # Exact after those faults: the same math as the unsharded model (fp32 sums
+    # in another order: default tolerances).
+    torch.testing.assert_close(_forward(tp, x), ref(x))
+    # Different dtypes reaching a collective (Gloo would reinterpret the bytes).
+    t = torch.ones(4, dtype=torch.float64 if rank == 1 else torch.float32)
+    seen["dtype_mismatch"] = _timed(torchtp.all_reduce_sum, t)
+    torch.testing.assert_close(_forward(tp, x), ref(x))
+    # Rank 1 alone changes the batch size of an already agreed shape: rank 0 is
+    # already inside its all-reduce and must still be told.
+    seen["changed_on_one_rank"] = _timed(_forward, tp, torch.randn(5, 16) if rank == 1 else x)
+    seen["after"] = _timed(_forward, tp, x)
+    return seen
+
+
+def test_shape_faults_raise_rank_mismatch_on_every_rank(ranks):
+    start = time.monotonic()
+    results = ranks(_recoverable_faults, 2, env=FAST, gloo_timeout=30)
+    for rank, seen in enumerate(results):
+        kind, msg, took = seen["all_wrong"]
+        assert kind == "ValueError" and "input last dimension must be 16, got 15" in msg, seen
+        kind, msg, _ = seen["first_call_mismatch"]
+        assert kind == "RankMismatchError", seen
+        assert "rank 0: ('all_reduce', (2, 3, 16), 'torch.float32'), rank 1: " \
+               "('all_reduce', (3, 2, 16), 'torch.float32')" in msg
+        kind, msg, _ = seen["dtype_mismatch"]
+        assert kind == "RankMismatchError" and "torch.float64" in msg, (rank, seen)
+        kind, msg, took = seen["changed_on_one_rank"]
+        assert kind == "RankMismatchError" and "(5, 16)" in msg and "(4, 16)" in msg, (rank, seen)
+        assert took < 10, seen
+        kind, msg, took = seen["after"]
+        assert kind == "InconsistentGroupError" and "left the tensor-parallel group inconsistent" \
+            in msg and took < 1, (rank, seen)
+    assert time.monotonic() - start < 60
+
+
+def _wrong_input_on_rank_1(rank: int, world: int, what: str) -> dict:
+    tp, _ = _wrapped()
+    x = torch.randn(2, 16)
+    _forward(tp, x)  # shapes agreed
+    if what == "width":
+        bad = torch.randn(2, 15) if rank == 1 else x
+        seen = {"fault": _timed(_forward, tp, bad)}
+    else:
+        emb = _vocab_embedding(rank, world)
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            emb(ids)
+        bad = torch.tensor([[1, 12, 3]]) if rank == 1 else ids
+        seen = {"fault": _timed(emb, bad)}
+    # The user catches the error and goes on: every later collective refuses.
+    seen["next"] = _timed(_forward, tp, x)
+    return seen
+
+
+@pytest.mark.parametrize("what", ["width", "token_id"])
+def test_wrong_input_on_one_rank_reaches_every_rank(ranks, what):
+    results = ranks(_wrong_input_on_rank_1, 2, what, env=FAST, gloo_timeout=30)
+    kind, msg, took = results[1]["fault"]
+    if what == "width":
+        assert kind == "ValueError" and "input last dimension must be 16, got 15" in msg
+    else:
+        assert kind == "IndexError" and "token id 12 is out of range for num_embeddings=10" in msg
+    kind, msg, took = results[0]["fault"]
+    assert kind == "InconsistentGroupError" and INCONSISTENT in msg, results
+    assert ("ValueError" if what == "width" else "IndexError") in msg
+    assert took < 5, results  # told within a few polls, not after the timeout
+    for seen in results:
+        kind, msg, took = seen["next"]
+        assert kind == "InconsistentGroupError" and INCONSISTENT in msg and took < 1, results
+
+
+def _out_of_range_ids(rank: int, world: int) -> dict:
+    emb = _vocab_embedding(rank, world)
+    seen = {}
+    for name, ids in {"high": [[0, 10]], "negative": [[-1, 3]]}.items():
+        seen[name] = _timed(emb, torch.tensor(ids))
+    with torch.no_grad():
+        seen["ok"] = emb(torch.tensor([[0, 9]])).shape
+    return seen
+
+
+def test_out_of_range_token_ids_raise_index_error_on_every_rank(ranks):
+    for seen in ranks(_out_of_range_ids, 2, env=FAST):
+        assert seen["high"][:2] == ("IndexError", seen["high"][1])
+        assert "token id 10 is out of range for num_embeddings=10" in seen["high"][1]
+        assert seen["negative"][0] == "IndexError" and "token id -1" in seen["negative"][1]
+        assert seen["ok"] == (1, 2, 8)
