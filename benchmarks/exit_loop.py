@@ -10,9 +10,12 @@ exception", exit code -6) after all of its work is done; this counts how often.
 
     .venv/bin/python benchmarks/exit_loop.py [--runs 100] [--tp 2] [--fail-rank R]
 
-``--fail-rank R`` makes rank R raise in the middle of the forward instead; the
-run then passes when rank R exits with 1 and the other ranks report an error
-naming rank R, all within ``--deadline`` seconds (no rank waits for a timeout).
+``--fail-rank R`` makes rank R fail after the first all-reduce instead (it
+raises RuntimeError, or with ``--fail-how input`` passes an input of the
+wrong width, which torchtp's layer rejects on that rank only); the run then
+passes when rank R exits with 1 and the other ranks report an error naming
+rank R, all within ``--deadline`` seconds (no rank waits for a timeout).
+"lag" is the time between the first and the last process exit of a run.
 """
 
 from __future__ import annotations
@@ -35,11 +38,15 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
 tp = torchtp.DistributedModelWrapper(model)
 fail_rank = int(os.environ["EXIT_LOOP_FAIL_RANK"])
+how = os.environ["EXIT_LOOP_FAIL_HOW"]
+failing = torch.distributed.get_rank() == fail_rank
 x = torch.randn(2, 32)
-if torch.distributed.get_rank() == fail_rank:
-    x = torch.randn(2, 31)  # wrong input on this rank only
 with torch.no_grad():
-    for _ in range(3):
+    for step in range(3):
+        if failing and step == 1 and how == "input":
+            x = torch.randn(2, 31)  # wrong input on this rank only
+        if failing and step == 1 and how == "raise":
+            raise RuntimeError("boom")  # after the first all-reduce
         y = tp(x)
 print("ok", float(y.sum()))
 """
@@ -51,29 +58,42 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one_run(tp: int, fail_rank: int, deadline: float) -> tuple[list[int | None], float, list[str]]:
-    """Start ``tp`` rank processes; return their exit codes, seconds taken and stderr tails."""
+def one_run(tp: int, fail_rank: int, how: str,
+            deadline: float) -> tuple[list[int | None], float, list[str]]:
+    """Start ``tp`` rank processes.
+
+    Returns:
+        Their exit codes (``None``: killed at the deadline), the seconds between
+        the first and the last process exit (how long the others took to be
+        told), and the last stderr line of each.
+    """
     port = _free_port()
     procs = []
     for rank in range(tp):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   EXIT_LOOP_FAIL_RANK=str(fail_rank), OMP_NUM_THREADS="1")
+                   EXIT_LOOP_FAIL_RANK=str(fail_rank), EXIT_LOOP_FAIL_HOW=how,
+                   OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
     start = time.monotonic()
+    ended: dict[int, float] = {}
+    while len(ended) < tp and time.monotonic() - start < deadline:
+        for rank, p in enumerate(procs):
+            if rank not in ended and p.poll() is not None:
+                ended[rank] = time.monotonic()
+        time.sleep(0.02)
     codes: list[int | None] = []
     tails: list[str] = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(0.1, deadline - (time.monotonic() - start)))
-            codes.append(p.returncode)
-        except subprocess.TimeoutExpired:
+    for rank, p in enumerate(procs):
+        if rank not in ended:
             p.kill()
-            _, err = p.communicate()
-            codes.append(None)
-        tails.append(err.strip().splitlines()[-1] if err.strip() else "")
-    return codes, time.monotonic() - start, tails
+        err = p.communicate()[1].strip()
+        codes.append(p.returncode if rank in ended else None)
+        tails.append(err.splitlines()[-1] if err else "")
+    lag = max(ended.values()) - min(ended.values()) if ended else deadline
+    return codes, lag, tails
 
 
 def main() -> None:
@@ -81,12 +101,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--fail-rank", type=int, default=-1)
+    ap.add_argument("--fail-how", choices=["raise", "input"], default="raise",
+                    help="the failing rank raises RuntimeError, or passes a wrong input width")
     ap.add_argument("--deadline", type=float, default=60.0, help="seconds per run")
     args = ap.parse_args()
     outcomes: Counter[str] = Counter()
     seconds = []
     for i in range(args.runs):
-        codes, took, tails = one_run(args.tp, args.fail_rank, args.deadline)
+        codes, took, tails = one_run(args.tp, args.fail_rank, args.fail_how, args.deadline)
         seconds.append(took)
         if args.fail_rank < 0:
             ok = all(c == 0 for c in codes)
@@ -99,9 +121,10 @@ def main() -> None:
             print(f"run {i}: exit codes {codes} after {took:.1f}s; stderr tails: {tails}",
                   flush=True)
     seconds.sort()
-    print("| runs | tp | fail rank | passed | failed | median s | max s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {args.runs} | {args.tp} | {args.fail_rank if args.fail_rank >= 0 else '-'} "
+    fail = f"{args.fail_rank} ({args.fail_how})" if args.fail_rank >= 0 else "-"
+    print("| runs | tp | fail rank | passed | failed | median lag s | max lag s |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    print(f"| {args.runs} | {args.tp} | {fail} "
           f"| {outcomes['pass']} | {outcomes['FAIL']} | {seconds[len(seconds) // 2]:.1f} "
           f"| {seconds[-1]:.1f} |")
 

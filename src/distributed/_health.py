@@ -31,6 +31,7 @@ issued on the group, identical on every rank that is in step).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -157,8 +158,8 @@ def _compare_signatures(st: GroupState, n: int, op: str, values: list[str],
     raise RankMismatchError(
         f"ranks passed different tensors to {op}: "
         + ", ".join(f"rank {r}: {s}" for r, s in enumerate(sigs))
-        + f" (torchtp collective {n} of this group); every rank of a tensor-parallel group must run the same model on inputs of the "
-        "same shape and dtype")
+        + f" (torchtp collective {n} of this group); every rank of a tensor-parallel group "
+        "must run the same model on inputs of the same shape and dtype")
 
 
 def _gather(st: GroupState, kind: str, n: int, checking: bool = False) -> list[str]:
@@ -318,10 +319,9 @@ def raise_converted(st: GroupState, what: str, err: RuntimeError) -> None:
 
 
 def _delete(store: Any, key: str) -> None:
-    try:
+    # Stores without deletion (rare) keep the small key.
+    with contextlib.suppress(RuntimeError):
         store.delete_key(key)
-    except RuntimeError:  # stores without deletion (rare): the key is small; keep it
-        pass
 
 
 def known_groups() -> list[GroupState]:

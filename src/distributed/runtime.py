@@ -291,11 +291,11 @@ def shutdown_tensor_parallel() -> None:
     global _CONFIG
     from . import _health
 
-    if dist.is_available() and dist.is_initialized():
-        if _DYING is None and not _health.poisoned_groups():
-            _health.exit_barrier(dist.group.WORLD, collective_timeout())
-            dist.destroy_process_group()
-            _health.forget_all()
+    running = dist.is_available() and dist.is_initialized()
+    if running and _DYING is None and not _health.poisoned_groups():
+        _health.exit_barrier(dist.group.WORLD, collective_timeout())
+        dist.destroy_process_group()
+        _health.forget_all()
     _CONFIG = None
 
 
