@@ -62,6 +62,7 @@ class GroupState:
     agreed: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
     last_check: int | None = None
     poisoned: str | None = None
+    entries: dict[str, int] = field(default_factory=dict)  # entry_barrier calls per name
     _store: Any = None
 
     @property
@@ -354,3 +355,34 @@ def exit_barrier(group: ProcessGroup | None, timeout: float) -> bool:
         time.sleep(delay)
         delay = min(2 * delay, 0.05)
     return True
+
+
+def entry_barrier(group: ProcessGroup | None, name: str, timeout: float) -> str | None:
+    """Wait until every rank of ``group`` enters ``name``, at most ``timeout`` seconds.
+
+    Ranks meet at the k-th *successful* entry of ``name``: a rank that gives up
+    withdraws its arrival, so a call made on a subset of the ranks does not
+    shift the later calls that every rank makes.
+
+    Returns:
+        ``None`` when every rank arrived, else which ranks did not.
+    """
+    st = state(group)
+    done = st.entries.get(name, 0)
+    key = f"torchtp/enter/{name}/{done}"
+    st.store.set(f"{key}/{st.rank}", "1")
+    count = st.store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while count < st.size and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+        count = st.store.add(key, 0)
+    if count >= st.size:
+        st.entries[name] = done + 1
+        return None
+    st.store.add(key, -1)
+    _delete(st.store, f"{key}/{st.rank}")
+    missing = [r for r in range(st.size)
+               if r != st.rank and not st.store.check([f"{key}/{r}"])]
+    return f"ranks {missing} did not arrive within {timeout:.0f} s"

@@ -8,7 +8,9 @@ inconsistent come last in their launch.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +158,92 @@ def test_out_of_range_token_ids_raise_index_error_on_every_rank(ranks):
         assert "token id 10 is out of range for num_embeddings=10" in seen["high"][1]
         assert seen["negative"][0] == "IndexError" and "token id -1" in seen["negative"][1]
         assert seen["ok"] == (1, 2, 8)
+
+
+def _save_on_one_rank(rank: int, world: int, out: str) -> dict:
+    tp, _ = _wrapped()
+    seen = {}
+    for saver, save in ((0, "save_sharded"), (1, "save_pretrained")):
+        if rank == saver:  # the classic `if rank == 0: save()` mistake, for either rank
+            method = getattr(tp, save)
+            seen[save] = _timed(lambda path, m=method: m(path, timeout=2.0),
+                                os.path.join(out, save))
+        dist.barrier()
+    tp.save_sharded(os.path.join(out, "together"), timeout=20)  # still usable afterwards
+    return seen
+
+
+def test_save_entered_on_a_subset_raises_there_within_its_timeout(ranks, tmp_path):
+    results = ranks(_save_on_one_rank, 2, str(tmp_path), env=FAST, gloo_timeout=30)
+    for rank, save in ((0, "save_sharded"), (1, "save_pretrained")):
+        kind, msg, took = results[rank][save]
+        assert kind == "RuntimeError" and f"{save} is collective" in msg, results
+        assert f"ranks [{1 - rank}] did not arrive within 2 s" in msg
+        assert 1.9 < took < 6, results  # the save's timeout (2 s) plus store round trips
+        assert not (tmp_path / save).exists()
+    assert (tmp_path / "together" / "torchtp_checkpoint.json").exists()
+
+
+def test_final_swap_keeps_a_complete_checkpoint_and_the_loader_names_the_survivor(tmp_path):
+    from torchtp.checkpoint import atomic
+    from torchtp.checkpoint.sources import open_source
+
+    target = tmp_path / "ckpt"
+    for version in ("v1", "v2"):
+        tmp = str(target) + atomic.TMP_SUFFIX
+        atomic.make_tmp(tmp)
+        Path(tmp, "version").write_text(version)
+        atomic.publish(tmp, str(target))
+        assert (target / "version").read_text() == version
+        assert not Path(tmp).exists() and not Path(str(target) + atomic.OLD_SUFFIX).exists()
+    # A save killed between the two renames of the fallback (no renameat2): only
+    # <dir>.old-torchtp holds a complete checkpoint.
+    old = Path(str(target) + atomic.OLD_SUFFIX)
+    target.rename(old)
+    with pytest.raises(ValueError, match=r"previous complete checkpoint is .*ckpt\.old-torchtp"):
+        open_source(target)
+    atomic.make_tmp(str(target) + atomic.TMP_SUFFIX)  # the next save puts it back first
+    assert (target / "version").read_text() == "v2" and not old.exists()
+
+
+def _exit_loop() -> object:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "exit_loop.py"
+    spec = importlib.util.spec_from_file_location("exit_loop", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def exit_loop(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """benchmarks/exit_loop.py, whose rank processes import this checkout's torchtp."""
+    shim = tmp_path_factory.mktemp("shim")
+    (shim / "torchtp").symlink_to(Path(torchtp.__file__).parent)
+    module = _exit_loop()
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(shim), *filter(None, [os.environ.get("PYTHONPATH")])])
+    yield module
+    os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1] \
+        if os.pathsep in os.environ["PYTHONPATH"] else ""
+
+
+@pytest.mark.parametrize("how", ["raise", "input"])
+def test_a_rank_that_raises_exits_at_once_and_the_others_name_it(exit_loop, how):
+    """torchrun-style processes (init_tensor_parallel, torchtp's exit handler), not the harness."""
+    codes, lag, tails = exit_loop.one_run(2, 1, how, deadline=120)
+    assert codes == [1, 1], tails
+    assert "RuntimeError: boom" in tails[1] if how == "raise" else "ValueError" in tails[1]
+    assert "InconsistentGroupError" in tails[0] and INCONSISTENT in tails[0], tails
+    # Rank 0 is told within a few store polls of rank 1's exit (not after a timeout).
+    assert lag < 5, (lag, tails)
+
+
+def test_successful_runs_exit_with_zero(exit_loop):
+    """A short version of `benchmarks/exit_loop.py --runs 100` (see docs/troubleshooting.md)."""
+    for _ in range(2):
+        codes, lag, tails = exit_loop.one_run(2, -1, "raise", deadline=120)
+        assert codes == [0, 0], tails
+        assert lag < 5, lag  # the bounded exit barrier waits only for the slower rank

@@ -1,21 +1,27 @@
 """Collective saves that fail together and never leave a half-written checkpoint.
 
-* :func:`enter` - every rank must call a save: a Gloo ``monitored_barrier``
-  with a short timeout raises on the ranks that did call it, naming the ranks
-  that did not, instead of hanging in the next collective.
+* :func:`enter` - every rank must call a save: a barrier through the group's
+  store, bounded by the save's ``timeout`` (120 s by default) on *every* rank
+  that called it, raises on those ranks naming the ranks that did not,
+  instead of hanging in the next collective (any backend, any subset).
 * Output goes to ``<dir>.tmp-torchtp`` first; :func:`publish` swaps it in
-  with renames, so an interrupted save leaves the previous ``<dir>`` intact.
+  with one atomic ``renameat2(RENAME_EXCHANGE)`` on Linux, so ``<dir>``
+  always exists and is always complete. Elsewhere it falls back to two
+  renames; if a save dies between them, the loader names the surviving
+  ``<dir>.old-torchtp`` and the next save restores it before anything else.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
-from datetime import timedelta
+import sys
 from typing import Any
 
 import torch.distributed as dist
 
+from .. import _health
 from ..agreement import agree
 
 TMP_SUFFIX = ".tmp-torchtp"
@@ -30,19 +36,17 @@ def enter(what: str, group: Any, timeout: float) -> None:
     """Raise unless every rank of ``group`` calls ``what`` within ``timeout`` seconds.
 
     Raises:
-        RuntimeError: some ranks did not call it (on the ranks that did).
+        RuntimeError: some ranks did not call it (on the ranks that did, after
+            at most ``timeout`` seconds, whichever ranks they are).
     """
     if group_size(group) == 1:
         return
-    if dist.get_backend(group) != "gloo":
-        return  # monitored_barrier is Gloo-only; the agreement below still checks arguments
-    try:
-        dist.monitored_barrier(group, timeout=timedelta(seconds=timeout))
-    except RuntimeError as err:
+    missing = _health.entry_barrier(group, what, timeout)
+    if missing:
         raise RuntimeError(
             f"{what} is collective: every rank of the tensor-parallel group (size "
-            f"{group_size(group)}) must call it, but not all ranks arrived within {timeout:.0f} s "
-            f"({err}); call it on all ranks, not only on rank 0") from err
+            f"{group_size(group)}) must call it, but {missing} (the save's timeout= is "
+            f"{timeout:.0f} s); call it on all ranks, not only on rank 0")
 
 
 def check_target(directory: str) -> None:
@@ -81,18 +85,50 @@ def validate(what: str, directory: str, group: Any, timeout: float, extra: dict 
 
 
 def make_tmp(tmp: str) -> None:
-    """(Rank 0) a fresh, empty temp directory."""
+    """(Rank 0) a fresh, empty temp directory (after restoring an interrupted swap)."""
+    recover(tmp[: -len(TMP_SUFFIX)])
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
 
 
-def publish(tmp: str, directory: str) -> None:
-    """(Rank 0) replace ``directory`` by ``tmp`` using renames only."""
+def recover(directory: str) -> None:
+    """(Rank 0) put back ``<dir>.old-torchtp`` if a save died between its two renames."""
     directory = os.path.abspath(directory)
     old = directory + OLD_SUFFIX
+    if os.path.isdir(old) and not os.path.exists(directory):
+        os.rename(old, directory)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux ``renameat2``); False where that is unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this file system cannot exchange
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def publish(tmp: str, directory: str) -> None:
+    """(Rank 0) replace ``directory`` by ``tmp``; ``directory`` never goes missing on Linux."""
+    directory = os.path.abspath(directory)
+    recover(directory)
+    if not os.path.exists(directory):
+        os.rename(tmp, directory)
+        return
+    if _exchange(tmp, directory):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint
+        return
+    old = directory + OLD_SUFFIX
     shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(directory):
-        os.rename(directory, old)
+    os.rename(directory, old)
     os.rename(tmp, directory)
     shutil.rmtree(old, ignore_errors=True)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .atomic import OLD_SUFFIX
 from .fmt import METADATA_FILE, read_metadata
 from .st_reader import StFile
 
@@ -195,6 +196,16 @@ class TorchTPSource(Source):
         return out
 
 
+def _survivor_hint(path: str) -> str:
+    """Name the directory an interrupted save left behind, if there is one."""
+    old = os.path.abspath(path) + OLD_SUFFIX
+    if not os.path.isdir(old):
+        return ""
+    return (f"; a save was interrupted while replacing it: the previous complete checkpoint is "
+            f"{old} (load it from there, or `mv {old} {os.path.abspath(path)}`; the next save to "
+            "this path also puts it back first)")
+
+
 def open_source(path: str | os.PathLike[str]) -> Source:
     """The checkpoint at ``path``: torchtp's format if its metadata file is there, else HF.
 
@@ -204,7 +215,8 @@ def open_source(path: str | os.PathLike[str]) -> Source:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint path {path} is not a directory; pass an HF model directory "
-                         "or a torchtp sharded checkpoint (saved with save_sharded)")
+                         "or a torchtp sharded checkpoint (saved with save_sharded)"
+                         + _survivor_hint(path))
     if os.path.isfile(os.path.join(path, METADATA_FILE)):
         return TorchTPSource(path)
     return HFSource(path)
