@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-how", choices=["raise", "input"], default="raise",
                     help="the failing rank raises RuntimeError, or passes a wrong input width")
-    ap.add_argument("--deadline", type=float, default=60.0, help="seconds per run")
+    ap.add_argument("--deadline", type=float, default=300.0, help="seconds per run")
     args = ap.parse_args()
     outcomes: Counter[str] = Counter()
     seconds = []
