@@ -135,10 +135,10 @@ def _pick_backend(backend: str | None) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo", "mpi", "ucc", "xccl", "cpu:gloo,cuda:nccl"):
         raise ValueError(f"unknown backend {backend!r}; use 'nccl' (GPUs) or 'gloo' (CPU)")
-    if backend == "nccl" and not torch.cuda.is_available():
+    if "nccl" in backend and not torch.cuda.is_available():
         # The reference guide's scripts say backend="nccl"; on a CPU-only machine
         # they should still run (on Gloo) rather than fail at start-up.
-        logger.warning("backend='nccl' asked for, but CUDA is not available: using 'gloo'")
+        logger.warning("backend=%r asked for, but CUDA is not available: using 'gloo'", backend)
         return "gloo"
     return backend
 
@@ -194,9 +194,13 @@ def init_tensor_parallel(
     ``tp_size``.
 
     Args:
-        backend: ``"nccl"`` or ``"gloo"``; ``None`` picks ``nccl`` when CUDA is
-            available and ``gloo`` otherwise. ``"nccl"`` without CUDA falls back
-            to ``gloo`` with a warning, so GPU scripts also run on CPU machines.
+        backend: ``"nccl"``, ``"gloo"`` or ``"cpu:gloo,cuda:nccl"`` (both: CPU
+            tensors over Gloo, CUDA tensors over NCCL); ``None`` picks ``nccl``
+            when CUDA is available and ``gloo`` otherwise. A backend with NCCL
+            but no CUDA falls back to ``gloo`` with a warning, so GPU scripts
+            also run on CPU machines. With NCCL this rank's device is
+            ``cuda:LOCAL_RANK``, and torchtp's defaults (layers, loads, CLI)
+            put tensors there.
         timeout: Collective timeout in seconds (or a ``timedelta``) of the group
             started here and of torchtp's own waits; ``None`` uses ``TP_TIMEOUT``
             or :data:`DEFAULT_TIMEOUT_S` (5 minutes).
@@ -231,7 +235,7 @@ def init_tensor_parallel(
         logger.debug("init_tensor_parallel: no torchrun environment, world_size=1")
         return _CONFIG
     chosen = _pick_backend(backend)
-    if chosen == "nccl":
+    if "nccl" in chosen:  # "nccl" or "cpu:gloo,cuda:nccl": this rank computes on its GPU
         torch.cuda.set_device(local_rank)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=collective_timeout())}
     dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, **kwargs)

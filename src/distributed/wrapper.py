@@ -16,6 +16,7 @@ from .checkpoint.load import from_pretrained
 from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
 from .ddp_guard import check_fsdp, ignored_by_ddp
+from .devices import device_mismatch
 from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
@@ -91,6 +92,9 @@ class DistributedModelWrapper(nn.Module):
             _check_not_wrapped(model)
             g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
             ctx = ShardContext(size, me, g, type(model).__name__)
+            wrong_device = device_mismatch(model, g)
+            if wrong_device is not None:
+                raise wrong_device
             resolved = resolve_plan(model, plan, ctx, example_inputs=example_inputs,
                                     adjust=options.adjust)
             fingerprint = _fingerprint(model, resolved, ctx)

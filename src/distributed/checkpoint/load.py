@@ -27,6 +27,7 @@ from .. import grad_sync
 from .._logging import logger
 from .._torch_compat import set_module_tensor
 from ..agreement import agree
+from ..devices import default_device
 from ..fingerprints import tensor_digest
 from ..runtime import ProcessGroup, group_size
 from .build import build_on_meta, load_config
@@ -85,7 +86,7 @@ def from_pretrained(
     assert found is not None
     error = None
     try:
-        _materialise(wrapper, source, found, dtype, torch.device(device or "cpu"), progress)
+        _materialise(wrapper, source, found, dtype, default_device(device), progress)
     except (ValueError, OSError, RuntimeError) as err:
         error = err if isinstance(err, ValueError) else ValueError(f"reading {path}: {err}")
     agree(_WHAT, error, {}, group)
@@ -188,9 +189,10 @@ def _materialise(wrapper: Wrapped, source: Source, found: dict[str, str], dtype:
         t = source.read(found[p.name], layout.dim, layout.segments)  # checkpoint orientation
         if layout.transposed:
             t = t.t()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        t = t.to(device).contiguous()
+        # One copy, straight to the device, converted on the way: no second
+        # full-size host copy of the shard.
+        cast = dtype if dtype is not None and t.is_floating_point() else None
+        t = t.to(device=device, dtype=cast).contiguous()
         # One new Parameter for all owners: tied weights stay tied.
         new = nn.Parameter(t, requires_grad=p.tensor.requires_grad) if p.is_param else t
         for mod_name, attr in p.owners:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..devices import default_device
 from ..wrapper import DistributedModelWrapper
 from ._hf import build_model, has_weights, load_config, load_pretrained, parse_dtype
 
@@ -40,9 +41,7 @@ def load_model(path: str, dtype_name: str | None, seed: int) -> tuple[nn.Module,
 
 def rank_device() -> torch.device:
     """This rank's CUDA device under NCCL (the launcher set it), else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return default_device()
 
 
 def wrap(model: nn.Module, plan: str | None = None) -> DistributedModelWrapper:

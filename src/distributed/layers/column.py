@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..devices import default_device
 from ..regions import rank_local_error, reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region
 from ..runtime import ProcessGroup
 from ..sequence_parallel import reduce_scatter_to_sequence_shards
@@ -74,10 +75,11 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.world_size, self.rank = resolve_placement(who, world_size, rank, group)
         local = check_divisible(who, "in_features", in_features, self.world_size, "weight columns")
         self._set_shape(in_features, out_features, local, input_is_parallel)
+        device = default_device(device)  # the rank's device (cuda:LOCAL_RANK under NCCL)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-        if torch.device(device or "cpu").type != "meta":
+        if device.type != "meta":
             self._init_from(full_linear(in_features, out_features, bias, dtype, device))
 
     def _set_shape(self, in_features: int, out_features: int, local: int,

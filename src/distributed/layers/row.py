@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..devices import default_device
 from ..errors import MissingProcessGroupError, launch_hint
 from ..regions import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, rank_local_error
 from ..runtime import ProcessGroup
@@ -72,10 +73,11 @@ class RowParallelLinear(nn.Module):
         self.group, self.world_size, self.rank = resolve_placement(who, world_size, rank, group)
         local = check_divisible(who, "out_features", out_features, self.world_size, "weight rows")
         self._set_shape(in_features, out_features, local, gather_output)
+        device = default_device(device)  # the rank's device (cuda:LOCAL_RANK under NCCL)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(local, **kw)) if bias else None
-        if torch.device(device or "cpu").type != "meta":
+        if device.type != "meta":
             self._init_from(full_linear(in_features, out_features, bias, dtype, device))
 
     def _set_shape(self, in_features: int, out_features: int, local: int,
