@@ -2,8 +2,9 @@
 
 Makes a ~1.1 GB fp32 random-weight Llama-architecture model once (cached in
 the temp dir), then for each tp size starts ``tp`` fresh rank processes (Gloo,
-file store) per recipe and records each rank's peak RSS (``ru_maxrss``) and
-its RSS after imports (the idle baseline). Target per rank:
+file store; NCCL with one GPU per rank when there are enough GPUs) per recipe
+and records each rank's peak RSS (``ru_maxrss``), its RSS after imports (the
+idle baseline) and, with CUDA, its peak device memory (``max_memory_allocated``). Target per rank:
 ``1.2 x (replicated + sharded/tp) + baseline``. Also times an offline
 reshard (tp=2 -> tp=4) and its peak RSS.
 
@@ -58,7 +59,12 @@ def worker(args: argparse.Namespace) -> None:
 
     rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=tp)
+    # One GPU per rank: NCCL, and torchtp's defaults put the shards on cuda:rank.
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= tp
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{args.store}",
+                            rank=rank, world_size=tp)
     # Idle baseline: interpreter, torch, transformers' Llama code and torchtp loaded, no weights.
     import torchtp.checkpoint
 
@@ -68,7 +74,8 @@ def worker(args: argparse.Namespace) -> None:
     if args.recipe == "from_pretrained":
         w = torchtp.DistributedModelWrapper.from_pretrained(args.model, progress=False)
     else:
-        w = torchtp.DistributedModelWrapper(tf.AutoModelForCausalLM.from_pretrained(args.model))
+        full = tf.AutoModelForCausalLM.from_pretrained(args.model)
+        w = torchtp.DistributedModelWrapper(full.to("cuda") if on_gpu else full)
     seconds = time.perf_counter() - start
     local = sharded_full = replicated = 0
     for name, p in w.base_model.named_parameters():
@@ -82,8 +89,10 @@ def worker(args: argparse.Namespace) -> None:
             sharded_full += nbytes * layout.full_shape[layout.dim] // sum(
                 n for _, n in layout.segments)
     dist.barrier()
+    device_peak = torch.cuda.max_memory_allocated() if on_gpu else 0
     print(json.dumps({"rank": rank, "baseline": baseline, "peak": _peak(), "seconds": seconds,
-                      "local": local, "replicated": replicated, "sharded": sharded_full}))
+                      "local": local, "replicated": replicated, "sharded": sharded_full,
+                      "device_peak": device_peak}))
     dist.destroy_process_group()
 
 
@@ -139,8 +148,8 @@ def main() -> None:
     # would all report at least its size.
     subprocess.run([sys.executable, __file__, "--make", "--cache", args.cache], check=True)
     print("| recipe | tp | baseline GiB | peak RSS GiB (max rank) | local params GiB | "
-          "target GiB | within target | load s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "target GiB | within target | load s | peak device GiB (max rank; CUDA only) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for tp in (int(t) for t in args.tps.split(",")):
         for recipe in ("from_pretrained", "full_then_wrap"):
             ranks = launch(model, recipe, tp)
@@ -149,7 +158,8 @@ def main() -> None:
             print(f"| {recipe} | {tp} | {worst['baseline'] / GB:.2f} | {worst['peak'] / GB:.2f} | "
                   f"{worst['local'] / GB:.2f} | {target / GB:.2f} | "
                   f"{'yes' if worst['peak'] <= target else 'no'} | "
-                  f"{max(r['seconds'] for r in ranks):.1f} |", flush=True)
+                  f"{max(r['seconds'] for r in ranks):.1f} | "
+                  f"{max(r['device_peak'] for r in ranks) / GB:.2f} |", flush=True)
     print("\n| reshard (offline, one process) | seconds | peak RSS GiB |\n|---|---|---|")
     for what, r in reshard_run(model, args.cache).items():
         print(f"| {what} | {r['seconds']:.1f} | {r['peak'] / GB:.2f} |")
