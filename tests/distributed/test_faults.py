@@ -62,8 +62,8 @@ def _forward(tp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _recoverable_faults(rank: int, world: int) -> dict:
     """Faults every rank sees alike: each raises on all ranks and the group stays usable."""
+    seen = {"seeds": _timed(DistributedModelWrapper, mlp(hidden=16, ffn=32, seed=rank))}
     tp, ref = _wrapped()
-    seen = {}
     # Every rank passes the wrong width: all raise the layer's ValueError, nothing hangs.
     seen["all_wrong"] = _timed(_forward, tp, torch.randn(2, 15))
     # Different batch shapes of equal element count on the first call: Gloo would sum garbage.
@@ -89,6 +89,9 @@ def test_shape_faults_raise_rank_mismatch_on_every_rank(ranks):
     start = time.monotonic()
     results = ranks(_recoverable_faults, 2, env=FAST, gloo_timeout=30)
     for rank, seen in enumerate(results):
+        kind, msg, took = seen["seeds"]  # per-rank seeds: shards of different models
+        assert kind == "RankMismatchError" and "(sampled digest; ranks built with different " \
+            "seeds" in msg and "rank 0: " in msg and "rank 1: " in msg, seen
         kind, msg, took = seen["all_wrong"]
         assert kind == "ValueError" and "input last dimension must be 16, got 15" in msg, seen
         kind, msg, _ = seen["first_call_mismatch"]
