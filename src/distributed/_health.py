@@ -259,20 +259,19 @@ def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor) -> 
         # NCCL's wait only orders streams; its own watchdog bounds the time.
         _wait_converting(work, st, n)
         return
+    while not _waited(work, st, n):
+        _answer_store(st, n, op, tensor)
+
+
+def _waited(work: Any, st: GroupState, n: int) -> bool:
+    """Wait up to :data:`POLL_S` for ``work``; True when it completed."""
     try:
         work.wait(_POLL)
-        return
+        return True
     except RuntimeError as err:
-        if work.is_completed():
+        if work.is_completed():  # it failed (not merely slow)
             raise_converted(st, f"collective {n}", err)
-    while True:
-        _answer_store(st, n, op, tensor)
-        try:
-            work.wait(_POLL)
-            return
-        except RuntimeError as err:
-            if work.is_completed():
-                raise_converted(st, f"collective {n}", err)
+        return False
 
 
 def _wait_converting(work: Any, st: GroupState, n: int) -> None:
