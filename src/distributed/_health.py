@@ -63,6 +63,7 @@ class GroupState:
     last_check: int | None = None
     poisoned: str | None = None
     entries: dict[str, int] = field(default_factory=dict)  # entry_barrier calls per name
+    failures: list[tuple[int, int, str, str]] = field(default_factory=list)  # read so far
     _store: Any = None
 
     @property
@@ -190,15 +191,18 @@ def _gather(st: GroupState, kind: str, n: int, checking: bool = False) -> list[s
 
 
 def _failure_records(st: GroupState) -> list[tuple[int, int, str, str]]:
-    """Every posted ``(rank, collective index, kind, message)``, oldest first."""
+    """Every posted ``(rank, collective index, kind, message)``, oldest first.
+
+    Records already read are kept on the state, so each poll reads only new ones.
+    """
     count = st.store.add(_FAILURES, 0)
-    records = []
-    for i in range(1, count + 1):
-        key = f"torchtp/failure/{i}"
-        if st.store.check([key]):
-            rank, n, kind, msg = st.store.get(key).decode().split("|", 3)
-            records.append((int(rank), int(n), kind, msg))
-    return records
+    while len(st.failures) < count:
+        key = f"torchtp/failure/{len(st.failures) + 1}"
+        if not st.store.check([key]):
+            break  # counted but not written yet: next poll
+        rank, n, kind, msg = st.store.get(key).decode().split("|", 3)
+        st.failures.append((int(rank), int(n), kind, msg))
+    return st.failures
 
 
 def _check_failures(st: GroupState, n: int, checking: bool) -> None:
@@ -308,7 +312,8 @@ def raise_converted(st: GroupState, what: str, err: RuntimeError) -> None:
     except RuntimeError:  # the store itself is gone (its host rank died)
         records = []
     if records:
-        rank, _m, kind, msg = records[0]
+        # The newest death, else the newest failure, is the likeliest cause.
+        rank, _m, kind, msg = next((r for r in reversed(records) if r[2] == "died"), records[-1])
         cause = f"rank {rank} raised {msg}" if kind == "fail" else f"rank {rank} exited with {msg}"
         st.poisoned = inconsistent(rank, cause)
     else:
