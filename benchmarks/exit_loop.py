@@ -120,6 +120,8 @@ def main() -> None:
         if not ok:
             print(f"run {i}: exit codes {codes} after {took:.1f}s; stderr tails: {tails}",
                   flush=True)
+        if (i + 1) % 10 == 0:
+            print(f"{i + 1} runs: {outcomes['pass']} passed", file=sys.stderr, flush=True)
     seconds.sort()
     fail = f"{args.fail_rank} ({args.fail_how})" if args.fail_rank >= 0 else "-"
     print("| runs | tp | fail rank | passed | failed | median lag s | max lag s |")
