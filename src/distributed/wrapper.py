@@ -218,7 +218,7 @@ class DistributedModelWrapper(nn.Module):
         """Collective: every rank writes its shard, rank 0 the metadata (see docs/checkpoints.md).
 
         Raises:
-            RuntimeError: not every rank called it within ``timeout`` seconds (Gloo).
+            RuntimeError: not every rank called it within ``timeout`` seconds.
             ValueError: the directory cannot be written (on every rank; the
                 previous checkpoint there stays intact).
         """
@@ -229,7 +229,7 @@ class DistributedModelWrapper(nn.Module):
         """Collective: a consolidated HF directory, gathered one tensor at a time on rank 0.
 
         Raises:
-            RuntimeError: not every rank called it within ``timeout`` seconds (Gloo).
+            RuntimeError: not every rank called it within ``timeout`` seconds.
             ValueError: the directory cannot be written (on every rank).
         """
         save_pretrained(self, directory, max_shard_size, timeout)
