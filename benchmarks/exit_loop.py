@@ -11,8 +11,9 @@ exception", exit code -6) after all of its work is done; this counts how often.
     .venv/bin/python benchmarks/exit_loop.py [--runs 100] [--tp 2] [--fail-rank R]
 
 ``--fail-rank R`` makes rank R fail after the first all-reduce instead (it
-raises RuntimeError, or with ``--fail-how input`` passes an input of the
-wrong width, which torchtp's layer rejects on that rank only); the run then
+raises RuntimeError; with ``--fail-how input`` it passes an input of the
+wrong width, which torchtp's layer rejects on that rank only; with ``exit`` it
+calls ``sys.exit(1)``); the run then
 passes when rank R exits with 1 and the other ranks report an error naming
 rank R, all within ``--deadline`` seconds (no rank waits for a timeout).
 "lag" is the time between the first and the last process exit of a run.
@@ -47,6 +48,9 @@ with torch.no_grad():
             x = torch.randn(2, 31)  # wrong input on this rank only
         if failing and step == 1 and how == "raise":
             raise RuntimeError("boom")  # after the first all-reduce
+        if failing and step == 1 and how == "exit":
+            print("bad batch: exiting", file=sys.stderr)
+            sys.exit(1)  # no exception reaches sys.excepthook
         y = tp(x)
 print("ok", float(y.sum()))
 """
@@ -101,8 +105,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--fail-rank", type=int, default=-1)
-    ap.add_argument("--fail-how", choices=["raise", "input"], default="raise",
-                    help="the failing rank raises RuntimeError, or passes a wrong input width")
+    ap.add_argument("--fail-how", choices=["raise", "input", "exit"], default="raise",
+                    help="the failing rank raises RuntimeError, passes a wrong input width, "
+                    "or calls sys.exit(1)")
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds per run")
     args = ap.parse_args()
     outcomes: Counter[str] = Counter()

@@ -209,8 +209,9 @@ def _check_failures(st: GroupState, n: int, checking: bool) -> None:
     for rank, m, kind, msg in _failure_records(st):
         if rank == st.rank:
             continue
-        if kind == "died":
-            st.poisoned = inconsistent(rank, f"rank {rank} exited with {msg}")
+        if kind in ("died", "exit"):
+            st.poisoned = inconsistent(rank, f"rank {rank} exited with {msg}" if kind == "died"
+                                       else f"rank {rank} reached the end of its program")
             raise InconsistentGroupError(st.poisoned)
         if checking and m == n:
             # That rank raised instead of collective n; so does this one.
@@ -264,7 +265,7 @@ def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor) -> 
         _wait_converting(work, st, n)
         return
     while not _waited(work, st, n):
-        _answer_store(st, n, op, tensor)
+        _answer_store(st, n, op, tensor, work)
 
 
 def _waited(work: Any, st: GroupState, n: int) -> bool:
@@ -278,6 +279,15 @@ def _waited(work: Any, st: GroupState, n: int) -> bool:
         return False
 
 
+def _waited_grace(work: Any, st: GroupState, n: int, seconds: float = 1.0) -> bool:
+    """Give ``work`` ``seconds`` more: a rank that has left may have sent its last data."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _waited(work, st, n):
+            return True
+    return False
+
+
 def _wait_converting(work: Any, st: GroupState, n: int) -> None:
     try:
         work.wait()
@@ -285,10 +295,15 @@ def _wait_converting(work: Any, st: GroupState, n: int) -> None:
         raise_converted(st, f"collective {n}", err)
 
 
-def _answer_store(st: GroupState, n: int, op: str, tensor: torch.Tensor) -> None:
-    """(Blocked in collective ``n``) react to another rank's failure or shape check."""
+def _answer_store(st: GroupState, n: int, op: str, tensor: torch.Tensor, work: Any) -> None:
+    """(Blocked in collective ``n``) react to another rank's failure, exit or shape check."""
     for rank, m, kind, msg in _failure_records(st):
-        if rank != st.rank and (kind == "died" or m >= n):
+        if kind == "exit" and rank != st.rank and not _waited_grace(work, st, n):
+            st.poisoned = inconsistent(rank, f"rank {rank} reached the end of its program "
+                                       f"(or called sys.exit) while this rank waits in "
+                                       f"torchtp collective {n}")
+            raise InconsistentGroupError(st.poisoned)
+        if rank != st.rank and (kind == "died" or (kind == "fail" and m >= n)):
             if kind == "fail":
                 st.store.set(f"torchtp/ack/{m}/{st.rank}", "in flight")
             st.poisoned = inconsistent(rank, f"rank {rank} raised {msg}" if kind == "fail"
@@ -346,6 +361,8 @@ def exit_barrier(group: ProcessGroup | None, timeout: float) -> bool:
         True when every rank arrived.
     """
     st = state(group)
+    # Ranks still waiting in a collective learn that this one will never enter it.
+    post(st, st.seq, "exit", "normal exit")
     st.store.add("torchtp/exit", 1)
     deadline = time.monotonic() + timeout
     delay = 0.001

@@ -234,15 +234,19 @@ def exit_loop(tmp_path_factory: pytest.TempPathFactory) -> object:
         if os.pathsep in os.environ["PYTHONPATH"] else ""
 
 
-@pytest.mark.parametrize("how", ["raise", "input"])
+@pytest.mark.parametrize("how", ["raise", "input", "exit"])
 def test_a_rank_that_raises_exits_at_once_and_the_others_name_it(exit_loop, how):
     """torchrun-style processes (init_tensor_parallel, torchtp's exit handler), not the harness."""
     codes, lag, tails = exit_loop.one_run(2, 1, how, deadline=120)
     assert codes == [1, 1], tails
-    assert "RuntimeError: boom" in tails[1] if how == "raise" else "ValueError" in tails[1]
+    # With sys.exit(1) rank 1's exit handler ends its bounded wait for rank 0 early.
+    expected = {"raise": "RuntimeError: boom", "input": "ValueError",
+                "exit": "exiting without waiting for them"}
+    assert expected[how] in tails[1], tails
     assert "InconsistentGroupError" in tails[0] and INCONSISTENT in tails[0], tails
-    # Rank 0 is told within a few store polls of rank 1's exit (not after a timeout).
-    assert lag < 5, (lag, tails)
+    # Told within a few store polls of rank 1's exit, not after the 300 s timeout
+    # (30 s: process teardown alone takes seconds on a loaded 2-core machine).
+    assert lag < 30, (lag, tails)
 
 
 def test_successful_runs_exit_with_zero(exit_loop):
@@ -250,4 +254,4 @@ def test_successful_runs_exit_with_zero(exit_loop):
     for _ in range(2):
         codes, lag, tails = exit_loop.one_run(2, -1, "raise", deadline=120)
         assert codes == [0, 0], tails
-        assert lag < 5, lag  # the bounded exit barrier waits only for the slower rank
+        assert lag < 30, lag  # the bounded exit barrier waits only for the slower rank
