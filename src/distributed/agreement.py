@@ -10,12 +10,9 @@ same error, naming the ranks and what differs, or all go on.
 from __future__ import annotations
 
 import builtins
-import hashlib
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from . import _health
 from .errors import RankMismatchError
@@ -85,4 +82,3 @@ def _raise_on_mismatch(what: str, prints: list[dict[str, Any]]) -> None:
 def _short(value: Any, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
