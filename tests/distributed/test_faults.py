@@ -26,6 +26,9 @@ from ._models import mlp
 # The ranks' own bound on waiting for each other (TP_TIMEOUT): short, so a
 # missed report shows up as a slow test rather than a 5-minute hang.
 FAST = {"TP_TIMEOUT": "20"}
+# Hard wall-clock bound of each launch (the harness kills ranks still running);
+# the per-fault bounds asserted below are much tighter.
+DEADLINE = 120
 INCONSISTENT = r"a previous error on rank 1 left the tensor-parallel group inconsistent"
 
 
@@ -86,8 +89,7 @@ def _recoverable_faults(rank: int, world: int) -> dict:
 
 
 def test_shape_faults_raise_rank_mismatch_on_every_rank(ranks):
-    start = time.monotonic()
-    results = ranks(_recoverable_faults, 2, env=FAST, gloo_timeout=30)
+    results = ranks(_recoverable_faults, 2, env=FAST, gloo_timeout=30, timeout=DEADLINE)
     for rank, seen in enumerate(results):
         kind, msg, took = seen["seeds"]  # per-rank seeds: shards of different models
         assert kind == "RankMismatchError" and "(sampled digest; ranks built with different " \
@@ -106,7 +108,6 @@ def test_shape_faults_raise_rank_mismatch_on_every_rank(ranks):
         kind, msg, took = seen["after"]
         assert kind == "InconsistentGroupError" and "left the tensor-parallel group inconsistent" \
             in msg and took < 1, (rank, seen)
-    assert time.monotonic() - start < 60
 
 
 def _wrong_input_on_rank_1(rank: int, world: int, what: str) -> dict:
@@ -130,7 +131,8 @@ def _wrong_input_on_rank_1(rank: int, world: int, what: str) -> dict:
 
 @pytest.mark.parametrize(("what", "world"), [("width", 2), ("token_id", 2), ("width", 4)])
 def test_wrong_input_on_one_rank_reaches_every_rank(ranks, what, world):
-    results = ranks(_wrong_input_on_rank_1, world, what, env=FAST, gloo_timeout=30)
+    results = ranks(_wrong_input_on_rank_1, world, what, env=FAST, gloo_timeout=30,
+                    timeout=DEADLINE)
     kind, msg, took = results[1]["fault"]
     if what == "width":
         assert kind == "ValueError" and "input last dimension must be 16, got 15" in msg
@@ -157,7 +159,7 @@ def _out_of_range_ids(rank: int, world: int) -> dict:
 
 
 def test_out_of_range_token_ids_raise_index_error_on_every_rank(ranks):
-    for seen in ranks(_out_of_range_ids, 2, env=FAST):
+    for seen in ranks(_out_of_range_ids, 2, env=FAST, timeout=DEADLINE):
         assert seen["high"][:2] == ("IndexError", seen["high"][1])
         assert "token id 10 is out of range for num_embeddings=10" in seen["high"][1]
         assert seen["negative"][0] == "IndexError" and "token id -1" in seen["negative"][1]
@@ -178,7 +180,8 @@ def _save_on_one_rank(rank: int, world: int, out: str) -> dict:
 
 
 def test_save_entered_on_a_subset_raises_there_within_its_timeout(ranks, tmp_path):
-    results = ranks(_save_on_one_rank, 2, str(tmp_path), env=FAST, gloo_timeout=30)
+    results = ranks(_save_on_one_rank, 2, str(tmp_path), env=FAST, gloo_timeout=30,
+                    timeout=DEADLINE)
     for rank, save in ((0, "save_sharded"), (1, "save_pretrained")):
         kind, msg, took = results[rank][save]
         assert kind == "RuntimeError" and f"{save} is collective" in msg, results
@@ -237,7 +240,7 @@ def exit_loop(tmp_path_factory: pytest.TempPathFactory) -> object:
 @pytest.mark.parametrize("how", ["raise", "input", "exit"])
 def test_a_rank_that_raises_exits_at_once_and_the_others_name_it(exit_loop, how):
     """torchrun-style processes (init_tensor_parallel, torchtp's exit handler), not the harness."""
-    codes, lag, tails = exit_loop.one_run(2, 1, how, deadline=120)
+    codes, lag, tails = exit_loop.one_run(2, 1, how, deadline=DEADLINE)
     assert codes == [1, 1], tails
     # With sys.exit(1) rank 1's exit handler ends its bounded wait for rank 0 early.
     expected = {"raise": "RuntimeError: boom", "input": "ValueError",
@@ -252,6 +255,6 @@ def test_a_rank_that_raises_exits_at_once_and_the_others_name_it(exit_loop, how)
 def test_successful_runs_exit_with_zero(exit_loop):
     """A short version of `benchmarks/exit_loop.py --runs 100` (see docs/troubleshooting.md)."""
     for _ in range(2):
-        codes, lag, tails = exit_loop.one_run(2, -1, "raise", deadline=120)
+        codes, lag, tails = exit_loop.one_run(2, -1, "raise", deadline=DEADLINE)
         assert codes == [0, 0], tails
         assert lag < 30, lag  # the bounded exit barrier waits only for the slower rank
