@@ -118,9 +118,23 @@ def _param_bytes(model: nn.Module, layouts: dict[str, list[Any]], tp: int
 
 
 def _shapes(row: dict[str, Any]) -> str:
-    """Rank 0's local weight shape, or every rank's (``a/b/c``) when they differ."""
+    """The local weight shape, or every rank's in rank order when they differ.
+
+    ``a/b/c`` up to 4 ranks; beyond, runs of equal shapes as ``shape*ranks``
+    (``114x256*7/113x256*2``).
+    """
     shapes = ["x".join(map(str, s)) for s in row.get("local_per_rank", [row["local"]])]
-    return shapes[0] if len(set(shapes)) == 1 else "/".join(shapes)
+    if len(set(shapes)) == 1:
+        return shapes[0]
+    if len(shapes) <= 4:
+        return "/".join(shapes)
+    runs: list[list[Any]] = []
+    for shape in shapes:
+        if runs and runs[-1][0] == shape:
+            runs[-1][1] += 1
+        else:
+            runs.append([shape, 1])
+    return "/".join(f"{shape}*{n}" if n > 1 else shape for shape, n in runs)
 
 
 def _grouped(layers: list[dict[str, Any]]) -> list[list[Any]]:
