@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file
 
 import torchtp
@@ -23,6 +22,7 @@ from ._ckpt_checks import check_archs as check_checkpoints
 from ._hf_checks import check_archs
 from ._hf_models import build
 from ._uneven_checks import check_layers
+from .test_checkpoint import _same_state
 from .test_hf_models import EXPECTED_COLLECTIVES
 
 EVEN_COUNTS = {  # one collective per direction, as for sizes that divide
@@ -49,7 +49,7 @@ def test_split_rule_is_balanced_and_matches_tensor_split():
 
 @pytest.mark.parametrize("world_size", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_plain_layers_split_unevenly_match_torch(ranks, world_size):
-    results = ranks(check_layers, world_size)
+    results = ranks(check_layers, world_size, timeout=300)
     for got in results:
         assert got["counts"] == EVEN_COUNTS
         assert got["plan"] == ["colwise", "rowwise", "colwise_gather_output"]
@@ -84,14 +84,6 @@ def test_hf_uneven_matrix(ranks, world_size):
     archs = ["llama-uneven", "qwen2-uneven", "llama-tied-uneven", "gpt2-uneven"]
     results = ranks(check_archs, world_size, archs, 2, timeout=600, gloo_timeout=60)
     assert all(results[0][a]["generated"] == 6 for a in archs)
-
-
-def _same_state(path: str, arch: str) -> None:
-    got = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
-    want = build(arch).state_dict()
-    assert got.keys() == want.keys()
-    for name, t in want.items():
-        assert torch.equal(got[name], t), f"{arch}: {name}"
 
 
 @pytest.mark.parametrize("archs", [
