@@ -80,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     local = sharded_full = replicated = 0
     for name, p in w.base_model.named_parameters():
         module = w.base_model.get_submodule(name.rpartition(".")[0])
-        layout = getattr(module, "tp_layouts", {}).get(name.rpartition(".")[2])
+        layout = torchtp.layouts_of(module).get(name.rpartition(".")[2])
         nbytes = p.numel() * p.element_size()
         local += nbytes
         if layout is None:

@@ -19,7 +19,13 @@ from .collectives import (
     synchronize_across_ranks,
 )
 from .errors import InconsistentGroupError, MissingProcessGroupError, RankMismatchError
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import (
+    ColumnParallelLinear,
+    FeatureParallelEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    layouts_of,
+)
 from .loss import vocab_parallel_cross_entropy
 from .regions import (
     copy_to_tensor_parallel_region,
@@ -57,11 +63,13 @@ __all__ = [
     "CollectiveCounter",
     "ColumnParallelLinear",
     "DistributedModelWrapper",
+    "FeatureParallelEmbedding",
     "InconsistentGroupError",
     "MissingProcessGroupError",
     "RankMismatchError",
     "RowParallelLinear",
     "TensorParallelConfig",
+    "VocabParallelEmbedding",
     "__version__",
     "all_gather",
     "all_reduce_sum",
@@ -73,6 +81,7 @@ __all__ = [
     "get_tensor_parallel_config",
     "grad_norm",
     "init_tensor_parallel",
+    "layouts_of",
     "logger",
     "manual_seed",
     "reduce_from_tensor_parallel_region",

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from . import _health
 from ._logging import debug_enabled, logger
+from .layouts import cut, shard_range, shard_sizes
 from .runtime import ProcessGroup
 
 # New names in torch 2.13; the old ones remain for torch>=2.4.
@@ -154,34 +155,70 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum"
     return all_reduce_(tensor.clone(memory_format=torch.contiguous_format), group, op)
 
 
-def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
-    """Concatenate every rank's equally-shaped ``tensor`` along ``dim`` (fresh tensor)."""
-    size = dist.get_world_size(group)
+def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None,
+               size: int | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (fresh tensor).
+
+    Args:
+        tensor: This rank's shard.
+        dim: The dimension the shards are joined along.
+        group: The process group.
+        size: Full size along ``dim`` when the shards follow the balanced split
+            rule (:func:`torchtp.layouts.shard_sizes`) and may differ by one;
+            ``None`` means equal shards. Uneven shards cost the same single
+            collective: each is padded to the largest, gathered, then narrowed.
+    """
+    world = dist.get_world_size(group)
     dim = dim % tensor.dim()
-    local = tensor.contiguous()
-    # Gather into (size * d0, ...) along dim 0, where collectives are contiguous.
-    out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype,
+    sizes = None if size is None else shard_sizes(size, world)
+    pad = 0 if sizes is None else max(sizes) - tensor.shape[dim]
+    local = tensor
+    if pad:  # pad this shard to the largest so every rank sends the same shape
+        widths = list(tensor.shape)
+        widths[dim] = pad
+        local = torch.cat([tensor, tensor.new_zeros(widths)], dim)
+    local = local.contiguous()
+    # Gather into (world * d0, ...) along dim 0, where collectives are contiguous.
+    out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype,
                       device=local.device)
     n = record("all_gather", local, group)
     work = gather_single(out, local, group=group, async_op=n is not None)
     _finish(work, n, "all_gather", local, group)
-    if dim == 0:
+    if dim == 0 and sizes is None:
         return out
-    return torch.cat(out.chunk(size, dim=0), dim=dim)
+    chunks = out.chunk(world, dim=0)
+    if sizes is not None:
+        chunks = tuple(c.narrow(dim, 0, n) for c, n in zip(chunks, sizes, strict=True))
+    return torch.cat(chunks, dim=dim)
 
 
 def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
-    """Sum ``tensor`` across ``group`` and return this rank's chunk along ``dim``."""
-    size = dist.get_world_size(group)
+    """Sum ``tensor`` across ``group`` and return this rank's share along ``dim``.
+
+    Shares follow the balanced split rule (:func:`torchtp.layouts.shard_sizes`);
+    uneven ones cost the same single collective (each share padded to the largest).
+    """
+    world = dist.get_world_size(group)
     dim = dim % tensor.dim()
-    # Put the scattered dim first so each rank's chunk is contiguous.
-    full = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
-    out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=full.dtype,
+    sizes = shard_sizes(tensor.shape[dim], world)
+    # Put the scattered dim first so each rank's share is contiguous.
+    full = tensor.movedim(dim, 0) if dim else tensor
+    if len(set(sizes)) > 1:
+        step = max(sizes)
+        padded = full.new_zeros((world * step, *full.shape[1:]))
+        start = 0
+        for i, share in enumerate(sizes):
+            padded[i * step:i * step + share] = full[start:start + share]
+            start += share
+        full = padded
+    full = full.contiguous()
+    out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype,
                       device=full.device)
     n = record("reduce_scatter", full, group)
     work = reduce_scatter_single(out, full, group=group, async_op=n is not None)
     _finish(work, n, "reduce_scatter", full, group)
-    return out.movedim(0, dim).contiguous() if dim != 0 else out
+    out = out[:sizes[dist.get_rank(group)]]
+    return out.movedim(0, dim).contiguous() if dim else out
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
@@ -195,13 +232,12 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> tor
 
 
 def split(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
-    """Return chunk ``rank`` of ``size`` equal chunks of ``tensor`` along ``dim``.
+    """Return rank ``rank``'s share of ``tensor`` along ``dim`` (balanced split rule).
 
-    The result is contiguous; it is a view (no copy) when the chunk already is,
+    The result is contiguous; it is a view (no copy) when the share already is,
     which autograd handles, so no caller ever writes into it.
     """
-    n = tensor.shape[dim] // size
-    return tensor.narrow(dim, rank * n, n).contiguous()
+    return cut(tensor, dim, (shard_range(tensor.shape[dim], size, rank),)).contiguous()
 
 
 REDUCE_OPS = {

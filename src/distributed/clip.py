@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _comm
+from .layers import layouts_of
 from .layouts import ParamLayout
 from .runtime import ProcessGroup, get_tensor_parallel_config, group_size
 
@@ -37,7 +38,7 @@ Params = torch.Tensor | Iterable[torch.Tensor] | nn.Module
 
 # Wrapped models whose layouts describe their parameters (weak: models die freely).
 _MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-# module -> (its tp_layouts dict, {attr: ranks holding each segment}); recomputed
+# module -> (its layouts dict (layouts_of), {attr: ranks holding each segment}); recomputed
 # when the dict is replaced (loading, resharding).
 _COUNTS: weakref.WeakKeyDictionary[nn.Module, tuple[object, dict[str, tuple[int, ...]]]] = (
     weakref.WeakKeyDictionary())
@@ -46,11 +47,6 @@ _COUNTS: weakref.WeakKeyDictionary[nn.Module, tuple[object, dict[str, tuple[int,
 def track(model: nn.Module) -> None:
     """Record a wrapped model so :func:`grad_norm` finds its parameters' layouts."""
     _MODELS.add(model)
-
-
-def layouts_of(module: nn.Module) -> dict[str, ParamLayout]:
-    """The layouts a module's parameters carry (empty: all replicated)."""
-    return getattr(module, "tp_layouts", None) or {}
 
 
 @dataclass(frozen=True)

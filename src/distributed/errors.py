@@ -29,13 +29,3 @@ def launch_hint(world_size: int) -> str:
         f"launch one process per rank, e.g. `torchrun --nproc-per-node {world_size} script.py`, "
         "and call torchtp.init_tensor_parallel() before building parallel layers"
     )
-
-
-def valid_sizes(*dims: int, limit: int = 64) -> list[int]:
-    """Return the tp sizes in ``1..limit`` that divide every one of ``dims``.
-
-    Args:
-        *dims: Dimension sizes that must all be divisible by the tp size.
-        limit: Largest tp size to list.
-    """
-    return [n for n in range(1, limit + 1) if all(d % n == 0 for d in dims)]

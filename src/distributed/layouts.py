@@ -1,17 +1,84 @@
-"""How a rank's local parameter maps onto the full (checkpoint) tensor.
+"""Which slice of the full tensor each rank holds: the split rule, the cutter, the layouts.
 
-A :class:`ParamLayout` is attached to every parameter of a sharded module
-(``module.tp_layouts[name]``). Loading reads only ``segments`` of the
-checkpoint tensor, saving writes them back, and resharding recomputes them
-for another tp size. Segments cover packed projections (one range per fused
-part) and replicated KV heads (several ranks hold the same range).
+Everything in torchtp that splits a dimension over ranks asks this module:
+
+* :func:`shard_range` / :func:`shard_sizes` - **the one split rule**. A size
+  of ``n`` units (rows, columns, heads, KV groups, vocabulary ids) is split
+  over ``tp`` ranks *balanced*: every rank gets ``n // tp`` units and the first
+  ``n % tp`` ranks one more, so shares differ by at most one unit. When ``tp``
+  divides ``n`` this is the usual equal split.
+* :func:`cut` - **the one shard cutter**: ``segments`` of a tensor along a
+  dimension (layers, styles, checkpoints and the scatter collective use it).
+* :func:`valid_sizes` - **the one valid-sizes function**: the tp sizes that give
+  every rank at least one unit of every split dimension.
+* :class:`ParamLayout` - how one parameter maps onto the full (checkpoint)
+  tensor. Parallel layers own theirs (:func:`torchtp.layers.layouts_of`);
+  loading reads only ``segments`` of the checkpoint tensor, saving writes them
+  back, and resharding recomputes them for another tp size. Segments also
+  cover packed projections (one range per fused part) and replicated KV heads
+  (several ranks hold the same range).
+
+Why balanced rather than ``torch.chunk`` (which DTensor's ``Shard`` follows,
+``ceil(n / tp)`` per rank with the remainder on the last ranks): ``chunk``
+gives 97 rows over 4 ranks as 25/25/25/22 and 5 heads over 4 ranks as
+2/2/1/0 (an empty rank), while balanced gives 25/24/24/24 and 2/1/1/1. The
+largest shard, which sets memory and step time, is never bigger than
+``chunk``'s, and no rank is empty while ``tp <= n``. torchtp checkpoints
+record every rank's ``(start, length)`` segments, so they do not depend on
+the rule (see docs/decisions.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+MAX_TP = 64  # largest tp size listed by valid_sizes (messages, `torchtp plan`)
+
+Segments = tuple[tuple[int, int], ...]
+
+
+def shard_sizes(size: int, parts: int) -> list[int]:
+    """Units per rank when ``size`` units are split over ``parts`` ranks (balanced).
+
+    Example:
+        >>> shard_sizes(10, 4)
+        [3, 3, 2, 2]
+    """
+    base, extra = divmod(size, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def shard_range(size: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:
+    """``(start, length)`` of rank ``index``'s share of ``size`` units, in elements.
+
+    Args:
+        size: Number of units to split (rows, heads, KV groups...).
+        parts: Number of ranks.
+        index: This rank.
+        unit: Elements per unit (e.g. ``head_dim`` rows per head).
+    """
+    base, extra = divmod(size, parts)
+    start = index * base + min(index, extra)
+    return start * unit, (base + (1 if index < extra else 0)) * unit
+
+
+def valid_sizes(*units: int, limit: int = MAX_TP) -> list[int]:
+    """The tp sizes in ``1..limit`` that give every rank at least one of each of ``units``.
+
+    Any size at most the smallest of ``units`` works: the split is balanced
+    (:func:`shard_sizes`), so no size has to divide.
+    """
+    top = min([limit, *units])
+    return list(range(1, top + 1))
+
+
+def cut(t: torch.Tensor, dim: int, segments: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``segments`` of ``t`` along ``dim``, concatenated (a view when there is one segment)."""
+    parts = [t.narrow(dim, s, n) for s, n in segments]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 @dataclass(frozen=True)
@@ -29,7 +96,7 @@ class ParamLayout:
 
     full_shape: tuple[int, ...]
     dim: int | None = None
-    segments: tuple[tuple[int, int], ...] = ()
+    segments: Segments = ()
     transposed: bool = False
 
     @property
@@ -44,11 +111,7 @@ class ParamLayout:
         """This rank's local tensor cut from the full one (a fresh contiguous copy)."""
         if tuple(full.shape) != self.full_shape:
             raise ValueError(f"expected a tensor of shape {self.full_shape}, got {tuple(full.shape)}")
-        if self.dim is None:
-            local = full.detach()
-        else:
-            parts = [full.detach().narrow(self.dim, s, n) for s, n in self.segments]
-            local = parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
+        local = full.detach() if self.dim is None else cut(full.detach(), self.dim, self.segments)
         if self.transposed:
             local = local.t()
         return local.clone(memory_format=torch.contiguous_format)
@@ -60,14 +123,44 @@ def replicated(shape: torch.Size | tuple[int, ...], transposed: bool = False) ->
     return ParamLayout(full, transposed=transposed)
 
 
-def even_chunks(size: int, parts: int, index: int) -> tuple[int, int]:
-    """``(start, length)`` of chunk ``index`` of ``parts`` equal chunks of ``size``."""
-    n = size // parts
-    return index * n, n
+def split_layout(shape: torch.Size | tuple[int, ...], dim: int, parts: int,
+                 index: int) -> ParamLayout:
+    """Layout of rank ``index``'s balanced share of ``shape`` along ``dim``."""
+    return ParamLayout(tuple(shape), dim, (shard_range(shape[dim], parts, index),))
 
 
-def uneven_chunks(size: int, parts: int, index: int) -> tuple[int, int]:
-    """``(start, length)`` of chunk ``index`` when sizes may differ by at most one."""
-    base, extra = divmod(size, parts)
-    start = index * base + min(index, extra)
-    return start, base + (1 if index < extra else 0)
+def group_share(groups: int, per_group: int, parts: int,
+                index: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Rank ``index``'s units and groups when ``groups`` groups of ``per_group`` units are split.
+
+    The attention rule: query heads come in KV groups (``per_group`` query
+    heads share one KV head) and a rank's query heads must share its KV
+    heads. With ``parts <= groups`` every rank gets a balanced share of whole
+    groups; with more ranks than groups, the ranks are shared out over the
+    groups (balanced) and each group's units are split over its ranks
+    (balanced), so the group is replicated on those ranks.
+
+    Returns:
+        ``((unit start, unit count), (group start, group count))``.
+
+    Example:
+        >>> group_share(2, 7, 4, 1)  # Qwen2-0.5B: 14 heads in 2 KV groups, tp 4
+        ((4, 3), (0, 1))
+    """
+    if parts <= groups:
+        start, n = shard_range(groups, parts, index)
+        return (start * per_group, n * per_group), (start, n)
+    group = next(g for g in range(groups)
+                 if index < sum(shard_range(parts, groups, g)))
+    first, ranks = shard_range(parts, groups, group)
+    start, n = shard_range(per_group, ranks, index - first)
+    return (group * per_group + start, n), (group, 1)
+
+
+def group_ranks(groups: int, parts: int) -> list[list[int]]:
+    """The ranks holding each group when there are more ranks than groups (see :func:`group_share`)."""
+    out = []
+    for g in range(groups):
+        first, n = shard_range(parts, groups, g)
+        out.append(list(range(first, first + n)))
+    return out

@@ -12,8 +12,6 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .errors import valid_sizes
-
 
 def build_mesh(tp_size: int, device_type: str) -> DeviceMesh:
     """A ``(world/tp_size, tp_size)`` mesh named ``("dp", "tp")`` over the default group.
@@ -27,5 +25,6 @@ def build_mesh(tp_size: int, device_type: str) -> DeviceMesh:
     world = dist.get_world_size()
     if not isinstance(tp_size, int) or tp_size < 1 or world % tp_size:
         raise ValueError(f"init_tensor_parallel: tp_size={tp_size!r} must divide the world size "
-                         f"{world}; valid tp_size values: {valid_sizes(world)}")
+                         f"{world}; valid tp_size values: "
+                         f"{[n for n in range(1, world + 1) if world % n == 0]}")
     return init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))

@@ -18,6 +18,10 @@ reduce_from        all-reduce (sum partial outputs)     identity
 scatter_to         split, keep this rank's chunk        all-gather the chunks' grads
 gather_from        all-gather the chunks                split, keep this rank's chunk
 =================  ===================================  ==============================
+
+Chunks follow the balanced split rule (:func:`torchtp.layouts.shard_sizes`):
+a size that does not divide by the group size gives chunks that differ by
+one, still with one collective each (padded to the largest chunk).
 """
 
 from __future__ import annotations
@@ -89,12 +93,12 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
+        ctx.group, ctx.dim, ctx.size = group, dim, x.shape[dim]
         return _comm.split(x, dim, group_rank(group), group_size(group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _comm.all_gather(grad, ctx.dim, ctx.group), None, None
+        return _comm.all_gather(grad, ctx.dim, ctx.group, ctx.size), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -106,14 +110,15 @@ class _GatherFromRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int,
+                size: int | None) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        return _comm.all_gather(x, dim, group)
+        return _comm.all_gather(x, dim, group, size)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         g = ctx.group
-        return _comm.split(grad, ctx.dim, group_rank(g), group_size(g)), None, None
+        return _comm.split(grad, ctx.dim, group_rank(g), group_size(g)), None, None, None
 
 
 class _ReduceScatterRegion(torch.autograd.Function):
@@ -126,12 +131,12 @@ class _ReduceScatterRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
+        ctx.group, ctx.dim, ctx.size = group, dim, x.shape[dim]
         return _comm.reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _comm.all_gather(grad, ctx.dim, ctx.group), None, None
+        return _comm.all_gather(grad, ctx.dim, ctx.group, ctx.size), None, None
 
 
 def _needs_grad(x: torch.Tensor) -> bool:
@@ -175,14 +180,22 @@ def scatter_to_tensor_parallel_region(
 
 
 def gather_from_tensor_parallel_region(
-    x: torch.Tensor, group: ProcessGroup | None, dim: int = -1
+    x: torch.Tensor, group: ProcessGroup | None, dim: int = -1, size: int | None = None
 ) -> torch.Tensor:
-    """Join shards. forward: all-gather along ``dim``; backward: keep own chunk."""
+    """Join shards. forward: all-gather along ``dim``; backward: keep own chunk.
+
+    Args:
+        x: This rank's shard.
+        group: The TP group.
+        dim: Dimension to join along.
+        size: Full size along ``dim`` when shards may differ by one (balanced
+            split rule); ``None`` for equal shards.
+    """
     if group_size(group) == 1:
         return x
     if not _needs_grad(x):
-        return _comm.all_gather(x, dim, group)
-    return _GatherFromRegion.apply(x, group, dim)
+        return _comm.all_gather(x, dim, group, size)
+    return _GatherFromRegion.apply(x, group, dim, size)
 
 
 def reduce_scatter_to_tensor_parallel_region(

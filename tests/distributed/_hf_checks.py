@@ -8,7 +8,7 @@ from torch import nn
 
 import torchtp
 
-from ._hf_models import GENERATES, SEQ2SEQ, VOCAB, build
+from ._hf_models import GENERATES, SEQ2SEQ, build, vocab_of
 
 # Architectures also generating with transformers' StaticCache (GQA with split
 # and, at tp=4 > 2 KV heads, replicated KV heads; per-head q/k norms).
@@ -25,7 +25,7 @@ GRADS = {"rtol": 1e-4, "atol": 1e-5}
 
 def inputs(arch: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (2, 9), generator=gen)
+    ids = torch.randint(3, vocab_of(arch), (2, 9), generator=gen)
     if arch in SEQ2SEQ:
         return {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
     return {"input_ids": ids}
@@ -40,7 +40,7 @@ def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def expected_local(module: nn.Module, pname: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of a full tensor, following the module's recorded layout."""
-    layout = getattr(module, "tp_layouts", {}).get(pname)
+    layout = torchtp.layouts_of(module).get(pname)
     return full if layout is None else layout.take(full)
 
 
@@ -54,7 +54,7 @@ def compare_params(wrapped: nn.Module, ref: nn.Module, grads: bool) -> int:
         assert mine is not None, f"{name} got no gradient"
         torch.testing.assert_close(mine, expected_local(module, name.rpartition(".")[2], full),
                                    **GRADS, msg=lambda m, n=name: f"{n}: {m}")
-        if not getattr(module, "tp_layouts", None):  # replicated: identical on every rank
+        if not torchtp.layouts_of(module):  # replicated: identical on every rank
             first = mine.detach().clone()
             dist.broadcast(first, src=0)
             assert torch.equal(first, mine), f"replicated {name} differs across ranks"

@@ -46,6 +46,7 @@ def build(arch: str, seed: int = 0, **overrides: object) -> nn.Module:
                                     bos_token_id=0, eos_token_id=1, pad_token_id=2),
     }
     configs.update(_more_configs(tf))
+    configs.update(_uneven_configs(tf))
     config = configs[arch]()
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -97,6 +98,38 @@ def _more_configs(tf: object) -> dict:
     }
 
 
+def _uneven_configs(tf: object) -> dict:
+    """Sizes that divide by neither 3 nor 4: vocab 97, hidden 70/55, intermediate 98.
+
+    Llama: 10 query heads in 2 KV groups (tp 3: KV heads replicated, query heads 3/2/5;
+    tp 4: 3/2/3/2); Qwen2-0.5B's 14 heads / 2 KV heads; a tied Llama with 7 heads
+    (3/2/2, 2/2/2/1) and its embedding + LM head split by vocabulary; GPT-2: Conv1D,
+    packed q|k|v, 5 heads (2/2/1, 2/1/1/1).
+    """
+    c = {"vocab_size": 97, "hidden_size": 70, "intermediate_size": 98, "num_hidden_layers": 2,
+         "max_position_embeddings": 64}
+    return {
+        "llama-uneven": lambda: tf.LlamaConfig(**c, num_attention_heads=10, num_key_value_heads=2,
+                                               head_dim=8),
+        "qwen2-uneven": lambda: tf.Qwen2Config(**c, num_attention_heads=14, num_key_value_heads=2,
+                                               head_dim=6),
+        "llama-tied-uneven": lambda: tf.LlamaConfig(**c, num_attention_heads=7,
+                                                    num_key_value_heads=7,
+                                                    tie_word_embeddings=True),
+        "gpt2-uneven": lambda: tf.GPT2Config(vocab_size=97, n_embd=55, n_layer=2, n_head=5,
+                                             n_inner=98, n_positions=64, bos_token_id=0,
+                                             eos_token_id=1),
+    }
+
+
+UNEVEN_VOCAB = 97
+
+
+def vocab_of(arch: str) -> int:
+    """The vocabulary size of ``arch`` (input ids must stay below it)."""
+    return UNEVEN_VOCAB if arch.endswith("-uneven") else VOCAB
+
+
 SEQ2SEQ = {"t5", "bart"}
 MASKED = {"bert", "roberta", "distilbert", "electra"}
 
@@ -104,4 +137,5 @@ MASKED = {"bert", "roberta", "distilbert", "electra"}
 GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "opt",
              "gemma", "gpt_bigcode", "gemma2", "starcoder2", "olmo", "olmo2", "granite", "cohere",
              "phi", "stablelm", "mistral-mqa", "llama-bias", "falcon", "falcon-new", "gptj",
-             "codegen", "bloom", "mpt", "t5", "bart"}
+             "codegen", "bloom", "mpt", "t5", "bart", "llama-uneven", "qwen2-uneven",
+             "llama-tied-uneven", "gpt2-uneven"}

@@ -96,9 +96,9 @@ def check_num_items(rank: int, world_size: int) -> None:
 
 def cross_entropy_cases(rank: int, world_size: int, vocab: int) -> dict:
     """vocab_parallel_cross_entropy on this rank's balanced slice vs F.cross_entropy."""
-    from torchtp.layouts import uneven_chunks
+    from torchtp.layouts import shard_range
 
-    start, n = uneven_chunks(vocab, world_size, rank)
+    start, n = shard_range(vocab, world_size, rank)
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(3, 5, vocab, generator=gen) * 3  # (B, T, V), same on every rank
     labels = torch.randint(0, vocab, (3, 5), generator=gen)

@@ -92,7 +92,7 @@ def test_torchtitan_attention_splits_whole_heads_and_localizes_head_counts():
     model = DistributedModelWrapper(build("titan"), world_size=4, rank=3)
     attention = model.base_model.layers["0"].attention
     assert (attention.n_heads, attention.n_kv_heads, attention.n_rep) == (1, 1, 1)
-    assert attention.wk.tp_layouts["weight"].segments == ((8, 8),)  # KV head 1 of 2, replicated
+    assert torchtp.layouts_of(attention.wk)["weight"].segments == ((8, 8),)  # KV head 1 of 2, replicated
     assert "whole heads of 'layers.*.attention' (4 heads, 2 KV heads, head_dim 8)" in \
         model.describe_plan()
 
@@ -173,7 +173,7 @@ def test_a_fused_gate_up_is_split_half_by_half():
     model = DistributedModelWrapper(_FusedSwiGLU(), world_size=2, rank=1)
     assert model.resolved_plan.rules == {"w12": "packed_colwise", "w3": "rowwise"}
     # rank 1 keeps rows 16..31 of the gate half and 48..63 of the up half
-    assert model.base_model.w12.tp_layouts["weight"].segments == ((16, 16), (48, 16))
+    assert torchtp.layouts_of(model.base_model.w12)["weight"].segments == ((16, 16), (48, 16))
     assert "two stacked halves, e.g. a fused gate|up" in model.describe_plan()
 
 
@@ -197,5 +197,5 @@ def test_the_probe_tells_interleaved_from_stacked_fused_qkv():
     torch.manual_seed(0)
     model = DistributedModelWrapper(_InterleavedQKV(), world_size=2, rank=1)
     assert model.resolved_plan.rules == {"qkv": "colwise", "proj": "rowwise"}
-    assert model.base_model.qkv.tp_layouts["weight"].segments == ((24, 24),)  # heads 2 and 3
+    assert torchtp.layouts_of(model.base_model.qkv)["weight"].segments == ((24, 24),)  # heads 2 and 3
     assert model.base_model.num_heads == 2

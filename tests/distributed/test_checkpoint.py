@@ -78,9 +78,9 @@ def test_cli_reshard_and_consolidate(hf_dirs, tmp_path, capsys):
     assert reshard_main([src, r3, "--tp", "4"]) == 0
     assert consolidate_main([r3, hf, "--max-shard-size", "30KB"]) == 0
     _same_state(hf, "gpt2")
-    assert reshard_main([src, str(tmp_path / "bad"), "--tp", "3"]) == 2
+    assert reshard_main([src, str(tmp_path / "bad"), "--tp", "9"]) == 2  # 8 heads
     err = capsys.readouterr().err
-    assert "torchtp reshard: error:" in err and "cannot be resharded to tp=3" in err
+    assert "torchtp reshard: error:" in err and "cannot be resharded to tp=9" in err
     assert "valid" in err
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-m", "torchtp.checkpoint", "consolidate", r3,

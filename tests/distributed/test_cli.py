@@ -59,7 +59,7 @@ def test_plan_table_memory_and_collectives(capsys, tiny_config):
     assert rows["lm_head"] == ["colwise_gather_output", "1", "128x64", "64x64"]
     # 2 per decoder layer + the vocab-parallel embedding's; lm_head gathers its logits
     assert "collectives per forward: 5 x all_reduce, 1 x all_gather" in out
-    assert "valid tp sizes for this model: [1, 2, 4, 8]" in out  # tp=8 replicates KV heads
+    assert "valid tp sizes for this model: [1, 2, 3, 4, 5, 6, 7, 8]" in out  # 8 query heads
     assert "no blockers: tp=2 works" in out
 
 
@@ -75,16 +75,29 @@ def test_plan_json_counts_bytes_per_rank(capsys, tiny_config):
     assert report["param_bytes_per_rank"] == split // 4 + norms
     down = [r for r in report["layers"] if r["module"] == "model.layers.1.mlp.down_proj"]
     assert down == [{"module": "model.layers.1.mlp.down_proj", "style": "rowwise",
-                     "full": [64, 176], "local": [64, 44]}]
+                     "full": [64, 176], "local": [64, 44], "local_per_rank": [[64, 44]] * 4}]
+    assert report["param_bytes_by_rank"] == [split // 4 + norms] * 4
 
 
-def test_plan_lists_blockers_with_valid_sizes(capsys, tiny_config):
+def test_plan_shows_per_rank_sizes_when_tp_does_not_divide(capsys, tiny_config):
     code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "3")
-    assert code == 1
-    assert "BLOCKERS at tp=3" in out
-    kv = [line for line in out.splitlines() if "num_key_value_heads (key/value heads)=4" in line]
-    assert kv and all("world_size=3" in line for line in kv)
-    assert "out_features (weight rows)=176 is not divisible by world_size=3" in out
+    assert code == 0, out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith(("model", "lm"))}
+    # 8 query heads in 4 KV groups of 2: whole groups 2/1/1 -> 4/2/2 heads of 8 rows.
+    assert rows["model.layers.*.self_attn.q_proj"] == ["colwise", "2", "64x64",
+                                                       "32x64/16x64/16x64"]
+    assert rows["model.layers.*.self_attn.o_proj"] == ["rowwise", "2", "64x64",
+                                                       "64x32/64x16/64x16"]
+    assert rows["model.layers.*.mlp.down_proj"] == ["rowwise", "2", "64x176",
+                                                    "64x59/64x59/64x58"]
+    assert rows["lm_head"] == ["colwise_gather_output", "1", "128x64", "43x64/43x64/42x64"]
+    assert "no blockers: tp=3 works" in out
+    code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "9", "--json")
+    report = json.loads(out)
+    assert code == 1 and report["valid_tp_sizes"] == list(range(1, 9))
+    assert any("num_attention_heads (query heads)=8 cannot give each of world_size=9 ranks"
+               in b for b in report["blockers"])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -101,8 +114,8 @@ def test_plan_lists_blockers_with_valid_sizes(capsys, tiny_config):
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["plan", "meta-llama/Llama-3.2-1B", "--tp", "2"], "looks like a Hub id: nothing is downloaded"),
     (["plan", "{cfg}", "--tp", "2", "--plan", "nofile.yaml"], "expected auto, builtin or a plan file"),
-    (["verify", "{cfg}", "--tp", "3"], "tp=3 cannot split"),
-    (["bench", "{cfg}", "--tp", "5"], "valid tp sizes: [1, 2, 4, 8]"),
+    (["verify", "{cfg}", "--tp", "9"], "tp=9 cannot split"),
+    (["bench", "{cfg}", "--tp", "9"], "valid tp sizes: [1, 2, 3, 4, 5, 6, 7, 8]"),
 ])
 def test_bad_arguments_give_a_message_and_status_2(capsys, tiny_config, tmp_path, argv, message):
     bad = tmp_path / "bad"

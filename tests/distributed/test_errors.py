@@ -16,20 +16,20 @@ from ._models import mlp
 VALID_48 = r"valid world sizes: \[1, 2, 3, 4, 6, 8, 12, 16, 24, 48\]"
 
 
-def test_non_divisible_out_features_names_layer_dim_value_size_and_valid_sizes():
+def test_more_ranks_than_out_features_names_layer_dim_value_size_and_valid_sizes():
     with pytest.raises(ValueError, match=(
-            r"RowParallelLinear\(in_features=8, out_features=10\): out_features must be "
-            r"divisible by world_size: out_features=10 \(weight rows\) cannot be split evenly "
-            r"over world_size=3; valid world sizes: \[1, 2, 5, 10\]")):
-        RowParallelLinear(8, 10, world_size=3, rank=0)
+            r"RowParallelLinear\(in_features=8, out_features=3\): out_features=3 cannot give "
+            r"each of world_size=4 ranks at least one weight row; valid world sizes: "
+            r"\[1, 2, 3\]$")):
+        RowParallelLinear(8, 3, world_size=4, rank=0)
 
 
-def test_non_divisible_in_features():
+def test_more_ranks_than_in_features():
     with pytest.raises(ValueError, match=(
-            r"ColumnParallelLinear\(in_features=10, out_features=8\): in_features must be "
-            r"divisible by world_size: in_features=10 \(weight columns\).*world_size=4; "
-            r"valid world sizes: \[1, 2, 5, 10\]")):
-        ColumnParallelLinear(10, 8, world_size=4, rank=0)
+            r"ColumnParallelLinear\(in_features=2, out_features=8\): in_features=2 cannot give "
+            r"each of world_size=4 ranks at least one weight column; valid world sizes: "
+            r"\[1, 2\]$")):
+        ColumnParallelLinear(2, 8, world_size=4, rank=0)
 
 
 def test_rank_outside_world():
@@ -81,12 +81,13 @@ def test_plan_style_on_a_non_linear_module():
         DistributedModelWrapper(mlp(), world_size=2, rank=0, plan={"1": "colwise"})
 
 
-def test_explicit_plan_non_divisible():
+def test_explicit_plan_with_more_ranks_than_rows():
+    model = nn.Sequential(nn.Linear(16, 3), nn.ReLU(), nn.Linear(3, 16))
     with pytest.raises(ValueError, match=(
-            r"Sequential: module '0' \(style 'colwise'\): out_features \(weight rows\)=64 is "
-            r"not divisible by world_size=3; valid world sizes for this model: "
-            r"\[1, 2, 4, 8, 16, 32, 64\]; or mark the module 'replicate' in the plan")):
-        DistributedModelWrapper(mlp(), world_size=3, rank=0, plan={"0": "colwise"})
+            r"Sequential: module '0' \(style 'colwise'\): out_features \(weight rows\)=3 "
+            r"cannot give each of world_size=4 ranks at least one; valid world sizes for this "
+            r"model: \[1, 2, 3\]; or mark the module 'replicate' in the plan")):
+        DistributedModelWrapper(model, world_size=4, rank=0, plan={"0": "colwise"})
 
 
 def _layer_errors(rank: int, world_size: int) -> float:
@@ -99,8 +100,8 @@ def _layer_errors(rank: int, world_size: int) -> float:
             rf"world_size=4 does not match the process group size {world_size}.*"
             "world_size must match across all ranks")):
         RowParallelLinear(8, 8, world_size=4)
-    with pytest.raises(ValueError, match=r"out_features=7 .* valid world sizes: \[1, 7\]"):
-        RowParallelLinear(8, 7)
+    with pytest.raises(ValueError, match=r"out_features=1 .* valid world sizes: \[1\]"):
+        RowParallelLinear(8, 1)
     # The errors above were raised before any collective: ranks are still in step.
     return torchtp.all_reduce_sum(torch.ones(1)).item()
 

@@ -70,19 +70,21 @@ def _scaled(rank: int, world_size: int) -> list[str]:
     wrapped = torchtp.DistributedModelWrapper(nn.Sequential(ScaledEmbedding(10, 4, padding_idx=7)),
                                               plan={"0": "embedding_rowwise"})
     emb = wrapped.base_model[0]
-    assert type(emb) is ScaledEmbedding
+    # Its own class's forward (the scale) runs inside the vocabulary split.
+    assert isinstance(emb, ScaledEmbedding) and isinstance(emb, torchtp.layers.VocabSplit)
+    assert type(emb).__name__ == "VocabParallelScaledEmbedding"
     ids = torch.tensor([[0, 3, 7, 9], [5, 5, 1, 2]])
     out = wrapped(ids)
     torch.testing.assert_close(out, ref(ids))
     out.square().sum().backward()
     ref(ids).square().sum().backward()
-    layout = emb.tp_layouts["weight"]
+    layout = torchtp.layouts_of(emb)["weight"]
     torch.testing.assert_close(emb.weight.grad, layout.take(ref.weight.grad))
     return [wrapped.parallelized_layers, list(layout.segments)]
 
 
 def test_embedding_subclass_that_commutes_is_split_in_place(ranks):
-    # The module keeps its own forward (the scale) and its class; ids are mapped by hooks.
+    # The module keeps its own forward (the scale) and is split in place (same object).
     got = ranks(_scaled, 4)
     assert [g[0] for g in got] == [["0"]] * 4
     assert [g[1] for g in got] == [[(0, 3)], [(3, 3)], [(6, 2)], [(8, 2)]]

@@ -45,7 +45,7 @@ def test_plan_sources_and_printing():
     assert row.split() == ["model.layers.*.self_attn.k_proj", "colwise", "2", "(e.g.",
                            "model.layers.0.self_attn.k_proj)"]
     assert llama.resolved_plan.rules["lm_head"] == "colwise_gather_output"
-    assert llama.valid_world_sizes == [1, 2, 4, 8]
+    assert llama.valid_world_sizes == list(range(1, 9))  # at least one of 8 query heads per rank
     gpt2 = torchtp.DistributedModelWrapper(build("gpt2"), world_size=2, rank=0)
     assert gpt2.resolved_plan.source == "torchtp built-in plan for 'gpt2'"
     assert "transformer.h.*.attn.c_attn" in gpt2.resolved_plan.rules
@@ -94,31 +94,37 @@ def test_bad_plan_files(tmp_path):
         torchtp.DistributedModelWrapper(model, world_size=2, rank=0, plan=wrong)
 
 
-def test_non_divisible_heads_raise_at_wrap_time_with_valid_sizes():
+def test_more_ranks_than_heads_raise_at_wrap_time_with_valid_sizes():
     model = build("llama")
     with pytest.raises(ValueError, match=(
             r"LlamaForCausalLM: module 'model.layers.0.self_attn.q_proj' \(style 'colwise'\): "
-            r"num_attention_heads \(query heads\)=8 is not divisible by world_size=3 .*"
-            r"valid world sizes for this model: \[1, 2, 4, 8\]")):
-        torchtp.DistributedModelWrapper(model, world_size=3, rank=0)
+            r"num_attention_heads \(query heads\)=8 cannot give each of world_size=9 ranks at "
+            r"least one .*valid world sizes for this model: \[1, 2, 3, 4, 5, 6, 7, 8\]")):
+        torchtp.DistributedModelWrapper(model, world_size=9, rank=0)
     # Nothing was touched: the model is still whole and usable.
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 
 
-def test_tp_above_kv_heads_must_be_a_multiple():
+@pytest.mark.parametrize("tp,rank,kv_rows,q_heads", [
+    # 12 query heads in 3 KV groups of 4. tp 6: every KV head on 2 ranks, 2 query heads each.
+    (6, 5, (16, 8), 2),
+    # tp 4: ranks are shared out over the KV heads 2/1/1; KV head 0's 4 query heads split 2/2.
+    (4, 1, (0, 8), 2),
+    (4, 3, (16, 8), 4),
+    # tp 2: whole KV groups, uneven (2 groups / 1 group).
+    (2, 1, (16, 8), 4),
+])
+def test_kv_groups_stay_together_and_kv_heads_replicate_when_fewer(tp, rank, kv_rows, q_heads):
     sizes = {"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 96,
              "intermediate_size": 192, "vocab_size": 192}
-    with pytest.raises(ValueError, match=(
-            r"'model.layers.0.self_attn.k_proj' \(style 'colwise'\): num_key_value_heads "
-            r"\(key/value heads\)=3 is neither divisible by world_size=4 nor a divisor of it.*"
-            r"valid world sizes for this model: \[1, 3, 6, 12\]")):
-        torchtp.DistributedModelWrapper(build("llama", **sizes), world_size=4, rank=0)
-    # tp=6 is a multiple of 3 KV heads: each KV head is replicated on 2 ranks.
-    ok = torchtp.DistributedModelWrapper(build("llama", **sizes), world_size=6, rank=5)
-    k_proj = ok.base_model.model.layers[0].self_attn.k_proj
-    assert k_proj.weight.shape == (8, 96)  # one whole KV head (head_dim 8)
-    assert k_proj.tp_layouts["weight"].segments == ((16, 8),)  # rank 5 uses KV head 2
-    assert ok.base_model.model.layers[0].self_attn.num_key_value_groups == 2
+    ok = torchtp.DistributedModelWrapper(build("llama", **sizes), world_size=tp, rank=rank)
+    attn = ok.base_model.model.layers[0].self_attn
+    assert torchtp.layouts_of(attn.k_proj)["weight"].segments == (kv_rows,)  # head_dim 8
+    kv_heads = kv_rows[1] // 8
+    assert attn.q_proj.weight.shape == (q_heads * 8, 96)
+    assert attn.o_proj.weight.shape == (96, q_heads * 8)  # o_proj columns follow the q heads
+    assert attn.num_key_value_groups == q_heads // kv_heads
+    assert attn.config.num_attention_heads == q_heads
 
 
 def test_unknown_and_moe_styles_are_refused_not_replicated():

@@ -42,8 +42,10 @@ def test_each_style_plans_its_module_once_then_applies_that_plan():
     swapped = Colwise().apply(linear, layer, ctx)
     torch.testing.assert_close(swapped.weight, linear.weight[3:])  # rank 1's rows, exact copy
     torch.testing.assert_close(swapped.bias, linear.bias[3:])
-    at_four = Colwise().plan(linear, "fc", ShardContext(4, 0, None))
-    assert not at_four.fits(4) and at_four.layouts == {} and at_four.local == ()
+    at_four = Colwise().plan(linear, "fc", ShardContext(4, 3, None))  # 6 rows: 2/2/1/1
+    assert at_four.fits(4) and at_four.local == (1, 8)
+    at_seven = Colwise().plan(linear, "fc", ShardContext(7, 0, None))
+    assert not at_seven.fits(7) and at_seven.layouts == {} and at_seven.local == ()
 
 
 def test_resolve_plan_collects_problems_when_not_strict():
@@ -54,7 +56,7 @@ def test_resolve_plan_collects_problems_when_not_strict():
         resolve_plan(model, plan, ctx)
     lenient = resolve_plan(model, plan, ctx, strict=False)
     assert [type(e) for e in lenient.problems] == [TypeError]
-    assert lenient.valid_world_sizes == [1, 2, 3, 6]  # out_features=6 of module '1'
+    assert lenient.valid_world_sizes == [1, 2, 3, 4, 5, 6]  # out_features=6 of module '1'
 
 
 def _imports(path: Path) -> set[str]:

@@ -79,11 +79,12 @@ def test_auto_plan_choices_are_recorded():
 
 def test_unsplittable_layer_stays_replicated_and_says_why(caplog):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7))
+    model = nn.Sequential(nn.Linear(2, 3))  # fewer rows and columns than ranks; 7 over 2 would split 4/3
     with caplog.at_level("INFO", logger="torchtp"):
-        wrapped = DistributedModelWrapper(model, world_size=2, rank=1)
+        wrapped = DistributedModelWrapper(model, world_size=4, rank=1)
     assert wrapped.parallelized_layers == []
-    assert "kept replicated: neither out_features=7 nor in_features=5" in caplog.text
+    assert ("kept replicated: neither out_features=3 nor in_features=2 gives each of "
+            "world_size=4 ranks a share") in caplog.text
 
 
 def test_tied_weights_stay_replicated():

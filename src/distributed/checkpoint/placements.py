@@ -1,7 +1,8 @@
 """Every checkpoint tensor of a (wrapped) model: its name, owners and layout.
 
-Sharded modules carry ``tp_layouts`` (see :mod:`torchtp.layouts`); every
-other parameter and every persistent buffer is replicated. Tied parameters
+Parallel layers own the layouts of their parameters (read with
+:func:`torchtp.layers.layouts_of`, see :mod:`torchtp.layouts`); every other
+parameter and every persistent buffer is replicated. Tied parameters
 (one Parameter object under several names) become one entry whose first
 name is the checkpoint name and whose other names are aliases, as HF saves
 them.
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from .._torch_compat import persistent_buffers
+from ..layers import layouts_of
 from ..layouts import ParamLayout, replicated
 
 
@@ -46,7 +48,7 @@ def placements(model: nn.Module) -> list[Placement]:
     """The model's checkpoint tensors in module order (parameters, then persistent buffers)."""
     by_id: dict[int, Placement] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
-        layouts = getattr(mod, "tp_layouts", {})
+        layouts = layouts_of(mod)
         for attr, p in mod.named_parameters(recurse=False):
             _add(by_id, mod_name, attr, p, layouts.get(attr), True)
         for attr, b in persistent_buffers(mod):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -56,49 +57,84 @@ def analyze(path: str, tp: int, dtype_name: str | None = None,
     except (TypeError, ValueError) as err:
         raise CliError(f"{path}: torchtp cannot plan this model: {err}") from None
     blockers = [str(err) for err in resolved.problems]
-    layers, layouts, found = _layers(resolved, ctx)
+    layers, layouts, found = _layers(model, resolved, ctx)
     blockers += found
     if not blockers:
         try:
             resolve_plan(model, plan, ctx)
         except (TypeError, ValueError) as err:
             blockers = [str(err)]
-    full, local = _param_bytes(model, layouts)
+    full, by_rank = _param_bytes(model, layouts, tp)
     collectives = resolved.collectives()
     return {"path": str(path), "model_type": config.model_type, "tp": tp, "dtype": str(dtype),
             "plan_source": resolved.source, "plan": resolved.rules, "layers": layers,
-            "param_bytes_unsharded": full, "param_bytes_per_rank": local,
+            "param_bytes_unsharded": full, "param_bytes_per_rank": max(by_rank),
+            "param_bytes_by_rank": by_rank,
             "collectives_per_forward": dict(collectives),
             "blockers": list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", b) for b in blockers)),
             "valid_tp_sizes": valid_tp_sizes(resolved.constraints), "notes": resolved.notes}
 
 
-def _layers(resolved: ResolvedPlan, ctx: ShardContext
-            ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
-    """Per-module rows, parameter layouts and the failing constraints at ``ctx.world_size``."""
-    layers, layouts, blockers = [], {}, []
+def _layers(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext
+            ) -> tuple[list[dict[str, Any]], dict[str, list[Any]], list[str]]:
+    """Per-module rows, every rank's parameter layouts and the failing constraints.
+
+    Shares may differ by a row or a head between ranks (balanced split), so
+    each module is planned for every rank: ``local`` is rank 0's weight shape,
+    ``local_per_rank`` every rank's.
+    """
+    modules = dict(model.named_modules())
+    layers: list[dict[str, Any]] = []
+    layouts: dict[str, list[Any]] = {}
+    blockers: list[str] = []
     for name, layer in resolved.layers.items():
         failing = [c.problem(ctx.world_size) for c in layer.constraints
                    if not c.ok(ctx.world_size)]
         blockers += failing
         if failing:
             continue  # shapes and layouts are undefined at this tp size
+        style = resolved.assignments[name]
+        plans = [layer] + [style.plan(modules[name], name, replace(ctx, rank=r))
+                           for r in range(1, ctx.world_size)]
         layers.append({"module": name, "style": layer.style, "full": list(layer.full),
-                       "local": list(layer.local)})
-        layouts.update({f"{name}.{p}": lay for p, lay in layer.layouts.items()})
+                       "local": list(layer.local),
+                       "local_per_rank": [list(p.local) for p in plans]})
+        for p in layer.layouts:
+            layouts[f"{name}.{p}"] = [rank_plan.layouts[p] for rank_plan in plans]
     return layers, layouts, blockers
 
 
-def _param_bytes(model: nn.Module, layouts: dict[str, Any]) -> tuple[int, int]:
-    """(unsharded, per-rank) parameter bytes; tied parameters count once."""
-    full = local = 0
+def _param_bytes(model: nn.Module, layouts: dict[str, list[Any]], tp: int
+                 ) -> tuple[int, list[int]]:
+    """(unsharded, per-rank list) parameter bytes; tied parameters count once."""
+    full, by_rank = 0, [0] * tp
     for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        full += nbytes
-        layout = layouts.get(name)
-        shape = layout.local_shape if layout is not None else tuple(p.shape)
-        local += math.prod(shape) * p.element_size()
-    return full, local
+        full += p.numel() * p.element_size()
+        per_rank = layouts.get(name)
+        for r in range(tp):
+            shape = per_rank[r].local_shape if per_rank is not None else tuple(p.shape)
+            by_rank[r] += math.prod(shape) * p.element_size()
+    return full, by_rank
+
+
+def _shapes(row: dict[str, Any]) -> str:
+    """The local weight shape, or every rank's in rank order when they differ.
+
+    ``a/b/c`` up to 4 ranks; beyond, runs of equal shapes as ``shape*ranks``
+    (``114x256*7/113x256*2``).
+    """
+    shapes = ["x".join(map(str, s)) for s in row.get("local_per_rank", [row["local"]])]
+    if len(set(shapes)) == 1:
+        return shapes[0]
+    if len(shapes) <= 4:
+        return "/".join(shapes)
+    runs: list[list[Any]] = []
+    for shape in shapes:
+        if runs and runs[-1][0] == shape:
+            runs[-1][1] += 1
+        else:
+            runs.append([shape, 1])
+    return "/".join(f"{shape}*{n}" if n > 1 else shape for shape, n in runs)
 
 
 def _grouped(layers: list[dict[str, Any]]) -> list[list[Any]]:
@@ -106,7 +142,7 @@ def _grouped(layers: list[dict[str, Any]]) -> list[list[Any]]:
     groups: dict[tuple[str, str, str, str], int] = {}
     for row in layers:
         key = (re.sub(r"\.\d+\.", ".*.", row["module"]), row["style"],
-               "x".join(map(str, row["full"])), "x".join(map(str, row["local"])))
+               "x".join(map(str, row["full"])), _shapes(row))
         groups[key] = groups.get(key, 0) + 1
     return [[*k[:2], n, *k[2:]] for k, n in groups.items()]
 
@@ -115,10 +151,10 @@ def render(report: dict[str, Any]) -> str:
     """The report as readable text."""
     out = [f"model: {report['path']} ({report['model_type']}), tp={report['tp']}, "
            f"dtype={report['dtype']}",
-           table(["module", "style", "count", "full weight", "local weight"],
+           table(["module", "style", "count", "full weight", "local weight (per rank)"],
                  _grouped(report["layers"])),
            f"plan source: {report['plan_source']}; modules not listed are replicated",
-           f"parameters: {human_bytes(report['param_bytes_per_rank'])} per rank vs "
+           f"parameters: {human_bytes(report['param_bytes_per_rank'])} per rank (largest) vs "
            f"{human_bytes(report['param_bytes_unsharded'])} unsharded "
            f"({report['param_bytes_per_rank'] / max(report['param_bytes_unsharded'], 1):.0%})",
            "collectives per forward: " + (", ".join(

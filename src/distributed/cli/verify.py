@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._comm import count_collectives
-from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..layers import layouts_of
 from ._common import add_rank_options, dump_json, human_bytes, positive_int, progress, table
 from ._launch import launch, pick_backend
 from ._ranks import (
@@ -47,16 +47,8 @@ def register(sub: Any) -> None:
 
 def _shard_of(ref: torch.Tensor, module: nn.Module, pname: str) -> torch.Tensor:
     """The slice of a full reference gradient that this rank's parameter holds."""
-    layout = getattr(module, "tp_layouts", {}).get(pname)
-    if layout is not None:  # recorded by the style that split the module
-        return layout.take(ref)
-    if isinstance(module, RowParallelLinear):
-        n = module.out_features_local
-        return ref.narrow(0, module.rank * n, n)
-    if isinstance(module, ColumnParallelLinear) and pname == "weight":
-        n = module.in_features_local
-        return ref.narrow(1, module.rank * n, n)
-    return ref
+    layout = layouts_of(module).get(pname)
+    return ref if layout is None else layout.take(ref)
 
 
 def _max_err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:

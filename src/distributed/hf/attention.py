@@ -5,10 +5,14 @@ Two steps around the swap:
 1. :func:`split_whole_heads` (while resolving the plan): for every module whose
    query/key/value projections the plan shards, replace their styles by a
    :class:`~torchtp.hf.styles.HeadSplit` that splits whole heads, and say so in
-   the plan's ``why`` (shown by ``describe_plan()``): KV
-   heads are split when tp divides them and replicated on the ranks that use
-   them when tp is a multiple (vLLM's approach); fused ``qkv`` projections are
-   split part by part.
+   the plan's ``why`` (shown by ``describe_plan()``). Whole KV groups (a KV
+   head and its query heads) are shared out balanced when tp is at most the
+   number of KV heads; with more ranks, each KV head is replicated on the
+   ranks that use it and its query heads are split over them (vLLM's
+   approach), see :func:`torchtp.layouts.group_share`. Shares may differ by a
+   head or a KV group: nothing has to divide. Fused ``qkv`` projections are
+   split part by part, and the output projection's input columns follow the
+   same query heads (:class:`~torchtp.hf.styles.HeadColumns`).
 2. :func:`localize_attention` (after the swap): rewrite the attributes the
    module's forward reads (head counts, widths, ``num_key_value_groups`` and a
    per-module view of ``config``) to their local values.
@@ -20,13 +24,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..layouts import group_share
 from ..plans.linear_view import linear_view
 from ..plans.resolved import ResolvedPlan
-from ..plans.styles import Colwise, ShardContext
+from ..plans.styles import Colwise, Rowwise, ShardContext
 from . import compat
 from .compat import HEAD_ATTRS, HEAD_DIM_ATTRS, KV_ATTRS
 from .detect import text_config
-from .styles import HeadSplit, Part
+from .styles import HeadColumns, HeadSplit, Part
 
 
 @dataclass(frozen=True)
@@ -67,18 +72,24 @@ def _is_attention(module: nn.Module) -> bool:
     return "attention" in type(module).__name__.lower() or "attn" in type(module).__name__.lower()
 
 
+def query_part(info: HeadInfo) -> Part:
+    """The query heads as a part split by whole heads, keeping KV groups together."""
+    return Part(info.heads * info.head_dim, info.heads, "num_attention_heads (query heads)",
+                kv_groups=info.kv_heads)
+
+
 def _parts(rows: int, style_name: str, info: HeadInfo) -> tuple[Part, ...] | None:
     """How a projection's output rows map to heads, or None if they do not."""
     h, k, d = info.heads, info.kv_heads, info.head_dim
-    q = Part(h * d, h, "num_attention_heads (query heads)")
-    kv = Part(k * d, k, "num_key_value_heads (key/value heads)", replicable=k < h)
+    q = query_part(info)
+    kv = Part(k * d, k, "num_key_value_heads (key/value heads)", kv_groups=k, is_kv=True)
     if rows == h * d:
         return (q,)
     if rows == k * d:
         return (kv,)
     if rows == (h + 2 * k) * d:
         if style_name == "packed_colwise":  # [q | k | v] stacked
-            return (q, kv, Part(k * d, k, kv.name, replicable=k < h))
+            return (q, kv, kv)
         if k == h:  # per-head interleaved [q k v] groups (GPT-NeoX): whole heads stay together
             return (Part(rows, h, "num_attention_heads (fused q/k/v heads)"),)
     return None
@@ -116,16 +127,36 @@ def split_whole_heads(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInf
                           f"'{parent_name}' ({info.heads} heads, {info.kv_heads} KV heads, "
                           f"head_dim {info.head_dim})")
         found[parent_name] = info
+    _head_columns(plan, modules, found)
     return found
 
 
+def _head_columns(plan: ResolvedPlan, modules: dict[str, nn.Module],
+                  found: dict[str, HeadInfo]) -> None:
+    """Split each head-split attention's output projection by the same whole heads."""
+    for name, style in list(plan.assignments.items()):
+        parent_name = name.rpartition(".")[0]
+        info = found.get(parent_name)
+        view = linear_view(modules[name])
+        if (info is not None and type(style) is Rowwise and not style.split_input
+                and view is not None and view.in_features == info.heads * info.head_dim):
+            plan.assignments[name] = HeadColumns(query_part(info), style.name)
+            plan.why[name] = (f"{plan.why.get(name, style.name)}; input columns by the whole "
+                              f"query heads of attention '{parent_name}'")
+
+
 def localize_attention(model: nn.Module, infos: dict[str, HeadInfo], ctx: ShardContext) -> None:
-    """Set each head-split attention module's head counts and widths to local values."""
+    """Set each head-split attention module's head counts and widths to this rank's values."""
     for name, info in infos.items():
+        local_heads = query_part(info).unit_range(ctx)[1]
+        local_kv = group_share(info.kv_heads, 1, ctx.world_size, ctx.rank)[1][1]
         compat.localize_attention(model.get_submodule(name), info.heads, info.kv_heads,
-                                  info.head_dim, ctx.world_size)
+                                  info.head_dim, local_heads, local_kv)
 
 
-def local_overrides(module: nn.Module, info: HeadInfo, tp: int) -> dict[str, object]:
-    """The attributes of ``module`` to set when its heads are split over ``tp`` ranks."""
-    return compat.local_attention_values(module, info.heads, info.kv_heads, info.head_dim, tp)
+def local_overrides(module: nn.Module, info: HeadInfo, ctx: ShardContext) -> dict[str, object]:
+    """The attributes of ``module`` to set on this rank when its heads are split."""
+    local_heads = query_part(info).unit_range(ctx)[1]
+    local_kv = group_share(info.kv_heads, 1, ctx.world_size, ctx.rank)[1][1]
+    return compat.local_attention_values(module, info.heads, info.kv_heads, info.head_dim,
+                                         local_heads, local_kv)

@@ -58,20 +58,23 @@ WIDTH_ATTRS = ("all_head_size", "split_size", "embed_dim", "inner_dim", "hidden_
 GROUP_ATTRS = ("num_key_value_groups", "n_rep")  # query heads per KV head
 
 
-def localize_attention(module: nn.Module, heads: int, kv_heads: int, head_dim: int, tp: int) -> None:
+def localize_attention(module: nn.Module, heads: int, kv_heads: int, head_dim: int,
+                       local_heads: int, local_kv: int) -> None:
     """Rewrite the head counts and widths ``module``'s forward reads to one rank's values.
 
     Sets every attribute :func:`local_attention_values` names. ``heads`` and
-    ``kv_heads`` are the full counts, ``tp`` the number of ranks the heads are
-    split over; KV heads are replicated when there are fewer than ``tp``.
+    ``kv_heads`` are the full counts, ``local_heads`` and ``local_kv`` this
+    rank's (they may differ between ranks; KV heads are replicated when there
+    are fewer than ranks).
     Checked: transformers 5.3.0, 5.23.0.
     """
-    for attr, value in local_attention_values(module, heads, kv_heads, head_dim, tp).items():
+    for attr, value in local_attention_values(module, heads, kv_heads, head_dim, local_heads,
+                                              local_kv).items():
         setattr(module, attr, value)
 
 
 def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_dim: int,
-                           tp: int) -> dict[str, object]:
+                           local_heads: int, local_kv: int) -> dict[str, object]:
     """The attributes ``module``'s forward reads, with one rank's values.
 
     Every attribute of the families above that holds the full value, the query
@@ -80,31 +83,32 @@ def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_di
     ``self.config.num_attention_heads``; the shared config keeps the full values.
     Checked: transformers 5.3.0, 5.23.0.
     """
-    local_heads = heads // tp
-    local_kv = max(kv_heads // tp, 1)
-    out: dict[str, object] = dict(_local_values(module, heads, kv_heads, head_dim, tp))
+    local = {"heads": local_heads, "kv": local_kv}
+    out: dict[str, object] = dict(_local_values(module, heads, kv_heads, head_dim, local))
     for attr in GROUP_ATTRS:
         if getattr(module, attr, None) == heads // kv_heads:
             out[attr] = local_heads // local_kv
     config = getattr(module, "config", None)
     if config is not None and not isinstance(config, LocalConfig):
-        out["config"] = LocalConfig(config, _local_values(config, heads, kv_heads, head_dim, tp))
+        out["config"] = LocalConfig(config, _local_values(config, heads, kv_heads, head_dim,
+                                                          local))
     return out
 
 
-def _local_values(obj: object, heads: int, kv_heads: int, head_dim: int, tp: int) -> dict[str, int]:
-    """Attributes of ``obj`` holding full head counts/widths -> their local values."""
+def _local_values(obj: object, heads: int, kv_heads: int, head_dim: int,
+                  local: dict[str, int]) -> dict[str, int]:
+    """Attributes of ``obj`` holding full head counts/widths -> this rank's values."""
     width = heads * head_dim
     out: dict[str, int] = {}
     for attr in HEAD_ATTRS:
         if getattr(obj, attr, None) == heads:
-            out[attr] = heads // tp
+            out[attr] = local["heads"]
     for attr in KV_ATTRS:
         if getattr(obj, attr, None) == kv_heads:
-            out[attr] = max(kv_heads // tp, 1)
+            out[attr] = local["kv"]
     for attr in WIDTH_ATTRS:
         if getattr(obj, attr, None) == width:
-            out[attr] = width // tp
+            out[attr] = local["heads"] * head_dim
     return out
 
 

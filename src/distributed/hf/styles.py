@@ -22,32 +22,55 @@ from torch import nn
 
 from ..grad_sync import GradSync, mark
 from ..layers import FeatureParallelEmbedding, VocabParallelEmbedding
-from ..layers.embedding import shard_vocab_in_place
-from ..layouts import ParamLayout, even_chunks, uneven_chunks
+from ..layouts import group_share, shard_range, split_layout
 from ..plans.constraints import Constraint
 from ..plans.fidelity import embedding_splits_exactly
 from ..plans.linear_view import LinearView
-from ..plans.styles import Colwise, LayerPlan, ParallelStyle, ShardContext, attach_layouts
+from ..plans.styles import Colwise, LayerPlan, ParallelStyle, Rowwise, ShardContext
 from .subgroups import sharing_subgroup
 
 
 @dataclass(frozen=True)
 class Part:
-    """One fused part of a projection's output rows: ``size`` rows in ``units`` heads."""
+    """One fused part of a projection's output rows: ``size`` rows in ``units`` heads (or rows).
+
+    Attributes:
+        size: Rows of the part.
+        units: Whole units (heads, or rows) the part is split by.
+        name: The dimension, for messages.
+        kv_groups: For attention heads, the number of KV groups the units fall
+            into (a rank's query heads must share its KV heads); 0 for plain units.
+        is_kv: The part holds one KV head per group (replicated on the ranks
+            that share it when there are more ranks than KV heads).
+    """
 
     size: int
     units: int
     name: str = "part"
-    replicable: bool = False  # may be replicated when tp is a multiple of units
+    kv_groups: int = 0
+    is_kv: bool = False
+
+    @property
+    def replicable(self) -> bool:
+        """KV heads fit any tp: with more ranks than KV heads they are replicated.
+
+        The query heads' part (at least one per rank) sets the real limit.
+        """
+        return self.is_kv
+
+    def unit_range(self, ctx: ShardContext) -> tuple[int, int]:
+        """This rank's ``(first unit, units)`` (whole heads; see :func:`torchtp.layouts.group_share`)."""
+        if not self.kv_groups:
+            return shard_range(self.units, ctx.world_size, ctx.rank)
+        per_group = 1 if self.is_kv else self.units // self.kv_groups
+        units, groups = group_share(self.kv_groups, per_group, ctx.world_size, ctx.rank)
+        return groups if self.is_kv else units
 
     def segment(self, offset: int, ctx: ShardContext) -> tuple[int, int]:
         """This rank's rows of the part, in full-tensor coordinates."""
         unit = self.size // self.units
-        if self.units % ctx.world_size == 0:
-            start, n = even_chunks(self.units, ctx.world_size, ctx.rank)
-            return offset + start * unit, n * unit
-        head = ctx.rank // (ctx.world_size // self.units)
-        return offset + head * unit, unit
+        start, n = self.unit_range(ctx)
+        return offset + start * unit, n * unit
 
 
 class HeadSplit(Colwise):
@@ -84,7 +107,7 @@ class HeadSplit(Colwise):
 
     def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
         where = f"module '{fqn}' (style {self.name!r})"
-        return [Constraint(where, p.name, p.units, allow_multiple=p.replicable)
+        return [Constraint(where, p.name, p.units, replicable=p.replicable)
                 for p in self.parts_for(view.out_features)]
 
     def row_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
@@ -103,7 +126,7 @@ class HeadSplit(Colwise):
         shared, local = [], 0
         segments = layer.layouts["weight"].segments
         for part, (_, n) in zip(self.parts_for(layer.full[0]), segments, strict=True):
-            if part.units % ctx.world_size:
+            if part.is_kv and part.units < ctx.world_size:
                 # A replicated KV head: each rank's gradient covers only its own
                 # query heads; the sum over the ranks sharing the head is exact.
                 shared.append(GradSync(sharing_subgroup(ctx, part.units), (local, n)))
@@ -112,6 +135,34 @@ class HeadSplit(Colwise):
             for name, _ in swapped.named_parameters(recurse=False):
                 mark(swapped, name, tuple(shared))
         return swapped
+
+
+class HeadColumns(Rowwise):
+    """Split an attention output projection's input columns by whole query heads.
+
+    The columns follow the query heads this rank holds (the ``q`` part of the
+    matching :class:`HeadSplit`), which differ from a balanced split of the
+    columns when the heads do not divide by tp.
+
+    Args:
+        heads: The query heads' part (its ``size`` is the projection's in_features).
+        name: The plan style this came from (``"rowwise"``).
+    """
+
+    def __init__(self, heads: Part, name: str = "rowwise") -> None:
+        super().__init__(split_input=False)
+        self.heads = heads
+        self.name = name
+
+    def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
+        return [Constraint(f"module '{fqn}' (style {self.name!r})", self.heads.name,
+                           self.heads.units)]
+
+    def column_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
+        return (self.heads.segment(0, ctx),)
+
+    def detail(self, view: LinearView) -> str:
+        return f"input columns split by whole heads: {self.heads.units} {self.heads.name}"
 
 
 class ReplicatedWithGradAllreduce(ParallelStyle):
@@ -157,23 +208,19 @@ class EmbeddingRowwise(ParallelStyle):
                 "adds work that does not commute with splitting the vocabulary (partial "
                 "lookups would not sum to its output); mark it 'replicate'")
         vocab, dim = emb.weight.shape
-        segment = uneven_chunks(vocab, ctx.world_size, ctx.rank)
-        layouts = {"weight": ParamLayout((vocab, dim), 0, (segment,))}
-        return LayerPlan(fqn, self.name, (), (vocab, dim), (segment[1], dim), layouts,
-                         ("all_reduce",))
+        constraints = (Constraint(f"module '{fqn}' (style {self.name!r})",
+                                  "num_embeddings (weight rows)", vocab),)
+        if vocab < ctx.world_size:
+            return LayerPlan(fqn, self.name, constraints, (vocab, dim),
+                             collectives=("all_reduce",))
+        layout = split_layout((vocab, dim), 0, ctx.world_size, ctx.rank)
+        return LayerPlan(fqn, self.name, constraints, (vocab, dim), layout.local_shape,
+                         {"weight": layout}, ("all_reduce",))
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
-        emb = cast(nn.Embedding, module)
-        layout = layer.layouts["weight"]
-        start = layout.segments[0][0]
-        if type(emb).forward is not nn.Embedding.forward:  # keep the subclass's own forward
-            swapped: nn.Module = shard_vocab_in_place(emb, layout.take(emb.weight), start,
-                                                      ctx.world_size, ctx.group)
-            return attach_layouts(swapped, layer.layouts)
-        swapped = VocabParallelEmbedding(layout.take(emb.weight), emb.num_embeddings, start,
-                                         emb.padding_idx, ctx.world_size, ctx.group,
-                                         emb.weight.requires_grad)
-        return attach_layouts(swapped, layer.layouts)
+        # Subclasses (Gemma's scaled embedding) keep their own forward around the split.
+        return VocabParallelEmbedding.from_embedding(cast(nn.Embedding, module), ctx.world_size,
+                                                     ctx.rank, ctx.group)
 
 
 class EmbeddingColwise(ParallelStyle):
@@ -190,17 +237,13 @@ class EmbeddingColwise(ParallelStyle):
         vocab, dim = emb.weight.shape
         constraints = (Constraint(f"module '{fqn}' (style {self.name!r})",
                                   "embedding_dim (weight columns)", dim),)
-        if dim % ctx.world_size:
+        if dim < ctx.world_size:
             return LayerPlan(fqn, self.name, constraints, (vocab, dim),
                              collectives=("all_gather",))
-        segment = even_chunks(dim, ctx.world_size, ctx.rank)
-        layouts = {"weight": ParamLayout((vocab, dim), 1, (segment,))}
-        return LayerPlan(fqn, self.name, constraints, (vocab, dim), (vocab, segment[1]),
-                         layouts, ("all_gather",))
+        layout = split_layout((vocab, dim), 1, ctx.world_size, ctx.rank)
+        return LayerPlan(fqn, self.name, constraints, (vocab, dim), layout.local_shape,
+                         {"weight": layout}, ("all_gather",))
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
-        emb = cast(nn.Embedding, module)
-        swapped = FeatureParallelEmbedding(layer.layouts["weight"].take(emb.weight),
-                                           emb.padding_idx, ctx.world_size, ctx.group,
-                                           emb.weight.requires_grad)
-        return attach_layouts(swapped, layer.layouts)
+        return FeatureParallelEmbedding.from_embedding(cast(nn.Embedding, module), ctx.world_size,
+                                                       ctx.rank, ctx.group)

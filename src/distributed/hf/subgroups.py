@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..layouts import group_ranks
 from ..plans.styles import ShardContext
 from ..runtime import get_tensor_parallel_config
 
@@ -15,7 +16,9 @@ _CACHE: dict[tuple[int, int, int], dist.ProcessGroup | None] = {}
 def sharing_subgroup(ctx: ShardContext, units: int) -> dist.ProcessGroup | None:
     """The group of ranks that hold the same one of ``units`` replicated heads.
 
-    With tp = ``units * k`` the TP ranks ``h*k .. h*k+k-1`` share head ``h``.
+    The TP ranks are shared out over the heads balanced
+    (:func:`torchtp.layouts.group_ranks`; with tp = ``units * k`` the TP ranks
+    ``h*k .. h*k+k-1`` share head ``h``).
     ``new_subgroups_by_enumeration`` is collective over the whole world, so
     every rank of the world creates the sub-groups of every TP group (all TP
     groups of the ``("dp", "tp")`` mesh), in the same order; all ranks apply
@@ -29,9 +32,8 @@ def sharing_subgroup(ctx: ShardContext, units: int) -> dist.ProcessGroup | None:
         return None
     key = (id(ctx.group), ctx.world_size, units)
     if key not in _CACHE:
-        share = ctx.world_size // units
-        ranks = [tp_ranks[h * share:(h + 1) * share]
-                 for tp_ranks in _all_tp_groups(ctx) for h in range(units)]
+        ranks = [[tp_ranks[i] for i in sharing] for tp_ranks in _all_tp_groups(ctx)
+                 for sharing in group_ranks(units, ctx.world_size)]
         _CACHE[key], _ = dist.new_subgroups_by_enumeration(ranks)
     return _CACHE[key]
 

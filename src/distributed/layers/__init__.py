@@ -1,14 +1,24 @@
-"""Parallel Linear layers (names follow the weight layout ``(out_features, in_features)``)."""
+"""Parallel layers (Linear names follow the weight layout ``(out_features, in_features)``).
+
+Every parallel layer owns the layouts of its parameters (which slice of the
+full tensor it holds); read them with :func:`layouts_of`.
+"""
 
 from __future__ import annotations
 
+from ._base import ShardedModule, layouts_of
 from .column import ColumnParallelLinear
-from .embedding import FeatureParallelEmbedding, VocabParallelEmbedding
+from .embedding import FeatureParallelEmbedding, VocabParallelEmbedding, VocabSplit
+from .parallel_linear import ParallelLinear
 from .row import RowParallelLinear
 
 __all__ = [
     "ColumnParallelLinear",
     "FeatureParallelEmbedding",
+    "ParallelLinear",
     "RowParallelLinear",
+    "ShardedModule",
     "VocabParallelEmbedding",
+    "VocabSplit",
+    "layouts_of",
 ]

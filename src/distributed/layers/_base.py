@@ -1,17 +1,14 @@
-"""What both parallel Linear layers share: group resolution, checks, sharded init."""
+"""What the parallel layers share: group resolution, checks, owned layouts."""
 
 from __future__ import annotations
-
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import MissingProcessGroupError, launch_hint, valid_sizes
+from ..errors import MissingProcessGroupError, launch_hint
+from ..layouts import ParamLayout, replicated, split_layout, valid_sizes
 from ..runtime import ProcessGroup, tp_group
-
-M = TypeVar("M", bound=nn.Module)
 
 
 def resolve_placement(
@@ -48,22 +45,22 @@ def resolve_placement(
     return None, size, me
 
 
-def check_divisible(who: str, dim_name: str, value: int, world_size: int, split: str) -> int:
-    """Return ``value // world_size`` or raise a ValueError listing the valid sizes.
+def check_splittable(who: str, dim_name: str, value: int, world_size: int, unit: str) -> None:
+    """Raise a ValueError listing the valid sizes unless every rank gets one ``unit``.
+
+    Sizes need not divide: the split is balanced (:func:`torchtp.layouts.shard_sizes`).
 
     Args:
         who: Layer description for the message.
         dim_name: Name of the split dimension, e.g. ``"out_features"``.
         value: Its full size.
         world_size: Number of ranks it is split over.
-        split: What is split, e.g. ``"weight rows"``.
+        unit: What one unit is, e.g. ``"weight row"``.
     """
-    if value % world_size:
+    if value < world_size:
         raise ValueError(
-            f"{who}: {dim_name} must be divisible by world_size: {dim_name}={value} "
-            f"({split}) cannot be split evenly over world_size={world_size}; "
-            f"valid world sizes: {valid_sizes(value)}")
-    return value // world_size
+            f"{who}: {dim_name}={value} cannot give each of world_size={world_size} ranks at "
+            f"least one {unit}; valid world sizes: {valid_sizes(value)}")
 
 
 def require_group(who: str, group: ProcessGroup | None, world_size: int) -> ProcessGroup:
@@ -88,27 +85,38 @@ def full_linear(
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
 
 
-def take_shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
-    """Copy rank ``rank``'s chunk of ``t`` along ``dim`` into a new tensor."""
-    n = t.shape[dim] // world_size
-    return t.detach().narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
+class ShardedModule:
+    """Mixin of every module that holds a slice of its full parameters.
 
-
-def new_from_shards(
-    cls: type[M], who: str, weight: torch.Tensor, bias: torch.Tensor | None,
-    world_size: int | None, rank: int | None, group: ProcessGroup | None, requires_grad: bool,
-) -> M:
-    """An instance of ``cls`` holding already-cut tensors, without running ``__init__``.
-
-    ``__init__`` would allocate and initialise the parameters only to throw them
-    away; the caller still sets the layer's shape attributes.
+    ``tp_layouts`` maps each split parameter's name to its
+    :class:`~torchtp.layouts.ParamLayout`; parameters not listed are
+    replicated. The module sets it when it is built and owns it from then on;
+    everyone else reads it through :func:`layouts_of`.
     """
-    layer = cls.__new__(cls)
-    nn.Module.__init__(layer)
-    # The parallel layers declare these attributes; nn.Module's own setattr type does not.
-    layer.group, layer.world_size, layer.rank = resolve_placement(  # type: ignore[assignment]
-        who, world_size, rank, group)
-    layer.weight = nn.Parameter(weight, requires_grad=requires_grad)
-    layer.bias = None if bias is None else nn.Parameter(  # type: ignore[assignment]
-        bias, requires_grad=requires_grad)
-    return layer
+
+    tp_layouts: dict[str, ParamLayout]
+
+
+def layouts_of(module: nn.Module) -> dict[str, ParamLayout]:
+    """Which slice of the full tensor each of ``module``'s own parameters holds.
+
+    Returns:
+        ``{parameter name: ParamLayout}`` for the split parameters of a parallel
+        layer (empty for any other module: its parameters are replicated).
+    """
+    # The layer's own dict (not a copy): callers may cache by identity; never mutate it.
+    return module.tp_layouts if isinstance(module, ShardedModule) else {}
+
+
+def linear_layouts(in_features: int, out_features: int, bias: bool, dim: int, world_size: int,
+                   rank: int) -> dict[str, ParamLayout]:
+    """Layouts of rank ``rank``'s balanced share of a ``(out, in)`` Linear split along ``dim``.
+
+    ``dim`` 0 splits weight rows (out_features, the bias follows); 1 splits
+    weight columns (in_features, the bias stays whole).
+    """
+    out = {"weight": split_layout((out_features, in_features), dim, world_size, rank)}
+    if bias:
+        out["bias"] = (split_layout((out_features,), 0, world_size, rank) if dim == 0
+                       else replicated((out_features,)))
+    return out

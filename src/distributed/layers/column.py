@@ -2,32 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..devices import default_device
+from ..layouts import ParamLayout
 from ..regions import rank_local_error, reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region
 from ..runtime import ProcessGroup
 from ..sequence_parallel import reduce_scatter_to_sequence_shards
-from ._base import (
-    check_divisible,
-    full_linear,
-    new_from_shards,
-    require_group,
-    resolve_placement,
-    take_shard,
-)
+from ._base import require_group
 from ._shape import input_mismatch
+from .parallel_linear import ParallelLinear
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ParallelLinear):
     """A Linear whose weight *columns* (``in_features``) are split across ranks.
 
     The weight has PyTorch's layout ``(out_features, in_features)``; rank ``r``
-    holds columns ``r*in/tp : (r+1)*in/tp`` and multiplies them with its slice
+    holds its balanced share of the columns (``r*in/tp : (r+1)*in/tp`` when tp
+    divides in; otherwise the first ``in % tp`` ranks hold one column more, see
+    :func:`torchtp.layouts.shard_sizes`) and multiplies them with its slice
     of the input features, giving a partial sum of the full output. One
     all-reduce sums the partials, then the (replicated) bias is added exactly
     once. Megatron calls this ``RowParallelLinear`` and PyTorch/HF call it
@@ -40,7 +34,7 @@ class ColumnParallelLinear(nn.Module):
     the input was full); the bias gradient equals ``nn.Linear``'s.
 
     Args:
-        in_features: Total input features; must be divisible by ``world_size``.
+        in_features: Total input features (at least ``world_size``; need not divide).
         out_features: Output features (not split).
         bias: Add a (replicated) bias after the reduction.
         world_size: Ranks to split over; ``None`` uses the process group's size.
@@ -57,12 +51,13 @@ class ColumnParallelLinear(nn.Module):
             shard and its gradient is summed over the TP group.
 
     Raises:
-        ValueError: ``in_features`` is not divisible by ``world_size`` (the
+        ValueError: ``in_features`` is smaller than ``world_size`` (the
             message lists the valid sizes), or ``world_size``/``rank`` contradict
             the process group.
     """
 
     sequence_dim: int | None = None
+    split_dim = 1
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True,
@@ -70,30 +65,21 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype | None = None, device: torch.device | str | None = None,
         input_is_parallel: bool = True, group: ProcessGroup | None = None,
     ) -> None:
-        super().__init__()
-        who = f"ColumnParallelLinear(in_features={in_features}, out_features={out_features})"
-        self.group, self.world_size, self.rank = resolve_placement(who, world_size, rank, group)
-        local = check_divisible(who, "in_features", in_features, self.world_size, "weight columns")
-        self._set_shape(in_features, out_features, local, input_is_parallel)
-        device = default_device(device)  # the rank's device (cuda:LOCAL_RANK under NCCL)
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
-        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-        if device.type != "meta":
-            self._init_from(full_linear(in_features, out_features, bias, dtype, device))
+        super().__init__(in_features, out_features, bias, world_size, rank, dtype, device, group)
+        self._set_input(input_is_parallel)
 
-    def _set_shape(self, in_features: int, out_features: int, local: int,
-                   input_is_parallel: bool) -> None:
-        self.in_features = in_features
-        self.out_features = out_features
-        self.in_features_local = local
+    @property
+    def in_features_local(self) -> int:
+        """Columns (input features) this rank holds."""
+        return self.local_features
+
+    def _set_input(self, input_is_parallel: bool) -> None:
+        if not input_is_parallel and not self.is_balanced_share:
+            raise ValueError(f"{self._name()}: input_is_parallel=False needs this rank's "
+                             f"columns to be its balanced share of in_features (rank {self.rank} "
+                             f"of world_size={self.world_size}); these columns are "
+                             f"{self.tp_layouts['weight'].segments}")
         self.input_is_parallel = input_is_parallel
-
-    def _init_from(self, linear: nn.Linear) -> None:
-        with torch.no_grad():
-            self.weight.copy_(take_shard(linear.weight, 1, self.rank, self.world_size))
-            if self.bias is not None:
-                self.bias.copy_(linear.bias)
 
     @classmethod
     def from_linear(
@@ -106,29 +92,28 @@ class ColumnParallelLinear(nn.Module):
         tensors stay on meta.
 
         Raises:
-            ValueError: ``in_features`` is not divisible by the world size.
+            ValueError: ``in_features`` is smaller than the world size.
         """
-        who = f"ColumnParallelLinear.from_linear({linear})"
-        _, size, me = resolve_placement(who, world_size, rank, group)
-        check_divisible(who, "in_features", linear.in_features, size, "weight columns")
-        bias = linear.bias
-        return cls.from_shards(
-            take_shard(linear.weight, 1, me, size),
-            None if bias is None else take_shard(bias, 0, 0, 1),
-            linear.in_features, linear.out_features, world_size, rank, input_is_parallel, group,
-            requires_grad=linear.weight.requires_grad)
+        layer = cls._cut(linear, world_size, rank, group)
+        layer._set_input(input_is_parallel)
+        return layer
 
     @classmethod
     def from_shards(
         cls, weight: torch.Tensor, bias: torch.Tensor | None, in_features: int,
         out_features: int, world_size: int | None = None, rank: int | None = None,
         input_is_parallel: bool = True, group: ProcessGroup | None = None,
-        requires_grad: bool = True,
+        requires_grad: bool = True, layouts: dict[str, ParamLayout] | None = None,
     ) -> ColumnParallelLinear:
-        """Wrap already-cut local tensors: ``weight`` ``(out_features, cols)``, full ``bias``."""
-        who = f"ColumnParallelLinear(in_features={in_features}, out_features={out_features})"
-        layer = new_from_shards(cls, who, weight, bias, world_size, rank, group, requires_grad)
-        layer._set_shape(in_features, out_features, weight.shape[1], input_is_parallel)
+        """Wrap already-cut local tensors: ``weight`` ``(out_features, cols)``, full ``bias``.
+
+        ``layouts`` say which columns of the full layer these are (e.g. the
+        columns of this rank's attention heads); the default is this rank's
+        balanced share.
+        """
+        layer = cls._wrap(weight, bias, in_features, out_features, world_size, rank, group,
+                          requires_grad, layouts)
+        layer._set_input(input_is_parallel)
         return layer
 
     @property
@@ -165,13 +150,5 @@ class ColumnParallelLinear(nn.Module):
             y = y.add_(self.bias)
         return y
 
-    def _name(self) -> str:
-        return (f"ColumnParallelLinear(in_features={self.in_features}, "
-                f"out_features={self.out_features})")
-
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"split=weight columns (in_features {self.in_features} -> "
-                f"{self.in_features_local} per rank), world_size={self.world_size}, "
-                f"rank={self.rank}, bias={self.bias is not None}, "
-                f"input_is_parallel={self.input_is_parallel}")
+        return f"{self._split_repr()}, input_is_parallel={self.input_is_parallel}"

@@ -2,32 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..devices import default_device
 from ..errors import MissingProcessGroupError, launch_hint
+from ..layouts import ParamLayout
 from ..regions import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, rank_local_error
 from ..runtime import ProcessGroup
-from ._base import (
-    check_divisible,
-    full_linear,
-    new_from_shards,
-    require_group,
-    resolve_placement,
-    take_shard,
-)
+from ._base import require_group
 from ._shape import input_mismatch
+from .parallel_linear import ParallelLinear
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinear):
     """A Linear whose weight *rows* (``out_features``) are split across ranks.
 
     The weight has PyTorch's layout ``(out_features, in_features)``; rank ``r``
-    holds rows ``r*out/tp : (r+1)*out/tp`` and the matching bias entries. Every
+    holds its balanced share of the rows (``r*out/tp : (r+1)*out/tp`` when tp
+    divides out; otherwise the first ``out % tp`` ranks hold one row more, see
+    :func:`torchtp.layouts.shard_sizes`) and the matching bias entries. Every
     rank sees the full input and produces its slice of the output features, so
     the forward needs no communication. Megatron calls this
     ``ColumnParallelLinear`` and PyTorch/HF call it ``colwise``.
@@ -39,7 +33,7 @@ class RowParallelLinear(nn.Module):
 
     Args:
         in_features: Input features (not split).
-        out_features: Total output features; must be divisible by ``world_size``.
+        out_features: Total output features (at least ``world_size``; need not divide).
         bias: Add a (split) bias.
         world_size: Ranks to split over; ``None`` uses the process group's size.
         rank: This rank; ``None`` uses the process group's rank.
@@ -55,12 +49,13 @@ class RowParallelLinear(nn.Module):
             backward reduce-scatters the input gradient, so no all-reduce here.
 
     Raises:
-        ValueError: ``out_features`` is not divisible by ``world_size`` (the
+        ValueError: ``out_features`` is smaller than ``world_size`` (the
             message lists the valid sizes), or ``world_size``/``rank`` contradict
             the process group.
     """
 
     sequence_dim: int | None = None
+    split_dim = 0
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True,
@@ -68,30 +63,21 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype | None = None, device: torch.device | str | None = None,
         gather_output: bool = False, group: ProcessGroup | None = None,
     ) -> None:
-        super().__init__()
-        who = f"RowParallelLinear(in_features={in_features}, out_features={out_features})"
-        self.group, self.world_size, self.rank = resolve_placement(who, world_size, rank, group)
-        local = check_divisible(who, "out_features", out_features, self.world_size, "weight rows")
-        self._set_shape(in_features, out_features, local, gather_output)
-        device = default_device(device)  # the rank's device (cuda:LOCAL_RANK under NCCL)
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(local, **kw)) if bias else None
-        if device.type != "meta":
-            self._init_from(full_linear(in_features, out_features, bias, dtype, device))
+        super().__init__(in_features, out_features, bias, world_size, rank, dtype, device, group)
+        self._set_gather(gather_output)
 
-    def _set_shape(self, in_features: int, out_features: int, local: int,
-                   gather_output: bool) -> None:
-        self.in_features = in_features
-        self.out_features = out_features
-        self.out_features_local = local
+    @property
+    def out_features_local(self) -> int:
+        """Rows (output features) this rank holds."""
+        return self.local_features
+
+    def _set_gather(self, gather_output: bool) -> None:
+        if gather_output and not self.is_balanced_share:
+            raise ValueError(f"{self._name()}: gather_output=True needs this rank's rows to be "
+                             f"its balanced share of out_features (rank {self.rank} of "
+                             f"world_size={self.world_size}); these rows are "
+                             f"{self.tp_layouts['weight'].segments}")
         self.gather_output = gather_output
-
-    def _init_from(self, linear: nn.Linear) -> None:
-        with torch.no_grad():
-            self.weight.copy_(take_shard(linear.weight, 0, self.rank, self.world_size))
-            if self.bias is not None:
-                self.bias.copy_(take_shard(linear.bias, 0, self.rank, self.world_size))
 
     @classmethod
     def from_linear(
@@ -104,33 +90,28 @@ class RowParallelLinear(nn.Module):
         tensors stay on meta.
 
         Raises:
-            ValueError: ``out_features`` is not divisible by the world size.
+            ValueError: ``out_features`` is smaller than the world size.
         """
-        who = f"RowParallelLinear.from_linear({linear})"
-        _, size, me = resolve_placement(who, world_size, rank, group)
-        check_divisible(who, "out_features", linear.out_features, size, "weight rows")
-        bias = linear.bias
-        return cls.from_shards(
-            take_shard(linear.weight, 0, me, size),
-            None if bias is None else take_shard(bias, 0, me, size),
-            linear.in_features, linear.out_features, world_size, rank, gather_output, group,
-            requires_grad=linear.weight.requires_grad)
+        layer = cls._cut(linear, world_size, rank, group)
+        layer._set_gather(gather_output)
+        return layer
 
     @classmethod
     def from_shards(
         cls, weight: torch.Tensor, bias: torch.Tensor | None, in_features: int,
         out_features: int, world_size: int | None = None, rank: int | None = None,
         gather_output: bool = False, group: ProcessGroup | None = None,
-        requires_grad: bool = True,
+        requires_grad: bool = True, layouts: dict[str, ParamLayout] | None = None,
     ) -> RowParallelLinear:
         """Wrap already-cut local tensors: ``weight`` ``(rows, in_features)``, ``bias`` ``(rows,)``.
 
-        The rows may be any subset of the full layer's (packed projections,
-        replicated KV heads); ``out_features`` records the full size.
+        ``layouts`` say which rows of the full layer these are (packed
+        projections, whole heads, replicated KV heads); the default is this
+        rank's balanced share. ``out_features`` records the full size.
         """
-        who = f"RowParallelLinear(in_features={in_features}, out_features={out_features})"
-        layer = new_from_shards(cls, who, weight, bias, world_size, rank, group, requires_grad)
-        layer._set_shape(in_features, out_features, weight.shape[0], gather_output)
+        layer = cls._wrap(weight, bias, in_features, out_features, world_size, rank, group,
+                          requires_grad, layouts)
+        layer._set_gather(gather_output)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,16 +140,8 @@ class RowParallelLinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
         if self.gather_output:
             group = require_group(self._name(), self.group, self.world_size)
-            y = gather_from_tensor_parallel_region(y, group, -1)  # (..., out)
+            y = gather_from_tensor_parallel_region(y, group, -1, self.out_features)  # (..., out)
         return y
 
-    def _name(self) -> str:
-        return (f"RowParallelLinear(in_features={self.in_features}, "
-                f"out_features={self.out_features})")
-
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"split=weight rows (out_features {self.out_features} -> "
-                f"{self.out_features_local} per rank), world_size={self.world_size}, "
-                f"rank={self.rank}, bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}")
+        return f"{self._split_repr()}, gather_output={self.gather_output}"

@@ -374,7 +374,7 @@ def _local_run(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardCont
                     override(module, "forward", _producer_stub(part))
             if pair.attention is not None and pair.info is not None:
                 module = model.get_submodule(pair.attention)
-                for attr, value in local_overrides(module, pair.info, ctx.world_size).items():
+                for attr, value in local_overrides(module, pair.info, ctx).items():
                     override(module, attr, value)
         with probe_mode(model):
             yield
@@ -438,15 +438,15 @@ def _lone(name: str, module: nn.Module, tied: bool, trace: Trace | None, ctx: Sh
     out, inp = view.out_features, view.in_features
     sent = sum(c.output.numel() * c.output.element_size() for c in trace.calls[name])
     saved = _weight_bytes(module)
-    if out % tp == 0 and (sent <= saved or memory):
+    if out >= tp and (sent <= saved or memory):
         return _noted(notes, name, "colwise_gather_output", "has no partner Linear: split "
                       "out_features and gather its output (one all-gather)")
-    if inp % tp == 0 and (2 * sent <= saved or memory):
+    if inp >= tp and (2 * sent <= saved or memory):
         return _noted(notes, name, "rowwise_split_input", "has no partner Linear: split "
                       "in_features and reduce its output (one all-reduce)")
-    if out % tp and inp % tp:
+    if out < tp and inp < tp:
         return _noted(notes, name, "replicate", f"kept replicated: neither out_features={out} "
-                      f"nor in_features={inp} is divisible by world_size={tp}")
+                      f"nor in_features={inp} gives each of world_size={tp} ranks a share")
     return _noted(notes, name, "replicate", f"kept replicated: it has no partner Linear, and "
                   f"splitting it alone would communicate {sent} bytes per forward on the example "
                   f"inputs, more than running it replicated costs ({saved} weight bytes per "

@@ -1,4 +1,8 @@
-"""Divisibility constraints: what a plan needs of the tp size.
+"""Size constraints: what a plan needs of the tp size.
+
+Splits are balanced (:func:`torchtp.layouts.shard_sizes`), so nothing has to
+divide; a split dimension only needs at least one unit (row, head, KV group)
+per rank.
 
 Every style and every attention module states its constraints as data, so a
 failing check can list every tp size the *whole model* accepts, before any
@@ -10,42 +14,39 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-MAX_TP = 64
+from ..layouts import valid_sizes
 
 
 @dataclass(frozen=True)
 class Constraint:
-    """``value`` must be divisible by tp (or, with ``allow_multiple``, divide it).
+    """``value`` units must give every rank at least one (unless ``replicable``).
 
     Attributes:
         where: What the constraint belongs to, e.g. ``"module 'layers.0.mlp.up_proj' (style 'colwise')"``.
         what: The dimension, e.g. ``"out_features (weight rows)"``.
-        value: Its full size.
-        allow_multiple: Also accept tp that is a multiple of ``value`` (KV heads
-            are then replicated on the ranks that share them).
+        value: Its full size in units.
+        replicable: With more ranks than units the units are replicated on
+            the ranks that share them (KV heads), so any tp fits.
     """
 
     where: str
     what: str
     value: int
-    allow_multiple: bool = False
+    replicable: bool = False
 
     def ok(self, tp: int) -> bool:
         """Whether tp size ``tp`` satisfies the constraint."""
-        return self.value % tp == 0 or (self.allow_multiple and tp % self.value == 0)
+        return self.replicable or tp in valid_sizes(self.value)
 
     def problem(self, tp: int) -> str:
         """Sentence saying why ``tp`` fails."""
-        if self.allow_multiple:
-            return (f"{self.where}: {self.what}={self.value} is neither divisible by "
-                    f"world_size={tp} nor a divisor of it")
-        return f"{self.where}: {self.what}={self.value} is not divisible by world_size={tp}"
+        return (f"{self.where}: {self.what}={self.value} cannot give each of world_size={tp} "
+                "ranks at least one")
 
 
-def valid_tp_sizes(constraints: Iterable[Constraint], limit: int = MAX_TP) -> list[int]:
-    """All tp sizes in ``1..limit`` that satisfy every constraint."""
-    items = list(constraints)
-    return [tp for tp in range(1, limit + 1) if all(c.ok(tp) for c in items)]
+def valid_tp_sizes(constraints: Iterable[Constraint]) -> list[int]:
+    """All tp sizes (up to :data:`torchtp.layouts.MAX_TP`) that satisfy every constraint."""
+    return valid_sizes(*[c.value for c in constraints if not c.replicable])
 
 
 def check(constraints: Iterable[Constraint], tp: int, model_name: str) -> None:

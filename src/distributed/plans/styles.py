@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..layouts import ParamLayout, even_chunks
+from ..layouts import ParamLayout, shard_range
 from ..runtime import ProcessGroup
 from .constraints import Constraint
 from .fidelity import check_linear_forward
@@ -117,14 +117,8 @@ def require_linear(style: str, module: nn.Module, fqn: str) -> LinearView:
 
 
 def split_constraint(style: str, fqn: str, dim: str, what: str, value: int) -> Constraint:
-    """Constraint that ``value`` splits evenly, attributed to one module and style."""
+    """Constraint that ``value`` gives every rank a share, attributed to one module and style."""
     return Constraint(f"module '{fqn}' (style {style!r})", f"{dim} ({what})", value)
-
-
-def attach_layouts(module: nn.Module, layouts: Mapping[str, ParamLayout]) -> nn.Module:
-    """Record how each parameter of ``module`` maps onto the checkpoint tensor."""
-    module.tp_layouts = dict(layouts)  # type: ignore[assignment]
-    return module
 
 
 class LinearStyle(ParallelStyle):
@@ -189,7 +183,7 @@ class Colwise(LinearStyle):
 
     def row_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
         """Which output rows this rank keeps (subclasses pick other rows)."""
-        return (even_chunks(view.out_features, ctx.world_size, ctx.rank),)
+        return (shard_range(view.out_features, ctx.world_size, ctx.rank),)
 
     def layouts(self, view: LinearView, ctx: ShardContext) -> dict[str, ParamLayout]:
         return view.layouts(0, self.row_segments(view, ctx))
@@ -199,8 +193,9 @@ class Colwise(LinearStyle):
         out, inp = layer.full
         swapped = RowParallelLinear.from_shards(
             weight, bias, inp, out, world_size=ctx.world_size, rank=ctx.rank,
-            gather_output=self.gather_output, group=ctx.group, requires_grad=trains)
-        return attach_layouts(swapped, layer.layouts)
+            gather_output=self.gather_output, group=ctx.group, requires_grad=trains,
+            layouts=dict(layer.layouts))
+        return swapped
 
 
 class Rowwise(LinearStyle):
@@ -220,17 +215,21 @@ class Rowwise(LinearStyle):
     def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
         return [split_constraint(self.name, fqn, "in_features", "weight columns", view.in_features)]
 
+    def column_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
+        """Which input columns this rank keeps (subclasses pick other columns)."""
+        return (shard_range(view.in_features, ctx.world_size, ctx.rank),)
+
     def layouts(self, view: LinearView, ctx: ShardContext) -> dict[str, ParamLayout]:
-        segments = (even_chunks(view.in_features, ctx.world_size, ctx.rank),)
-        return view.layouts(1, segments, bias_split=False)
+        return view.layouts(1, self.column_segments(view, ctx), bias_split=False)
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         weight, bias, trains = _shards(module, layer)
         out, inp = layer.full
         swapped = ColumnParallelLinear.from_shards(
             weight, bias, inp, out, world_size=ctx.world_size, rank=ctx.rank,
-            input_is_parallel=not self.split_input, group=ctx.group, requires_grad=trains)
-        return attach_layouts(swapped, layer.layouts)
+            input_is_parallel=not self.split_input, group=ctx.group, requires_grad=trains,
+            layouts=dict(layer.layouts))
+        return swapped
 
 
 class Replicate(ParallelStyle):
