@@ -16,8 +16,6 @@ from typing import Any
 
 from torch import nn
 
-from .config_view import LocalConfig
-
 CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0")
 # The oldest release torchtp supports (pyproject's lower bound, run by ``make
 # compat``). Older releases ship tp plans torchtp would follow into wrong
@@ -76,7 +74,8 @@ def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_di
 
     Every attribute of the families above that holds the full value, the query
     heads per KV head (``num_key_value_groups``, ``n_rep``), and a per-module
-    view of its ``config`` (:class:`LocalConfig`) for forwards that read
+    copy of its ``config`` (:func:`~torchtp.hf.config_view.local_config`,
+    traceable by ``torch.compile``) for forwards that read
     ``self.config.num_attention_heads``; the shared config keeps the full values.
     Checked: transformers 5.3.0, 5.23.0.
     """
@@ -86,9 +85,11 @@ def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_di
     for attr in GROUP_ATTRS:
         if getattr(module, attr, None) == heads // kv_heads:
             out[attr] = local_heads // local_kv
+    from .config_view import is_local_config, local_config  # it imports this module
+
     config = getattr(module, "config", None)
-    if config is not None and not isinstance(config, LocalConfig):
-        out["config"] = LocalConfig(config, _local_values(config, heads, kv_heads, head_dim, tp))
+    if config is not None and not is_local_config(config):
+        out["config"] = local_config(config, _local_values(config, heads, kv_heads, head_dim, tp))
     return out
 
 
@@ -174,3 +175,9 @@ def from_config(cls: Any, config: Any) -> Any:
     if hasattr(cls, "_from_config"):
         return cls._from_config(config)
     return cls(config)
+
+
+# Config attributes holding the attention / experts implementation switch;
+# ``PreTrainedModel.set_attn_implementation`` writes them on the shared config,
+# so per-module config copies read them live. Checked: transformers 5.23.0.
+CONFIG_IMPLEMENTATION_ATTRS = ("_attn_implementation_internal", "_experts_implementation_internal")
