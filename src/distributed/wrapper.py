@@ -18,6 +18,7 @@ from .checkpoint.save_sharded import save_sharded
 from .ddp_guard import check_fsdp, ignored_by_ddp
 from .devices import device_mismatch
 from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
+from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
 from .options import Options
@@ -88,8 +89,10 @@ class DistributedModelWrapper(nn.Module):
         error: BaseException | None = None
         ctx, resolved, fingerprint = None, None, {"world_size": world_size}
         options = Options(loss_parallel, sequence_parallel)
+        detached: list[Detached] = []
         try:
             _check_not_wrapped(model)
+            detached = detach_adapters(model)  # PEFT LoRA layers: planned on their base layers
             g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
             ctx = ShardContext(size, me, g, type(model).__name__)
             wrong_device = device_mismatch(model, g)
@@ -103,19 +106,22 @@ class DistributedModelWrapper(nn.Module):
             # Any rank-local error (e.g. a plan file missing on one node), not only
             # validation errors, must reach agree(), or the other ranks hang in it.
             error = err
-        # Every rank reaches this point, so a rank-local error raises everywhere.
-        agree("DistributedModelWrapper", error, fingerprint, group)
-        rng.sync(group)
-        assert ctx is not None and resolved is not None
-        self.base_model = model
-        self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
-        self._resolved = resolved
-        self.parallelized_layers = apply_plan(model, resolved, ctx)
-        options.install(model, ctx)
-        self.loss_parallel = loss_parallel
-        self.sequence_parallel = options.sequence is not None
-        clip.track(model)
-        rng.install(model)
+        try:
+            # Every rank reaches this point, so a rank-local error raises everywhere.
+            agree("DistributedModelWrapper", error, fingerprint, group)
+            rng.sync(group)
+            assert ctx is not None and resolved is not None
+            self.base_model = model
+            self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
+            self._resolved = resolved
+            self.parallelized_layers = apply_plan(model, resolved, ctx)
+            options.install(model, ctx)
+            self.loss_parallel = loss_parallel
+            self.sequence_parallel = options.sequence is not None
+            clip.track(model)
+            rng.install(model)
+        finally:
+            attach_adapters(detached)  # around the parallel base layers (or restored on error)
 
     @property
     def resolved_plan(self) -> ResolvedPlan:

@@ -1,4 +1,4 @@
-"""Every use of a private or undocumented transformers name, in one place.
+"""Every use of a private or undocumented transformers (and peft) name, in one place.
 
 transformers reorganises attention modules and model internals between
 releases; code elsewhere in torchtp calls these functions, so such a change
@@ -181,3 +181,33 @@ def from_config(cls: Any, config: Any) -> Any:
 # ``PreTrainedModel.set_attn_implementation`` writes them on the shared config,
 # so per-module config copies read them live. Checked: transformers 5.23.0.
 CONFIG_IMPLEMENTATION_ATTRS = ("_attn_implementation_internal", "_experts_implementation_internal")
+
+
+def peft_register_custom_module(lora_config: Any, mapping: dict[type, type]) -> None:
+    """Register ``{base layer class: LoRA layer class}`` on one ``LoraConfig``.
+
+    PEFT's custom-module mechanism (``LoraConfig._register_custom_module``,
+    experimental in PEFT 0.13-0.21): its dispatcher builds the given LoRA
+    class for targets of the given base class. Checked: peft 0.21.2.
+    """
+    lora_config._register_custom_module(mapping)
+
+
+def peft_lora_dispatch_owner() -> tuple[Any, str]:
+    """``(LoraModel, name)`` of the static method that builds a LoRA layer for a target.
+
+    Checked: peft 0.21.2.
+    """
+    from peft.tuners.lora import LoraModel
+
+    return LoraModel, "_create_new_module"
+
+
+def peft_all_linear_owner() -> tuple[Any, str]:
+    """``(module, name)`` of the function that expands ``target_modules="all-linear"``.
+
+    Checked: peft 0.21.2.
+    """
+    from peft.tuners import tuners_utils
+
+    return tuners_utils, "_maybe_include_all_linear_layers"
