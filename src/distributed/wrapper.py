@@ -19,9 +19,11 @@ from .ddp_guard import check_fsdp, ignored_by_ddp
 from .devices import device_mismatch
 from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
 from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
+from .integrations.hf_model import guard_hf_model
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
 from .options import Options
+from .param_count import parameter_summary
 from .plans import PlanArg, ResolvedPlan, ShardContext, apply_plan, resolve_plan
 from .runtime import ProcessGroup, tp_group
 
@@ -120,6 +122,7 @@ class DistributedModelWrapper(nn.Module):
             self.sequence_parallel = options.sequence is not None
             clip.track(model)
             rng.install(model)
+            guard_hf_model(self)
         finally:
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
 
@@ -241,8 +244,9 @@ class DistributedModelWrapper(nn.Module):
         save_pretrained(self, directory, max_shard_size, timeout)
 
     def describe_plan(self) -> str:
-        """The applied plan as text: rules, every module's final style and why, collectives."""
-        return self.resolved_plan.table()
+        """The applied plan as text (rules, every module's final style and why, collectives),
+        then this rank's and the full model's parameter counts."""
+        return f"{self.resolved_plan.table()}\n{parameter_summary(self.base_model)}"
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, "
