@@ -19,7 +19,7 @@ from .ddp_guard import check_fsdp, ignored_by_ddp
 from .devices import device_mismatch
 from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
 from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
-from .integrations.hf_model import guard_hf_model
+from .integrations.guards import guard_frameworks
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
 from .options import Options
@@ -122,7 +122,7 @@ class DistributedModelWrapper(nn.Module):
             self.sequence_parallel = options.sequence is not None
             clip.track(model)
             rng.install(model)
-            guard_hf_model(self)
+            guard_frameworks(self)
         finally:
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
 
