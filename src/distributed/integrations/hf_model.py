@@ -15,9 +15,12 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
+from ..agreement import agree
 from ..hf.detect import is_hf_model
+from ..runtime import get_tensor_parallel_config
 
 # HF save_pretrained arguments the consolidated save honours (or may ignore:
 # rank 0 writes in any case, so is_main_process changes nothing).
@@ -58,9 +61,28 @@ def _save_pretrained(owner: Any, save_directory: str | os.PathLike[str], *args: 
     if unknown:
         raise TypeError(f"save_pretrained on a tensor-parallel model does not support {unknown}; "
                         "call wrapped.save_pretrained(dir, max_shard_size=...) on every rank")
+    save_once(owner, save_directory, kwargs.get("max_shard_size", "5GB"))
+
+
+def save_once(owner: Any, directory: str | os.PathLike[str], max_shard_size: int | str) -> None:
+    """Consolidated save by the first data-parallel replica's TP group; every rank waits for it.
+
+    DP replicas hold the same weights: one TP group writes (collective over
+    it), the others only wait and raise its error if it failed.
+    """
     from ..checkpoint.save_pretrained import save_pretrained
 
-    save_pretrained(owner, save_directory, kwargs.get("max_shard_size", "5GB"))
+    cfg = get_tensor_parallel_config()
+    error: BaseException | None = None
+    if getattr(cfg, "dp_rank", 0) == 0:
+        try:
+            save_pretrained(owner, directory, max_shard_size)
+        except Exception as err:  # raised on every rank of this TP group; passed on below
+            error = err
+    if dist.is_initialized() and dist.get_world_size() > owner.world_size:
+        agree("save_pretrained", error, {}, dist.group.WORLD)
+    elif error is not None:
+        raise error
 
 
 def _push_to_hub(owner: Any, *args: Any, **kwargs: Any) -> None:
