@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Any
 
-from . import accelerate_guard
+from . import ddp_refusal
 from .hf_model import guard_hf_model
 
 
 def guard_frameworks(wrapper: Any) -> None:
-    """HF model methods on the wrapped model; accelerate's DDP wrapping refused when tp > 1."""
+    """HF model methods on the wrapped model; accelerate's and Lightning's DDP refused when tp > 1."""
     guard_hf_model(wrapper)
     if wrapper.world_size > 1 and importlib.util.find_spec("accelerate") is not None:
-        accelerate_guard.install()
+        ddp_refusal.install()
+    if wrapper.world_size > 1 and "lightning" in sys.modules:
+        ddp_refusal.install_lightning()  # a LightningModule wrapping its model in __init__

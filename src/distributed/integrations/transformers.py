@@ -37,7 +37,7 @@ from ..checkpoint.placements import placements
 from .. import clip
 from ..runtime import get_tensor_parallel_config
 from ..wrapper import DistributedModelWrapper
-from .accelerate_guard import tensor_parallel_size
+from .ddp_refusal import tensor_parallel_size
 
 _SCHEDULER = "scheduler.pt"
 

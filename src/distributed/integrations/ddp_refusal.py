@@ -1,4 +1,4 @@
-"""Refuse accelerate's data-parallel wrapping of a tensor-parallel model (it is never exact).
+"""Refuse accelerate's and Lightning's DDP wrapping of a tensor-parallel model (never exact).
 
 ``Accelerator.prepare(model)`` under a multi-process launch wraps the model in
 ``DistributedDataParallel`` over every process and gives each process its own
@@ -7,6 +7,8 @@ slice of every batch: TP peers then train on different data, and its
 and accelerate scripts go through ``Accelerator.prepare_model``, so that is
 where torchtp stops them, at the first ``prepare``/``train()``, on every
 rank, with the supported way. Preparing for evaluation (no DDP) stays allowed.
+Lightning's ``strategy="ddp"`` (Fabric ``setup_module``, Trainer
+``_setup_model``) is refused the same way when Lightning is loaded.
 """
 
 from __future__ import annotations
@@ -56,3 +58,37 @@ def install() -> None:
 
     prepare_model._torchtp = True  # type: ignore[attr-defined]
     Accelerator.prepare_model = prepare_model  # type: ignore[method-assign]
+
+
+def lightning_refusal(tp: int) -> str:
+    """The error message for Lightning's DDP strategy around a TP model."""
+    return (f"Lightning's DDP strategy would wrap this tensor-parallel model (tp={tp}, layers "
+            "split over ranks) in DistributedDataParallel over every process and give each "
+            "process different batches, which is not exact under tensor parallelism. Use "
+            "strategy=ModelParallelStrategy(parallelize_fn=torchtp.integrations.lightning."
+            "parallelize, tensor_parallel_size=..., data_parallel_size=...) on the unwrapped "
+            "model; see docs/integrations.md")
+
+
+def install_lightning() -> None:
+    """Make Lightning's DDP strategies (Fabric and Trainer) refuse torchtp models."""
+    from lightning.fabric.strategies.ddp import DDPStrategy as FabricDDP
+    from lightning.pytorch.strategies.ddp import DDPStrategy as TrainerDDP
+
+    for owner, name in ((FabricDDP, "setup_module"), (TrainerDDP, "_setup_model")):
+        original = getattr(owner, name)
+        if getattr(original, "_torchtp", False):
+            continue
+        setattr(owner, name, _refusing(original))
+
+
+def _refusing(original: Any) -> Any:
+    @functools.wraps(original)
+    def setup(self: Any, module: nn.Module) -> Any:
+        tp = tensor_parallel_size(module)
+        if tp > 1:
+            raise ValueError(lightning_refusal(tp))
+        return original(self, module)
+
+    setup._torchtp = True  # type: ignore[attr-defined]
+    return setup
