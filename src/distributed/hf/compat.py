@@ -211,3 +211,18 @@ def peft_all_linear_owner() -> tuple[Any, str]:
     from peft.tuners import tuners_utils
 
     return tuners_utils, "_maybe_include_all_linear_layers"
+
+
+# Trainer methods TensorParallelTrainer overrides (gradient clipping and the
+# logged norm, DP-only gradient averaging, sharded optimizer checkpoints).
+TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_sync_replicated_trainable_parameters",
+                 "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+                 "_load_from_checkpoint", "get_tp_size", "create_accelerator_and_postprocess")
+
+
+def missing_trainer_hooks(trainer_cls: type) -> list[str]:
+    """The :data:`TRAINER_HOOKS` ``transformers.Trainer`` no longer defines.
+
+    Checked: transformers 5.23.0.
+    """
+    return [name for name in TRAINER_HOOKS if not callable(getattr(trainer_cls, name, None))]

@@ -34,6 +34,7 @@ from transformers import Trainer
 
 from ..agreement import agree
 from ..checkpoint.placements import placements
+from ..hf import compat
 from .. import clip
 from ..runtime import get_tensor_parallel_config
 from ..wrapper import DistributedModelWrapper
@@ -62,11 +63,16 @@ class TensorParallelTrainer(Trainer):
     def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
         if isinstance(model, DistributedModelWrapper):
             model = model.base_model  # the HF model: its forward signature, its save_pretrained
+        missing = compat.missing_trainer_hooks(Trainer)
+        if missing:  # an override that is never called would leave Trainer's wrong default
+            raise RuntimeError(f"TensorParallelTrainer: transformers.Trainer has no {missing}; "
+                               f"this transformers version is not supported (checked: "
+                               f"{compat.CHECKED_TRANSFORMERS})")
         cfg = get_tensor_parallel_config()
-        self._tp_size = tensor_parallel_size(model) if model is not None else 1
-        self._dp_size = getattr(cfg, "dp_size", 1)
-        self._dp_rank = getattr(cfg, "dp_rank", 0)
-        self._dp_group = getattr(cfg, "dp_group", None)
+        self._torchtp_tp = tensor_parallel_size(model) if model is not None else 1
+        self._torchtp_dp = getattr(cfg, "dp_size", 1)
+        self._torchtp_dp_rank = getattr(cfg, "dp_rank", 0)
+        self._torchtp_dp_group = getattr(cfg, "dp_group", None)
         self._check_layout(cfg)
         super().__init__(model, *args, **kwargs)
         if self.args.load_best_model_at_end:
@@ -79,30 +85,30 @@ class TensorParallelTrainer(Trainer):
 
     def _check_layout(self, cfg: Any) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if self._tp_size != cfg.world_size or self._tp_size * self._dp_size != world:
+        if self._torchtp_tp != cfg.world_size or self._torchtp_tp * self._torchtp_dp != world:
             raise ValueError(
-                f"TensorParallelTrainer: the model's tensor-parallel size is {self._tp_size}, the "
-                f"torchtp config has tp={cfg.world_size} x dp={self._dp_size} and the world has "
+                f"TensorParallelTrainer: the model's tensor-parallel size is {self._torchtp_tp}, the "
+                f"torchtp config has tp={cfg.world_size} x dp={self._torchtp_dp} and the world has "
                 f"{world} processes; wrap the model with DistributedModelWrapper after "
                 "init_tensor_parallel(tp_size=...) so that world = tp x dp")
 
     def get_tp_size(self) -> int:
         """TP ranks share every batch; transformers divides token counts by this."""
-        return self._tp_size
+        return self._torchtp_tp
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator, with batches split over DP ranks and metrics gathered once."""
         super().create_accelerator_and_postprocess()
         acc = self.accelerator
         acc.prepare_data_loader = functools.partial(  # type: ignore[method-assign]
-            _prepare_data_loader, acc, self._dp_size, self._dp_rank)
+            _prepare_data_loader, acc, self._torchtp_dp, self._torchtp_dp_rank)
         acc.gather_for_metrics = functools.partial(  # type: ignore[method-assign]
-            _gather_once_per_replica, acc, self._tp_size)
+            _gather_once_per_replica, acc, self._torchtp_tp)
 
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
         # transformers broadcasts every plain parameter from rank 0 here (it would
         # overwrite the shards); torchtp ranks agree already, so only average over DP.
-        if self._dp_group is None:
+        if self._torchtp_dp_group is None:
             return
         for param in model.parameters():
             if param.requires_grad and not getattr(param, "_torchtp_dp_average", False):
@@ -112,7 +118,7 @@ class TensorParallelTrainer(Trainer):
     def _average_over_dp(self, param: torch.Tensor) -> None:
         # Once per accumulation window, like DDP's averaging (same result).
         if self.accelerator.sync_gradients and param.grad is not None:
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=self._dp_group)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=self._torchtp_dp_group)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         self.accelerator.unscale_gradients()
@@ -124,7 +130,7 @@ class TensorParallelTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         error: BaseException | None = None
         try:
-            if self._dp_rank == 0:  # DP replicas hold the same optimizer state
+            if self._torchtp_dp_rank == 0:  # DP replicas hold the same optimizer state
                 torch.save(self.optimizer.state_dict(), _optimizer_file(output_dir, self))
             if self.args.should_save:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
@@ -140,7 +146,7 @@ class TensorParallelTrainer(Trainer):
         if not os.path.isfile(path):
             raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {os.path.basename(path)} is "
                              f"missing; it was not saved by a TensorParallelTrainer at "
-                             f"tp={self._tp_size}")
+                             f"tp={self._torchtp_tp}")
         self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         self.lr_scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, _SCHEDULER), map_location="cpu", weights_only=True))
@@ -152,7 +158,7 @@ class TensorParallelTrainer(Trainer):
 
 def _optimizer_file(directory: str, trainer: TensorParallelTrainer) -> str:
     rank = get_tensor_parallel_config().rank
-    return os.path.join(directory, f"optimizer.tp{rank}-of-{trainer._tp_size}.pt")
+    return os.path.join(directory, f"optimizer.tp{rank}-of-{trainer._torchtp_tp}.pt")
 
 
 def load_slices(model: nn.Module, directory: str) -> None:
