@@ -85,7 +85,7 @@ def _plain_trainer(rank: int, world_size: int, out: str) -> str:
     for model in (wrapped, wrapped.base_model):
         trainer = Trainer(model=model, args=arguments(out, 2, eval_strategy="no"),
                           train_dataset=dataset(1))
-        with pytest.raises(ValueError, match="TensorParallelTrainer instead of transformers.Trainer"):
+        with pytest.raises(ValueError, match=r"TensorParallelTrainer instead of transformers\.Trainer"):
             trainer.train()
         errors.append("raised")
     from accelerate import Accelerator

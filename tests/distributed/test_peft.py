@@ -87,7 +87,7 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
         out[f"wrapped_inner={inner}"] = (wrapped.resolved_plan.source.split(",")[0],
                                          dict(counter.counts))
     # Options that cannot be sharded are refused by name.
-    with pytest.raises(ValueError, match="LoRA variants .* not supported under tensor"):
+    with pytest.raises(ValueError, match=r"LoRA variants .* not supported under tensor"):
         get_peft_model(torchtp.DistributedModelWrapper(build("llama")).base_model,
                        LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     return out

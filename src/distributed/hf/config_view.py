@@ -40,7 +40,7 @@ def local_config(shared: Any, overrides: dict[str, Any]) -> Any:
     """
     if is_local_config(shared):
         shared = shared.__dict__[_SHARED]
-    cls = _local_class(type(shared))
+    cls: Any = _local_class(type(shared))
     local = cls.__new__(cls)
     state = {k: v for k, v in shared.__dict__.items() if k not in LIVE_ATTRS}
     local.__dict__.update(state)
@@ -86,7 +86,8 @@ def _live(name: str) -> property:
 
 def _to_dict(self: Any) -> dict[str, Any]:
     # The link to the shared config is no config value: keep it out of dumps and reprs.
-    out = type(self).__mro__[1].to_dict(self)
+    base: Any = type(self).__mro__[1]
+    out: dict[str, Any] = base.to_dict(self)
     out.pop(_SHARED, None)
     return out
 

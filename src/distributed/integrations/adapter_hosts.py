@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -24,7 +25,7 @@ class Detached:
 
     parent: nn.Module
     leaf: str
-    layer: nn.Module
+    layer: Any  # a PEFT LoraLayer (an nn.Module)
 
 
 def peft_loaded() -> bool:

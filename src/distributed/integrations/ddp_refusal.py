@@ -57,7 +57,7 @@ def install() -> None:
                         evaluation_mode=evaluation_mode)
 
     prepare_model._torchtp = True  # type: ignore[attr-defined]
-    Accelerator.prepare_model = prepare_model  # type: ignore[method-assign]
+    Accelerator.prepare_model = prepare_model
 
 
 def lightning_refusal(tp: int) -> str:

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
 
 from ..agreement import agree
 from ..hf.detect import is_hf_model
@@ -99,6 +98,6 @@ def _resize(owner: Any, *args: Any, **kwargs: Any) -> None:
         "place; call model.resize_token_embeddings(n) before DistributedModelWrapper(model)")
 
 
-def _vocab_is_split(model: nn.Module) -> bool:
+def _vocab_is_split(model: Any) -> bool:
     embeddings = (model.get_input_embeddings(), model.get_output_embeddings())
     return any(getattr(m, "tp_layouts", None) for m in embeddings if m is not None)

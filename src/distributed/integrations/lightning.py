@@ -50,7 +50,7 @@ def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
     DistributedModelWrapper(target, group=device_mesh["tensor_parallel"].get_group())  # in place
     if hasattr(model, "configure_gradient_clipping"):
         # Lightning's own clipping would measure only this rank's shards.
-        model.configure_gradient_clipping = functools.partial(_clip, model)  # type: ignore[method-assign]
+        setattr(model, "configure_gradient_clipping", functools.partial(_clip, model))  # noqa: B010
     if "data_parallel" in names and device_mesh["data_parallel"].size() > 1:
         _fully_shard(model, target, device_mesh["data_parallel"])
     return model

@@ -84,7 +84,7 @@ class TensorParallelLoraLinear(LoraLinear):
     LoRA model built under the same seed is the reference.
     """
 
-    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+    def _get_in_out_features(self, module: Any) -> tuple[int, int]:
         # Full sizes: PEFT builds (and initialises) the full A and B first.
         return module.in_features, module.out_features
 
@@ -103,7 +103,7 @@ class TensorParallelLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The base layer's output plus every active adapter's, sharded like the base."""
-        base = self.get_base_layer()
+        base: Any = self.get_base_layer()
         active = [a for a in self.active_adapters if a in self.lora_A]
         if kwargs.get("adapter_names") is not None:
             raise ValueError(f"{self._name()}: per-sample adapter_names (mixed-batch LoRA) is not "
@@ -117,11 +117,12 @@ class TensorParallelLoraLinear(LoraLinear):
             return self._forward_rows(base, x, active, group)
         return self._forward_columns(base, x, active, group)
 
-    def _forward_rows(self, base: RowParallelLinear, x: torch.Tensor, active: list[str],
+    def _forward_rows(self, base: Any, x: torch.Tensor, active: list[str],
                       group: Any) -> torch.Tensor:
         result = base(x)  # (..., out/tp), or (..., out) when the base gathers
         for name in active:
-            a, b = self.lora_A[name], self.lora_B[name]
+            a: Any = self.lora_A[name]
+            b: Any = self.lora_B[name]
             xa = self._cast_input_dtype(x, a.weight.dtype)
             h = copy_to_tensor_parallel_region(a(self.lora_dropout[name](xa)), group)  # (..., r)
             delta = b(h) * self.scaling[name]  # (..., out/tp)
@@ -130,7 +131,7 @@ class TensorParallelLoraLinear(LoraLinear):
             result = result + delta.to(result.dtype)
         return result
 
-    def _forward_columns(self, base: ColumnParallelLinear, x: torch.Tensor, active: list[str],
+    def _forward_columns(self, base: Any, x: torch.Tensor, active: list[str],
                          group: Any) -> torch.Tensor:
         # The base's forward, with the LoRA terms added before its all-reduce.
         expected = base.expected_input_features
@@ -140,7 +141,8 @@ class TensorParallelLoraLinear(LoraLinear):
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
         partial = F.linear(x, base.weight)  # (..., out), this rank's partial sum
         for name in active:
-            a, b = self.lora_A[name], self.lora_B[name]
+            a: Any = self.lora_A[name]
+            b: Any = self.lora_B[name]
             xa = self._cast_input_dtype(x, a.weight.dtype)
             lora = b(a(self.lora_dropout[name](xa))) * self.scaling[name]  # (..., out) partial
             partial = partial + lora.to(partial.dtype)
@@ -148,13 +150,14 @@ class TensorParallelLoraLinear(LoraLinear):
         return y if base.bias is None else y.add_(base.bias)
 
     def _name(self) -> str:
-        return f"TensorParallelLoraLinear({self.get_base_layer()._name()})"
+        base: Any = self.get_base_layer()
+        return f"TensorParallelLoraLinear({base._name()})"
 
     def __repr__(self) -> str:
         return "torchtp." + super().__repr__()
 
 
-def check_supported(layer: nn.Module, config: Any) -> None:
+def check_supported(layer: Any, config: Any) -> None:
     """Refuse LoRA options whose sharding torchtp does not implement."""
     who = f"LoRA on {type(layer.get_base_layer()).__name__}"
     if getattr(config, "lora_bias", False):
@@ -170,7 +173,7 @@ def check_supported(layer: nn.Module, config: Any) -> None:
                          "adapter on the unsharded model and wrap the PeftModel afterwards")
 
 
-def _segments(base: nn.Module, dim: int) -> tuple[tuple[int, int], ...]:
+def _segments(base: Any, dim: int) -> tuple[tuple[int, int], ...]:
     """The ranges of the base's split dimension (0: out rows, 1: in columns) this rank holds."""
     layout = getattr(base, "tp_layouts", {}).get("weight")
     if layout is not None:
@@ -181,8 +184,9 @@ def _segments(base: nn.Module, dim: int) -> tuple[tuple[int, int], ...]:
 
 def shard_adapter(layer: TensorParallelLoraLinear, adapter: str) -> None:
     """Replace one adapter's full A/B by this rank's slices (and record their layouts)."""
-    base = layer.get_base_layer()
-    a, b = layer.lora_A[adapter], layer.lora_B[adapter]
+    base: Any = layer.get_base_layer()
+    a: Any = layer.lora_A[adapter]
+    b: Any = layer.lora_B[adapter]
     if isinstance(base, RowParallelLinear):
         _keep_slice(b, ParamLayout(tuple(b.weight.shape), 0, _segments(base, 0)))
         syncs = getattr(base, "tp_grad_sync", {}).get("weight")
@@ -202,7 +206,7 @@ def _keep_slice(linear: nn.Linear, layout: ParamLayout) -> None:
     linear.register_load_state_dict_pre_hook(_accept_full_size)
 
 
-def _accept_full_size(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+def _accept_full_size(module: Any, state_dict: dict[str, Any], prefix: str,
                       *args: Any) -> None:
     """Loading a full-size adapter tensor keeps this rank's slice of it."""
     key = prefix + "weight"
@@ -213,7 +217,7 @@ def _accept_full_size(module: nn.Module, state_dict: dict[str, Any], prefix: str
         state_dict[key] = layout.take(full)
 
 
-def convert(layer: nn.Module) -> TensorParallelLoraLinear:
+def convert(layer: Any) -> TensorParallelLoraLinear:
     """Turn a PEFT ``lora.Linear`` whose base was just swapped for a torchtp layer
     into a :class:`TensorParallelLoraLinear`, keeping this rank's adapter slices.
 
@@ -243,7 +247,7 @@ def convert(layer: nn.Module) -> TensorParallelLoraLinear:
 def parallel_linear_names(model: nn.Module) -> set[str]:
     """Names of torchtp Linear layers that ``"all-linear"`` should target."""
     skip: set[int] = set()
-    output = getattr(model, "get_output_embeddings", lambda: None)()
+    output = getattr(model, "get_output_embeddings", lambda: None)()  # None: not an HF model
     if output is not None:
         skip.add(id(output))  # like PEFT: never the LM head
     for module in model.modules():
@@ -263,7 +267,7 @@ def consolidated_adapter_state(model: nn.Module) -> tuple[dict[str, Any], Any]:
         ``(state_dict, group)``.
     """
     state = model.state_dict()
-    layers = [m for m in model.modules() if isinstance(m, TensorParallelLoraLinear)]
+    layers: list[Any] = [m for m in model.modules() if isinstance(m, TensorParallelLoraLinear)]
     group = layers[0].get_base_layer().group if layers else None
     items = [p for p in placements(model) if p.layout.dim is not None
              and (".lora_A." in p.name or ".lora_B." in p.name)]

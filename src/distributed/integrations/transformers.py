@@ -32,10 +32,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import Trainer
 
+from .. import clip
 from ..agreement import agree
 from ..checkpoint.placements import placements
 from ..hf import compat
-from .. import clip
 from ..runtime import get_tensor_parallel_config
 from ..wrapper import DistributedModelWrapper
 from .ddp_refusal import tensor_parallel_size
@@ -100,9 +100,9 @@ class TensorParallelTrainer(Trainer):
         """Trainer's accelerator, with batches split over DP ranks and metrics gathered once."""
         super().create_accelerator_and_postprocess()
         acc = self.accelerator
-        acc.prepare_data_loader = functools.partial(  # type: ignore[method-assign]
+        acc.prepare_data_loader = functools.partial(
             _prepare_data_loader, acc, self._torchtp_dp, self._torchtp_dp_rank)
-        acc.gather_for_metrics = functools.partial(  # type: ignore[method-assign]
+        acc.gather_for_metrics = functools.partial(
             _gather_once_per_replica, acc, self._torchtp_tp)
 
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
@@ -130,10 +130,12 @@ class TensorParallelTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         error: BaseException | None = None
         try:
+            optimizer: Any = self.optimizer
+            scheduler: Any = self.lr_scheduler
             if self._torchtp_dp_rank == 0:  # DP replicas hold the same optimizer state
-                torch.save(self.optimizer.state_dict(), _optimizer_file(output_dir, self))
+                torch.save(optimizer.state_dict(), _optimizer_file(output_dir, self))
             if self.args.should_save:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
+                torch.save(scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
         except Exception as err:  # reported on every rank by agree()
             error = err
         agree("TensorParallelTrainer checkpoint", error, {}, None if not dist.is_initialized()
@@ -147,13 +149,16 @@ class TensorParallelTrainer(Trainer):
             raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {os.path.basename(path)} is "
                              f"missing; it was not saved by a TensorParallelTrainer at "
                              f"tp={self._torchtp_tp}")
-        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        self.lr_scheduler.load_state_dict(
+        optimizer: Any = self.optimizer
+        scheduler: Any = self.lr_scheduler
+        optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, _SCHEDULER), map_location="cpu", weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: nn.Module | None = None) -> None:
-        load_slices(model if model is not None else self.model, resume_from_checkpoint)
+        target: Any = model if model is not None else self.model
+        load_slices(target, resume_from_checkpoint)
 
 
 def _optimizer_file(directory: str, trainer: TensorParallelTrainer) -> str:
