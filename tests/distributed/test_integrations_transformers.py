@@ -34,32 +34,33 @@ CLOSE = {"rtol": 1e-4, "atol": 1e-5}
 # lr 5e-3); 5e-5 is 1% of one step, while a wrong batch or clip factor moves
 # weights by a whole step (~lr) or more.
 WEIGHTS = {"rtol": 1e-4, "atol": 5e-5}
-PER_DEVICE = 2  # x dp 2 = the reference's batch of 4
+GLOBAL_BATCH = 4  # the one-process reference's batch; split over the DP ranks
 
 
-def _tp_trainer(rank: int, world_size: int, out: str) -> list:
+def _tp_trainer(rank: int, world_size: int, out: str, tp_size: int | None = 2) -> list:
     from torchtp.integrations.transformers import TensorParallelTrainer
 
-    torchtp.init_tensor_parallel(tp_size=2)
+    torchtp.init_tensor_parallel(tp_size=tp_size)
+    per_device = GLOBAL_BATCH // (world_size // (tp_size or world_size))  # over DP ranks only
     wrapped = torchtp.DistributedModelWrapper(build("llama").train())
     trainer = TensorParallelTrainer(
         model=wrapped, train_dataset=dataset(1), eval_dataset=dataset(2),
-        args=arguments(out, PER_DEVICE, save_strategy="steps", save_steps=2))
+        args=arguments(out, per_device, save_strategy="steps", save_steps=2))
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     # Resume from the step-2 checkpoint: sharded optimizer, scheduler and RNG state.
     resumed = TensorParallelTrainer(
         model=torchtp.DistributedModelWrapper(build("llama").train()),
         train_dataset=dataset(1), eval_dataset=dataset(2),
-        args=arguments(out + "-resumed", PER_DEVICE))
+        args=arguments(out + "-resumed", per_device))
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
     resumed.save_model(os.path.join(out, "resumed"))
     return [history(trainer), history(resumed), checkpoints(out)]
 
 
-def test_tensor_parallel_trainer_matches_one_process(ranks, tmp_path):
-    want_history, want_weights = reference_run(str(tmp_path / "ref"), 2 * PER_DEVICE)
-    results = ranks(_tp_trainer, 4, str(tmp_path / "tp"), timeout=500)
+def _check_against_reference(ranks, tmp_path, world_size: int, tp_size: int | None) -> None:
+    want_history, want_weights = reference_run(str(tmp_path / "ref"), GLOBAL_BATCH)
+    results = ranks(_tp_trainer, world_size, str(tmp_path / "tp"), tp_size, timeout=500)
     for got, resumed, saved in results:
         assert saved == ["checkpoint-2", "checkpoint-4"]
         assert [sorted(e) for e in got] == [sorted(e) for e in want_history]
@@ -75,6 +76,15 @@ def test_tensor_parallel_trainer_matches_one_process(ranks, tmp_path):
         got_weights = final_weights(str(tmp_path / "tp" / name))
         for key, ref in want_weights.items():
             torch.testing.assert_close(got_weights[key], ref, **WEIGHTS, msg=f"{name}: {key}")
+
+
+def test_tensor_parallel_trainer_dp2_tp2_matches_one_process(ranks, tmp_path):
+    _check_against_reference(ranks, tmp_path, 4, 2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_trainer_tp_only_matches_one_process(ranks, tmp_path):
+    _check_against_reference(ranks, tmp_path, 2, None)
 
 
 def _plain_trainer(rank: int, world_size: int, out: str) -> str:
