@@ -285,7 +285,7 @@ def _save_pretrained(original: Any) -> Any:
         if kwargs.get("state_dict") is not None or not any(
                 isinstance(m, TensorParallelLoraLinear) for m in self.modules()):
             return original(self, save_directory, *args, **kwargs)
-        state, group = consolidated_adapter_state(self)
+        state, group = consolidated_adapter_state(self)  # collective over the TP group
         main = kwargs.pop("is_main_process", True) and (
             not dist.is_initialized() or dist.get_rank() == 0)
         error: BaseException | None = None
@@ -293,7 +293,9 @@ def _save_pretrained(original: Any) -> Any:
             original(self, save_directory, *args, state_dict=state, is_main_process=main, **kwargs)
         except Exception as err:  # reported on every rank by agree()
             error = err
-        agree("PeftModel.save_pretrained", error, {}, group)
+        # Over the world: data-parallel replicas wait for global rank 0's write too.
+        agree("PeftModel.save_pretrained", error, {},
+              dist.group.WORLD if dist.is_initialized() else group)
     save_pretrained._torchtp = True  # type: ignore[attr-defined]
     return save_pretrained
 
