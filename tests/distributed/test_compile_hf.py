@@ -16,9 +16,6 @@ import torchtp
 from ._hf_checks import GRADS, LOGITS, compare_params, inputs, loss_of
 from ._hf_models import build
 
-CORE = ["llama", "qwen2", "mistral", "gpt2"]
-
-
 def _compile_archs(rank: int, world_size: int, archs: list[str]) -> dict[str, int]:
     breaks = {}
     for arch in archs:
@@ -43,12 +40,11 @@ def _compile_archs(rank: int, world_size: int, archs: list[str]) -> dict[str, in
     return breaks
 
 
-def test_hf_fullgraph_compile_core_archs(ranks):
-    assert ranks(_compile_archs, 2, ["llama", "gpt2"], timeout=400) == [
-        {"llama": 0, "gpt2": 0}] * 2
+def test_hf_fullgraph_compile_llama(ranks):
+    assert ranks(_compile_archs, 2, ["llama"], timeout=400) == [{"llama": 0}] * 2
 
 
 @pytest.mark.slow
 def test_hf_fullgraph_compile_more_archs(ranks):
-    archs = ["qwen2", "mistral", "phi3", "gemma", "qwen3"]
+    archs = ["gpt2", "qwen2", "mistral", "phi3", "gemma", "qwen3"]
     assert ranks(_compile_archs, 2, archs, timeout=600) == [dict.fromkeys(archs, 0)] * 2
