@@ -16,6 +16,7 @@ import torchtp
 from ._hf_checks import GRADS, LOGITS, compare_params, inputs, loss_of
 from ._hf_models import build
 
+
 def _compile_archs(rank: int, world_size: int, archs: list[str]) -> dict[str, int]:
     breaks = {}
     for arch in archs:
