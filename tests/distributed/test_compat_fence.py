@@ -176,9 +176,9 @@ def test_every_compat_entry_names_the_versions_it_was_checked_against() -> None:
             doc = inspect.getdoc(fn) or ""
             checked = re.search(r"Checked: (torch|transformers|peft) ([^\n]+)", doc)
             assert checked, f"{module.__name__}.{name} does not say which versions it was checked against"
-<<<<<<< HEAD
-            listed = re.findall(r"\d+\.\d+\.\d+", checked.group(1))
-            assert listed and set(listed) <= set(versions), (name, listed, versions)
+            listed = re.findall(r"\d+\.\d+\.\d+", checked.group(2))
+            known = hf_compat.CHECKED_PEFT if checked.group(1) == "peft" else versions
+            assert listed and set(listed) <= set(known), (name, listed, known)
 
 
 def test_declared_lower_bounds_are_the_versions_make_compat_runs() -> None:
@@ -203,8 +203,3 @@ def test_older_transformers_is_refused_with_the_fix() -> None:
         hf_compat.require_supported_transformers(SimpleNamespace(__version__="5.2.0"))
     hf_compat.require_supported_transformers(SimpleNamespace(__version__="5.3.0"))
     hf_compat.require_supported_transformers(transformers)  # the installed one is supported
-=======
-            listed = re.findall(r"\d+\.\d+\.\d+", checked.group(2))
-            known = hf_compat.CHECKED_PEFT if checked.group(1) == "peft" else versions
-            assert listed and set(listed) <= set(known), (name, listed, known)
->>>>>>> d9eed66 (Compat fence: PEFT names and the Trainer hooks TensorParallelTrainer overrides live in hf/compat.py with checked versions; a missing hook raises instead of silently using Trainer's default)

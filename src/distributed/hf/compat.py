@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0")
+CHECKED_PEFT = ("0.21.2",)
 # The oldest release torchtp supports (pyproject's lower bound, run by ``make
 # compat``). Older releases ship tp plans torchtp would follow into wrong
 # gradients: before 5.3 Qwen3's plan leaves the per-head ``q_norm``/``k_norm``
