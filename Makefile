@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# constraints.txt pins torch==2.13.0 (CPU build) so pip never pulls CUDA wheels.
-	$(PY) -m pip install -q -c constraints.txt -e ".[hf,test,dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[hf,test,dev,peft,lightning]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -66,7 +66,10 @@ def install(model: nn.Module) -> int:
             param = getattr(module, name, None)
             if param is None or getattr(param, "_torchtp_grad_sync", None) is syncs:
                 continue
-            param.register_hook(_SumHook(syncs))
+            frozen = not param.requires_grad  # e.g. a base layer under LoRA
+            param.requires_grad_(True)  # torch only hooks tensors that require grad;
+            param.register_hook(_SumHook(syncs))  # the hook stays when it is unfrozen later
+            param.requires_grad_(not frozen)
             param._torchtp_grad_sync = syncs
             added += 1
     return added

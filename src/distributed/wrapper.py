@@ -18,9 +18,12 @@ from .checkpoint.save_sharded import save_sharded
 from .ddp_guard import check_fsdp, ignored_by_ddp
 from .devices import device_mismatch
 from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
+from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
+from .integrations.guards import guard_frameworks
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers._base import resolve_placement
 from .options import Options
+from .param_count import parameter_summary
 from .plans import PlanArg, ResolvedPlan, ShardContext, apply_plan, resolve_plan
 from .runtime import ProcessGroup, tp_group
 
@@ -88,8 +91,10 @@ class DistributedModelWrapper(nn.Module):
         error: BaseException | None = None
         ctx, resolved, fingerprint = None, None, {"world_size": world_size}
         options = Options(loss_parallel, sequence_parallel)
+        detached: list[Detached] = []
         try:
             _check_not_wrapped(model)
+            detached = detach_adapters(model)  # PEFT LoRA layers: planned on their base layers
             g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
             ctx = ShardContext(size, me, g, type(model).__name__)
             wrong_device = device_mismatch(model, g)
@@ -103,19 +108,23 @@ class DistributedModelWrapper(nn.Module):
             # Any rank-local error (e.g. a plan file missing on one node), not only
             # validation errors, must reach agree(), or the other ranks hang in it.
             error = err
-        # Every rank reaches this point, so a rank-local error raises everywhere.
-        agree("DistributedModelWrapper", error, fingerprint, group)
-        rng.sync(group)
-        assert ctx is not None and resolved is not None
-        self.base_model = model
-        self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
-        self._resolved = resolved
-        self.parallelized_layers = apply_plan(model, resolved, ctx)
-        options.install(model, ctx)
-        self.loss_parallel = loss_parallel
-        self.sequence_parallel = options.sequence is not None
-        clip.track(model)
-        rng.install(model)
+        try:
+            # Every rank reaches this point, so a rank-local error raises everywhere.
+            agree("DistributedModelWrapper", error, fingerprint, group)
+            rng.sync(group)
+            assert ctx is not None and resolved is not None
+            self.base_model = model
+            self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
+            self._resolved = resolved
+            self.parallelized_layers = apply_plan(model, resolved, ctx)
+            options.install(model, ctx)
+            self.loss_parallel = loss_parallel
+            self.sequence_parallel = options.sequence is not None
+            clip.track(model)
+            rng.install(model)
+            guard_frameworks(self)
+        finally:
+            attach_adapters(detached)  # around the parallel base layers (or restored on error)
 
     @property
     def resolved_plan(self) -> ResolvedPlan:
@@ -235,8 +244,9 @@ class DistributedModelWrapper(nn.Module):
         save_pretrained(self, directory, max_shard_size, timeout)
 
     def describe_plan(self) -> str:
-        """The applied plan as text: rules, every module's final style and why, collectives."""
-        return self.resolved_plan.table()
+        """The applied plan as text (rules, every module's final style and why, collectives),
+        then this rank's and the full model's parameter counts."""
+        return f"{self.resolved_plan.table()}\n{parameter_summary(self.base_model)}"
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, "

@@ -15,7 +15,7 @@ Two steps around the swap:
    same query heads (:class:`~torchtp.hf.styles.HeadColumns`).
 2. :func:`localize_attention` (after the swap): rewrite the attributes the
    module's forward reads (head counts, widths, ``num_key_value_groups`` and a
-   per-module view of ``config``) to their local values.
+   per-module copy of ``config``) to their local values.
 """
 
 from __future__ import annotations

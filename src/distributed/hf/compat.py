@@ -1,4 +1,4 @@
-"""Every use of a private or undocumented transformers name, in one place.
+"""Every use of a private or undocumented transformers (and peft) name, in one place.
 
 transformers reorganises attention modules and model internals between
 releases; code elsewhere in torchtp calls these functions, so such a change
@@ -16,9 +16,8 @@ from typing import Any
 
 from torch import nn
 
-from .config_view import LocalConfig
-
 CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0")
+CHECKED_PEFT = ("0.21.2",)
 # The oldest release torchtp supports (pyproject's lower bound, run by ``make
 # compat``). Older releases ship tp plans torchtp would follow into wrong
 # gradients: before 5.3 Qwen3's plan leaves the per-head ``q_norm``/``k_norm``
@@ -79,7 +78,8 @@ def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_di
 
     Every attribute of the families above that holds the full value, the query
     heads per KV head (``num_key_value_groups``, ``n_rep``), and a per-module
-    view of its ``config`` (:class:`LocalConfig`) for forwards that read
+    copy of its ``config`` (:func:`~torchtp.hf.config_view.local_config`,
+    traceable by ``torch.compile``) for forwards that read
     ``self.config.num_attention_heads``; the shared config keeps the full values.
     Checked: transformers 5.3.0, 5.23.0.
     """
@@ -88,10 +88,12 @@ def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_di
     for attr in GROUP_ATTRS:
         if getattr(module, attr, None) == heads // kv_heads:
             out[attr] = local_heads // local_kv
+    from .config_view import is_local_config, local_config  # it imports this module
+
     config = getattr(module, "config", None)
-    if config is not None and not isinstance(config, LocalConfig):
-        out["config"] = LocalConfig(config, _local_values(config, heads, kv_heads, head_dim,
-                                                          local))
+    if config is not None and not is_local_config(config):
+        out["config"] = local_config(config, _local_values(config, heads, kv_heads, head_dim,
+                                                           local))
     return out
 
 
@@ -178,3 +180,54 @@ def from_config(cls: Any, config: Any) -> Any:
     if hasattr(cls, "_from_config"):
         return cls._from_config(config)
     return cls(config)
+
+
+# Config attributes holding the attention / experts implementation switch;
+# ``PreTrainedModel.set_attn_implementation`` writes them on the shared config,
+# so per-module config copies read them live. Checked: transformers 5.23.0.
+CONFIG_IMPLEMENTATION_ATTRS = ("_attn_implementation_internal", "_experts_implementation_internal")
+
+
+def peft_register_custom_module(lora_config: Any, mapping: dict[type, type]) -> None:
+    """Register ``{base layer class: LoRA layer class}`` on one ``LoraConfig``.
+
+    PEFT's custom-module mechanism (``LoraConfig._register_custom_module``,
+    experimental in PEFT 0.13-0.21): its dispatcher builds the given LoRA
+    class for targets of the given base class. Checked: peft 0.21.2.
+    """
+    lora_config._register_custom_module(mapping)
+
+
+def peft_lora_dispatch_owner() -> tuple[Any, str]:
+    """``(LoraModel, name)`` of the static method that builds a LoRA layer for a target.
+
+    Checked: peft 0.21.2.
+    """
+    from peft.tuners.lora import LoraModel
+
+    return LoraModel, "_create_new_module"
+
+
+def peft_all_linear_owner() -> tuple[Any, str]:
+    """``(module, name)`` of the function that expands ``target_modules="all-linear"``.
+
+    Checked: peft 0.21.2.
+    """
+    from peft.tuners import tuners_utils
+
+    return tuners_utils, "_maybe_include_all_linear_layers"
+
+
+# Trainer methods TensorParallelTrainer overrides (gradient clipping and the
+# logged norm, DP-only gradient averaging, sharded optimizer checkpoints).
+TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_sync_replicated_trainable_parameters",
+                 "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+                 "_load_from_checkpoint", "get_tp_size", "create_accelerator_and_postprocess")
+
+
+def missing_trainer_hooks(trainer_cls: type) -> list[str]:
+    """The :data:`TRAINER_HOOKS` ``transformers.Trainer`` no longer defines.
+
+    Checked: transformers 5.23.0.
+    """
+    return [name for name in TRAINER_HOOKS if not callable(getattr(trainer_cls, name, None))]

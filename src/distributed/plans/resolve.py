@@ -31,6 +31,7 @@ from ..hf.builtin import BUILTIN_PLANS, builtin_plan
 from ..hf.detect import is_hf_model
 from ..hf.plan_source import hf_plan
 from ..hf.structural import structural_plan
+from ..integrations.adapter_hosts import hf_model_inside
 from ..tying import check_ties
 from .auto import auto_plan
 from .constraints import check
@@ -104,11 +105,22 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
     if plan is not None:
         return Rules("argument", plan)
     if not is_hf_model(model):
+        inner = hf_model_inside(model)
+        if inner is not None:
+            return _inside(*inner, ctx)
         return auto_plan(model, ctx, example_inputs, memory)
     own = hf_plan(model)
     if own:
         return Rules("HF plan (config.base_model_tp_plan + _tp_plan)", own)
     return _builtin(model) or structural_plan(model)
+
+
+def _inside(prefix: str, inner: nn.Module, ctx: ShardContext) -> Rules:
+    """The rules of the HF model inside a PEFT model, under PEFT's module names."""
+    own = pick_rules(inner, None, ctx)
+    return Rules(f"{own.source}, under '{prefix}'",
+                 {f"{prefix}.{pattern}": style for pattern, style in own.rules.items()},
+                 list(own.notes), {f"{prefix}.{k}": why for k, why in own.why.items()})
 
 
 def _builtin(model: nn.Module) -> Rules | None:

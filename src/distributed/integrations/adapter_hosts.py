@@ -1,0 +1,98 @@
+"""Wrapping a model that already carries PEFT LoRA layers.
+
+The plan is found and applied on the model as if it had none: every LoRA
+layer is taken out of the tree (its base layer put in its place) before
+planning, and put back around the (now parallel) base layer afterwards,
+where :func:`torchtp.integrations.peft.convert` shards its adapters like
+the base. Nothing here imports PEFT unless PEFT is in use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..hf.detect import is_hf_model
+
+
+@dataclass
+class Detached:
+    """A LoRA layer taken out of ``parent.<leaf>`` for planning."""
+
+    parent: nn.Module
+    leaf: str
+    layer: Any  # a PEFT LoraLayer (an nn.Module)
+
+
+def peft_loaded() -> bool:
+    """True when PEFT is imported (then torchtp's PEFT hooks are installed too)."""
+    if "peft" not in sys.modules:
+        return False
+    importlib.import_module("torchtp.integrations.peft")  # installs the hooks (idempotent)
+    return True
+
+
+def prepare_peft(model: nn.Module) -> bool:
+    """Install torchtp's PEFT hooks when PEFT may be used on this HF model.
+
+    A wrapped HF model is what users hand to ``get_peft_model`` next, so
+    PEFT is imported now when it is installed (not merely when it is loaded).
+    """
+    if "peft" not in sys.modules and is_hf_model(model) and importlib.util.find_spec("peft"):
+        importlib.import_module("peft")
+    return peft_loaded()
+
+
+def detach_adapters(model: nn.Module) -> list[Detached]:
+    """Put each LoRA layer's base layer in its place; return what was taken out."""
+    if not prepare_peft(model):
+        return []
+    from peft.tuners.lora import LoraLayer
+
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    out = []
+    for name, layer in found:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, leaf, layer.get_base_layer())
+        out.append(Detached(parent, leaf, layer))
+    return out
+
+
+def attach_adapters(detached: list[Detached]) -> None:
+    """Put the LoRA layers back around whatever base layer now sits in their place.
+
+    A base that became a torchtp layer gets its adapters sharded like it;
+    a base kept whole (or a failed wrap) gets its LoRA layer back unchanged.
+    """
+    if not detached:
+        return
+    from .peft import PARALLEL_LINEARS, convert
+
+    for item in detached:
+        base = getattr(item.parent, item.leaf)
+        item.layer.base_layer = base
+        setattr(item.parent, item.leaf, item.layer)
+        if isinstance(base, PARALLEL_LINEARS):
+            convert(item.layer)
+
+
+def hf_model_inside(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, HF model)`` inside a PEFT model (``PeftModel``/``LoraModel``), else ``None``."""
+    if is_hf_model(model) or not peft_loaded():
+        return None
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    if isinstance(model, PeftModel):
+        inner = model.get_base_model()
+    elif isinstance(model, BaseTuner):
+        inner = model.model
+    else:
+        return None
+    name = next((n for n, m in model.named_modules() if m is inner), None)
+    return (name, inner) if name and is_hf_model(inner) else None

@@ -1,0 +1,103 @@
+"""HF conveniences on a wrapped model: consolidated saving, or an error that says what to do.
+
+After wrapping, the HF model holds this rank's shards. Its own
+``save_pretrained`` would write them under full names, ``push_to_hub`` would
+upload them, and ``resize_token_embeddings`` cannot resize a vocabulary split
+over ranks. The wrapper replaces these three methods on the model *instance*
+(the class is untouched): ``save_pretrained`` becomes torchtp's consolidated,
+collective save; the other two raise with the supported way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch.distributed as dist
+
+from ..agreement import agree
+from ..hf.detect import is_hf_model
+from ..runtime import get_tensor_parallel_config
+
+# HF save_pretrained arguments the consolidated save honours (or may ignore:
+# rank 0 writes in any case, so is_main_process changes nothing).
+_ACCEPTED = {"is_main_process", "max_shard_size", "safe_serialization"}
+
+
+def guard_hf_model(wrapper: Any) -> None:
+    """Replace ``save_pretrained``/``push_to_hub``/``resize_token_embeddings`` on the wrapped HF model."""
+    model = wrapper.base_model
+    if not is_hf_model(model):
+        return
+    # A namespace, not the wrapper: the model must not own its owner.
+    owner = SimpleNamespace(base_model=model, group=wrapper.group, rank=wrapper.rank,
+                            world_size=wrapper.world_size)
+    model.save_pretrained = functools.partial(_save_pretrained, owner)
+    model.push_to_hub = functools.partial(_push_to_hub, owner)
+    if _vocab_is_split(model):
+        model.resize_token_embeddings = functools.partial(_resize, owner)
+
+
+def _save_pretrained(owner: Any, save_directory: str | os.PathLike[str], *args: Any,
+                     **kwargs: Any) -> None:
+    """Collective: the consolidated HF directory (= ``wrapped.save_pretrained``)."""
+    if args:
+        raise TypeError("save_pretrained on a tensor-parallel model takes the directory and "
+                        "keyword arguments only; call wrapped.save_pretrained(dir) on every rank")
+    if kwargs.get("state_dict") is not None:
+        raise ValueError(
+            f"save_pretrained(state_dict=...) on a tensor-parallel model (tp={owner.world_size}): "
+            "a state_dict of this model holds this rank's shards, not full tensors; call "
+            "wrapped.save_pretrained(dir) on every rank, which gathers each tensor")
+    if kwargs.pop("push_to_hub", False):
+        _push_to_hub(owner)
+    if kwargs.get("safe_serialization", True) is False:
+        raise ValueError("a tensor-parallel model saves safetensors only; drop "
+                         "safe_serialization=False")
+    unknown = sorted(k for k, v in kwargs.items() if k not in _ACCEPTED and v is not None)
+    if unknown:
+        raise TypeError(f"save_pretrained on a tensor-parallel model does not support {unknown}; "
+                        "call wrapped.save_pretrained(dir, max_shard_size=...) on every rank")
+    save_once(owner, save_directory, kwargs.get("max_shard_size", "5GB"))
+
+
+def save_once(owner: Any, directory: str | os.PathLike[str], max_shard_size: int | str) -> None:
+    """Consolidated save by the first data-parallel replica's TP group; every rank waits for it.
+
+    DP replicas hold the same weights: one TP group writes (collective over
+    it), the others only wait and raise its error if it failed.
+    """
+    from ..checkpoint.save_pretrained import save_pretrained
+
+    cfg = get_tensor_parallel_config()
+    error: BaseException | None = None
+    if getattr(cfg, "dp_rank", 0) == 0:
+        try:
+            save_pretrained(owner, directory, max_shard_size)
+        except Exception as err:  # raised on every rank of this TP group; passed on below
+            error = err
+    if dist.is_initialized() and dist.get_world_size() > owner.world_size:
+        agree("save_pretrained", error, {}, dist.group.WORLD)
+    elif error is not None:
+        raise error
+
+
+def _push_to_hub(owner: Any, *args: Any, **kwargs: Any) -> None:
+    raise ValueError(
+        f"push_to_hub on a tensor-parallel model (tp={owner.world_size}) would upload this "
+        "rank's shards; call wrapped.save_pretrained(dir) on every rank, then upload dir from "
+        "rank 0 (huggingface_hub.upload_folder(repo_id=..., folder_path=dir))")
+
+
+def _resize(owner: Any, *args: Any, **kwargs: Any) -> None:
+    raise ValueError(
+        f"resize_token_embeddings after wrapping: the embedding / LM head are split over the "
+        f"vocabulary (weight rows) across tp={owner.world_size} ranks and cannot be resized in "
+        "place; call model.resize_token_embeddings(n) before DistributedModelWrapper(model)")
+
+
+def _vocab_is_split(model: Any) -> bool:
+    embeddings = (model.get_input_embeddings(), model.get_output_embeddings())
+    return any(getattr(m, "tp_layouts", None) for m in embeddings if m is not None)

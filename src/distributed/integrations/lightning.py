@@ -1,0 +1,79 @@
+"""Lightning's ``ModelParallelStrategy`` with torchtp on the tensor-parallel mesh dimension.
+
+::
+
+    strategy = ModelParallelStrategy(parallelize_fn=torchtp.integrations.lightning.parallelize,
+                                     tensor_parallel_size=2, data_parallel_size=2)
+
+Lightning builds a ``DeviceMesh`` named ``("data_parallel", "tensor_parallel")``
+and calls ``parallelize(model, device_mesh)``: the HF model inside (or the
+whole model) is wrapped by :class:`~torchtp.DistributedModelWrapper` over the
+``tensor_parallel`` group, in place, then FSDP2 ``fully_shard`` shards every
+decoder block and the root over ``data_parallel`` (when it has more than one
+rank). ``Trainer(gradient_clip_val=...)`` clips by the whole model's norm
+(:func:`torchtp.clip_grad_norm_`, installed as the module's
+``configure_gradient_clipping``); in Fabric call :func:`torchtp.clip_grad_norm_`
+instead of ``fabric.clip_gradients`` (which sees only this rank's shards).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import nn
+
+from ..hf.detect import is_hf_model
+from ..wrapper import DistributedModelWrapper
+
+
+def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """Tensor-parallel on ``device_mesh["tensor_parallel"]``, FSDP2 on ``["data_parallel"]``.
+
+    Args:
+        model: A ``LightningModule`` (or any module) holding the model to split.
+        device_mesh: Lightning's 2-D mesh ``("data_parallel", "tensor_parallel")``.
+
+    Returns:
+        ``model``, changed in place (Lightning requires the module back).
+
+    Raises:
+        ValueError: the mesh lacks a ``tensor_parallel`` dimension, or a plan problem
+            (raised on every rank, as by ``DistributedModelWrapper``).
+    """
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    if "tensor_parallel" not in names:
+        raise ValueError(f"torchtp.integrations.lightning.parallelize needs Lightning's "
+                         f"ModelParallelStrategy mesh with a 'tensor_parallel' dimension, "
+                         f"got dims {names}")
+    target = next((m for m in model.modules() if is_hf_model(m)), model)
+    DistributedModelWrapper(target, group=device_mesh["tensor_parallel"].get_group())  # in place
+    if hasattr(model, "configure_gradient_clipping"):
+        # Lightning's own clipping would measure only this rank's shards.
+        setattr(model, "configure_gradient_clipping", functools.partial(_clip, model))  # noqa: B010
+    if "data_parallel" in names and device_mesh["data_parallel"].size() > 1:
+        _fully_shard(model, target, device_mesh["data_parallel"])
+    return model
+
+
+def _clip(model: nn.Module, optimizer: Any, gradient_clip_val: float | None = None,
+          gradient_clip_algorithm: str | None = None) -> None:
+    """``LightningModule.configure_gradient_clipping`` with the whole model's gradient norm."""
+    if not gradient_clip_val:
+        return
+    if gradient_clip_algorithm not in (None, "norm"):
+        raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported "
+                         "under tensor parallelism; use 'norm' (torchtp.clip_grad_norm_)")
+    from ..clip import clip_grad_norm_
+
+    clip_grad_norm_([p for p in model.parameters() if p.grad is not None], gradient_clip_val)
+
+
+def _fully_shard(model: nn.Module, target: nn.Module, dp_mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = max((m for m in target.modules() if isinstance(m, nn.ModuleList)),
+                 key=len, default=None)
+    for block in blocks or []:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)

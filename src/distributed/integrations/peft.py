@@ -1,0 +1,346 @@
+"""PEFT LoRA on tensor-parallel layers: each adapter pair is sharded like its base layer.
+
+Importing this module installs torchtp's layers into PEFT (:func:`install`;
+``DistributedModelWrapper`` does it when PEFT is installed), so that the
+usual calls work on a wrapped model:
+
+- ``get_peft_model(wrapped.base_model, LoraConfig(target_modules=[...]))``
+  and ``target_modules="all-linear"``: every LoRA layer whose base is a
+  torchtp layer becomes a :class:`TensorParallelLoraLinear`, registered
+  through PEFT's custom-module mechanism on the config.
+- ``peft_model.save_pretrained(dir)`` on every rank writes one consolidated
+  adapter that plain PEFT loads onto the unsharded model.
+- ``PeftModel.from_pretrained(wrapped.base_model, dir)`` loads a full-size
+  adapter: each rank keeps its slices.
+
+The sharding (``tp`` ranks, scale ``s``):
+
+============================  ==========================  ==========================
+base layer                    LoRA A                      LoRA B
+============================  ==========================  ==========================
+RowParallelLinear (colwise,   ``(r, in)`` replicated      ``(out/tp, r)``: the base's
+out_features split)                                       weight rows
+ColumnParallelLinear          ``(r, in/tp)``: the base's  ``(out, r)`` replicated
+(rowwise, in_features split)  weight columns
+============================  ==========================  ==========================
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft import PeftModel
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .. import grad_sync
+from ..agreement import agree
+from ..checkpoint.placements import placements
+from ..checkpoint.save_pretrained import gather_full
+from ..checkpoint.save_sharded import gather_layouts
+from ..grad_sync import GradSync
+from ..hf import compat
+from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..layers._base import require_group
+from ..layers._shape import input_mismatch
+from ..layouts import ParamLayout
+from ..regions import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+
+PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
+# Initialisations PEFT draws without reading the base weight (PiSSA, OLoRA,
+# LoftQ, EVA... decompose the full base weight, which no rank holds).
+_PLAIN_INITS = (True, False, "gaussian")
+
+
+class TensorParallelLoraLinear(LoraLinear):
+    """A PEFT LoRA layer around a torchtp layer, its A/B sharded like the base.
+
+    Around a :class:`RowParallelLinear` (weight rows = ``out_features`` split):
+    ``A`` ``(r, in)`` is replicated and ``B`` holds the base's rows
+    ``(out/tp, r)``. forward: ``h = A x`` ``(..., r)`` passes
+    ``copy_to_tensor_parallel_region`` (forward identity, backward all-reduce:
+    each rank's ``B`` rows give a partial ``dh``), then ``y_local += s * B h``
+    (all-gathered with the base output when it gathers).
+
+    Around a :class:`ColumnParallelLinear` (weight columns = ``in_features``
+    split): ``A`` holds the base's columns ``(r, in/tp)`` and ``B`` ``(out, r)``
+    is replicated. forward: the base's partial product and
+    ``s * B (A x_local)`` are summed by the base's one all-reduce (forward
+    all-reduce, backward identity); ``B``'s gradient, a partial sum on each
+    rank, is summed over the group after backward.
+
+    PEFT initialises full-size ``A``/``B`` exactly as for an ``nn.Linear``
+    (same random draws), then each rank keeps its slices, so an unsharded
+    LoRA model built under the same seed is the reference.
+    """
+
+    def _get_in_out_features(self, module: Any) -> tuple[int, int]:
+        # Full sizes: PEFT builds (and initialises) the full A and B first.
+        return module.in_features, module.out_features
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: Any,
+                     **kwargs: Any) -> None:
+        """PEFT's ``update_layer``, then keep this rank's slices of the new adapter.
+
+        Raises:
+            ValueError: a LoRA variant (DoRA...), ``lora_bias`` or an
+                initialisation that reads the base weight (PiSSA...).
+        """
+        check_supported(self, config)
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        self.fan_in_fan_out = False  # torchtp keeps local weights as (out, in), even for Conv1D
+        shard_adapter(self, adapter_name)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The base layer's output plus every active adapter's, sharded like the base."""
+        base: Any = self.get_base_layer()
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if kwargs.get("adapter_names") is not None:
+            raise ValueError(f"{self._name()}: per-sample adapter_names (mixed-batch LoRA) is not "
+                             "supported under tensor parallelism; set one adapter with "
+                             "set_adapter(...)")
+        if self.disable_adapters or self.merged or not active or base.world_size == 1:
+            return super().forward(x, *args, **kwargs)
+        self._check_forward_args(x, *args, **kwargs)
+        group = require_group(self._name(), base.group, base.world_size)
+        if isinstance(base, RowParallelLinear):
+            return self._forward_rows(base, x, active, group)
+        return self._forward_columns(base, x, active, group)
+
+    def _forward_rows(self, base: Any, x: torch.Tensor, active: list[str],
+                      group: Any) -> torch.Tensor:
+        result = base(x)  # (..., out/tp), or (..., out) when the base gathers
+        for name in active:
+            a: Any = self.lora_A[name]
+            b: Any = self.lora_B[name]
+            xa = self._cast_input_dtype(x, a.weight.dtype)
+            h = copy_to_tensor_parallel_region(a(self.lora_dropout[name](xa)), group)  # (..., r)
+            delta = b(h) * self.scaling[name]  # (..., out/tp)
+            if base.gather_output:
+                delta = gather_from_tensor_parallel_region(delta, group, -1)  # (..., out)
+            result = result + delta.to(result.dtype)
+        return result
+
+    def _forward_columns(self, base: Any, x: torch.Tensor, active: list[str],
+                         group: Any) -> torch.Tensor:
+        # The base's forward, with the LoRA terms added before its all-reduce.
+        expected = base.expected_input_features
+        if not x.dim() or x.shape[-1] != expected:
+            raise input_mismatch(base, x, expected)  # type: ignore[misc]
+        if not base.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
+        partial = F.linear(x, base.weight)  # (..., out), this rank's partial sum
+        for name in active:
+            a: Any = self.lora_A[name]
+            b: Any = self.lora_B[name]
+            xa = self._cast_input_dtype(x, a.weight.dtype)
+            lora = b(a(self.lora_dropout[name](xa))) * self.scaling[name]  # (..., out) partial
+            partial = partial + lora.to(partial.dtype)
+        y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
+        return y if base.bias is None else y.add_(base.bias)
+
+    def _name(self) -> str:
+        base: Any = self.get_base_layer()
+        return f"TensorParallelLoraLinear({base._name()})"
+
+    def __repr__(self) -> str:
+        return "torchtp." + super().__repr__()
+
+
+def check_supported(layer: Any, config: Any) -> None:
+    """Refuse LoRA options whose sharding torchtp does not implement."""
+    who = f"LoRA on {type(layer.get_base_layer()).__name__}"
+    if getattr(config, "lora_bias", False):
+        raise ValueError(f"{who}: lora_bias=True is not supported under tensor parallelism; "
+                         "set lora_bias=False")
+    if layer.resolve_lora_variant(config=config) is not None:
+        raise ValueError(f"{who}: LoRA variants (DoRA, aLoRA, VeLoRA, ...) are not supported "
+                         "under tensor parallelism; use plain LoRA")
+    init = getattr(config, "init_lora_weights", True)
+    if init not in _PLAIN_INITS:
+        raise ValueError(f"{who}: init_lora_weights={init!r} reads the full base weight, which "
+                         f"no rank holds; use one of {list(_PLAIN_INITS)}, or create the "
+                         "adapter on the unsharded model and wrap the PeftModel afterwards")
+
+
+def _segments(base: Any, dim: int) -> tuple[tuple[int, int], ...]:
+    """The ranges of the base's split dimension (0: out rows, 1: in columns) this rank holds."""
+    layout = getattr(base, "tp_layouts", {}).get("weight")
+    if layout is not None:
+        return layout.segments
+    local = base.weight.shape[dim]
+    return ((base.rank * local, local),)
+
+
+def shard_adapter(layer: TensorParallelLoraLinear, adapter: str) -> None:
+    """Replace one adapter's full A/B by this rank's slices (and record their layouts)."""
+    base: Any = layer.get_base_layer()
+    a: Any = layer.lora_A[adapter]
+    b: Any = layer.lora_B[adapter]
+    if isinstance(base, RowParallelLinear):
+        _keep_slice(b, ParamLayout(tuple(b.weight.shape), 0, _segments(base, 0)))
+        syncs = getattr(base, "tp_grad_sync", {}).get("weight")
+        if syncs:  # replicated KV-head rows: their gradient is summed like the base's
+            grad_sync.mark(b, "weight", syncs)
+    else:
+        _keep_slice(a, ParamLayout(tuple(a.weight.shape), 1, _segments(base, 1)))
+        grad_sync.mark(b, "weight", (GradSync(base.group),))
+    grad_sync.install(layer)
+
+
+def _keep_slice(linear: nn.Linear, layout: ParamLayout) -> None:
+    weight = linear.weight
+    linear.weight = nn.Parameter(layout.take(weight.detach()), requires_grad=weight.requires_grad)
+    linear.out_features, linear.in_features = linear.weight.shape
+    linear.tp_layouts = {"weight": layout}  # type: ignore[assignment]
+    linear.register_load_state_dict_pre_hook(_accept_full_size)
+
+
+def _accept_full_size(module: Any, state_dict: dict[str, Any], prefix: str,
+                      *args: Any) -> None:
+    """Loading a full-size adapter tensor keeps this rank's slice of it."""
+    key = prefix + "weight"
+    layout = module.tp_layouts["weight"]
+    full = state_dict.get(key)
+    if isinstance(full, torch.Tensor) and tuple(full.shape) == layout.full_shape \
+            and tuple(full.shape) != tuple(module.weight.shape):
+        state_dict[key] = layout.take(full)
+
+
+def convert(layer: Any) -> TensorParallelLoraLinear:
+    """Turn a PEFT ``lora.Linear`` whose base was just swapped for a torchtp layer
+    into a :class:`TensorParallelLoraLinear`, keeping this rank's adapter slices.
+
+    Raises:
+        TypeError: the LoRA layer is not PEFT's plain ``lora.Linear``.
+        ValueError: an adapter uses an option torchtp cannot shard.
+    """
+    if type(layer) is not LoraLinear:
+        raise TypeError(f"LoRA layer {type(layer).__name__} around a tensor-parallel layer is not "
+                        "supported; only PEFT's lora.Linear (plain LoRA) is sharded by torchtp")
+    if any(layer.lora_bias.values()):
+        raise ValueError("LoRA with lora_bias=True is not supported under tensor parallelism")
+    if layer.lora_variant:
+        raise ValueError("LoRA variants (DoRA, aLoRA, ...) are not supported under tensor "
+                         "parallelism; use plain LoRA")
+    if layer.merged:
+        raise ValueError("the LoRA adapters are merged into the base weights; call "
+                         "unmerge_adapter() before wrapping")
+    # Same state, torchtp's forward: the adapters PEFT made stay as they are.
+    layer.__class__ = TensorParallelLoraLinear
+    layer.fan_in_fan_out = False  # the base's local weight is (out, in), even for Conv1D
+    for adapter in list(layer.lora_A):
+        shard_adapter(layer, adapter)  # type: ignore[arg-type]
+    return layer  # type: ignore[return-value]
+
+
+def parallel_linear_names(model: nn.Module) -> set[str]:
+    """Names of torchtp Linear layers that ``"all-linear"`` should target."""
+    skip: set[int] = set()
+    output = getattr(model, "get_output_embeddings", lambda: None)()  # None: not an HF model
+    if output is not None:
+        skip.add(id(output))  # like PEFT: never the LM head
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            skip.update(id(m) for m in module.modules() if m is not module)
+    return {name for name, m in model.named_modules()
+            if isinstance(m, PARALLEL_LINEARS) and id(m) not in skip}
+
+
+def consolidated_adapter_state(model: nn.Module) -> tuple[dict[str, Any], Any]:
+    """``model.state_dict()`` with every sharded LoRA tensor gathered whole.
+
+    Collective over the LoRA layers' TP group. Full tensors land on group
+    rank 0; the other ranks keep their slices (they do not write).
+
+    Returns:
+        ``(state_dict, group)``.
+    """
+    state = model.state_dict()
+    layers: list[Any] = [m for m in model.modules() if isinstance(m, TensorParallelLoraLinear)]
+    group = layers[0].get_base_layer().group if layers else None
+    items = [p for p in placements(model) if p.layout.dim is not None
+             and (".lora_A." in p.name or ".lora_B." in p.name)]
+    layouts = gather_layouts(items, group)
+    for p in items:
+        full = gather_full(p, layouts, group)
+        if full is not None:
+            state[p.name] = full
+    return state, group
+
+
+def _save_pretrained(original: Any) -> Any:
+    @functools.wraps(original)
+    def save_pretrained(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("state_dict") is not None or not any(
+                isinstance(m, TensorParallelLoraLinear) for m in self.modules()):
+            return original(self, save_directory, *args, **kwargs)
+        state, group = consolidated_adapter_state(self)  # collective over the TP group
+        main = kwargs.pop("is_main_process", True) and (
+            not dist.is_initialized() or dist.get_rank() == 0)
+        error: BaseException | None = None
+        try:
+            original(self, save_directory, *args, state_dict=state, is_main_process=main, **kwargs)
+        except Exception as err:  # reported on every rank by agree()
+            error = err
+        # Over the world: data-parallel replicas wait for global rank 0's write too.
+        agree("PeftModel.save_pretrained", error, {},
+              dist.group.WORLD if dist.is_initialized() else group)
+    save_pretrained._torchtp = True  # type: ignore[attr-defined]
+    return save_pretrained
+
+
+def _create_new_module(original: Any) -> Any:
+    @functools.wraps(original)
+    def create(lora_config: Any, adapter_name: str, target: nn.Module, **kwargs: Any) -> Any:
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if isinstance(base, PARALLEL_LINEARS):
+            compat.peft_register_custom_module(
+                lora_config, dict.fromkeys(PARALLEL_LINEARS, TensorParallelLoraLinear))
+        return original(lora_config, adapter_name, target, **kwargs)
+    create._torchtp = True  # type: ignore[attr-defined]
+    return staticmethod(create)
+
+
+def _include_all_linear(original: Any) -> Any:
+    @functools.wraps(original)
+    def include(peft_config: Any, model: nn.Module) -> Any:
+        target = getattr(peft_config, "target_modules", None)
+        wanted = isinstance(target, str) and target.lower() == "all-linear"
+        out = original(peft_config, model)
+        if wanted:
+            out.target_modules = set(out.target_modules) | parallel_linear_names(model)
+        return out
+    include._torchtp = True  # type: ignore[attr-defined]
+    return include
+
+
+def install() -> None:
+    """Teach PEFT torchtp's layers (idempotent; done on import of this module).
+
+    Three hooks: LoRA targets whose base is a torchtp layer register
+    :class:`TensorParallelLoraLinear` on their ``LoraConfig`` (PEFT's
+    custom-module mechanism); ``target_modules="all-linear"`` includes torchtp
+    layers; ``PeftModel.save_pretrained`` gathers sharded adapters first.
+    """
+    owner, name = compat.peft_lora_dispatch_owner()
+    if not getattr(getattr(owner, name), "_torchtp", False):
+        setattr(owner, name, _create_new_module(getattr(owner, name)))
+    module, fname = compat.peft_all_linear_owner()
+    if not getattr(getattr(module, fname), "_torchtp", False):
+        setattr(module, fname, _include_all_linear(getattr(module, fname)))
+    if not getattr(PeftModel.save_pretrained, "_torchtp", False):
+        PeftModel.save_pretrained = _save_pretrained(PeftModel.save_pretrained)  # type: ignore[method-assign]
+
+
+install()

@@ -1,0 +1,109 @@
+"""HF Trainer on a torchtp model under real Gloo processes, against a one-process Trainer.
+
+``TensorParallelTrainer`` at dp 2 x tp 2: logged losses, grad norms and eval
+losses, the trained weights (``save_model()`` read back by plain
+``from_pretrained``) and a resumed run. Plain ``Trainer`` and accelerate's
+``prepare`` refuse a tensor-parallel model at the first step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import torchtp
+
+from ._hf_models import build
+from ._trainer_runs import (
+    arguments,
+    checkpoints,
+    dataset,
+    final_weights,
+    history,
+    reference_run,
+)
+
+# fp32 on CPU; the sharded run reassociates sums (TP partial products, DP
+# gradient average) so AdamW updates differ by ~1e-7 relative; after 4 steps
+# weights and losses agree to ~1e-6. A wrong batch split or clip factor is O(1e-3+).
+CLOSE = {"rtol": 1e-4, "atol": 1e-5}
+# Trained weights: AdamW's update m / (sqrt(v) + eps) amplifies that noise in
+# coordinates whose gradient is near eps (observed 1.2e-5 after 4 steps at
+# lr 5e-3); 5e-5 is 1% of one step, while a wrong batch or clip factor moves
+# weights by a whole step (~lr) or more.
+WEIGHTS = {"rtol": 1e-4, "atol": 5e-5}
+GLOBAL_BATCH = 4  # the one-process reference's batch; split over the DP ranks
+
+
+def _tp_trainer(rank: int, world_size: int, out: str, tp_size: int | None = 2) -> list:
+    from torchtp.integrations.transformers import TensorParallelTrainer
+
+    torchtp.init_tensor_parallel(tp_size=tp_size)
+    per_device = GLOBAL_BATCH // (world_size // (tp_size or world_size))  # over DP ranks only
+    wrapped = torchtp.DistributedModelWrapper(build("llama").train())
+    trainer = TensorParallelTrainer(
+        model=wrapped, train_dataset=dataset(1), eval_dataset=dataset(2),
+        args=arguments(out, per_device, save_strategy="steps", save_steps=2))
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    # Resume from the step-2 checkpoint: sharded optimizer, scheduler and RNG state.
+    resumed = TensorParallelTrainer(
+        model=torchtp.DistributedModelWrapper(build("llama").train()),
+        train_dataset=dataset(1), eval_dataset=dataset(2),
+        args=arguments(out + "-resumed", per_device))
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    resumed.save_model(os.path.join(out, "resumed"))
+    return [history(trainer), history(resumed), checkpoints(out)]
+
+
+def _check_against_reference(ranks, tmp_path, world_size: int, tp_size: int | None) -> None:
+    want_history, want_weights = reference_run(str(tmp_path / "ref"), GLOBAL_BATCH)
+    results = ranks(_tp_trainer, world_size, str(tmp_path / "tp"), tp_size, timeout=500)
+    for got, resumed, saved in results:
+        assert saved == ["checkpoint-2", "checkpoint-4"]
+        assert [sorted(e) for e in got] == [sorted(e) for e in want_history]
+        for mine, ref in zip(got, want_history, strict=True):
+            for key in mine:
+                torch.testing.assert_close(mine[key], ref[key], **CLOSE, msg=key)
+        # The resumed run logs the steps after the checkpoint exactly as the full run.
+        tail = [e for e in want_history[len(want_history) - len(resumed):]]
+        for mine, ref in zip(resumed, tail, strict=True):
+            for key in mine:
+                torch.testing.assert_close(mine[key], ref[key], **CLOSE, msg=key)
+    for name in ("final", "resumed"):
+        got_weights = final_weights(str(tmp_path / "tp" / name))
+        for key, ref in want_weights.items():
+            torch.testing.assert_close(got_weights[key], ref, **WEIGHTS, msg=f"{name}: {key}")
+
+
+def test_tensor_parallel_trainer_dp2_tp2_matches_one_process(ranks, tmp_path):
+    _check_against_reference(ranks, tmp_path, 4, 2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_trainer_tp_only_matches_one_process(ranks, tmp_path):
+    _check_against_reference(ranks, tmp_path, 2, None)
+
+
+def _plain_trainer(rank: int, world_size: int, out: str) -> str:
+    from transformers import Trainer
+
+    wrapped = torchtp.DistributedModelWrapper(build("llama").train())
+    errors = []
+    for model in (wrapped, wrapped.base_model):
+        trainer = Trainer(model=model, args=arguments(out, 2, eval_strategy="no"),
+                          train_dataset=dataset(1))
+        with pytest.raises(ValueError, match=r"TensorParallelTrainer instead of transformers\.Trainer"):
+            trainer.train()
+        errors.append("raised")
+    from accelerate import Accelerator
+
+    with pytest.raises(ValueError, match=r"accelerate's prepare\(\) .*tp=2"):
+        Accelerator(cpu=True).prepare(wrapped)
+    return "+".join(errors)
+
+
+def test_plain_trainer_and_accelerate_refuse_tp_model(ranks, tmp_path):
+    assert ranks(_plain_trainer, 2, str(tmp_path / "plain"), timeout=300) == ["raised+raised"] * 2

@@ -1,0 +1,115 @@
+"""PEFT LoRA under tensor parallelism, against unsharded LoRA built from the same seeds.
+
+Every check runs on real Gloo processes with the real ``peft`` package:
+forward and AdamW steps (only adapters train), ``target_modules="all-linear"``,
+a consolidated adapter that plain PEFT loads onto the unsharded model, loading
+that adapter onto a wrapped model, and wrapping a ``PeftModel`` (or its inner
+model) through the base model's HF plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import torchtp
+from torchtp.integrations.peft import TensorParallelLoraLinear
+
+from ._hf_checks import inputs, loss_of
+from ._hf_models import build
+
+# fp32; AdamW normalises each update, so reassociation differences in the
+# sharded sums (~1e-7) can grow to ~1e-6 in adapter weights after a few steps
+# and reach the logits through two layers; 1e-4 relative / 1e-5 absolute keeps
+# margin while a wrong slice or a missing all-reduce is O(1e-2) or more.
+CLOSE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _lora(targets: object) -> LoraConfig:
+    # "gaussian" draws A from N(0, 1/r) and B = 0 like the default, but with a
+    # non-zero A the adapters change the logits after the first step.
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian")
+
+
+def _pair(arch: str, targets: object) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(unsharded LoRA model, LoRA on the wrapped model), same base and adapter seeds."""
+    ref_base = build(arch)
+    torch.manual_seed(5)
+    ref = get_peft_model(ref_base, _lora(targets))
+    wrapped = torchtp.DistributedModelWrapper(build(arch))
+    torch.manual_seed(5)
+    return ref, get_peft_model(wrapped.base_model, _lora(targets))
+
+
+def _train(arch: str, targets: object, steps: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    ref, tp = _pair(arch, targets)
+    batch = inputs(arch)
+    torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **CLOSE)
+    trainable = [n for n, p in tp.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), trainable
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for m in (ref, tp)]
+    for _ in range(steps):
+        for model, opt in zip((ref, tp), opts, strict=True):
+            loss_of(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **CLOSE)
+    return ref, tp
+
+
+def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
+    batch = inputs("llama")
+    out: dict = {}
+    # q/v targets: both out_features-split bases; three AdamW steps.
+    ref, tp = _train("llama", ["q_proj", "v_proj"], steps=3)
+    out["q_proj"] = type(tp.base_model.model.model.layers[0].self_attn.q_proj).__name__
+    # "all-linear": o_proj/down_proj are in_features-split (A split, B replicated).
+    _, every = _train("llama", "all-linear", steps=2)
+    out["all_linear"] = sum(isinstance(m, TensorParallelLoraLinear) for m in every.modules())
+    # Saving on every rank writes one consolidated adapter that plain PEFT loads.
+    tp.save_pretrained(tmp)
+    plain = PeftModel.from_pretrained(build("llama"), tmp)
+    torch.testing.assert_close(plain(**batch).logits, ref(**batch).logits, **CLOSE)
+    # The same files load onto a wrapped model: each rank keeps its slices.
+    loaded = PeftModel.from_pretrained(torchtp.DistributedModelWrapper(build("llama")).base_model,
+                                       tmp)
+    torch.testing.assert_close(loaded(**batch).logits, ref(**batch).logits, **CLOSE)
+    # Wrapping a PeftModel (and the HF model inside one) follows the HF plan.
+    for inner in (False, True):
+        peft_model = PeftModel.from_pretrained(build("llama"), tmp)
+        target = peft_model.base_model.model if inner else peft_model
+        wrapped = torchtp.DistributedModelWrapper(target)
+        with torchtp.count_collectives() as counter:
+            logits = wrapped(**batch).logits
+        torch.testing.assert_close(logits, ref(**batch).logits, **CLOSE)
+        out[f"wrapped_inner={inner}"] = (wrapped.resolved_plan.source.split(",")[0],
+                                         dict(counter.counts))
+    # Options that cannot be sharded are refused by name.
+    with pytest.raises(ValueError, match=r"LoRA variants .* not supported under tensor"):
+        get_peft_model(torchtp.DistributedModelWrapper(build("llama")).base_model,
+                       LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    return out
+
+
+def test_lora_matches_unsharded_lora(ranks, tmp_path):
+    hf_plan = "HF plan (config.base_model_tp_plan + _tp_plan)"
+    per_forward = {"all_reduce": 5, "all_gather": 1}  # the plain model's: adapters add none
+    assert ranks(_peft_suite, 2, str(tmp_path / "adapter"), timeout=300) == [{
+        "q_proj": "TensorParallelLoraLinear",
+        "all_linear": 14,  # 7 projections x 2 layers, never the LM head
+        "wrapped_inner=False": (hf_plan, per_forward),
+        "wrapped_inner=True": (hf_plan, per_forward),
+    }] * 2
+
+
+def _more_archs(rank: int, world_size: int) -> bool:
+    _train("gpt2", "all-linear", steps=2)  # Conv1D, packed q|k|v
+    _train("llama", ["k_proj", "v_proj", "o_proj"], steps=2)  # at tp=4: replicated KV heads
+    return True
+
+
+@pytest.mark.slow
+def test_lora_gpt2_and_replicated_kv_heads(ranks):
+    assert ranks(_more_archs, 4, timeout=500) == [True] * 4
