@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..agreement import agree
 from ..hf.detect import is_hf_model
+from ..layers import layouts_of
 from ..runtime import get_tensor_parallel_config
 
 # HF save_pretrained arguments the consolidated save honours (or may ignore:
@@ -100,4 +101,4 @@ def _resize(owner: Any, *args: Any, **kwargs: Any) -> None:
 
 def _vocab_is_split(model: Any) -> bool:
     embeddings = (model.get_input_embeddings(), model.get_output_embeddings())
-    return any(getattr(m, "tp_layouts", None) for m in embeddings if m is not None)
+    return any(layouts_of(m) for m in embeddings if m is not None)

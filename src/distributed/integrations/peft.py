@@ -46,7 +46,7 @@ from ..checkpoint.save_sharded import gather_layouts
 from ..grad_sync import GradSync
 from ..hf import compat
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..layers._base import require_group
+from ..layers._base import ShardedModule, layouts_of, require_group
 from ..layers._shape import input_mismatch
 from ..layouts import ParamLayout
 from ..regions import (
@@ -175,7 +175,7 @@ def check_supported(layer: Any, config: Any) -> None:
 
 def _segments(base: Any, dim: int) -> tuple[tuple[int, int], ...]:
     """The ranges of the base's split dimension (0: out rows, 1: in columns) this rank holds."""
-    layout = getattr(base, "tp_layouts", {}).get("weight")
+    layout = layouts_of(base).get("weight")
     if layout is not None:
         return layout.segments
     local = base.weight.shape[dim]
@@ -198,11 +198,21 @@ def shard_adapter(layer: TensorParallelLoraLinear, adapter: str) -> None:
     grad_sync.install(layer)
 
 
+class AdapterSlice(nn.Linear, ShardedModule):
+    """A LoRA ``A`` or ``B`` matrix that holds this rank's slice; its layout says which.
+
+    Same forward and state-dict names as the ``nn.Linear`` PEFT made; owning a
+    layout makes savers, clipping and checkpoints treat it as split.
+    """
+
+
 def _keep_slice(linear: nn.Linear, layout: ParamLayout) -> None:
     weight = linear.weight
     linear.weight = nn.Parameter(layout.take(weight.detach()), requires_grad=weight.requires_grad)
     linear.out_features, linear.in_features = linear.weight.shape
-    linear.tp_layouts = {"weight": layout}  # type: ignore[assignment]
+    linear.__class__ = AdapterSlice  # no new state: the layout below is all it adds
+    assert isinstance(linear, AdapterSlice)
+    linear.tp_layouts = {"weight": layout}
     linear.register_load_state_dict_pre_hook(_accept_full_size)
 
 
@@ -210,7 +220,7 @@ def _accept_full_size(module: Any, state_dict: dict[str, Any], prefix: str,
                       *args: Any) -> None:
     """Loading a full-size adapter tensor keeps this rank's slice of it."""
     key = prefix + "weight"
-    layout = module.tp_layouts["weight"]
+    layout = layouts_of(module)["weight"]
     full = state_dict.get(key)
     if isinstance(full, torch.Tensor) and tuple(full.shape) == layout.full_shape \
             and tuple(full.shape) != tuple(module.weight.shape):
