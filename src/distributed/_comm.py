@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import _health
 from ._logging import debug_enabled, logger
 from .layouts import cut, shard_range, shard_sizes
+from .reductions import TORCH_OPS
 from .runtime import ProcessGroup
 
 # New names in torch 2.13; the old ones remain for torch>=2.4.
@@ -145,7 +146,7 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
     """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller."""
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
     n = record("all_reduce", tensor, group)
-    work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=n is not None)
+    work = dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=n is not None)
     _finish(work, n, "all_reduce", tensor, group)
     return tensor
 
@@ -238,11 +239,3 @@ def split(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     which autograd handles, so no caller ever writes into it.
     """
     return cut(tensor, dim, (shard_range(tensor.shape[dim], size, rank),)).contiguous()
-
-
-REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-}

@@ -7,7 +7,6 @@ reaches the same verdict before any communication starts.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _comm
+from ..reductions import TORCH_OPS, Reduction
 from ..runtime import ProcessGroup
 from . import _index
 from ._index import Shape
@@ -24,23 +24,9 @@ from .grid import Grid, check_root
 T = TypeVar("T")
 
 
-class Reduction(str, enum.Enum):
-    """Element-wise reductions of the dialect (``reduction = <max>``)."""
-
-    SUM = "sum"
-    MAX = "max"
-    MIN = "min"
-    PRODUCT = "product"
-    AVERAGE = "average"
-
-
 def check_reduction(reduction: str | Reduction) -> Reduction:
-    """Return ``reduction`` as a :class:`Reduction` or raise ``ValueError``."""
-    try:
-        return Reduction(reduction.value if isinstance(reduction, Reduction) else reduction)
-    except ValueError:
-        names = ", ".join(r.value for r in Reduction)
-        raise ValueError(f"reduction={reduction!r} is not supported; use one of {names}") from None
+    """Return ``reduction`` as a :class:`~torchtp.reductions.Reduction` or raise ``ValueError``."""
+    return Reduction.parse(reduction)
 
 
 def check_tensor(op: str, x: object) -> torch.Tensor:
@@ -138,7 +124,8 @@ def record(op: str, x: torch.Tensor, pg: ProcessGroup | None) -> None:
 
 def torch_op(reduction: Reduction) -> dist.ReduceOp.RedOpType:
     """The torch reduce op computing ``reduction`` (AVERAGE sums, then divides)."""
-    return _comm.REDUCE_OPS["sum" if reduction is Reduction.AVERAGE else reduction.value]
+    op: dist.ReduceOp.RedOpType = TORCH_OPS[reduction]
+    return op
 
 
 def accumulate_dtype(op: str, x: torch.Tensor, reduction: Reduction,

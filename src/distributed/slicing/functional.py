@@ -13,12 +13,13 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from ..reductions import reduce_stack
 from ..shard import Sharding, shard_bounds
 from .types import ReduceOperation, SliceSpec, SlicingStrategy, TensorPartition
 
@@ -200,17 +201,8 @@ def gather(partition: TensorPartition,
     if len(shapes) != 1:
         raise ValueError(f"{op.name} needs slices of one shape, got {sorted(shapes)}; use "
                          "CONCAT, or a slice count that divides the split dims")
-    if isinstance(cores[0], np.ndarray):
-        np_reducers: dict[str, Callable[..., Array]] = {
-            "sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
-        return np_reducers[op.value](np.stack(cores), axis=0)
-    stacked = torch.stack(cores)
-    if op is ReduceOperation.MEAN:
-        float_ok = stacked.is_floating_point() or stacked.is_complex()
-        return (stacked if float_ok else stacked.to(torch.float64)).mean(0)
-    reducers: dict[str, Callable[[int], torch.Tensor]] = {
-        "sum": stacked.sum, "max": stacked.amax, "min": stacked.amin}
-    return reducers[op.value](0)
+    assert op.reduction is not None
+    return reduce_stack(cores, op.reduction)
 
 
 def _reduce_op(reduce_op: ReduceOperation | str) -> ReduceOperation:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..reductions import Reduction
 from ..shard import Sharding
 
 
@@ -25,13 +26,24 @@ class SlicingStrategy(str, enum.Enum):
 
 
 class ReduceOperation(str, enum.Enum):
-    """How a partition's slices are combined by a gather."""
+    """How a partition's slices are combined by a gather: put back in place, or reduced.
+
+    The element-wise members name a :class:`~torchtp.reductions.Reduction`
+    (``MEAN`` is its ``AVERAGE``), torchtp's one reduction enum.
+    """
 
     CONCAT = "concat"
     SUM = "sum"
     MEAN = "mean"
     MAX = "max"
     MIN = "min"
+
+    @property
+    def reduction(self) -> Reduction | None:
+        """The element-wise reduction, or ``None`` for ``CONCAT``."""
+        if self is ReduceOperation.CONCAT:
+            return None
+        return Reduction.AVERAGE if self is ReduceOperation.MEAN else Reduction(self.value)
 
 
 @dataclass(frozen=True)
