@@ -76,7 +76,7 @@ def check_errors(rank: int, world_size: int, cases: dict[str, str], good: str, o
         "missing_index": "not in model.safetensors.index.json",
         "other_model": "metadata describes another model",
         "mixed_files": "come from different saves",
-        "tp_blocked": "saved at tp=3 and cannot be loaded at the current tp=2",
+        "tp_blocked": "saved at tp=1 and cannot be loaded at the current tp=2",
         "no_config": "has no config.json",
     }
     for case, pattern in expect.items():

@@ -62,12 +62,13 @@ def _make_cases(root: str) -> tuple[dict[str, str], str]:
     other = os.path.join(root, "qwen3-sharded")
     torchtp.DistributedModelWrapper(build("qwen3")).save_sharded(other)
     shutil.copy(os.path.join(other, "torchtp_checkpoint.json"), cases["mixed_files"])
-    three = os.path.join(root, "three_heads")
-    build("llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=3, vocab_size=96,
-          intermediate_size=96,
-          head_dim=16).save_pretrained(three)
+    # Any size splits now (balanced shares), so only what is structurally
+    # impossible is blocked: one attention head cannot be split over two ranks.
+    one = os.path.join(root, "one_head")
+    build("llama", hidden_size=16, num_attention_heads=1, num_key_value_heads=1, vocab_size=96,
+          intermediate_size=96, head_dim=16).save_pretrained(one)
     cases["tp_blocked"] = os.path.join(root, "tp_blocked")
-    reshard(three, cases["tp_blocked"], 3)
+    reshard(one, cases["tp_blocked"], 1)
     cases["no_config"] = _copy(good, os.path.join(root, "no_config"))
     os.remove(os.path.join(cases["no_config"], "config.json"))
     return cases, good
@@ -84,7 +85,7 @@ def test_bad_checkpoints_raise_on_every_rank(ranks, tmp_path):
 
 def test_offline_errors(tmp_path):
     cases, good = _make_cases(str(tmp_path / "cases"))
-    with pytest.raises(ValueError, match="saved at tp=3\\) cannot be resharded to tp=2"):
+    with pytest.raises(ValueError, match="saved at tp=1\\) cannot be resharded to tp=2"):
         reshard(cases["tp_blocked"], str(tmp_path / "r2"), 2)
     with pytest.raises(ValueError, match="is not a directory"):
         reshard(good, os.path.join(good, "config.json"), 2)
