@@ -41,6 +41,8 @@ _MISSING = object()
 
 def _resolve(name: str, page: Path) -> Any:
     """The torchtp callable ``name`` refers to on ``page``, or ``None`` (not torchtp's)."""
+    if name.startswith("torch."):
+        return None  # torch's own API (torch.compile), not torchtp's
     parts = name.removeprefix("torchtp.").split(".")
     own = getattr(torchtp, page.stem, None)  # shard.md documents torchtp.shard first
     for space in ([own] if own in NAMESPACES else []) + NAMESPACES:

@@ -50,12 +50,8 @@ def _wrapped(seed: int = 0) -> tuple[nn.Module, nn.Module]:
 
 def _vocab_embedding(rank: int, world: int) -> nn.Module:
     """A 10-token vocabulary split over the ranks (rows 5*rank .. 5*rank+4 at tp 2)."""
-    torch.manual_seed(0)
-    full = nn.Embedding(10, 8)
-    rows = 10 // world
-    return VocabParallelEmbedding(
-        full.weight.detach()[rank * rows:(rank + 1) * rows].clone(), 10, rank * rows, None, world,
-        dist.group.WORLD)
+    torch.manual_seed(0)  # every rank draws the same full table and keeps its rows
+    return VocabParallelEmbedding(10, 8, world_size=world, rank=rank, group=dist.group.WORLD)
 
 
 def _forward(tp: nn.Module, x: torch.Tensor) -> torch.Tensor:
