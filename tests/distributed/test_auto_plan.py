@@ -66,7 +66,7 @@ def _check_kinds(rank: int, world_size: int, kinds: list[str]) -> dict[str, dict
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(3, marks=pytest.mark.slow)])
 def test_handwritten_models_match_unsharded_and_megatron_counts(ranks, world_size):
     # Wrapped with no plan: outputs, every gradient and two SGD steps equal the
     # unsharded model's, and the collectives equal a hand-written Megatron plan's.
@@ -74,6 +74,13 @@ def test_handwritten_models_match_unsharded_and_megatron_counts(ranks, world_siz
         for kind in KINDS:
             r = got[kind]
             assert r["source"] == "auto: dataflow pairs (any model)", kind
+            if world_size == 3:
+                # Uneven sizes: every unit the probe cannot confirm at tp 3 stays
+                # replicated (exact, checked above), so the plan may split less
+                # than Megatron's, never communicate more.
+                assert r["fwd"] == r["planned"], (kind, r)
+                assert sum(r["fwd"].values()) <= sum(r["hand_fwd"].values()), (kind, r)
+                continue
             assert r["fwd"] == r["hand_fwd"] == r["planned"] == MEGATRON[kind], (kind, r)
             assert r["bwd"] == r["hand_bwd"], (kind, r)
 
