@@ -12,8 +12,10 @@ whole model) is wrapped by :class:`~torchtp.DistributedModelWrapper` over the
 decoder block and the root over ``data_parallel`` (when it has more than one
 rank). ``Trainer(gradient_clip_val=...)`` clips by the whole model's norm
 (:func:`torchtp.clip_grad_norm_`, installed as the module's
-``configure_gradient_clipping``); in Fabric call :func:`torchtp.clip_grad_norm_`
-instead of ``fabric.clip_gradients`` (which sees only this rank's shards).
+``configure_gradient_clipping``), and so does ``fabric.clip_gradients``:
+``parallelize`` makes ``ModelParallelStrategy.clip_gradients_norm`` use
+:func:`torchtp.clip_grad_norm_` for modules holding torchtp layers (torch's
+clipping would see only this rank's shards).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from ..hf.detect import is_hf_model
+from ..layers import layouts_of
 from ..wrapper import DistributedModelWrapper
 
 
@@ -48,6 +51,7 @@ def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
                          f"got dims {names}")
     target = next((m for m in model.modules() if is_hf_model(m)), model)
     DistributedModelWrapper(target, group=device_mesh["tensor_parallel"].get_group())  # in place
+    _make_fabric_clipping_tp_aware()
     if hasattr(model, "configure_gradient_clipping"):
         # Lightning's own clipping would measure only this rank's shards.
         setattr(model, "configure_gradient_clipping", functools.partial(_clip, model))  # noqa: B010
@@ -67,6 +71,36 @@ def _clip(model: nn.Module, optimizer: Any, gradient_clip_val: float | None = No
     from ..clip import clip_grad_norm_
 
     clip_grad_norm_([p for p in model.parameters() if p.grad is not None], gradient_clip_val)
+
+
+def _make_fabric_clipping_tp_aware() -> None:
+    """``fabric.clip_gradients`` under ``ModelParallelStrategy``: the whole model's norm.
+
+    Lightning's strategy calls ``torch.nn.utils.clip_grad_norm_``, which on a
+    torchtp model sums only this rank's shards, so ranks would clip by
+    different factors, silently. Modules without torchtp layers keep
+    Lightning's own clipping. Installed once, on the class.
+    """
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    original = ModelParallelStrategy.clip_gradients_norm
+    if getattr(original, "torchtp_aware", False):
+        return
+
+    @functools.wraps(original)
+    def clip_gradients_norm(self: Any, module: nn.Module, optimizer: Any, max_norm: float,
+                            norm_type: float = 2.0, error_if_nonfinite: bool = True) -> Any:
+        if not any(layouts_of(m) for m in module.modules()):
+            return original(self, module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        from ..clip import clip_grad_norm_
+
+        self.precision.unscale_gradients(optimizer)
+        params = [p for p in self.precision.main_params(optimizer) if p.grad is not None]
+        return clip_grad_norm_(params, max_norm, norm_type=norm_type,
+                               error_if_nonfinite=error_if_nonfinite)
+
+    clip_gradients_norm.torchtp_aware = True  # type: ignore[attr-defined]
+    ModelParallelStrategy.clip_gradients_norm = clip_gradients_norm  # type: ignore[method-assign]
 
 
 def _fully_shard(model: nn.Module, target: nn.Module, dp_mesh: Any) -> None:
