@@ -14,10 +14,10 @@ from ._hf_models import VOCAB, build
 LOSS = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def batch(seq: int, seed: int = 1) -> dict[str, torch.Tensor]:
+def batch(seq: int, seed: int = 1, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     """Two sequences of ``seq`` tokens; the labels ignore a few positions."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (2, seq), generator=gen)
+    ids = torch.randint(3, vocab, (2, seq), generator=gen)
     labels = ids.clone()
     labels[0, 2] = labels[1, -3] = -100
     return {"input_ids": ids, "labels": labels}
@@ -41,7 +41,7 @@ def check_training(rank: int, world_size: int, arch: str, seq: int, loss_paralle
     wrapped = torchtp.DistributedModelWrapper(
         _build(arch, checkpointing), loss_parallel=loss_parallel,
         sequence_parallel=sequence_parallel)
-    data = batch(seq)
+    data = batch(seq, vocab=ref.config.vocab_size)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
     result: dict = {}
@@ -146,6 +146,10 @@ def check_loss_parallel_suite(rank: int, world_size: int) -> dict:
     """Llama (untied) and GPT-2 (tied, built-in plan) with loss_parallel, and errors."""
     out = {"llama": check_training(rank, world_size, "llama", 9, True, False),
            "gpt2": check_training(rank, world_size, "gpt2", 9, True, False, steps=1),
+           # vocab 97, hidden 70, 10 heads / 2 KV heads: uneven vocabulary slices
+           # under loss parallelism, with sequence parallelism on top.
+           "llama-uneven": check_training(rank, world_size, "llama-uneven", 9, True, True,
+                                          steps=1),
            "generated": check_generate(rank, world_size, "llama-tied", True, False)}
     check_num_items(rank, world_size)
     for arch in ("bert",):
