@@ -191,6 +191,23 @@ def _require_embedding(style: str, module: nn.Module, fqn: str) -> nn.Embedding:
     return module
 
 
+def _embedding_plan(style: str, emb: nn.Embedding, fqn: str, ctx: ShardContext, dim: int,
+                    collective: str) -> LayerPlan:
+    """Plan an embedding split along ``dim`` of its ``(num_embeddings, embedding_dim)`` weight.
+
+    ``dim`` 0 splits the vocabulary (weight rows), 1 the features (weight
+    columns); fewer units than ranks leaves the plan with a constraint to report.
+    """
+    full = tuple(emb.weight.shape)
+    what = ("num_embeddings (weight rows)", "embedding_dim (weight columns)")[dim]
+    constraints = (Constraint(f"module '{fqn}' (style {style!r})", what, full[dim]),)
+    if full[dim] < ctx.world_size:
+        return LayerPlan(fqn, style, constraints, full, collectives=(collective,))
+    layout = split_layout(full, dim, ctx.world_size, ctx.rank)
+    return LayerPlan(fqn, style, constraints, full, layout.local_shape, {"weight": layout},
+                     (collective,))
+
+
 class EmbeddingRowwise(ParallelStyle):
     """Split the embedding's rows (the vocabulary): -> :class:`VocabParallelEmbedding`.
 
@@ -207,15 +224,7 @@ class EmbeddingRowwise(ParallelStyle):
                 f"style {self.name!r} for module '{fqn}' ({type(emb).__name__}): its forward "
                 "adds work that does not commute with splitting the vocabulary (partial "
                 "lookups would not sum to its output); mark it 'replicate'")
-        vocab, dim = emb.weight.shape
-        constraints = (Constraint(f"module '{fqn}' (style {self.name!r})",
-                                  "num_embeddings (weight rows)", vocab),)
-        if vocab < ctx.world_size:
-            return LayerPlan(fqn, self.name, constraints, (vocab, dim),
-                             collectives=("all_reduce",))
-        layout = split_layout((vocab, dim), 0, ctx.world_size, ctx.rank)
-        return LayerPlan(fqn, self.name, constraints, (vocab, dim), layout.local_shape,
-                         {"weight": layout}, ("all_reduce",))
+        return _embedding_plan(self.name, emb, fqn, ctx, 0, "all_reduce")
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         # Subclasses (Gemma's scaled embedding) keep their own forward around the split.
@@ -234,15 +243,7 @@ class EmbeddingColwise(ParallelStyle):
             raise ValueError(f"style {self.name!r} for module '{fqn}' ({type(emb).__name__}): "
                              "embedding subclasses with their own forward can only be split "
                              "with 'embedding_rowwise' (or kept 'replicate')")
-        vocab, dim = emb.weight.shape
-        constraints = (Constraint(f"module '{fqn}' (style {self.name!r})",
-                                  "embedding_dim (weight columns)", dim),)
-        if dim < ctx.world_size:
-            return LayerPlan(fqn, self.name, constraints, (vocab, dim),
-                             collectives=("all_gather",))
-        layout = split_layout((vocab, dim), 1, ctx.world_size, ctx.rank)
-        return LayerPlan(fqn, self.name, constraints, (vocab, dim), layout.local_shape,
-                         {"weight": layout}, ("all_gather",))
+        return _embedding_plan(self.name, emb, fqn, ctx, 1, "all_gather")
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         return FeatureParallelEmbedding.from_embedding(cast(nn.Embedding, module), ctx.world_size,
