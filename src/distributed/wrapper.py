@@ -207,7 +207,8 @@ class DistributedModelWrapper(nn.Module):
                 sharded checkpoint saved at any tp (see :meth:`save_sharded`).
             plan: As for the constructor (same resolution order).
             dtype: Cast floating tensors to it; ``None`` keeps the checkpoint's dtypes.
-            device: Where the tensors go (default CPU).
+            device: Where the tensors go (default: the rank's device from
+                :func:`~torchtp.get_tensor_parallel_config`, CUDA under NCCL).
             model_class: Class to build from the config (default: the config's
                 ``architectures``, else ``AutoModelForCausalLM``/``AutoModel``).
             group: Process group; ``None`` for the default TP group.

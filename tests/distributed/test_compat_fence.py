@@ -203,3 +203,20 @@ def test_older_transformers_is_refused_with_the_fix() -> None:
         hf_compat.require_supported_transformers(SimpleNamespace(__version__="5.2.0"))
     hf_compat.require_supported_transformers(SimpleNamespace(__version__="5.3.0"))
     hf_compat.require_supported_transformers(transformers)  # the installed one is supported
+
+
+def test_every_compat_smoke_test_exists() -> None:
+    # make test ends with the compat smoke run; a renamed test would fail it only there.
+    root = SRC.parents[1]
+    makefile = (root / "Makefile").read_text()
+    block = makefile.split("COMPAT_SMOKE ?=", 1)[1].split("\n\n", 1)[0]
+    hf_plans = re.search(r"^HF_PLANS := (\S+)$", makefile, re.M)
+    assert hf_plans
+    block = block.replace("$(HF_PLANS)", hf_plans.group(1))
+    ids = [w.strip('"\\') for w in block.split() if w.strip('"\\').startswith("tests/")]
+    assert len(ids) >= 5, ids
+    for test_id in ids:
+        path, _, name = test_id.partition("::")
+        source = (root / path).read_text()
+        if name:
+            assert f"def {name.split('[')[0]}(" in source, f"{test_id} is not a test any more"

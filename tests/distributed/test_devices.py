@@ -46,6 +46,10 @@ def test_layers_built_with_device_none_use_the_configs_device(nccl_config):
     # CPU-only torch cannot allocate, so the error proves where it went.
     with pytest.raises((RuntimeError, AssertionError), match=r"(?i)cuda|nvidia"):
         torchtp.RowParallelLinear(8, 4)
+    for embedding in (torchtp.VocabParallelEmbedding, torchtp.FeatureParallelEmbedding):
+        assert embedding(10, 8, device="meta").weight.device.type == "meta"
+        with pytest.raises((RuntimeError, AssertionError), match=r"(?i)cuda|nvidia"):
+            embedding(10, 8)
 
 
 def test_backend_devices():

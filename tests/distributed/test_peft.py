@@ -86,6 +86,15 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
         torch.testing.assert_close(logits, ref(**batch).logits, **CLOSE)
         out[f"wrapped_inner={inner}"] = (wrapped.resolved_plan.source.split(",")[0],
                                          dict(counter.counts))
+    # Uneven shares (vocab 97, hidden 70): LoRA on the gathered LM head too.
+    _train("llama-uneven", ["q_proj", "lm_head"], steps=1)
+    # Sequence parallelism would need other regions around the LoRA terms: refused.
+    sp = get_peft_model(torchtp.DistributedModelWrapper(build("llama"),
+                                                        sequence_parallel=True).base_model,
+                        _lora(["q_proj"]))
+    with pytest.raises(ValueError, match=r"LoRA adapters with sequence_parallel=True are not "
+                                         r"supported"):
+        sp(**batch)
     # Options that cannot be sharded are refused by name.
     with pytest.raises(ValueError, match=r"LoRA variants .* not supported under tensor"):
         get_peft_model(torchtp.DistributedModelWrapper(build("llama")).base_model,

@@ -52,6 +52,7 @@ from ..layouts import ParamLayout
 from ..regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
+    rank_local_error,
     reduce_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
 )
@@ -112,6 +113,12 @@ class TensorParallelLoraLinear(LoraLinear):
         if self.disable_adapters or self.merged or not active or base.world_size == 1:
             return super().forward(x, *args, **kwargs)
         self._check_forward_args(x, *args, **kwargs)
+        if base.sequence_dim is not None:
+            # The LoRA terms would need the sequence-parallel regions of the base
+            # (no input all-reduce, a reduce-scatter out); refuse rather than guess.
+            raise ValueError(f"{self._name()}: LoRA adapters with sequence_parallel=True are not "
+                             "supported; wrap with sequence_parallel=False (loss_parallel=True "
+                             "works with LoRA)")
         group = require_group(self._name(), base.group, base.world_size)
         if isinstance(base, RowParallelLinear):
             return self._forward_rows(base, x, active, group)
@@ -127,7 +134,8 @@ class TensorParallelLoraLinear(LoraLinear):
             h = copy_to_tensor_parallel_region(a(self.lora_dropout[name](xa)), group)  # (..., r)
             delta = b(h) * self.scaling[name]  # (..., out/tp)
             if base.gather_output:
-                delta = gather_from_tensor_parallel_region(delta, group, -1)  # (..., out)
+                # (..., out); shares may differ by one row when out_features does not divide
+                delta = gather_from_tensor_parallel_region(delta, group, -1, base.out_features)
             result = result + delta.to(result.dtype)
         return result
 
@@ -136,7 +144,8 @@ class TensorParallelLoraLinear(LoraLinear):
         # The base's forward, with the LoRA terms added before its all-reduce.
         expected = base.expected_input_features
         if not x.dim() or x.shape[-1] != expected:
-            raise input_mismatch(base, x, expected)  # type: ignore[misc]
+            # Other ranks may be fine and already waiting in the all-reduce: tell them.
+            raise rank_local_error(group, input_mismatch(base, x, expected))  # type: ignore[arg-type]
         if not base.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
         partial = F.linear(x, base.weight)  # (..., out), this rank's partial sum

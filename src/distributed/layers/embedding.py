@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._comm import _compiling
+from ..devices import default_device
 from ..layouts import split_layout
 from ..regions import (
     gather_from_tensor_parallel_region,
@@ -129,7 +130,7 @@ class VocabParallelEmbedding(VocabSplit, nn.Embedding):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  group: ProcessGroup | None = None) -> None:
         nn.Embedding.__init__(self, num_embeddings, embedding_dim, padding_idx,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=default_device(device))
         self._split_vocab(world_size, rank, group)
 
     @staticmethod
@@ -194,7 +195,7 @@ class FeatureParallelEmbedding(ShardedModule, nn.Embedding):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  group: ProcessGroup | None = None) -> None:
         nn.Embedding.__init__(self, num_embeddings, embedding_dim, padding_idx,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=default_device(device))
         self._split_features(world_size, rank, group)
 
     @staticmethod
