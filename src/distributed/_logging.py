@@ -15,6 +15,9 @@ _TRUTHY = {"1", "true", "yes", "on", "debug"}
 # TP_CHECK_SHAPES=1: every collective first checks that all ranks pass the same
 # shape and dtype. Read once (configure_from_env), not on every collective.
 CHECK_SHAPES = False
+# TP_CHECK_INPUTS=1: the wrapper checks every forward's inputs across TP ranks,
+# not only the first training one. Read once too: the wrapper's forward is hot.
+CHECK_INPUTS = False
 
 
 def debug_enabled() -> bool:
@@ -27,10 +30,11 @@ def configure_from_env() -> None:
 
     Adds one stderr handler tagged with the process rank (only once), so that
     ``TP_DEBUG=1 torchrun ...`` shows each rank's layer swaps and collectives.
-    Also reads ``TP_CHECK_SHAPES``.
+    Also reads ``TP_CHECK_SHAPES`` and ``TP_CHECK_INPUTS``.
     """
-    global CHECK_SHAPES
+    global CHECK_SHAPES, CHECK_INPUTS
     CHECK_SHAPES = os.environ.get("TP_CHECK_SHAPES", "").strip().lower() in _TRUTHY
+    CHECK_INPUTS = os.environ.get("TP_CHECK_INPUTS", "").strip().lower() in _TRUTHY
     if os.environ.get("TP_DEBUG", "").strip().lower() not in _TRUTHY:
         return
     logger.setLevel(logging.DEBUG)

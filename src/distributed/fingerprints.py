@@ -10,13 +10,13 @@ catches them at a cost independent of the tensor's size. Comparing is one
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import _logging
 from .errors import RankMismatchError
 from .runtime import ProcessGroup, group_size
 
@@ -46,8 +46,11 @@ def _tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def input_check_requested() -> bool:
-    """``TP_CHECK_INPUTS=1``: check the inputs of every forward, not only the first."""
-    return os.environ.get("TP_CHECK_INPUTS", "") not in ("", "0")
+    """``TP_CHECK_INPUTS=1``: check the inputs of every forward, not only the first.
+
+    Read once, with ``TP_DEBUG`` and ``TP_CHECK_SHAPES`` (:func:`torchtp.configure_from_env`).
+    """
+    return _logging.CHECK_INPUTS
 
 
 def check_same_inputs(args: tuple[Any, ...], kwargs: dict[str, Any],

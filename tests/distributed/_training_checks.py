@@ -181,9 +181,11 @@ def agreement(rank: int, world_size: int, tmp: str) -> list[str]:
     wrapped.eval()
     wrapped(x)  # eval: not checked by default
     os.environ["TP_CHECK_INPUTS"] = "1"
+    torchtp.configure_from_env()  # read once, as at import
     with pytest.raises(torchtp.RankMismatchError, match=r"argument 0 differs on TP ranks \[1\]"):
         wrapped(x)
     del os.environ["TP_CHECK_INPUTS"]
+    torchtp.configure_from_env()
     wrapped.train()
     with pytest.raises(torchtp.RankMismatchError, match=r"data sampler") as info:
         wrapped(x)
