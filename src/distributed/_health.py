@@ -273,10 +273,16 @@ def _waited(work: Any, st: GroupState, n: int) -> bool:
     try:
         work.wait(_POLL)
         return True
+    except RuntimeError:
+        if not work.is_completed():
+            return False  # merely slow
+    # It completed after the timed-out wait gave up (a race a loaded machine widens):
+    # an untimed wait now returns at once, and raises only if the collective failed.
+    try:
+        work.wait()
     except RuntimeError as err:
-        if work.is_completed():  # it failed (not merely slow)
-            raise_converted(st, f"collective {n}", err)
-        return False
+        raise_converted(st, f"collective {n}", err)
+    return True
 
 
 def _waited_grace(work: Any, st: GroupState, n: int, seconds: float = 1.0) -> bool:

@@ -254,3 +254,29 @@ def test_successful_runs_exit_with_zero(exit_loop):
         codes, lag, tails = exit_loop.one_run(2, -1, "raise", deadline=DEADLINE)
         assert codes == [0, 0], tails
         assert lag < 30, lag  # the bounded exit barrier waits only for the slower rank
+
+
+class _LateWork:
+    """A collective that completes (successfully) just after a timed-out poll gives up."""
+
+    def __init__(self, completes: bool) -> None:
+        self.completes, self.done = completes, False
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is not None:
+            self.done = self.completes
+            raise RuntimeError("Operation timed out!")
+        assert self.done, "an untimed wait on unfinished work would block"
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_collective_finishing_right_after_a_poll_timeout_is_not_a_failure():
+    # Seen under load: the poll's wait timed out, the work completed before
+    # is_completed() was asked, and a successful all-reduce was reported as failed.
+    from torchtp import _health
+
+    assert _health._waited(_LateWork(completes=True), None, 0) is True
+    assert _health._waited(_LateWork(completes=False), None, 0) is False
