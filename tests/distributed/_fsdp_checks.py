@@ -99,3 +99,55 @@ def synced_grads(rank: int, world_size: int) -> dict[str, Any]:
                 torch.testing.assert_close(got, want.logits, **LOGITS_TOL, msg=msg)
         out[case.key] = norms
     return out
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, n: int
+           ) -> list[float]:
+    losses = []
+    for _ in range(n):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torchtp.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def resume(cfg: Any, tmp: str) -> dict[str, Any]:
+    """dp 2 x tp 2 FSDP2: save after 2 AdamW steps, resume in a fresh FSDP2 model (same
+    losses, bit for bit) and in a plain tp 2 model on the global batch (same global losses)."""
+    from torchtp.checkpoint.dcp import load_training_state, save_training_state
+
+    ids = _batch(4, 8)
+    mine = ids[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]
+
+    def fsdp_llama(seed: int) -> nn.Module:
+        # One KV head: k/v_proj are saved gathered, the other splits as Shard(dim) DTensors.
+        return _fsdp(torchtp.DistributedModelWrapper(build("llama", seed=seed, **KV1).train()),
+                     cfg)
+
+    model = fsdp_llama(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, mine, 2)
+    save_training_state(tmp, model, opt, step=2, extra={"note": "x"})
+    uninterrupted = _steps(model, opt, mine, 2)
+    fresh = fsdp_llama(5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    loaded = load_training_state(tmp, fresh, fresh_opt)
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2
+    resumed = _steps(fresh, fresh_opt, mine, 2)
+    # FSDP2 -> no FSDP2 at the same tp: every TP group loads the whole tp 2 state.
+    plain = torchtp.DistributedModelWrapper(build("llama", seed=5, **KV1).train())
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    assert load_training_state(tmp, plain, plain_opt)[0] == 2
+    torch.testing.assert_close(_steps(plain, plain_opt, ids, 2),
+                               _global_loss(uninterrupted, cfg.dp_group), **TOL)
+    return {"loaded": loaded, "uninterrupted": uninterrupted, "resumed": resumed}
+
+
+def fsdp_suite(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Both checks in one set of 4 processes (they are expensive on a small machine)."""
+    out = synced_grads(rank, world_size)
+    out["resume"] = resume(torchtp.get_tensor_parallel_config(), tmp)
+    return out
