@@ -116,7 +116,8 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, n: i
 
 def resume(cfg: Any, tmp: str) -> dict[str, Any]:
     """dp 2 x tp 2 FSDP2: save after 2 AdamW steps, resume in a fresh FSDP2 model (same
-    losses, bit for bit) and in a plain tp 2 model on the global batch (same global losses)."""
+    losses, bit for bit) and in plain tp 2 and tp 1 models on the global batch (the same
+    global losses)."""
     from torchtp.checkpoint.dcp import load_training_state, save_training_state
 
     ids = _batch(4, 8)
@@ -141,8 +142,14 @@ def resume(cfg: Any, tmp: str) -> dict[str, Any]:
     plain = torchtp.DistributedModelWrapper(build("llama", seed=5, **KV1).train())
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     assert load_training_state(tmp, plain, plain_opt)[0] == 2
-    torch.testing.assert_close(_steps(plain, plain_opt, ids, 2),
-                               _global_loss(uninterrupted, cfg.dp_group), **TOL)
+    want = _global_loss(uninterrupted, cfg.dp_group)
+    torch.testing.assert_close(_steps(plain, plain_opt, ids, 2), want, **TOL)
+    # FSDP2 at tp 2 -> tp 1: every rank loads the whole model into its own 1-rank group.
+    single, _ = torch.distributed.new_subgroups_by_enumeration([[0], [1], [2], [3]])
+    one = torchtp.DistributedModelWrapper(build("llama", seed=5, **KV1).train(), group=single)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-3)
+    assert load_training_state(tmp, one, one_opt)[0] == 2
+    torch.testing.assert_close(_steps(one, one_opt, ids, 2), want, **TOL)
     return {"loaded": loaded, "uninterrupted": uninterrupted, "resumed": resumed}
 
 
