@@ -17,7 +17,7 @@ from torch import nn
 import torchtp
 
 from ._hf_models import build
-from ._training_checks import TOL, _batch, _global_loss, _train
+from ._training_checks import STEPS, TOL, _batch, _global_loss, _train
 
 # Trained logits: TOL's reasoning, plus Qwen3's per-head RMSNorms on q and k whose
 # rsqrt rounding the 3 Adam steps amplify (seen: 2.5e-5 absolute on a logit near 0;
@@ -30,10 +30,11 @@ class Case(NamedTuple):
     overrides: dict[str, Any]
     options: dict[str, bool]  # DistributedModelWrapper options
     lora: tuple[str, ...] = ()  # LoRA target modules (only the adapters train)
+    checkpointing: bool = False  # HF gradient checkpointing (recomputes each layer)
 
     @property
     def key(self) -> str:
-        return f"{self.arch}{sorted(self.options)}{list(self.lora)}"
+        return f"{self.arch}{sorted(self.options)}{list(self.lora)}{self.checkpointing}"
 
 
 KV1 = {"num_key_value_heads": 1}  # one KV head: replicated on both TP ranks at tp 2
@@ -41,7 +42,7 @@ CASES = (
     Case("llama", KV1, {}),
     Case("qwen3", {}, {}),  # per-head q_norm/k_norm
     Case("llama", KV1, {"sequence_parallel": True}),
-    Case("qwen3", {}, {"sequence_parallel": True, "loss_parallel": True}),
+    Case("qwen3", {}, {"sequence_parallel": True, "loss_parallel": True}, checkpointing=True),
     Case("llama", KV1, {}, ("k_proj", "o_proj")),  # adapters of replicated KV rows, split input
 )
 
@@ -52,6 +53,13 @@ def _fsdp(wrapped: nn.Module, cfg: Any) -> nn.Module:
     for layer in wrapped.model.layers:
         fully_shard(layer, mesh=cfg.mesh["dp"])
     return fully_shard(wrapped, mesh=cfg.mesh["dp"])
+
+
+def _build(case: Case) -> nn.Module:
+    model = build(case.arch, seed=0, **case.overrides).train()
+    if case.checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
 
 
 def _with_lora(model: nn.Module, targets: tuple[str, ...]) -> nn.Module:
@@ -75,14 +83,17 @@ def synced_grads(rank: int, world_size: int) -> dict[str, Any]:
     mine = ids[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]  # this DP rank's slice
     out: dict[str, Any] = {}
     for case in CASES:
-        ref = _with_lora(build(case.arch, seed=0, **case.overrides).train(), case.lora)
+        ref = _with_lora(_build(case), case.lora)
         ref_losses, ref_norms = _train(ref, ids, torch.nn.utils.clip_grad_norm_, _trainable(ref))
-        wrapped = torchtp.DistributedModelWrapper(build(case.arch, seed=0, **case.overrides)
-                                                  .train(), **case.options)
+        wrapped = torchtp.DistributedModelWrapper(_build(case), **case.options)
         _with_lora(wrapped.base_model, case.lora)
         assert any(getattr(m, "tp_grad_sync", None) for m in wrapped.modules())
         model = _fsdp(wrapped, cfg)
+        calls = [0]
+        wrapped.model.layers[0].mlp.register_forward_pre_hook(
+            lambda *_, c=calls: c.__setitem__(0, c[0] + 1))
         losses, norms = _train(model, mine, torchtp.clip_grad_norm_, _trainable(model))
+        assert calls[0] == STEPS * (2 if case.checkpointing else 1)  # recomputed in backward
 
         def msg(m: str, key: str = case.key) -> str:
             return f"{key}: {m}"
