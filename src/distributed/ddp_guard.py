@@ -44,17 +44,17 @@ def ignored_by_ddp(model: nn.Module, tp: ProcessGroup | None, ddp_group: Process
 
 
 def check_fsdp(model: nn.Module, tp: ProcessGroup | None) -> None:
-    """Raise if FSDP2 (DTensor parameters) was applied in a way that is not exact.
+    """Raise if FSDP2 (DTensor parameters) was applied over a mesh that is not exact.
 
     Checked before a forward whenever the parameter objects changed (FSDP2
     replaces them). Same verdict on every rank: it depends only on the mesh
-    layout and the plan, which all ranks share.
+    layout, which all ranks share. Parameters whose gradient is summed over
+    TP ranks need nothing here: :mod:`torchtp.grad_sync` hooks FSDP2's
+    unsharded parameters, so the sum happens before FSDP2's reduce-scatter.
 
     Raises:
         ValueError: the FSDP mesh contains TP peers (it would cut and gather
-            different shards as if they were one tensor), or a parameter's
-            gradient is summed over a TP sub-group (replicated KV heads,
-            per-head norms), which FSDP2's reduce-scatter bypasses.
+            different shards as if they were one tensor).
     """
     from torch.distributed.tensor import DTensor
 
@@ -70,10 +70,3 @@ def check_fsdp(model: nn.Module, tp: ProcessGroup | None) -> None:
                 f"FSDP's mesh {mesh.mesh.tolist()} contains tensor-parallel peers "
                 f"{sorted(shared)}, which hold different shards; shard with "
                 "fully_shard(module, mesh=cfg.mesh['dp']) from init_tensor_parallel(tp_size=...)")
-    synced = [name for name, mod in model.named_modules() if getattr(mod, "tp_grad_sync", None)]
-    if synced:
-        raise ValueError(
-            f"FSDP2 around a torchtp model whose '{synced[0]}' sums gradients over TP ranks "
-            "(KV heads replicated because tp > num_key_value_heads, or per-head norms) is not "
-            "supported: FSDP2's reduce-scatter bypasses that sum; use DDP with "
-            "process_group=cfg.dp_group, or tp <= num_key_value_heads")

@@ -2,15 +2,26 @@
 
 Some replicated parameters receive only a partial gradient on each rank:
 KV heads replicated across ranks (each rank's gradient covers its own query
-heads) and per-head norms applied to a rank's heads only (Qwen3's q_norm).
-Styles record what to sum in ``module.tp_grad_sync``; :func:`install`
-registers the gradient hooks. Loading replaces Parameter objects (and with
-them their hooks), so loaders call :func:`install` again; it is idempotent.
+heads), per-head norms applied to a rank's heads only (Qwen3's q_norm),
+sequence-parallel norms and biases (each rank sees its own tokens) and LoRA
+adapters of split layers. Styles record what to sum in
+``module.tp_grad_sync``; :func:`install` registers the gradient hooks.
+
+A hook belongs to a Parameter object, and parameters get replaced: loaders
+swap in new ones, and FSDP2 puts an unsharded Parameter on the module for
+forward and backward (``fully_shard``) in place of its sharded DTensor one.
+So :func:`install` also registers a forward pre-hook on each owning module
+that hooks whatever Parameter the module holds when it runs. The gradient of
+that Parameter is then summed over the TP (sub)group before anything reads
+it: before DDP's averaging and before FSDP2's reduce-scatter over the DP
+mesh (FSDP2 reads ``.grad`` of the unsharded parameter after the autograd
+engine accumulated it), so both sums together give the global gradient.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,19 +68,40 @@ class _SumHook:
 def install(model: nn.Module) -> int:
     """Register the recorded gradient hooks on ``model``'s current parameters.
 
+    Also registers, once per owning module, a forward pre-hook that hooks the
+    Parameter objects the module holds at each forward (FSDP2's unsharded
+    parameters, parameters a loader replaced). Idempotent.
+
     Returns:
-        Number of hooks newly registered (0 when all are in place already).
+        Number of parameter hooks newly registered (0 when all are in place already).
     """
     added = 0
     for module in model.modules():
-        for name, syncs in getattr(module, "tp_grad_sync", {}).items():
-            param = getattr(module, name, None)
-            if param is None or getattr(param, "_torchtp_grad_sync", None) is syncs:
-                continue
-            frozen = not param.requires_grad  # e.g. a base layer under LoRA
-            param.requires_grad_(True)  # torch only hooks tensors that require grad;
-            param.register_hook(_SumHook(syncs))  # the hook stays when it is unfrozen later
-            param.requires_grad_(not frozen)
-            param._torchtp_grad_sync = syncs
-            added += 1
+        if not getattr(module, "tp_grad_sync", None):
+            continue
+        added += _hook_parameters(module)
+        if not module.__dict__.get("_torchtp_grad_sync_follow"):
+            module.register_forward_pre_hook(_follow)
+            module.__dict__["_torchtp_grad_sync_follow"] = True
+    return added
+
+
+def _follow(module: nn.Module, _args: Any) -> None:
+    """Forward pre-hook: hook the Parameters ``module`` holds now (FSDP2 swaps them in)."""
+    if not torch.compiler.is_compiling():  # compiled graphs reuse the eager Parameters
+        _hook_parameters(module)
+
+
+def _hook_parameters(module: nn.Module) -> int:
+    added = 0
+    for name, syncs in getattr(module, "tp_grad_sync", {}).items():
+        param = getattr(module, name, None)
+        if param is None or getattr(param, "_torchtp_grad_sync", None) is syncs:
+            continue
+        frozen = not param.requires_grad  # e.g. a base layer under LoRA
+        param.requires_grad_(True)  # torch only hooks tensors that require grad;
+        param.register_hook(_SumHook(syncs))  # the hook stays when it is unfrozen later
+        param.requires_grad_(not frozen)
+        param._torchtp_grad_sync = syncs
+        added += 1
     return added

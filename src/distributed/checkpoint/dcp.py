@@ -16,6 +16,15 @@ the loading rank needs, at any tp:
 
 The optimizer's per-parameter state (AdamW's ``exp_avg``/``exp_avg_sq``) is
 stored under the parameter's name, like the parameter, so it reshards with it.
+
+FSDP2 (``fully_shard`` over the DP mesh) holds each TP-local tensor as a
+DTensor sharded over DP. Saving all-gathers it over DP first
+(``full_tensor()``) and then proceeds as above, so the files are the same as
+a job without FSDP2 writes (DCP deduplicates the DP copies) and load at any
+dp/tp, with or without FSDP2. Loading reads the TP-local tensor and keeps
+this DP rank's shard of it. Cost: while saving or loading, every rank holds
+the TP-local model and optimizer state (what a TP job without FSDP2 holds)
+besides its FSDP2 shards.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..layouts import ParamLayout
 from ..runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
@@ -49,9 +58,8 @@ def save_training_state(directory: str | os.PathLike[str], model: nn.Module,
         step: The training step to resume from.
         extra: Other picklable objects to store (e.g. a scheduler's state_dict()).
 
-    Raises:
-        ValueError: the model is sharded by FSDP2 (use torch's own
-            ``get_state_dict`` there).
+    FSDP2 shards (DTensor parameters over the DP mesh) are all-gathered over
+    DP first: the checkpoint does not depend on FSDP2 (see the module docstring).
     """
     base, group = _unwrap(model)
     state = _state(base, group, optimizer, for_load=False)
@@ -86,13 +94,7 @@ def _unwrap(model: nn.Module) -> tuple[nn.Module, ProcessGroup | None]:
     from torch.nn.parallel import DistributedDataParallel
 
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    base = getattr(inner, "base_model", inner)
-    group = getattr(inner, "group", None)
-    if any(isinstance(p, DTensor) for p in base.parameters()):
-        raise ValueError("save_training_state/load_training_state: the model is sharded by "
-                         "FSDP2 (DTensor parameters); use torch.distributed.checkpoint.state_dict"
-                         ".get_state_dict with dcp.save for FSDP2 models")
-    return base, group
+    return getattr(inner, "base_model", inner), getattr(inner, "group", None)
 
 
 def _tp_mesh(group: ProcessGroup | None) -> DeviceMesh | None:
@@ -119,9 +121,20 @@ def _expressible(layout: ParamLayout, group: ProcessGroup | None) -> bool:
     return layout.full_shape[layout.dim] == n * size and start == n * group_rank(group)
 
 
+def _tp_local(t: torch.Tensor, for_load: bool) -> torch.Tensor:
+    """This rank's TP-local tensor: FSDP2's DP shards gathered (a buffer to load into)."""
+    if not isinstance(t, DTensor):
+        return t
+    if for_load:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+    with torch.no_grad():
+        return t.full_tensor()  # all-gather over the DP mesh, every rank in one order
+
+
 def _as_saved(t: torch.Tensor, layout: ParamLayout | None, group: Any,
               for_load: bool) -> torch.Tensor:
     """``t`` as DCP sees it: a Shard DTensor, a gathered full tensor, or itself."""
+    t = _tp_local(t, for_load)
     if layout is None or layout.dim is None or group is None or group_size(group) == 1:
         return t.detach()
     mesh = _tp_mesh(group)
@@ -217,12 +230,15 @@ def _copy_back(entries: list[tuple[str, torch.Tensor, ParamLayout | None, Any]],
 
 
 def _assign(target: torch.Tensor, loaded: Any, layout: ParamLayout | None) -> None:
+    """Copy a loaded value (TP shard DTensor, gathered full tensor, or plain) into ``target``."""
     if isinstance(loaded, DTensor):
-        local = loaded.to_local()
-        if local.data_ptr() != target.data_ptr():
-            target.copy_(local)
+        value = loaded.to_local()
     elif layout is not None and layout.dim is not None and loaded.shape != target.shape:
-        full = loaded.t() if layout.transposed else loaded
-        target.copy_(layout.take(full))
-    elif loaded.data_ptr() != target.data_ptr():
-        target.copy_(loaded)
+        value = layout.take(loaded.t() if layout.transposed else loaded)
+    else:
+        value = loaded
+    if isinstance(target, DTensor):  # FSDP2: keep this DP rank's shard of the TP-local tensor
+        mine = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(mine.to_local())
+    elif value.data_ptr() != target.data_ptr():
+        target.copy_(value)
