@@ -14,7 +14,15 @@ recorded output and, for attention, the module's head-count attributes set to
 their local values; what reaches ``B`` must equal that rank's slice of ``B``'s
 recorded input. A module that reads its width from its input (nanoGPT's
 ``C = x.size(-1)``) fails this check and stays replicated, with the reason in
-``describe_plan()``.
+``describe_plan()``; so does an attention module whose projections cannot
+pair at all (e.g. per-head norms on the way): it is never gathered
+projection by projection.
+
+HuggingFace models without a plan of their own are planned here too
+(:func:`torchtp.plans.resolve.pick_rules` passes their dummy inputs and text
+config, where head counts live); what stays HF-specific is in
+:mod:`torchtp.hf.attention` and :mod:`torchtp.hf.compat` (attribute and config
+rewrites, per-head ALiBi biases narrowed to the rank's heads).
 
 Cost guard: a unit is split only when the bytes it communicates per forward
 (on the probe's inputs) are at most the weight bytes each rank saves by not
