@@ -257,7 +257,8 @@ def _block_attention(model: nn.Module, group: list[str], problem: str,
                      blocked: dict[str, str], notes: list[str]) -> None:
     """Record why the projections of an attention module that cannot pair stay replicated."""
     owner = _attention_owner(model, group[:-1], group[-1])
-    if owner is None:
+    inside = [n for n in group if owner is not None and (not owner or n.startswith(f"{owner}."))]
+    if owner is None or not inside:
         return
     extra = [n for n, m in model.get_submodule(owner).named_children()
              if linear_view(m) is None and any(True for _ in m.parameters())]
@@ -265,9 +266,9 @@ def _block_attention(model: nn.Module, group: list[str], problem: str,
            + (f"; its parameterized submodules {extra}, e.g. per-head norms, would need "
               "splitting by head too" if extra else "") + "); pass plan= to shard it by hand "
            "('replicated_with_grad_allreduce' for per-head norms)")
-    if not any(n in blocked for n in group):
+    if not any(n in blocked for n in inside):
         notes.append(f"'{owner}' {why}")
-    for name in group:
+    for name in inside:  # a consumer outside (the next MLP) may still pair with others
         blocked.setdefault(name, why)
 
 
