@@ -123,7 +123,8 @@ def _inside(prefix: str, inner: nn.Module, ctx: ShardContext) -> Rules:
     own = pick_rules(inner, None, ctx)
     return Rules(f"{own.source}, under '{prefix}'",
                  {f"{prefix}.{pattern}": style for pattern, style in own.rules.items()},
-                 list(own.notes), {f"{prefix}.{k}": why for k, why in own.why.items()})
+                 list(own.notes), {f"{prefix}.{k}": why for k, why in own.why.items()},
+                 None if own.heads is None else {f"{prefix}.{k}": v for k, v in own.heads.items()})
 
 
 def _builtin(model: nn.Module) -> Rules | None:
