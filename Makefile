@@ -43,7 +43,7 @@ COMPAT_PYTEST = PYTHONPATH=$(CURDIR)/$(COMPAT_SHIM) $(1)/bin/python -m pytest -q
 HF_PLANS := tests/distributed/test_hf_plans.py
 COMPAT_SMOKE ?= tests/distributed/test_compat_fence.py \
 	$(HF_PLANS)::test_plan_sources_and_printing \
-	$(HF_PLANS)::test_structural_detection_keeps_unsure_parts_replicated_and_says_why \
+	$(HF_PLANS)::test_hf_models_without_a_plan_say_what_stays_replicated_and_why \
 	$(HF_PLANS)::test_unknown_and_moe_styles_are_refused_not_replicated \
 	$(HF_PLANS)::test_tied_weights_stay_one_parameter \
 	$(HF_PLANS)::test_more_ranks_than_heads_raise_at_wrap_time_with_valid_sizes \

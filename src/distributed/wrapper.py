@@ -45,8 +45,8 @@ class DistributedModelWrapper(nn.Module):
             ``"packed_colwise"``, ``"embedding_rowwise"``, ``"replicate"``...),
             a path to a YAML/JSON file holding one, or ``None`` (``"auto"``): the
             model's own HF plan, else torchtp's built-in plan for its
-            architecture, else structural detection (HF models), or the
-            automatic plan that pairs Linears by dataflow (any other model).
+            architecture, else (any model) the automatic plan that pairs
+            Linears by dataflow and splits attention by whole heads.
             ``"auto-memory"`` also splits what the automatic plan's cost guard
             keeps replicated (more communication, less memory per rank).
         group: Process group; ``None`` for the default TP group.

@@ -63,7 +63,7 @@ def compare_params(wrapped: nn.Module, ref: nn.Module, grads: bool) -> int:
 
 
 def strip_plans(model: nn.Module) -> nn.Module:
-    """Hide every plan the model or torchtp knows, so structural detection runs.
+    """Hide every plan the model or torchtp knows, so the automatic plan runs.
 
     Only this model instance changes (no global registry is touched).
     """
@@ -74,15 +74,16 @@ def strip_plans(model: nn.Module) -> nn.Module:
     return model
 
 
-def check_arch(rank: int, world_size: int, arch: str, steps: int, structural: bool = False,
+def check_arch(rank: int, world_size: int, arch: str, steps: int, unplanned: bool = False,
                plan: object = None) -> dict:
-    model = strip_plans(build(arch)) if structural else build(arch)
+    model = strip_plans(build(arch)) if unplanned else build(arch)
     ref, wrapped = build(arch), torchtp.DistributedModelWrapper(model, plan=plan)
     batch = inputs(arch)
     with torchtp.count_collectives() as fwd:
         logits = wrapped(**batch).logits
     torch.testing.assert_close(logits, ref(**batch).logits, **LOGITS)
     result = {"source": wrapped.resolved_plan.source, "collectives": dict(fwd.counts),
+              "planned": wrapped.resolved_plan.collectives(),
               "layers": len(wrapped.parallelized_layers), "notes": wrapped.resolved_plan.notes}
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
@@ -109,5 +110,5 @@ def check_arch(rank: int, world_size: int, arch: str, steps: int, structural: bo
 
 
 def check_archs(rank: int, world_size: int, archs: list[str], steps: int,
-                structural: bool = False) -> dict[str, dict]:
-    return {arch: check_arch(rank, world_size, arch, steps, structural) for arch in archs}
+                unplanned: bool = False) -> dict[str, dict]:
+    return {arch: check_arch(rank, world_size, arch, steps, unplanned) for arch in archs}

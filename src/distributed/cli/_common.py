@@ -89,7 +89,7 @@ def plan_choice(text: str) -> str | None:
 
 
 PLAN_HELP = ("which plan: auto (as DistributedModelWrapper(model): the model's HF plan, else "
-             "torchtp's built-in plan, else structural detection), builtin (torchtp's plan for "
+             "torchtp's built-in plan, else the automatic dataflow plan), builtin (torchtp's plan for "
              "the architecture), or a YAML/JSON plan file (default: auto)")
 
 

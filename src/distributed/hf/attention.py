@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..layouts import group_share
 from ..plans.linear_view import linear_view
@@ -146,12 +147,24 @@ def _head_columns(plan: ResolvedPlan, modules: dict[str, nn.Module],
 
 
 def localize_attention(model: nn.Module, infos: dict[str, HeadInfo], ctx: ShardContext) -> None:
-    """Set each head-split attention module's head counts and widths to this rank's values."""
+    """Set each head-split attention module's head counts and widths to this rank's values.
+
+    Per-head biases passed into the module (ALiBi) are narrowed to its heads too.
+    """
     for name, info in infos.items():
         local_heads = query_part(info).unit_range(ctx)[1]
         local_kv = group_share(info.kv_heads, 1, ctx.world_size, ctx.rank)[1][1]
-        compat.localize_attention(model.get_submodule(name), info.heads, info.kv_heads,
-                                  info.head_dim, local_heads, local_kv)
+        module = model.get_submodule(name)
+        compat.localize_attention(module, info.heads, info.kv_heads, info.head_dim, local_heads,
+                                  local_kv)
+        narrow_head_biases(module, info, ctx)
+
+
+def narrow_head_biases(module: nn.Module, info: HeadInfo, ctx: ShardContext
+                       ) -> RemovableHandle | None:
+    """Give ``module`` this rank's query heads of the per-head biases it is passed, if any."""
+    first, count = query_part(info).unit_range(ctx)
+    return compat.narrow_head_biases(module, info.heads, first, count)
 
 
 def local_overrides(module: nn.Module, info: HeadInfo, ctx: ShardContext) -> dict[str, object]:

@@ -12,9 +12,12 @@ compat`` runs them); ``CHECKED_TRANSFORMERS`` is that list.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0")
 CHECKED_PEFT = ("0.21.2",)
@@ -95,6 +98,44 @@ def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_di
         out["config"] = local_config(config, _local_values(config, heads, kv_heads, head_dim,
                                                            local))
     return out
+
+
+# Per-head attention biases (ALiBi) that some models compute once, outside their
+# attention modules, and pass in by keyword: keyword -> whether dim 0 is
+# (batch * heads) (Bloom's ``alibi``, ``(B*H, 1, kv)``) or heads (MPT's
+# ``position_bias``, ``(H, 1, kv)``).
+# Checked: transformers 5.3.0, 5.23.0.
+HEAD_BIAS_KWARGS = {"alibi": True, "position_bias": False}
+
+
+def narrow_head_biases(module: nn.Module, heads: int, first: int, count: int
+                       ) -> RemovableHandle | None:
+    """Pass ``module`` only heads ``first .. first+count-1`` of the per-head biases it reads.
+
+    Installs a forward pre-hook when ``module.forward`` takes one of
+    :data:`HEAD_BIAS_KWARGS` (``None`` otherwise); a bias whose head dimension
+    is not the full ``heads`` is passed unchanged, so a shape error downstream
+    names the mismatch.
+    Checked: transformers 5.3.0, 5.23.0.
+    """
+    params = inspect.signature(module.forward).parameters
+    keys = {k: batched for k, batched in HEAD_BIAS_KWARGS.items() if k in params}
+    if not keys:
+        return None
+
+    def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        for key, batched in keys.items():
+            bias = kwargs.get(key)
+            if not isinstance(bias, torch.Tensor) or bias.dim() != 3:
+                continue
+            if batched and bias.shape[0] % heads == 0:  # (B*H, 1, kv) -> (B*count, 1, kv)
+                kwargs[key] = bias.unflatten(0, (-1, heads)).narrow(1, first, count).flatten(0, 1)
+            elif not batched and bias.shape[0] == heads:  # (H, 1, kv) -> (count, 1, kv)
+                kwargs[key] = bias.narrow(0, first, count)
+        return args, kwargs
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _local_values(obj: object, heads: int, kv_heads: int, head_dim: int,

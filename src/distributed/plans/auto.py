@@ -14,7 +14,15 @@ recorded output and, for attention, the module's head-count attributes set to
 their local values; what reaches ``B`` must equal that rank's slice of ``B``'s
 recorded input. A module that reads its width from its input (nanoGPT's
 ``C = x.size(-1)``) fails this check and stays replicated, with the reason in
-``describe_plan()``.
+``describe_plan()``; so does an attention module whose projections cannot
+pair at all (e.g. per-head norms on the way): it is never gathered
+projection by projection.
+
+HuggingFace models without a plan of their own are planned here too
+(:func:`torchtp.plans.resolve.pick_rules` passes their dummy inputs and text
+config, where head counts live); what stays HF-specific is in
+:mod:`torchtp.hf.attention` and :mod:`torchtp.hf.compat` (attribute and config
+rewrites, per-head ALiBi biases narrowed to the rank's heads).
 
 Cost guard: a unit is split only when the bytes it communicates per forward
 (on the probe's inputs) are at most the weight bytes each rank saves by not
@@ -31,8 +39,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from ..hf.attention import HeadInfo, _is_attention, _parts, head_info, local_overrides
+from ..hf.attention import (
+    HeadInfo,
+    _is_attention,
+    _parts,
+    head_info,
+    local_overrides,
+    narrow_head_biases,
+)
 from ..hf.styles import HeadSplit
 from .dataflow import Inputs, Region, Trace, probe_mode, record
 from .linear_view import linear_view
@@ -68,7 +84,7 @@ class Pair:
 
 
 def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None,
-              memory: bool = False) -> Rules:
+              memory: bool = False, config: object = None) -> Rules:
     """The automatic plan for ``model`` at ``ctx.world_size``.
 
     Args:
@@ -78,19 +94,25 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
             (a dict) for one small forward; ``None`` derives them from the first
             layer (an ``nn.Embedding`` gets token ids, an ``nn.Linear`` features).
         memory: Split even where communication costs more than replicating.
+        config: Where head counts come from when an attention module does not
+            hold them itself (a HuggingFace model's text config); ``None``: the
+            module's attributes only.
     """
     rules = Rules(SOURCE, {}, heads={})
     linears = {n: m for n, m in model.named_modules() if linear_view(m) is not None}
     tied = _shared_weights(model)
     trace = _probe(model, example_inputs, rules.notes)
     styles: dict[str, ParallelStyle | str] = {}
+    blocked: dict[str, str] = {}  # attention projections that cannot pair: why
     if trace is not None:
-        for pair in _confirmed(model, trace, linears, tied, ctx, rules):
+        for pair in _confirmed(model, trace, linears, tied, ctx, rules, config, blocked):
             if _pair_pays(pair, trace, linears, memory, rules):
                 _take(pair, styles, rules)
     for name, module in linears.items():
         if name in rules.why:  # in a pair that was refused: kept whole, no collective at all
             styles.setdefault(name, "replicate")
+        elif name in blocked and name not in styles:
+            styles[name], rules.why[name] = "replicate", blocked[name]
         elif name not in styles:
             styles[name], rules.why[name] = _lone(name, module, id(module) in tied, trace, ctx,
                                                    memory, rules.notes)
@@ -167,12 +189,13 @@ def _shared_weights(model: nn.Module) -> set[int]:
 
 
 def _confirmed(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], tied: set[int],
-               ctx: ShardContext, rules: Rules) -> list[Pair]:
+               ctx: ShardContext, rules: Rules, config: object, blocked: dict[str, str]
+               ) -> list[Pair]:
     """Candidate pairs in forward order, each confirmed by the local probe.
 
     The members of a refused pair stay replicated (``rules.why`` says why).
     """
-    candidates = _candidates(model, trace, linears, tied, ctx, rules.notes)
+    candidates = _candidates(model, trace, linears, tied, ctx, rules.notes, config, blocked)
     first = [alts[0] for alts in candidates]
     verdicts, ran = _simulate(model, trace, first, ctx)
     out = []
@@ -201,8 +224,13 @@ def _confirmed(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], ti
 
 
 def _candidates(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], tied: set[int],
-                ctx: ShardContext, notes: list[str]) -> list[list[Pair]]:
-    """Per consumer (forward order), the ways its producers could be split, best first."""
+                ctx: ShardContext, notes: list[str], config: object, blocked: dict[str, str]
+                ) -> list[list[Pair]]:
+    """Per consumer (forward order), the ways its producers could be split, best first.
+
+    An attention module whose projections cannot pair stays replicated
+    (recorded in ``blocked``) rather than gathering after each projection.
+    """
     taken: set[str] = set()
     out: list[list[Pair]] = []
     for b in trace.order:
@@ -216,12 +244,32 @@ def _candidates(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], t
         problem = _region_problem(trace, b, region, producers)
         if problem:
             notes.append(f"'{b}' not paired with {producers}: {problem}")
+            _block_attention(model, group, problem, blocked, notes)
             continue
-        alts = _alternatives(model, b, producers, linears, ctx)
+        alts = _alternatives(model, b, producers, linears, ctx, config)
         if alts:
             out.append(alts)
             taken.update(group)
     return out
+
+
+def _block_attention(model: nn.Module, group: list[str], problem: str,
+                     blocked: dict[str, str], notes: list[str]) -> None:
+    """Record why the projections of an attention module that cannot pair stay replicated."""
+    owner = _attention_owner(model, group[:-1], group[-1])
+    inside = [n for n in group if owner is not None and (not owner or n.startswith(f"{owner}."))]
+    if owner is None or not inside:
+        return
+    extra = [n for n, m in model.get_submodule(owner).named_children()
+             if linear_view(m) is None and any(True for _ in m.parameters())]
+    why = (f"kept replicated: attention '{owner}' cannot pair its projections ({problem}"
+           + (f"; its parameterized submodules {extra}, e.g. per-head norms, would need "
+              "splitting by head too" if extra else "") + "); pass plan= to shard it by hand "
+           "('replicated_with_grad_allreduce' for per-head norms)")
+    if not any(n in blocked for n in inside):
+        notes.append(f"'{owner}' {why}")
+    for name in inside:  # a consumer outside (the next MLP) may still pair with others
+        blocked.setdefault(name, why)
 
 
 def _region_problem(trace: Trace, b: str, region: Region, producers: list[str]) -> str | None:
@@ -240,17 +288,17 @@ def _region_problem(trace: Trace, b: str, region: Region, producers: list[str]) 
 
 
 def _alternatives(model: nn.Module, b: str, producers: list[str], linears: dict[str, nn.Module],
-                  ctx: ShardContext) -> list[Pair]:
+                  ctx: ShardContext, config: object) -> list[Pair]:
     """Ways to split the pair that satisfy the tp size, attention (whole heads) first."""
     views = {n: linear_view(linears[n]) for n in [*producers, b]}
     width = views[b].in_features  # type: ignore[union-attr]
     alts: list[Pair] = []
-    owner = _common_owner([*producers, b])
-    attention = model.get_submodule(owner) if owner is not None else model
-    if _is_attention(attention):
-        info = head_info(attention, SimpleNamespace(hidden_size=width))
+    owner = _attention_owner(model, producers, b)
+    if owner is not None:
+        info = head_info(model.get_submodule(owner),
+                         config if config is not None else SimpleNamespace(hidden_size=width))
         for layout in ("packed_colwise", "colwise"):  # stacked q|k|v, then per-head groups
-            pair = _head_pair(b, producers, views, info, layout, owner or "", width)
+            pair = _head_pair(b, producers, views, info, layout, owner, width)
             if pair is not None and pair not in alts:
                 alts.append(pair)
     rows = [views[p].out_features for p in producers]  # type: ignore[union-attr]
@@ -271,11 +319,28 @@ def _head_pair(b: str, producers: list[str], views: dict[str, Any], info: HeadIn
         parts = _parts(views[p].out_features, layout, info)
         if parts is None:
             return None
-        styles[p] = HeadSplit(parts, "colwise")
+        styles[p] = HeadSplit(parts, layout if len(parts) > 1 else "colwise")
     styles[b] = Rowwise()
     how = (f"whole heads of '{owner}' ({info.heads} heads, {info.kv_heads} KV heads, "
            f"head_dim {info.head_dim}), local head counts confirmed by the probe")
     return Pair(b, styles, owner, info, how)
+
+
+def _attention_owner(model: nn.Module, producers: list[str], b: str) -> str | None:
+    """The innermost attention module holding the producers, below the pair's common owner.
+
+    Usually one module holds q/k/v and the output projection; BERT-style
+    models hold q/k/v in ``attention.self`` and the output one in a sibling,
+    and the head counts live with q/k/v.
+    """
+    inner, outer = _common_owner(producers), _common_owner([*producers, b])
+    path = inner.split(".") if inner else []
+    stop = len(outer.split(".")) if outer else 0
+    for depth in range(len(path), stop - 1, -1):
+        name = ".".join(path[:depth])
+        if _is_attention(model.get_submodule(name) if name else model):
+            return name
+    return None
 
 
 def _common_owner(names: list[str]) -> str | None:
@@ -356,6 +421,7 @@ def _local_run(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardCont
                seen: dict[str, torch.Tensor]) -> Iterator[None]:
     """Producers return this rank's slice, consumers record their input, heads are local."""
     saved: list[tuple[nn.Module, str, object, bool]] = []
+    hooks: list[RemovableHandle] = []
 
     def override(module: nn.Module, attr: str, value: object) -> None:
         had = attr in module.__dict__
@@ -376,9 +442,13 @@ def _local_run(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardCont
                 module = model.get_submodule(pair.attention)
                 for attr, value in local_overrides(module, pair.info, ctx).items():
                     override(module, attr, value)
+                hook = narrow_head_biases(module, pair.info, ctx)
+                hooks += [hook] if hook is not None else []
         with probe_mode(model):
             yield
     finally:
+        for hook in hooks:
+            hook.remove()
         for module, attr, value, had in reversed(saved):
             if had:
                 object.__setattr__(module, attr, value)

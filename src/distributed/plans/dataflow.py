@@ -8,8 +8,8 @@ back from a Linear's input until tagged nodes are reached says which Linears
 feed it and through which operations; the consumers of every node say whether
 anything else reads what lies between them.
 
-Used by the automatic plan for any model (:mod:`torchtp.plans.auto`) and by
-HF structural detection (:mod:`torchtp.hf.structural`) alike.
+Used by the automatic plan (:mod:`torchtp.plans.auto`), for hand-written and
+HuggingFace models alike.
 """
 
 from __future__ import annotations

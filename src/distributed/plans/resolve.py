@@ -4,9 +4,10 @@
 
 1. pick the source of the rules: the ``plan`` argument (a dict, a YAML/JSON
    file, or ``"builtin"``); else, for HuggingFace models, the model's own
-   plan, then torchtp's built-in plan for its architecture, then structural
-   detection; else (any other model) the automatic plan, which pairs Linears
-   by the dataflow of one probe forward (:mod:`torchtp.plans.auto`);
+   plan, then torchtp's built-in plan for its architecture; else (any other
+   model, and HuggingFace models without a plan) the automatic plan, which
+   pairs Linears by the dataflow of one probe forward and splits attention by
+   whole heads (:mod:`torchtp.plans.auto`);
 2. match the rules' ``fnmatch`` patterns against module names;
 3. upgrade sharded attention projections to whole-head splits (the automatic
    plan splits heads itself, confirmed by its probe);
@@ -28,9 +29,9 @@ from torch import nn
 from .._logging import logger
 from ..hf.attention import split_whole_heads
 from ..hf.builtin import BUILTIN_PLANS, builtin_plan
-from ..hf.detect import is_hf_model
+from ..hf.detect import is_hf_model, text_config
 from ..hf.plan_source import hf_plan
-from ..hf.structural import structural_plan
+from ..hf.probe_inputs import probe_inputs
 from ..integrations.adapter_hosts import hf_model_inside
 from ..tying import check_ties
 from .auto import auto_plan
@@ -112,7 +113,9 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
     own = hf_plan(model)
     if own:
         return Rules("HF plan (config.base_model_tp_plan + _tp_plan)", own)
-    return _builtin(model) or structural_plan(model)
+    return _builtin(model) or auto_plan(
+        model, ctx, probe_inputs(model) if example_inputs is None else example_inputs, memory,
+        text_config(model))
 
 
 def _inside(prefix: str, inner: nn.Module, ctx: ShardContext) -> Rules:
@@ -120,7 +123,8 @@ def _inside(prefix: str, inner: nn.Module, ctx: ShardContext) -> Rules:
     own = pick_rules(inner, None, ctx)
     return Rules(f"{own.source}, under '{prefix}'",
                  {f"{prefix}.{pattern}": style for pattern, style in own.rules.items()},
-                 list(own.notes), {f"{prefix}.{k}": why for k, why in own.why.items()})
+                 list(own.notes), {f"{prefix}.{k}": why for k, why in own.why.items()},
+                 None if own.heads is None else {f"{prefix}.{k}": v for k, v in own.heads.items()})
 
 
 def _builtin(model: nn.Module) -> Rules | None:

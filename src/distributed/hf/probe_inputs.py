@@ -1,0 +1,26 @@
+"""Inputs for the automatic plan's probe forward of a HuggingFace model.
+
+A HuggingFace model without a plan is planned like any other model
+(:mod:`torchtp.plans.auto`): one probe forward records which projection feeds
+which. Its inputs come from the model: ``model.dummy_inputs``, with token ids
+kept below the vocabulary size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .compat import dummy_inputs
+
+
+def probe_inputs(model: nn.Module) -> dict[str, Any] | None:
+    """Keyword inputs for one small forward of ``model``, or ``None`` if it has none."""
+    dummy = dummy_inputs(model)
+    if dummy is None:
+        return None
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    # transformers' dummy ids go up to 7; a tiny vocabulary may be smaller.
+    return {k: (v.clamp(0, vocab - 1) if k == "input_ids" and vocab else v)
+            for k, v in dummy.items()}
