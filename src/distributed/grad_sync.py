@@ -96,7 +96,7 @@ def _follow(module: nn.Module, _args: Any) -> None:
 
 def _unhooked(module: nn.Module) -> bool:
     """Traceable by dynamo: whether a Parameter carries no sum hook at all."""
-    for name in module.tp_grad_sync:
+    for name in getattr(module, "tp_grad_sync", {}):
         param = getattr(module, name, None)
         if param is not None and getattr(param, "_torchtp_grad_sync", None) is None:
             return True
