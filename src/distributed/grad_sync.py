@@ -88,8 +88,24 @@ def install(model: nn.Module) -> int:
 
 def _follow(module: nn.Module, _args: Any) -> None:
     """Forward pre-hook: hook the Parameters ``module`` holds now (FSDP2 swaps them in)."""
-    if not torch.compiler.is_compiling():  # compiled graphs reuse the eager Parameters
+    if not torch.compiler.is_compiling():
         _hook_parameters(module)
+    elif _unhooked(module):  # traced: costs nothing once every Parameter is hooked
+        _hook_parameters_eagerly(module)  # a graph break, only until they are
+
+
+def _unhooked(module: nn.Module) -> bool:
+    """Traceable by dynamo: whether a Parameter carries no sum hook at all."""
+    for name in getattr(module, "tp_grad_sync", {}):
+        param = getattr(module, name, None)
+        if param is not None and getattr(param, "_torchtp_grad_sync", None) is None:
+            return True
+    return False
+
+
+@torch.compiler.disable
+def _hook_parameters_eagerly(module: nn.Module) -> None:
+    _hook_parameters(module)
 
 
 def _hook_parameters(module: nn.Module) -> int:

@@ -169,3 +169,19 @@ def fsdp_suite(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out = synced_grads(rank, world_size)
     out["resume"] = resume(torchtp.get_tensor_parallel_config(), tmp)
     return out
+
+
+def compiled(rank: int, world_size: int) -> list[float]:
+    """torch.compile around the FSDP2 model from its first call: the sum hooks still reach
+    FSDP2's unsharded parameters (one graph break per owning module, first trace only)."""
+    cfg = torchtp.init_tensor_parallel(tp_size=2)
+    ids = _batch(4, 8)
+    mine = ids[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]
+    ref = build("llama", seed=0, **KV1).train()
+    ref_losses, ref_norms = _train(ref, ids, torch.nn.utils.clip_grad_norm_, ref.parameters)
+    model = _fsdp(torchtp.DistributedModelWrapper(build("llama", seed=0, **KV1).train()), cfg)
+    losses, norms = _train(torch.compile(model, backend="aot_eager"), mine,
+                           torchtp.clip_grad_norm_, model.parameters)
+    torch.testing.assert_close(norms, ref_norms, **TOL)
+    torch.testing.assert_close(_global_loss(losses, cfg.dp_group), ref_losses, **TOL)
+    return norms

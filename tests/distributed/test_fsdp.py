@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from . import _fsdp_checks as checks
 
 
@@ -14,3 +16,9 @@ def test_fsdp2_trains_exactly_and_resumes_from_dcp(ranks, tmp_path):
     for g in got:
         assert g["resume"]["loaded"] == (2, {"note": "x"})
         assert g["resume"]["resumed"] == g["resume"]["uninterrupted"]  # bit for bit
+
+
+@pytest.mark.slow
+def test_compiled_fsdp2_model_with_grad_synced_parameters_matches_one_process(ranks):
+    got = ranks(checks.compiled, 4, timeout=580)
+    assert all(g == got[0] for g in got)
