@@ -78,6 +78,33 @@ def _check_against_reference(ranks, tmp_path, world_size: int, tp_size: int | No
             torch.testing.assert_close(got_weights[key], ref, **WEIGHTS, msg=f"{name}: {key}")
 
 
+def _trainer_supported() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    from torchtp.hf import compat
+
+    return Version(transformers.__version__) >= Version(compat.TRAINER_MIN_TRANSFORMERS)
+
+
+def test_tensor_parallel_trainer_refuses_a_transformers_without_its_hooks():
+    # Run by make compat on transformers 5.3.0 (refused) and 5.23.0 (complete).
+    import transformers
+
+    from torchtp.hf import compat
+    from torchtp.integrations.transformers import TensorParallelTrainer
+
+    if _trainer_supported():
+        assert compat.missing_trainer_hooks(transformers.Trainer) == []
+        return
+    assert compat.missing_trainer_hooks(transformers.Trainer)
+    with pytest.raises(RuntimeError, match=r"TensorParallelTrainer needs transformers>=5\.19\.0: "
+                       r"the installed .*pip install 'transformers>=5\.19\.0'"):
+        TensorParallelTrainer(model=None)
+
+
+@pytest.mark.skipif(not _trainer_supported(), reason="TensorParallelTrainer needs transformers>=5.19 "
+                    "(its refusal is test_tensor_parallel_trainer_refuses_a_transformers_...)")
 def test_tensor_parallel_trainer_dp2_tp2_matches_one_process(ranks, tmp_path):
     _check_against_reference(ranks, tmp_path, 4, 2)
 

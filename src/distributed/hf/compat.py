@@ -266,9 +266,16 @@ TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_sync_replicated_trainabl
                  "_load_from_checkpoint", "get_tp_size", "create_accelerator_and_postprocess")
 
 
-def missing_trainer_hooks(trainer_cls: type) -> list[str]:
-    """The :data:`TRAINER_HOOKS` ``transformers.Trainer`` no longer defines.
+# The first release whose Trainer has all of :data:`TRAINER_HOOKS` (5.19 added
+# ``_sync_replicated_trainable_parameters`` and the path for models sharded
+# before ``Trainer``); ``TensorParallelTrainer`` refuses older ones.
+TRAINER_MIN_TRANSFORMERS = "5.19.0"
 
-    Checked: transformers 5.23.0.
+
+def missing_trainer_hooks(trainer_cls: type) -> list[str]:
+    """The :data:`TRAINER_HOOKS` ``transformers.Trainer`` does not define (yet, or any more).
+
+    Checked: transformers 5.3.0 (lacks ``_sync_replicated_trainable_parameters``),
+    5.18.0 (lacks it), 5.19.0 and 5.23.0 (complete).
     """
     return [name for name in TRAINER_HOOKS if not callable(getattr(trainer_cls, name, None))]

@@ -55,6 +55,8 @@ class TensorParallelTrainer(Trainer):
     ``Trainer`` run on the global batch.
 
     Raises:
+        RuntimeError: transformers older than 5.19 (its ``Trainer`` lacks the
+            hooks this class overrides); the message names the fix.
         ValueError: the model is not tensor-parallel, the world is not
             ``tp x dp`` of the torchtp config, or ``load_best_model_at_end``
             is set (not supported).
@@ -65,9 +67,14 @@ class TensorParallelTrainer(Trainer):
             model = model.base_model  # the HF model: its forward signature, its save_pretrained
         missing = compat.missing_trainer_hooks(Trainer)
         if missing:  # an override that is never called would leave Trainer's wrong default
-            raise RuntimeError(f"TensorParallelTrainer: transformers.Trainer has no {missing}; "
-                               f"this transformers version is not supported (checked: "
-                               f"{compat.CHECKED_TRANSFORMERS})")
+            import transformers
+
+            raise RuntimeError(
+                f"TensorParallelTrainer needs transformers>={compat.TRAINER_MIN_TRANSFORMERS}: "
+                f"the installed {transformers.__version__}'s Trainer has no {missing}, so its "
+                "own gradient averaging and clipping would run on the shards; pip install "
+                f"'transformers>={compat.TRAINER_MIN_TRANSFORMERS}' (or train the wrapped model "
+                "with a plain PyTorch loop, docs/training.md)")
         cfg = get_tensor_parallel_config()
         self._torchtp_tp = tensor_parallel_size(model) if model is not None else 1
         self._torchtp_dp = getattr(cfg, "dp_size", 1)
