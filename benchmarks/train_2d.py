@@ -156,6 +156,7 @@ def _collectives(step: Any) -> dict[str, int]:
     A bare dispatch mode, not ``CommDebugMode``: its module tracker re-wraps every
     module's inputs, which would hide that q/k/v share one input.
     """
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     counts: dict[str, int] = {}
@@ -163,9 +164,11 @@ def _collectives(step: Any) -> dict[str, int]:
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
-            if func.namespace in ("c10d", "_c10d_functional"):
+            if any(t is DTensor for t in types):
+                return NotImplemented  # let DTensor run: its collectives come back here
+            if getattr(func, "namespace", None) in ("c10d", "_c10d_functional"):
                 name = func.__name__.split(".")[0]
-                if name != "wait_tensor":
+                if name not in ("wait_tensor", "_wrap_tensor_autograd"):  # not collectives
                     kind = _KINDS.get(name, name)
                     counts[kind] = counts.get(kind, 0) + 1
             return func(*args, **(kwargs or {}))
