@@ -29,6 +29,7 @@ torchtp's, DTensor's and FSDP2's alike). Peak RSS is measured in two further
 runs, one variant each (a process's peak cannot be split between two variants).
 
     .venv/bin/python benchmarks/train_2d.py --reps 10 --json train_2d.json
+    .venv/bin/python benchmarks/train_2d.py --profile torchtp   # where the time goes
 """
 
 from __future__ import annotations
@@ -201,6 +202,24 @@ def _rss_rank(rank: int, world: int, name: str, reps: int) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
 
 
+def _profile_rank(rank: int, world: int, name: str, steps: int) -> str:
+    """cProfile (CPU-time clock) of ``steps`` steps of one variant after a warm-up step."""
+    import cProfile
+    import io
+    import pstats
+
+    step = _stepper(name, _quiet())
+    step()
+    profiler = cProfile.Profile(time.process_time)
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(60)
+    return out.getvalue()
+
+
 def _median_phases(per_rank: list[dict[str, Any]], name: str) -> list[float]:
     """Per phase: median over repetitions of the mean over ranks, milliseconds."""
     reps = list(zip(*[r["phases"][name] for r in per_rank], strict=True))  # (rep, rank, phase)
@@ -214,7 +233,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10, help="interleaved repetitions")
     parser.add_argument("--no-rss", action="store_true", help="skip the two peak-RSS runs")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--profile", choices=("torchtp", "dtensor"),
+                        help="instead: print rank 0's cProfile (CPU time) of 5 steps of one variant")
     args = parser.parse_args()
+    if args.profile:
+        print(launch(_profile_rank, 4, args.profile, 5, timeout=1800)[0])
+        return
     load_before = os.getloadavg()
     print(f"dp 2 x tp 2: {args.reps} interleaved repetitions ...", file=sys.stderr, flush=True)
     per_rank = launch(_time_rank, 4, args.reps, timeout=3600)
