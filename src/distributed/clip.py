@@ -57,6 +57,7 @@ class _Role:
     holders: tuple[int, ...]  # TP ranks holding each segment (same order as layout.segments)
 
 
+@torch.no_grad()  # like torch's clip: no graph, and DTensor.to_local() is a plain attribute read
 def grad_norm(parameters: Params, norm_type: float | str = 2.0,
               group: ProcessGroup | None = None) -> torch.Tensor:
     """The norm of the whole (unsharded) model's gradient, the same on every rank.
@@ -86,15 +87,17 @@ def grad_norm(parameters: Params, norm_type: float | str = 2.0,
         raise ValueError(f"grad_norm: norm_type={norm_type!r} must be > 0 or inf")
     roles = _roles(params, parameters, tp)
     device = params[0].grad.device if params else torch.device("cpu")  # type: ignore[union-attr]
-    local = torch.zeros((), dtype=torch.float32, device=device)
+    pieces: list[tuple[torch.Tensor, float]] = []
     for param in params:
-        local = _accumulate(local, param, roles.get(id(param)), p, group_size(tp), cfg.dp_size)
+        pieces += _weighted_pieces(param, roles.get(id(param)), group_size(tp), cfg.dp_size)
+    local = _local_sum(pieces, p, device)
     reduce_over = dist.group.WORLD if cfg.dp_size > 1 else tp
     if reduce_over is not None and group_size(reduce_over) > 1:
         local = _comm.all_reduce(local, reduce_over, "max" if math.isinf(p) else "sum")
     return local if math.isinf(p) else local ** (1.0 / p)
 
 
+@torch.no_grad()
 def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float | str = 2.0,
                     error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """Clip gradients by the whole model's norm, as ``torch.nn.utils.clip_grad_norm_``
@@ -133,22 +136,39 @@ def _with_grads(parameters: Params) -> list[torch.Tensor]:
     return [p for p in parameters if p.grad is not None]
 
 
-def _accumulate(total: torch.Tensor, param: torch.Tensor, role: _Role | None, p: float,
-                tp_size: int, dp_size: int) -> torch.Tensor:
-    """``total`` plus this rank's weighted share of ``|grad|^p`` (or its max for inf)."""
+def _weighted_pieces(param: torch.Tensor, role: _Role | None, tp_size: int,
+                     dp_size: int) -> list[tuple[torch.Tensor, float]]:
+    """``(local piece of the gradient, ranks holding the same numbers)`` for ``param``."""
     grad = param.grad
     assert grad is not None
     dp_weight = float(dp_size)
     if hasattr(grad, "to_local"):  # FSDP2: a DTensor sharded over the DP mesh
         grad, dp_weight = _dtensor_local(grad, role, dp_size)
-    pieces = _segments(grad, role, tp_size)
-    for piece, holders in pieces:
-        norm = torch.linalg.vector_norm(piece.float(), p)
-        if math.isinf(p):
-            total = torch.maximum(total, norm.to(total.device))
-        else:
-            total = total + norm.to(total.device) ** p / (holders * dp_weight)
-    return total
+    return [(piece, holders * dp_weight) for piece, holders in _segments(grad, role, tp_size)]
+
+
+def _local_sum(pieces: list[tuple[torch.Tensor, float]], p: float,
+               device: torch.device) -> torch.Tensor:
+    """This rank's weighted share of ``sum |grad|^p`` (or ``max |grad|`` for inf), float32.
+
+    One ``_foreach_norm`` per dtype and device (as ``torch.nn.utils.get_total_norm``
+    does), then one weighted sum: a handful of ops, not a few per parameter.
+    """
+    if not pieces:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, (piece, _) in enumerate(pieces):
+        groups.setdefault((piece.dtype, piece.device), []).append(i)
+    norms: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
+    for members in groups.values():
+        for i, norm in zip(members, torch._foreach_norm(  # float32 like vector_norm(x.float())
+                [pieces[i][0] for i in members], p, dtype=torch.float32), strict=True):
+            norms[i] = norm.to(device)
+    stacked = torch.stack(norms)  # (pieces,) float32
+    if math.isinf(p):
+        return stacked.max()
+    weights = torch.tensor([w for _, w in pieces], dtype=torch.float32, device=device)
+    return (stacked ** p / weights).sum()
 
 
 def _segments(grad: torch.Tensor, role: _Role | None,

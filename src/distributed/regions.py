@@ -26,6 +26,9 @@ one, still with one collective each (padded to the largest chunk).
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 
 from . import _comm, _health
@@ -143,11 +146,40 @@ def _needs_grad(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
 
+# Per group, the last tensor that entered the region with autograd: (input, held
+# weakly; its version; the output). The entry is dropped when the input dies, so
+# the output (a view of the input) keeps nothing alive that the input does not.
+_LAST_COPY: dict[ProcessGroup, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Enter the TP region. forward: identity; backward: all-reduce the gradient."""
+    """Enter the TP region. forward: identity; backward: all-reduce the gradient.
+
+    Consecutive calls with the same unmodified tensor (sibling layers fed one
+    input: q/k/v, gate/up projections) return the same output, so autograd
+    first sums their partial input gradients and backward all-reduces once,
+    not once per layer (what Megatron gets by fusing QKV into one weight). The
+    all-reduce is a sum, so the result is the same sum in another order.
+    """
     if not _needs_grad(x) or group_size(group) == 1:
         return x
-    return _CopyToRegion.apply(x, group)
+    if torch.compiler.is_compiling():  # the compiled graph holds no Python cache
+        return _CopyToRegion.apply(x, group)
+    last = _LAST_COPY.get(group)  # type: ignore[arg-type]
+    if last is not None and last[0]() is x and last[1] == x._version:
+        return last[2]
+    out = _CopyToRegion.apply(x, group)
+    # out is a view of x: an in-place change to either bumps the version checked above.
+    _LAST_COPY[group] = (weakref.ref(x, _forget(group)), x._version, out)  # type: ignore[index]
+    return out
+
+
+def _forget(group: ProcessGroup | None) -> Callable[[weakref.ref[torch.Tensor]], None]:
+    def drop(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _LAST_COPY.get(group)  # type: ignore[arg-type]
+        if entry is not None and entry[0] is ref:
+            del _LAST_COPY[group]  # type: ignore[arg-type]
+    return drop
 
 
 def reduce_from_tensor_parallel_region(

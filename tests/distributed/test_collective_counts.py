@@ -5,6 +5,10 @@ and nothing else with ``lm_head`` replicated; one extra all-gather when
 ``lm_head`` is ``colwise_gather_output``; and one all-reduce more with the
 model's own HF plan (``plan=None``), whose vocab-parallel embedding sums its
 partial lookups. Counted with torchtp.count_collectives.
+
+In training, the backward adds two all-reduces per layer, not five: q/k/v
+(and gate/up) receive the same input, so their input gradients are summed
+before one all-reduce, with every gradient still equal to the unsharded one.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
+from ._models import gather_param
 
 LAYERS = 3
 PLAN = {
@@ -47,9 +53,54 @@ def _count(rank: int, world_size: int) -> list[dict[str, int]]:
     return counts
 
 
+def _training_counts(world_size: int) -> tuple[dict[str, int], dict[str, int]]:
+    import torchtp
+
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+    ref, model = _llama().train(), torchtp.DistributedModelWrapper(_llama().train(), plan=PLAN)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    with torchtp.count_collectives() as fwd:
+        loss = model(input_ids=ids, labels=ids).loss
+    with torchtp.count_collectives() as bwd:
+        loss.backward()
+    want = dict(ref.named_parameters())
+    for name, p in model.base_model.named_parameters():
+        full = gather_param(model.base_model, name, p.grad, world_size)
+        # fp32; the partial input gradients are summed in another order than one matmul.
+        torch.testing.assert_close(full, want[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    return dict(fwd.counts), dict(bwd.counts)
+
+
+def _copy_to_sharing(world_size: int) -> list[bool]:
+    """Same unmodified tensor: one shared output; modified in place, or another tensor: not."""
+    import torch.distributed as dist
+
+    import torchtp
+
+    group = dist.group.WORLD
+    x0 = torch.ones(3, 4, requires_grad=True)
+    x = x0 * 2  # (3, 4), non-leaf
+    a, b = (torchtp.copy_to_tensor_parallel_region(x, group) for _ in range(2))
+    first = a.sum() + 2 * b.sum()
+    x.add_(1)  # bumps the version a and b share with x
+    c = torchtp.copy_to_tensor_parallel_region(x, group)
+    d = torchtp.copy_to_tensor_parallel_region(x.clone(), group)
+    with torchtp.count_collectives() as bwd:
+        (first + 4 * c.sum() + d.sum()).backward()
+    # d(loss)/dx summed over ranks: (1 + 2 + 4 + 1) * world_size; dx/dx0 = 2.
+    exact = torch.equal(x0.grad, torch.full((3, 4), 16.0 * world_size))
+    return [a is b, b is c, c is d, bwd.counts["all_reduce"] == 3, exact]
+
+
+def _rank(rank: int, world_size: int) -> dict[str, object]:
+    return {"inference": _count(rank, world_size), "training": _training_counts(world_size),
+            "sharing": _copy_to_sharing(world_size)}
+
+
 @pytest.mark.parametrize("world_size", [2])
-def test_llama_forward_needs_two_all_reduces_per_layer(ranks, world_size):
-    for counts in ranks(_count, world_size, timeout=180):
+def test_llama_needs_two_all_reduces_per_layer_forward_and_backward(ranks, world_size):
+    for out in ranks(_rank, world_size, timeout=180):
+        counts = out["inference"]
         minimum = {"all_reduce": 2 * LAYERS}
         assert counts[0] == minimum and counts[1] == minimum  # prefill, decode
         with_head = {"all_reduce": 2 * LAYERS, "all_gather": 1}
@@ -57,3 +108,6 @@ def test_llama_forward_needs_two_all_reduces_per_layer(ranks, world_size):
         # The model's own HF plan also splits the embedding by vocab: one all-reduce more.
         own = {"all_reduce": 2 * LAYERS + 1, "all_gather": 1}
         assert counts[4] == own and counts[5] == own
+        # Training: the backward all-reduces each layer's attention and MLP input gradients.
+        assert out["training"] == ({"all_reduce": 2 * LAYERS}, {"all_reduce": 2 * LAYERS})
+        assert out["sharing"] == [True, False, False, True, True]
