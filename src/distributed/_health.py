@@ -76,6 +76,9 @@ class GroupState:
     entries: dict[str, int] = field(default_factory=dict)  # entry_barrier calls per name
     failures: list[tuple[int, int, str, str]] = field(default_factory=list)  # read so far
     backward_open: bool = False  # a backward through a wrapped model started, not yet finished
+    # Tensors of finished CPU collectives that Gloo's worker may still hold,
+    # with the first one's use count while the work was alive (see _hold).
+    held: list[tuple[tuple[torch.Tensor, ...], int]] = field(default_factory=list)
     _store: Any = None
 
     @property
@@ -362,14 +365,65 @@ def _watch_backward(st: GroupState, out: Any) -> None:
             node.register_prehook(started)
 
 
-def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor) -> None:
-    """Wait for collective ``n``; while it is slow, answer the store and watch for failures."""
+def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
+           out: torch.Tensor | None = None) -> None:
+    """Wait for collective ``n``; while it is slow, answer the store and watch for failures.
+
+    ``out``: the collective's output when it is not ``tensor``.
+    """
     if tensor.device.type != "cpu":
         # NCCL's wait only orders streams; its own watchdog bounds the time.
         _wait_converting(work, st, n)
         return
     while not _waited(work, st, n):
         _answer_store(st, n, op, tensor, work)
+    _hold(st, (tensor,) if out is None else (tensor, out))
+
+
+def _hold(st: GroupState, tensors: tuple[torch.Tensor, ...]) -> None:
+    """Keep the tensors of a finished collective alive until Gloo's worker thread lets go of it.
+
+    Gloo's worker drops its reference to a finished collective a moment after
+    the waiter returns (later on a loaded machine). When that is the last
+    reference to a tensor whose Python object is already gone, the worker must
+    take the GIL to free it, and during interpreter shutdown taking the GIL
+    ends the thread inside a C++ destructor: the process aborts with
+    "terminate called without an active exception" after all its work is
+    done. While torchtp holds the Python tensors, the worker's release frees
+    nothing Python-owned; :func:`settle` waits for the releases at exit.
+    Called with ``work`` still alive, so the use count includes its references.
+    """
+    if st.held:
+        st.held = [h for h in st.held if _lent(h)]
+    st.held.append((tensors, _torch_compat.use_count(tensors[0])))
+
+
+def _lent(held: tuple[tuple[torch.Tensor, ...], int]) -> bool:
+    """Whether the collective of ``held`` still exists (its tensors are still referenced by it)."""
+    return _torch_compat.use_count(held[0][0]) >= held[1]
+
+
+def settle(timeout: float) -> bool:
+    """Wait (at most ``timeout`` s) until the backend released every collective torchtp ran.
+
+    Runs at exit before the interpreter shuts down (see :func:`_hold`).
+
+    Returns:
+        True when every worker let go in time.
+    """
+    deadline = time.monotonic() + timeout
+    for st in _STATES.values():
+        while True:
+            st.held = [h for h in st.held if _lent(h)]
+            if not st.held:
+                break
+            if time.monotonic() > deadline:
+                _logging.logger.warning(
+                    "rank %d: a collective of the backend was not released within %.1f s of "
+                    "exit", st.rank, timeout)
+                return False
+            time.sleep(0.001)
+    return True
 
 
 def _waited(work: Any, st: GroupState, n: int) -> bool:

@@ -147,3 +147,13 @@ def in_backward() -> bool:
     Checked: torch 2.13.0.
     """
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def use_count(tensor: torch.Tensor) -> int:
+    """How many C++ references the tensor's implementation has (the Python object is one).
+
+    A collective's work object holds references to its tensors until it is
+    destroyed, so a drop tells that the backend has let go of the work.
+    Checked: torch 2.13.0.
+    """
+    return int(tensor._use_count())  # type: ignore[attr-defined]
