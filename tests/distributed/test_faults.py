@@ -280,6 +280,8 @@ def test_a_collective_finishing_right_after_a_poll_timeout_is_not_a_failure():
 
     assert _health._waited(_LateWork(completes=True), None, 0) is True
     assert _health._waited(_LateWork(completes=False), None, 0) is False
+
+
 class _UserStep(nn.Module):
     """User code between two parallel pairs that raises (forward or backward) on chosen ranks."""
 
