@@ -8,7 +8,9 @@ shutdown at interpreter exit. A run passes when every process exits with 0.
 Torch's Gloo can abort a process at exit ("terminate called without an active
 exception", exit code -6) after all of its work is done; this counts how often.
 
-    .venv/bin/python benchmarks/exit_loop.py [--runs 100] [--tp 2] [--fail-rank R]
+    .venv/bin/python benchmarks/exit_loop.py [--runs 100] [--tp 2] [--fail-rank R] [--jobs J]
+
+``--jobs J`` runs J launches at a time (more load, as on a busy node).
 
 ``--fail-rank R`` makes rank R fail after the first all-reduce instead (it
 raises RuntimeError; with ``--fail-how input`` it passes an input of the
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 SCRIPT = r"""
 import os, sys, torch
@@ -109,24 +112,29 @@ def main() -> None:
                     help="the failing rank raises RuntimeError, passes a wrong input width, "
                     "or calls sys.exit(1)")
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds per run")
+    ap.add_argument("--jobs", type=int, default=1, help="launches running at the same time")
     args = ap.parse_args()
     outcomes: Counter[str] = Counter()
     seconds = []
-    for i in range(args.runs):
-        codes, took, tails = one_run(args.tp, args.fail_rank, args.fail_how, args.deadline)
-        seconds.append(took)
-        if args.fail_rank < 0:
-            ok = all(c == 0 for c in codes)
-        else:
-            others = [t for r, t in enumerate(tails) if r != args.fail_rank]
-            ok = codes[args.fail_rank] == 1 and all(
-                f"rank {args.fail_rank}" in t for t in others) and None not in codes
-        outcomes["pass" if ok else "FAIL"] += 1
-        if not ok:
-            print(f"run {i}: exit codes {codes} after {took:.1f}s; stderr tails: {tails}",
-                  flush=True)
-        if (i + 1) % 10 == 0:
-            print(f"{i + 1} runs: {outcomes['pass']} passed", file=sys.stderr, flush=True)
+
+    def launch(_i: int) -> tuple[list[int | None], float, list[str]]:
+        return one_run(args.tp, args.fail_rank, args.fail_how, args.deadline)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for i, (codes, took, tails) in enumerate(pool.map(launch, range(args.runs))):
+            seconds.append(took)
+            if args.fail_rank < 0:
+                ok = all(c == 0 for c in codes)
+            else:
+                others = [t for r, t in enumerate(tails) if r != args.fail_rank]
+                ok = codes[args.fail_rank] == 1 and all(
+                    f"rank {args.fail_rank}" in t for t in others) and None not in codes
+            outcomes["pass" if ok else "FAIL"] += 1
+            if not ok:
+                print(f"run {i}: exit codes {codes} after {took:.1f}s; stderr tails: {tails}",
+                      flush=True)
+            if (i + 1) % 10 == 0:
+                print(f"{i + 1} runs: {outcomes['pass']} passed", file=sys.stderr, flush=True)
     seconds.sort()
     fail = f"{args.fail_rank} ({args.fail_how})" if args.fail_rank >= 0 else "-"
     print("| runs | tp | fail rank | passed | failed | median lag s | max lag s |")

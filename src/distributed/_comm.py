@@ -136,10 +136,14 @@ def count(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
 
 
 def _finish(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor,
-            group: ProcessGroup | None) -> None:
-    """Wait for an issued collective (bounded; see :func:`torchtp._health.finish`)."""
+            group: ProcessGroup | None, out: torch.Tensor | None = None) -> None:
+    """Wait for an issued collective (bounded; see :func:`torchtp._health.finish`).
+
+    ``out``: the output, when it is not ``tensor`` (kept alive with it until
+    the backend's worker thread has let go of the collective).
+    """
     if work is not None and n is not None:
-        _health.finish(work, _health.state(group), n, op, tensor)
+        _health.finish(work, _health.state(group), n, op, tensor, out)
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
@@ -184,7 +188,7 @@ def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None,
                       device=local.device)
     n = record("all_gather", local, group)
     work = gather_single(out, local, group=group, async_op=n is not None)
-    _finish(work, n, "all_gather", local, group)
+    _finish(work, n, "all_gather", local, group, out)
     if dim == 0 and sizes is None:
         return out
     chunks = out.chunk(world, dim=0)
@@ -217,7 +221,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -
                       device=full.device)
     n = record("reduce_scatter", full, group)
     work = reduce_scatter_single(out, full, group=group, async_op=n is not None)
-    _finish(work, n, "reduce_scatter", full, group)
+    _finish(work, n, "reduce_scatter", full, group, out)
     out = out[:sizes[dist.get_rank(group)]]
     return out.movedim(0, dim).contiguous() if dim else out
 

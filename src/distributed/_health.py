@@ -22,6 +22,13 @@ disagree:
   nobody is poisoned; otherwise the group is *poisoned* on every rank: every
   later torchtp collective raises at once instead of computing on misaligned
   collectives.
+* **Errors escaping a forward or backward.** An exception that leaves a
+  wrapped model's forward on one rank (raised in user code between two
+  parallel layers, after some collectives ran) is reported like a failure
+  (:func:`guarded_call`); so is a backward through the model that raised on
+  this rank, at the model's next forward. A user who catches it and goes on
+  with the next batch then gets :class:`InconsistentGroupError` on every rank
+  instead of outputs computed on misaligned collectives.
 * **Deaths.** A rank dying on an exception posts it (see
   :mod:`torchtp.runtime`), so the others' error names it.
 
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -40,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _logging
+from . import _logging, _torch_compat
 from .errors import InconsistentGroupError, RankMismatchError
 from .runtime import ProcessGroup, collective_timeout
 
@@ -49,6 +57,9 @@ from .runtime import ProcessGroup, collective_timeout
 POLL_S = 0.2
 _POLL = timedelta(seconds=POLL_S)
 _FAILURES = "torchtp/failures"
+# Set on an exception once every rank that must hear of it was told (or
+# raises it too), so an enclosing forward does not report it again.
+_REPORTED = "_torchtp_reported"
 
 
 @dataclass
@@ -64,6 +75,10 @@ class GroupState:
     poisoned: str | None = None
     entries: dict[str, int] = field(default_factory=dict)  # entry_barrier calls per name
     failures: list[tuple[int, int, str, str]] = field(default_factory=list)  # read so far
+    backward_open: bool = False  # a backward through a wrapped model started, not yet finished
+    # Tensors of finished CPU collectives that Gloo's worker may still hold,
+    # with the first one's use count while the work was alive (see _hold).
+    held: list[tuple[tuple[torch.Tensor, ...], int]] = field(default_factory=list)
     _store: Any = None
 
     @property
@@ -216,8 +231,10 @@ def _check_failures(st: GroupState, n: int, checking: bool) -> None:
         if checking and m == n:
             # That rank raised instead of collective n; so does this one.
             _skip_together(st, n, f"rank {rank} raised {msg}")
-            raise RuntimeError(f"rank {rank} of the tensor-parallel group raised {msg} (rank "
+            err = RuntimeError(f"rank {rank} of the tensor-parallel group raised {msg} (rank "
                                f"{st.rank} stops at the same collective)")
+            setattr(err, _REPORTED, True)
+            raise err
 
 
 def _skip_together(st: GroupState, n: int, what: str) -> None:
@@ -245,6 +262,7 @@ def fail(group: ProcessGroup | None, error: BaseException) -> BaseException:
     Returns:
         ``error``, for ``raise fail(group, err)``.
     """
+    setattr(error, _REPORTED, True)
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return error
     st = state(group)
@@ -258,14 +276,154 @@ def fail(group: ProcessGroup | None, error: BaseException) -> BaseException:
     return error
 
 
-def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor) -> None:
-    """Wait for collective ``n``; while it is slow, answer the store and watch for failures."""
+def guarded_call(group: ProcessGroup | None, fn: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` (a model's forward), reporting an exception that escapes it.
+
+    An exception raised on some ranks only between two collectives of the
+    forward leaves the ranks' collective sequences misaligned: if the user
+    catches it and goes on, every later collective pairs with the wrong one.
+    It is reported like :func:`fail` (the group stays usable if every rank
+    raised at the same point, else it is poisoned on every rank). A backward
+    through the outputs that raised on this rank is reported the same way at
+    the next call. Costs one dict look-up per call; with gradients enabled
+    also a hook on the output's ``grad_fn`` (see docs/troubleshooting.md).
+    """
+    if group is None or not dist.is_initialized():
+        return fn(*args, **kwargs)
+    st = state(group)
+    if st.size == 1:
+        return fn(*args, **kwargs)
+    if st.backward_open and not _torch_compat.in_backward():
+        _report_failed_backward(st)
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as err:
+        _report_escaped(st, err)
+        raise
+    if torch.is_grad_enabled():
+        _watch_backward(st, out)
+    return out
+
+
+def _report_escaped(st: GroupState, err: BaseException) -> None:
+    """Report ``err`` (escaping a forward on this rank) unless every rank already knows."""
+    if st.poisoned is not None or getattr(err, _REPORTED, False) \
+            or isinstance(err, (RankMismatchError, InconsistentGroupError)):
+        return  # raised on every rank at the same collective, or the group is poisoned
+    setattr(err, _REPORTED, True)
+    what = f"{type(err).__name__}: {err}"
+    if not isinstance(err, Exception):
+        # KeyboardInterrupt, SystemExit: tell the others, but do not wait for them.
+        post(st, st.seq, "fail", what.replace("|", "/"))
+        st.poisoned = inconsistent(st.rank, f"rank {st.rank} raised {what} in a forward")
+        return
+    try:
+        fail(st.group, err)
+    except Exception:  # a rank died meanwhile: the group is poisoned; raise the user's error
+        _logging.logger.debug("reporting an error that left a forward failed", exc_info=True)
+        if st.poisoned is None:
+            st.poisoned = inconsistent(st.rank, f"rank {st.rank} raised {what} in a forward")
+
+
+def _report_failed_backward(st: GroupState) -> None:
+    """The last backward through a wrapped model raised on this rank: report it, then raise.
+
+    Raises:
+        InconsistentGroupError: the other ranks' backward did not fail at the
+            same point (or the group was poisoned already).
+    """
+    st.backward_open = False
+    if st.poisoned is None:
+        err = RuntimeError("the backward through the tensor-parallel model raised on rank "
+                           f"{st.rank} and was abandoned")
+        try:
+            fail(st.group, err)
+        except Exception:  # a rank died meanwhile
+            st.poisoned = st.poisoned or inconsistent(st.rank, str(err))
+        if st.poisoned is None:
+            return  # every rank's backward raised at the same point: still in step
+    raise InconsistentGroupError(st.poisoned)
+
+
+def _watch_backward(st: GroupState, out: Any) -> None:
+    """Mark a backward through ``out`` as open until it completes (hooks on the grad_fns)."""
+
+    def finished() -> None:
+        st.backward_open = False
+
+    def started(_grads: Any) -> None:
+        if not st.backward_open:
+            st.backward_open = True
+            _torch_compat.at_end_of_backward(finished)
+
+    values = out.values() if isinstance(out, Mapping) else out \
+        if isinstance(out, (tuple, list)) else (out,)
+    for value in values:
+        node = getattr(value, "grad_fn", None) if isinstance(value, torch.Tensor) else None
+        if node is not None:
+            node.register_prehook(started)
+
+
+def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
+           out: torch.Tensor | None = None) -> None:
+    """Wait for collective ``n``; while it is slow, answer the store and watch for failures.
+
+    ``out``: the collective's output when it is not ``tensor``.
+    """
     if tensor.device.type != "cpu":
         # NCCL's wait only orders streams; its own watchdog bounds the time.
         _wait_converting(work, st, n)
         return
     while not _waited(work, st, n):
         _answer_store(st, n, op, tensor, work)
+    _hold(st, (tensor,) if out is None else (tensor, out))
+
+
+def _hold(st: GroupState, tensors: tuple[torch.Tensor, ...]) -> None:
+    """Keep the tensors of a finished collective alive until Gloo's worker thread lets go of it.
+
+    Gloo's worker drops its reference to a finished collective a moment after
+    the waiter returns (later on a loaded machine). When that is the last
+    reference to a tensor whose Python object is already gone, the worker must
+    take the GIL to free it, and during interpreter shutdown taking the GIL
+    ends the thread inside a C++ destructor: the process aborts with
+    "terminate called without an active exception" after all its work is
+    done. While torchtp holds the Python tensors, the worker's release frees
+    nothing Python-owned; :func:`settle` waits for the releases at exit.
+    Called with ``work`` still alive, so the use count includes its references.
+    """
+    if st.held:
+        st.held = [h for h in st.held if _lent(h)]
+    st.held.append((tensors, _torch_compat.use_count(tensors[0])))
+
+
+def _lent(held: tuple[tuple[torch.Tensor, ...], int]) -> bool:
+    """Whether the collective of ``held`` still exists (its tensors are still referenced by it)."""
+    return _torch_compat.use_count(held[0][0]) >= held[1]
+
+
+def settle(timeout: float) -> bool:
+    """Wait (at most ``timeout`` s) until the backend released every collective torchtp ran.
+
+    Runs at exit before the interpreter shuts down (see :func:`_hold`).
+
+    Returns:
+        True when every worker let go in time.
+    """
+    deadline = time.monotonic() + timeout
+    for st in _STATES.values():
+        while True:
+            st.held = [h for h in st.held if _lent(h)]
+            if not st.held:
+                break
+            if time.monotonic() > deadline:
+                _logging.logger.warning(
+                    "rank %d: a collective of the backend was not released within %.1f s of "
+                    "exit", st.rank, timeout)
+                return False
+            time.sleep(0.001)
+    return True
 
 
 def _waited(work: Any, st: GroupState, n: int) -> bool:

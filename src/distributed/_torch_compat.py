@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -127,3 +127,33 @@ def is_view(tensor: torch.Tensor) -> bool:
     Checked: torch 2.13.0.
     """
     return tensor._base is not None
+
+
+def at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward pass now running completes without an error.
+
+    Only valid while autograd runs a backward (e.g. from a node hook). The
+    engine runs queued callbacks after the whole graph task succeeded and
+    drops them when the backward raised, which is what lets torchtp notice a
+    backward that failed on one rank (see :mod:`torchtp._health`).
+    Checked: torch 2.13.0.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def in_backward() -> bool:
+    """Whether this thread is running inside an autograd backward pass (e.g. a recompute).
+
+    Checked: torch 2.13.0.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def use_count(tensor: torch.Tensor) -> int:
+    """How many C++ references the tensor's implementation has (the Python object is one).
+
+    A collective's work object holds references to its tensors until it is
+    destroyed, so a drop tells that the backend has let go of the work.
+    Checked: torch 2.13.0.
+    """
+    return int(tensor._use_count())  # type: ignore[attr-defined]

@@ -92,6 +92,7 @@ torch's 30. Change it with ``init_tensor_parallel(timeout=...)`` or the
 ``TP_TIMEOUT`` environment variable (seconds); the explicit argument wins.
 """
 
+SETTLE_S = 5.0  # at most this long at exit for the backend to release finished collectives
 _TIMEOUT_S: float | None = None  # set by init_tensor_parallel(timeout=...)
 _DYING: str | None = None  # "ExcType: message" once the process exits on an exception
 
@@ -298,8 +299,15 @@ def shutdown_tensor_parallel() -> None:
     running = dist.is_available() and dist.is_initialized()
     if running and _DYING is None and not _health.poisoned_groups():
         _health.exit_barrier(dist.group.WORLD, collective_timeout())
+        # Before the interpreter shuts down: a Gloo worker freeing a finished
+        # collective after that point aborts the process (see _health._hold).
+        _health.settle(SETTLE_S)
         dist.destroy_process_group()
         _health.forget_all()
+    elif running:
+        # Exiting on an error: a collective left in flight is never released,
+        # so wait only briefly (the exit code stays non-zero either way).
+        _health.settle(0.5)
     _CONFIG = None
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _torch_compat, clip, rng
+from . import _health, _torch_compat, clip, rng
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
@@ -158,8 +158,16 @@ class DistributedModelWrapper(nn.Module):
         return super().__call__(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the wrapped model unchanged."""
-        return self.base_model(*args, **kwargs)
+        """Call the wrapped model unchanged.
+
+        An exception escaping it on some ranks only (or a backward through its
+        outputs that raised) is reported to the group: if it leaves the ranks'
+        collectives misaligned, every later collective raises
+        :class:`~torchtp.InconsistentGroupError` naming the rank.
+        """
+        if torch.compiler.is_compiling():
+            return self.base_model(*args, **kwargs)
+        return _health.guarded_call(self.group, self.base_model, args, kwargs)
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:

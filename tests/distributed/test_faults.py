@@ -280,3 +280,94 @@ def test_a_collective_finishing_right_after_a_poll_timeout_is_not_a_failure():
 
     assert _health._waited(_LateWork(completes=True), None, 0) is True
     assert _health._waited(_LateWork(completes=False), None, 0) is False
+
+
+class _UserStep(nn.Module):
+    """User code between two parallel pairs that raises (forward or backward) on chosen ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward_fails: set[int] = set()
+        self.backward_fails: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = dist.get_rank()
+        if rank in self.forward_fails:
+            raise RuntimeError(f"user code failed on rank {rank}")
+        if rank in self.backward_fails and x.requires_grad:
+            x.register_hook(_failing_hook)
+        return x
+
+
+def _failing_hook(grad: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("user hook failed in backward")
+
+
+def _two_pairs(seed: int = 0) -> nn.Sequential:
+    """(B, 16) -> pair -> user step -> pair -> (B, 16): one all-reduce per pair."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), _UserStep(),
+                         nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _escaping_forward(rank: int, world: int) -> dict:
+    tp, ref = DistributedModelWrapper(_two_pairs()), _two_pairs()
+    step = tp.base_model[3]
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(_forward(tp, x), ref(x))  # fp32 sums in another order
+    seen = {}
+    step.forward_fails = {0, 1}  # every rank raises at the same point: still in step
+    seen["everyone"] = _timed(_forward, tp, x)
+    step.forward_fails = set()
+    torch.testing.assert_close(_forward(tp, x), ref(x))
+    step.forward_fails = {1}  # after the first all-reduce, on rank 1 only
+    seen["one_rank"] = _timed(_forward, tp, x)
+    step.forward_fails = set()
+    seen["next"] = _timed(_forward, tp, x)  # the user caught it and goes on
+    return seen
+
+
+def test_an_error_escaping_a_forward_on_one_rank_poisons_the_group(ranks):
+    results = ranks(_escaping_forward, 2, env=FAST, gloo_timeout=30, timeout=DEADLINE)
+    for rank, seen in enumerate(results):
+        kind, msg, _ = seen["everyone"]
+        assert kind == "RuntimeError" and f"user code failed on rank {rank}" in msg, seen
+        kind, msg, took = seen["one_rank"]
+        if rank == 1:
+            assert kind == "RuntimeError" and "user code failed on rank 1" in msg, seen
+        else:  # blocked in the second pair's all-reduce, told within a few polls
+            assert kind == "InconsistentGroupError" and INCONSISTENT in msg, seen
+            assert "rank 1 raised RuntimeError: user code failed on rank 1" in msg, seen
+        assert took < 5, seen
+        kind, msg, took = seen["next"]
+        assert kind == "InconsistentGroupError" and INCONSISTENT in msg and took < 1, seen
+
+
+def _failing_backward(rank: int, world: int) -> dict:
+    tp = DistributedModelWrapper(_two_pairs())
+    step = tp.base_model[3]
+    x = torch.randn(4, 16, requires_grad=True)  # so the first pair's backward all-reduces
+    seen = {}
+    step.backward_fails = {1}  # after the second pair's backward all-reduce, rank 1 only
+    seen["backward"] = _timed(lambda: tp(x).sum().backward())
+    step.backward_fails = set()
+    seen["next"] = _timed(lambda: tp(x).sum().backward())  # the user caught it and goes on
+    seen["after"] = _timed(_forward, tp, x)
+    return seen
+
+
+def test_a_backward_that_raises_on_one_rank_poisons_the_group(ranks):
+    results = ranks(_failing_backward, 2, env=FAST, gloo_timeout=30, timeout=DEADLINE)
+    kind, msg, _ = results[1]["backward"]
+    assert kind == "RuntimeError" and "user hook failed in backward" in msg, results
+    # Rank 0 waits in the first pair's backward all-reduce until rank 1's next
+    # forward reports the abandoned backward.
+    kind, msg, took = results[0]["backward"]
+    assert kind == "InconsistentGroupError" and INCONSISTENT in msg, results
+    assert "the backward through the tensor-parallel model raised on rank 1" in msg, results
+    assert took < 10, results
+    for seen in results:
+        kind, msg, took = seen["next"]
+        assert kind == "InconsistentGroupError" and INCONSISTENT in msg and took < 5, results
+        kind, msg, took = seen["after"]
+        assert kind == "InconsistentGroupError" and INCONSISTENT in msg and took < 1, results
