@@ -174,6 +174,17 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) 
     return out
 
 
+def forget_shared_inputs() -> None:
+    """Drop the region entries of :func:`copy_to_tensor_parallel_region`.
+
+    An entry's output is a view of its input, so it keeps the input (and,
+    with gradients enabled, that forward's autograd graph) alive until the
+    next call replaces it. ``DistributedModelWrapper`` calls this at the end
+    of every forward, so nothing of one forward outlives it here.
+    """
+    _LAST_COPY.clear()
+
+
 def _forget(group: ProcessGroup | None) -> Callable[[weakref.ref[torch.Tensor]], None]:
     def drop(ref: weakref.ref[torch.Tensor]) -> None:
         entry = _LAST_COPY.get(group)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _health, _torch_compat, clip, rng
+from . import _health, _torch_compat, clip, regions, rng
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
@@ -167,7 +167,10 @@ class DistributedModelWrapper(nn.Module):
         """
         if torch.compiler.is_compiling():
             return self.base_model(*args, **kwargs)
-        return _health.guarded_call(self.group, self.base_model, args, kwargs)
+        try:
+            return _health.guarded_call(self.group, self.base_model, args, kwargs)
+        finally:
+            regions.forget_shared_inputs()  # siblings share an input within one forward only
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
