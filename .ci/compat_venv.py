@@ -7,7 +7,7 @@ above all) behind its own: a ``.pth`` line runs ``site.addsitedir(VENV's
 site-packages)``, so only REQUIREMENTs that differ (an older transformers and
 what it pins) are installed, into DIR. pip never removes a package that lives
 outside DIR. Without ``--base`` the venv is standalone and also gets
-``-e .[hf,test]``. Afterwards each ``name==version`` REQUIREMENT is checked to
+``-e .[hf,test,peft,lightning]``. Afterwards each ``name==version`` REQUIREMENT is checked to
 be the version that imports.
 """
 
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
             f"import site; site.addsitedir({base!r})\n")
         subprocess.run([*pip, *args.requirements], check=True)
     else:
-        subprocess.run([*pip, *args.requirements, "-e", f"{ROOT}[hf,test]"], check=True)
+        subprocess.run([*pip, *args.requirements, "-e", f"{ROOT}[hf,test,peft,lightning]"], check=True)
     pins = [r for r in args.requirements if "==" in r]
     subprocess.run([str(python), "-c", CHECK, *pins], check=True)
     print(f"compat venv {args.dir}: {', '.join(pins)}")

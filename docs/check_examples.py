@@ -33,12 +33,13 @@ def examples(path: Path) -> list[tuple[int, str, str]]:
 
 
 def command(how: str, script: str) -> list[str] | None:
-    bindir = Path(sys.executable).parent
     if how == "python":
         return [sys.executable, script]
     if how.startswith("torchrun "):
-        return [str(bindir / "torchrun"), "--standalone", "--nproc-per-node",
-                how.split()[1], script]
+        # torchrun's module, not its script: a compat venv reusing another
+        # venv's packages (make compat) has no torchrun in its bin/.
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", how.split()[1], script]
     if how.startswith("skip"):
         return None
     raise ValueError(f"unknown run marker {how!r}")
