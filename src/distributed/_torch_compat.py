@@ -157,3 +157,23 @@ def use_count(tensor: torch.Tensor) -> int:
     Checked: torch 2.13.0.
     """
     return int(tensor._use_count())  # type: ignore[attr-defined]
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The in-place version counter of ``tensor``, shared with its views.
+
+    Every in-place change to the tensor or any view of it bumps it, which is
+    how ``regions.copy_to_tensor_parallel_region`` tells that a tensor it saw
+    before is unchanged.
+    Checked: torch 2.13.0.
+    """
+    return int(tensor._version)
+
+
+def foreach_norm(tensors: list[torch.Tensor], p: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The ``p``-norm of each tensor, in ``dtype``, in one fused call (``torch._foreach_norm``).
+
+    What ``torch.nn.utils.clip_grad_norm_`` uses for its per-device groups.
+    Checked: torch 2.13.0.
+    """
+    return list(torch._foreach_norm(tensors, p, dtype=dtype))

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _comm
+from . import _comm, _torch_compat
 from .layers import layouts_of
 from .layouts import ParamLayout
 from .runtime import ProcessGroup, get_tensor_parallel_config, group_size
@@ -161,7 +161,7 @@ def _local_sum(pieces: list[tuple[torch.Tensor, float]], p: float,
         groups.setdefault((piece.dtype, piece.device), []).append(i)
     norms: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
     for members in groups.values():
-        for i, norm in zip(members, torch._foreach_norm(  # float32 like vector_norm(x.float())
+        for i, norm in zip(members, _torch_compat.foreach_norm(  # float32 like vector_norm(x.float())
                 [pieces[i][0] for i in members], p, dtype=torch.float32), strict=True):
             norms[i] = norm.to(device)
     stacked = torch.stack(norms)  # (pieces,) float32

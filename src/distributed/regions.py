@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _comm, _health
+from . import _comm, _health, _torch_compat
 from .runtime import ProcessGroup, group_rank, group_size
 
 
@@ -166,11 +166,12 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) 
     if torch.compiler.is_compiling():  # the compiled graph holds no Python cache
         return _CopyToRegion.apply(x, group)
     last = _LAST_COPY.get(group)  # type: ignore[arg-type]
-    if last is not None and last[0]() is x and last[1] == x._version:
+    if last is not None and last[0]() is x and last[1] == _torch_compat.version_counter(x):
         return last[2]
     out = _CopyToRegion.apply(x, group)
     # out is a view of x: an in-place change to either bumps the version checked above.
-    _LAST_COPY[group] = (weakref.ref(x, _forget(group)), x._version, out)  # type: ignore[index]
+    entry = (weakref.ref(x, _forget(group)), _torch_compat.version_counter(x), out)
+    _LAST_COPY[group] = entry  # type: ignore[index]
     return out
 
 
