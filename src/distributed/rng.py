@@ -16,7 +16,10 @@ generator set to the shared stream (the user's own generator state is put
 back afterwards, so whatever each rank's RNG state was does not matter);
 forward hooks switch to the local stream where a split output leaves a
 ``RowParallelLinear`` and back where a ``ColumnParallelLinear`` reads it.
-Eager mode only: under ``torch.compile`` the streams are not switched.
+Eager mode only: under ``torch.compile`` the streams are not switched, so a
+compiled wrapped model in training mode with active dropout raises
+(:func:`dropout_site`, checked by the wrapper) instead of drawing different
+masks on different ranks.
 """
 
 from __future__ import annotations
@@ -152,3 +155,39 @@ def install(model: nn.Module) -> None:
         else:
             continue
         mod._torchtp_rng_hooked = True  # type: ignore[assignment]
+
+
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                    nn.FeatureAlphaDropout)
+# Float probabilities HF attention modules pass to F.dropout / SDPA in training
+# (Llama/Mistral/Qwen: attention_dropout; others: dropout, attn_dropout, ...).
+_DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "attn_pdrop",
+                  "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout_rate")
+
+
+def dropout_site(model: nn.Module) -> str | None:
+    """The first module (and attribute) of ``model`` that would drop out in training mode.
+
+    ``nn.Dropout``-family modules with ``p > 0`` and float dropout
+    probabilities > 0 stored on a module (HF attention's
+    ``attention_dropout``). A functional ``F.dropout`` with a literal
+    probability is not visible here.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
+            return f"{name or type(module).__name__} (p={module.p})"
+        for attr in _DROPOUT_ATTRS:
+            value = module.__dict__.get(attr)
+            if isinstance(value, float) and value > 0:
+                return f"{name or type(module).__name__}.{attr}={value}"
+    return None
+
+
+def refuse_compiled_dropout(site: str, size: int) -> RuntimeError:
+    """The error for a compiled TP model in training mode with dropout at ``site``."""
+    return RuntimeError(
+        f"torch.compile of a tensor-parallel model (tp={size}) in training mode with dropout at "
+        f"{site}: torchtp switches to its shared/local RNG streams in eager mode only, so "
+        "compiled dropout could draw different masks for replicated activations on different "
+        "ranks; set the dropout probabilities to 0 (HF: config attention_dropout=0.0 etc.), "
+        "compile the model in eval mode, or train it eagerly")

@@ -122,6 +122,7 @@ class DistributedModelWrapper(nn.Module):
             self.sequence_parallel = options.sequence is not None
             clip.track(model)
             rng.install(model)
+            self.train(model.training)  # records where dropout would draw (see train)
             guard_frameworks(self)
         finally:
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
@@ -157,6 +158,17 @@ class DistributedModelWrapper(nn.Module):
                     rng.exit_model()
         return super().__call__(*args, **kwargs)
 
+    def train(self, mode: bool = True) -> DistributedModelWrapper:
+        """``nn.Module.train``; also records the first dropout site for compiled training.
+
+        Compiled code does not switch torchtp's RNG streams, so a compiled
+        forward in training mode raises when the model has active dropout.
+        """
+        super().train(mode)
+        site = rng.dropout_site(self.base_model) if mode and self.world_size > 1 else None
+        self.__dict__["_dropout_site"] = site
+        return self
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped model unchanged.
 
@@ -166,6 +178,9 @@ class DistributedModelWrapper(nn.Module):
         :class:`~torchtp.InconsistentGroupError` naming the rank.
         """
         if torch.compiler.is_compiling():
+            site = self.__dict__.get("_dropout_site")
+            if self.training and site is not None:
+                raise rng.refuse_compiled_dropout(site, self.world_size)
             return self.base_model(*args, **kwargs)
         try:
             return _health.guarded_call(self.group, self.base_model, args, kwargs)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch import nn
 
 import torchtp
 
@@ -23,6 +25,15 @@ def _compiled(rank: int, world_size: int) -> str:
     compiled(xs).square().sum().backward()
     ref(xr).square().sum().backward()
     torch.testing.assert_close(xs.grad, xr.grad, **tol(torch.float32))
+    # Compiled code does not switch torchtp's RNG streams: active dropout in
+    # training mode is refused (dynamo reports the error it traced), eval compiles.
+    drop = torchtp.DistributedModelWrapper(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 16)))
+    with pytest.raises(Exception, match=r"torch\.compile of a tensor-parallel model \(tp=2\) "
+                       r"in training mode with dropout at 2 \(p=0\.1\).*train it eagerly"):
+        torch.compile(drop, fullgraph=True, backend="aot_eager")(x)
+    drop.eval()
+    torch.compile(drop, fullgraph=True, backend="aot_eager")(x)
     return "ok"
 
 
