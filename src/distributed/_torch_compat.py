@@ -16,6 +16,7 @@ import copy
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
@@ -105,6 +106,27 @@ def ddp_under_construction(depth: int = 2) -> Any:
 
     caller = sys._getframe(depth).f_locals.get("self")
     return caller if isinstance(caller, DistributedDataParallel) else None
+
+
+def enclosing_ddps(limit: int = 64) -> list[Any]:
+    """The ``DistributedDataParallel`` modules whose ``forward`` is on this thread's stack.
+
+    Walks at most ``limit`` frames up (``sys._getframe``), reading each
+    frame's ``self``.
+    Checked: torch 2.13.0.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    found: list[Any] = []
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(limit):
+        if frame is None:
+            break
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, DistributedDataParallel) and caller not in found:
+            found.append(caller)
+        frame = frame.f_back
+    return found
 
 
 def implicit_replication() -> AbstractContextManager[None]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from . import _torch_compat
 from .clip import layouts_of
 from .runtime import ProcessGroup
 
@@ -70,3 +71,35 @@ def check_fsdp(model: nn.Module, tp: ProcessGroup | None) -> None:
                 f"FSDP's mesh {mesh.mesh.tolist()} contains tensor-parallel peers "
                 f"{sorted(shared)}, which hold different shards; shard with "
                 "fully_shard(module, mesh=cfg.mesh['dp']) from init_tensor_parallel(tp_size=...)")
+
+
+def check_enclosing_ddp(wrapper: nn.Module, model: nn.Module, tp: ProcessGroup | None) -> None:
+    """Raise if a DDP around a module *containing* ``wrapper`` spans TP peers unguarded.
+
+    Only a DDP that wraps the wrapper itself asks it which parameters to
+    leave alone; one around a larger module broadcast rank 0's shards into
+    every TP rank at construction and averages different shards. Called at
+    the first training forward (DDP's forward is then on the stack); the
+    verdict depends on the module tree and the groups, the same on every rank.
+
+    Raises:
+        ValueError: naming the DDP's module, the wrapper's path and the fix.
+    """
+    for ddp in _torch_compat.enclosing_ddps():
+        if ddp.module is wrapper:
+            continue  # asked the wrapper at construction (ignored_by_ddp)
+        path = next((name for name, mod in ddp.module.named_modules() if mod is wrapper), None)
+        if path is None:
+            continue
+        prefix = f"{path}.base_model" if path else "base_model"
+        needed = ignored_by_ddp(model, tp, ddp.process_group, prefix)
+        missing = [name for name in needed if name not in ddp.parameters_to_ignore]
+        if missing:
+            raise ValueError(
+                f"DistributedDataParallel wraps {type(ddp.module).__name__}, which contains a "
+                f"tensor-parallel model at '{path}', over ranks that are its TP peers: DDP "
+                f"broadcast rank 0's shards (e.g. '{missing[0]}', split over "
+                f"tp={dist.get_world_size(tp)}) into every rank at construction and would "
+                "average different shards. Wrap the DistributedModelWrapper itself in DDP "
+                "(it tells DDP to leave its split parameters alone), or use "
+                "process_group=cfg.dp_group from init_tensor_parallel(tp_size=...)")

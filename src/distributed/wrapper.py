@@ -15,7 +15,7 @@ from .agreement import agree
 from .checkpoint.load import from_pretrained
 from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
-from .ddp_guard import check_fsdp, ignored_by_ddp
+from .ddp_guard import check_enclosing_ddp, check_fsdp, ignored_by_ddp
 from .devices import device_mismatch
 from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
 from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
@@ -148,6 +148,7 @@ class DistributedModelWrapper(nn.Module):
             if (self.training and not self.__dict__.get("_inputs_checked")) \
                     or input_check_requested():
                 check_same_inputs(args, kwargs, self.group)
+                check_enclosing_ddp(self, self.base_model, self.group)
                 self.__dict__["_inputs_checked"] = self.training
             if self.training:
                 # Replicated regions draw from the TP group's shared stream (see rng.py).

@@ -143,6 +143,14 @@ def tp_only(rank: int, world_size: int) -> list[float]:
     with torch.no_grad():
         torch.testing.assert_close(model.module(input_ids=_batch()).logits,
                                    ref(input_ids=_batch()).logits, **TOL)
+    # A DDP around a larger module never asks the wrapper what to leave alone:
+    # its construction broadcast rank 0's shards, so the first forward refuses.
+    outer = DDP(nn.Sequential(torchtp.DistributedModelWrapper(build("mistral-mqa").train())))
+    with pytest.raises(ValueError, match=r"DistributedDataParallel wraps Sequential, which "
+                       r"contains a tensor-parallel model at '0'.*'0\.base_model\.model\."
+                       r"embed_tokens\.weight', split over tp=2.*Wrap the "
+                       r"DistributedModelWrapper itself in DDP"):
+        outer(_batch())
     return got + norms
 
 
