@@ -15,6 +15,7 @@ communication at all.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _comm
 from .runtime import ProcessGroup, group_rank, group_size, resolve_group
@@ -76,6 +77,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         probs, local_idx, owned, valid = ctx.saved_tensors
         # probs is ours: reuse it for the gradient. A second backward through the
