@@ -112,7 +112,9 @@ def _hook_parameters(module: nn.Module) -> int:
     added = 0
     for name, syncs in getattr(module, "tp_grad_sync", {}).items():
         param = getattr(module, name, None)
-        if param is None or getattr(param, "_torchtp_grad_sync", None) is syncs:
+        # ==, not is: a Parameter tied between modules that record equal syncs is
+        # hooked once (each forward pre-hook would otherwise add another sum).
+        if param is None or getattr(param, "_torchtp_grad_sync", None) == syncs:
             continue
         frozen = not param.requires_grad  # e.g. a base layer under LoRA
         param.requires_grad_(True)  # torch only hooks tensors that require grad;
