@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -29,6 +30,12 @@ def _sync(rank: int, world_size: int) -> list[float]:
     x = torch.full((1, 2), float(rank + 1))
     for _ in range(3):
         (a(x) + b(x)).sum().backward()
+    # Tied but summed differently: neither sum alone is right, so it raises.
+    c = nn.Linear(2, 3, bias=False)
+    c.weight = a.weight
+    grad_sync.mark(c, "weight", (grad_sync.GradSync(group, rows=(0, 1)),))
+    with pytest.raises(ValueError, match="already sums its gradient"):
+        grad_sync.install(c)
     return [*rows, a.weight.grad[0, 0].item()]
 
 
