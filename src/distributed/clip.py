@@ -156,14 +156,19 @@ def _local_sum(pieces: list[tuple[torch.Tensor, float]], p: float,
     """
     if not pieces:
         return torch.zeros((), dtype=torch.float32, device=device)
+    pieces = [(t, w) for t, w in pieces if t.numel()]  # an empty one adds nothing
+    if not pieces:  # (and has no inf norm: _foreach_norm raises on it)
+        return torch.zeros((), dtype=torch.float32, device=device)
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, (piece, _) in enumerate(pieces):
         groups.setdefault((piece.dtype, piece.device), []).append(i)
     norms: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
-    for members in groups.values():
-        for i, norm in zip(members, _torch_compat.foreach_norm(  # float32 like vector_norm(x.float())
-                [pieces[i][0] for i in members], p, dtype=torch.float32), strict=True):
-            norms[i] = norm.to(device)
+    for (dtype, _), members in groups.items():
+        # float32 like vector_norm(x.float()); float64 in float64 (dtype= may not narrow)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        for i, norm in zip(members, _torch_compat.foreach_norm(
+                [pieces[i][0] for i in members], p, dtype=wide), strict=True):
+            norms[i] = norm.to(device, torch.float32)
     stacked = torch.stack(norms)  # (pieces,) float32
     if math.isinf(p):
         return stacked.max()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from . import _comm
 from .regions import (
@@ -98,6 +99,7 @@ class _Broadcast(torch.autograd.Function):
         return _comm.broadcast(x, src, group)
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return (grad if ctx.is_src else torch.zeros_like(grad)), None, None
 

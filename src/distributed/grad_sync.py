@@ -112,8 +112,17 @@ def _hook_parameters(module: nn.Module) -> int:
     added = 0
     for name, syncs in getattr(module, "tp_grad_sync", {}).items():
         param = getattr(module, name, None)
-        if param is None or getattr(param, "_torchtp_grad_sync", None) is syncs:
+        # ==, not is: a Parameter tied between modules that record equal syncs is
+        # hooked once (each forward pre-hook would otherwise add another sum).
+        current = getattr(param, "_torchtp_grad_sync", None) if param is not None else None
+        if param is None or current == syncs:
             continue
+        if current is not None:  # its other hook would sum too: neither sum alone is right
+            raise ValueError(
+                f"{type(module).__name__}.{name}: this Parameter already sums its gradient "
+                f"with {current}, and this module records {syncs} for it (a Parameter tied "
+                "between modules that split it differently, or recorded again after "
+                "install); tie only parameters that are split alike")
         frozen = not param.requires_grad  # e.g. a base layer under LoRA
         param.requires_grad_(True)  # torch only hooks tensors that require grad;
         param.register_hook(_SumHook(syncs))  # the hook stays when it is unfrozen later

@@ -77,6 +77,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # The gradient depends on the logits through the saved softmax, which is
+            # not differentiated here: a second-order gradient would silently lack it.
+            raise RuntimeError("vocab_parallel_cross_entropy: backward with create_graph=True "
+                               "(double backward, e.g. a gradient penalty) is not supported")
         probs, local_idx, owned, valid = ctx.saved_tensors
         # probs is ours: reuse it for the gradient. A second backward through the
         # same graph sees its version change and autograd raises instead of reusing it.

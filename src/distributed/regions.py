@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _comm, _health, _torch_compat
 from .runtime import ProcessGroup, group_rank, group_size
@@ -61,6 +62,7 @@ class _CopyToRegion(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _comm.all_reduce(grad, ctx.group), None
 
@@ -82,6 +84,7 @@ class _ReduceFromRegion(torch.autograd.Function):
         return _comm.all_reduce(x, group)
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad, None, None
 
@@ -100,6 +103,7 @@ class _ScatterToRegion(torch.autograd.Function):
         return _comm.split(x, dim, group_rank(group), group_size(group))
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _comm.all_gather(grad, ctx.dim, ctx.group, ctx.size), None, None
 
@@ -119,6 +123,7 @@ class _GatherFromRegion(torch.autograd.Function):
         return _comm.all_gather(x, dim, group, size)
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         g = ctx.group
         return _comm.split(grad, ctx.dim, group_rank(g), group_size(g)), None, None, None
@@ -138,6 +143,7 @@ class _ReduceScatterRegion(torch.autograd.Function):
         return _comm.reduce_scatter(x, dim, group)
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _comm.all_gather(grad, ctx.dim, ctx.group, ctx.size), None, None
 

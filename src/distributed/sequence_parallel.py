@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from . import _comm
 from ._torch_compat import is_view
@@ -87,6 +88,7 @@ class _ScatterToShards(torch.autograd.Function):
         return _shard(x, dim, group)
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _gather(grad, ctx.dim, ctx.group, ctx.length), None, None
 
@@ -109,6 +111,7 @@ class _GatherFromShards(torch.autograd.Function):
         return _gather(x, dim, group, length)
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         back = _reduce_scatter if ctx.partial else _shard
         return back(grad, ctx.dim, ctx.group), None, None, None, None
@@ -128,6 +131,7 @@ class _ReduceScatterToShards(torch.autograd.Function):
         return _reduce_scatter(x, dim, group)
 
     @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _gather(grad, ctx.dim, ctx.group, ctx.length), None, None
 

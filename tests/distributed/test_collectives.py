@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import torchtp
 from torchtp import regions
@@ -77,6 +78,18 @@ def _check_regions(rank: int, world_size: int) -> None:
     torch.testing.assert_close(r, x.detach() * world_size)
     r.sum().backward()
     torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+    # Double backward (a gradient penalty): the regions' backward collectives are not
+    # differentiable, so a second-order gradient would miss the sums over ranks. It raises.
+    torch.manual_seed(0)
+    row = torchtp.RowParallelLinear.from_linear(nn.Linear(4, 4 * world_size), world_size, rank,
+                                                group=group)
+    col = torchtp.ColumnParallelLinear.from_linear(nn.Linear(4 * world_size, 4), world_size,
+                                                   rank, group=group)
+    x = seeded(3, 4, seed=6).requires_grad_()
+    gx, = torch.autograd.grad(col(torch.tanh(row(x))).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.pow(2).sum().backward()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

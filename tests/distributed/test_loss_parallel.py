@@ -26,6 +26,19 @@ def test_one_rank_equals_cross_entropy_in_float64():
         torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
 
 
+def test_double_backward_raises_instead_of_dropping_the_softmax_term():
+    # A gradient penalty through the loss: the logit gradient depends on the logits
+    # through the softmax, which the saved-softmax backward does not differentiate.
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(4, 7, dtype=torch.float64, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 7, (6,), generator=gen)
+    loss = torchtp.vocab_parallel_cross_entropy(h @ w, labels)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        gw, = torch.autograd.grad(loss, w, create_graph=True)
+        gw.square().sum().backward()  # would miss the softmax's dependence on h
+
+
 def test_arguments_are_checked():
     logits = torch.randn(2, 3, 5)
     with pytest.raises(ValueError, match=r"local_logits \(2, 3, 5\) must be labels' shape \(2, 4\)"):

@@ -45,3 +45,24 @@ def test_dropout_keeps_replicated_activations_and_grads_identical(ranks):
 def test_resume_from_a_dcp_checkpoint_equals_the_uninterrupted_run(ranks, tmp_path):
     got = ranks(checks.resume, 2, str(tmp_path / "ckpt"))
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_takes_float64_gradients_and_empty_ones_like_torch(norm_type):
+    import torch
+
+    def grads() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64)),
+                  torch.nn.Parameter(torch.randn(0, 4)), torch.nn.Parameter(torch.randn(5))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return params
+
+    mine, ref = grads(), grads()
+    got = torchtp.clip_grad_norm_(mine, 0.5, norm_type)
+    # torch raises on an empty gradient with inf (no identity); it adds nothing to a norm.
+    want = torch.nn.utils.clip_grad_norm_([p for p in ref if p.numel()], 0.5, norm_type)
+    torch.testing.assert_close(got, want.float())
+    for a, b in zip(mine, ref, strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
