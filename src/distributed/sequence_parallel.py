@@ -25,15 +25,26 @@ backward reduce-scatter both sums it and returns each rank its shard (the
 all-reduce of :func:`~torchtp.regions.copy_to_tensor_parallel_region` is not
 needed). ``reduce_scatter_to_sequence_shards`` leaves it (the output of the
 weight-columns-split projection) instead of an all-reduce.
+
+The full-sequence tensor that ``gather_for_tensor_parallel`` returns is not
+kept for the backward: the projections it feeds save this rank's shard
+instead and all-gather it again when their weight gradients need it (see
+:mod:`torchtp.sequence_linear`), once per group of sibling projections, as
+Megatron does. :func:`gathered_source` tells a projection whether its input
+is such a tensor.
 """
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import _comm
+from . import _comm, _torch_compat
 from ._torch_compat import is_view
 from .runtime import ProcessGroup, group_rank, group_size
 
@@ -162,12 +173,92 @@ def gather_from_sequence_shards(x: torch.Tensor, group: ProcessGroup | None, dim
 
 def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim: int,
                                length: int | None) -> torch.Tensor:
-    """Shard ``(B, S, d)`` -> ``(B, length or S*tp, d)`` for TP compute. backward: reduce-scatter."""
+    """Shard ``(B, S, d)`` -> ``(B, length or S*tp, d)`` for TP compute. backward: reduce-scatter.
+
+    With gradients, the result is remembered (until it dies or the next call
+    on ``group``) so that the projections fed it can save ``x`` instead of it:
+    see :func:`gathered_source`.
+    """
     if group is None or group_size(group) == 1:
         return x
     if not _needs_grad(x):
         return _gather(x, dim, group, length)
-    return _GatherFromShards.apply(x, group, dim, length, True)
+    full = _GatherFromShards.apply(x, group, dim, length, True)
+    if not torch.compiler.is_compiling():  # the compiled graph holds no Python registry
+        entry = (weakref.ref(full, _forget(group)), _torch_compat.version_counter(full), x,
+                 Regather(group, dim, length))
+        _LAST_GATHER[group] = entry
+    return full
+
+
+@dataclass(eq=False)
+class Regather:
+    """Rebuilds one gathered full-sequence tensor from its shard, in the backward.
+
+    Shared by the sibling projections fed that tensor (q/k/v, gate/up): the
+    first one whose weight gradient needs it all-gathers the shard, the
+    others reuse the result, and the last one lets it go, so the backward
+    costs one all-gather per block and holds one full tensor at a time.
+
+    Attributes:
+        group: The TP group.
+        dim: Sequence dimension.
+        length: Tokens kept after the gather (``None``: keep the padding).
+        users: Projections that will call :meth:`full` in the backward.
+    """
+
+    group: ProcessGroup
+    dim: int
+    length: int | None
+    users: int = 0
+    _full: torch.Tensor | None = None
+    _pending: int = 0
+
+    def full(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full-sequence tensor ``(B, length or S*tp, d)`` gathered from ``shard``."""
+        if self._full is None:
+            self._full = _gather(shard, self.dim, self.group, self.length)
+            self._pending = self.users
+        return self._full
+
+    def release(self) -> None:
+        """One user is done with :meth:`full`; the last one frees it."""
+        self._pending -= 1
+        if self._pending <= 0:
+            self._full = None
+
+
+# Per group, the last tensor gather_for_tensor_parallel returned with autograd:
+# (it, held weakly; its version; the shard it was gathered from; its Regather).
+_LAST_GATHER: dict[ProcessGroup, tuple[weakref.ref[torch.Tensor], int, torch.Tensor,
+                                       Regather]] = {}
+
+
+def gathered_source(x: torch.Tensor) -> tuple[torch.Tensor, Regather] | None:
+    """``(shard, regather)`` if ``x`` is the unmodified output of the last
+    :func:`gather_for_tensor_parallel` (with gradients) on its group, else ``None``."""
+    if torch.compiler.is_compiling():
+        return None
+    for ref, version, shard, regather in _LAST_GATHER.values():
+        if ref() is x and version == _torch_compat.version_counter(x):
+            return shard, regather
+    return None
+
+
+def forget_gathered_inputs() -> None:
+    """Drop the entries of :func:`gather_for_tensor_parallel` (end of a forward).
+
+    An entry holds its shard, so it is dropped when the wrapper's forward ends.
+    """
+    _LAST_GATHER.clear()
+
+
+def _forget(group: ProcessGroup) -> Callable[[weakref.ref[torch.Tensor]], None]:
+    def drop(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _LAST_GATHER.get(group)
+        if entry is not None and entry[0] is ref:
+            del _LAST_GATHER[group]
+    return drop
 
 
 def reduce_scatter_to_sequence_shards(x: torch.Tensor, group: ProcessGroup | None,

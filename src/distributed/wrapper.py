@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _health, _torch_compat, clip, regions, rng
+from . import _health, _torch_compat, clip, regions, rng, sequence_parallel
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
@@ -187,6 +187,7 @@ class DistributedModelWrapper(nn.Module):
             return _health.guarded_call(self.group, self.base_model, args, kwargs)
         finally:
             regions.forget_shared_inputs()  # siblings share an input within one forward only
+            sequence_parallel.forget_gathered_inputs()
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:

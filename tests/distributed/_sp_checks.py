@@ -59,14 +59,45 @@ def check_training(rank: int, world_size: int, arch: str, seq: int, loss_paralle
             full = full[..., start:start + n]
         torch.testing.assert_close(got.logits, full, **LOGITS)
         want.loss.backward()
-        got.loss.backward()
+        with torchtp.count_collectives() as bwd:
+            got.loss.backward()
         result["grads_checked"] = compare_params(wrapped, ref, grads=True)
         opt_ref.step()
         opt.step()
         compare_params(wrapped, ref, grads=False)
         if step == 0:
-            result["forward"] = dict(fwd.counts)
+            result["forward"], result["backward"] = dict(fwd.counts), dict(bwd.counts)
+    if sequence_parallel and not checkpointing:
+        result["saved full sequences"] = saved_full_sequences(wrapped, data)
     return result
+
+
+def saved_full_sequences(model: nn.Module, data: dict[str, torch.Tensor]) -> int:
+    """Distinct all-gathered block inputs autograd saves in one forward.
+
+    There should be none: the projections fed a gathered ``(B, T, d)`` input
+    save its ``(B, S, d)`` shard and re-gather it in the backward.
+    """
+    inputs: list[torch.Tensor] = []  # held, so that no later tensor reuses their memory
+    saved: set[int] = set()
+
+    def note_input(layer: nn.Module, args: tuple) -> None:
+        inputs.append(args[0])
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    hooks = [m.register_forward_pre_hook(note_input) for m in model.modules()
+             if getattr(m, "sequence_dim", None) is not None
+             and isinstance(m, torchtp.RowParallelLinear)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**data).loss.backward()
+    for hook in hooks:
+        hook.remove()
+    gathered = {t.untyped_storage().data_ptr() for t in inputs}
+    assert gathered, "no projection got a gathered input"
+    return len(gathered & saved)
 
 
 def check_generate(rank: int, world_size: int, arch: str, loss_parallel: bool,
@@ -222,3 +253,66 @@ def dp2_tp2_ddp(rank: int, world_size: int) -> list[float]:
     torch.testing.assert_close(training._global_loss(losses, cfg.dp_group), ref_losses,
                                **training.TOL)
     return norms
+
+
+def _siblings(x_shard: torch.Tensor, weights: list[torch.Tensor],
+              biases: list[torch.Tensor | None], length: int) -> torch.Tensor:
+    """Three sibling projections on one gathered input, as q/k/v are fed."""
+    from torchtp.runtime import tp_group
+    from torchtp.sequence_linear import linear_on_gathered
+    from torchtp.sequence_parallel import gather_for_tensor_parallel
+
+    full = gather_for_tensor_parallel(x_shard, tp_group(), 1, length)  # (B, T, d)
+    outs = [linear_on_gathered(full, w, b) for w, b in zip(weights, biases, strict=True)]
+    return torch.stack([(o.float() ** 2).sum() for o in outs]).sum()
+
+
+def check_linear_on_gathered(rank: int, world_size: int) -> dict:
+    """Sibling projections saving the sequence shard: gradients equal plain autograd's.
+
+    The reference runs F.linear on the full sequence in this process, with
+    the same seeded tensors (the weights stand for one rank's rows: the sum
+    of every rank's input gradient is what the gather's backward returns).
+    """
+    from torchtp.sequence_parallel import shard_length
+
+    gen = torch.Generator().manual_seed(0)
+    length, d = 7, 6  # 7 tokens over world_size ranks: the last shard is padded
+    x = torch.randn(2, length, d, generator=gen)
+    weights = [torch.randn(4, d, generator=gen, requires_grad=i != 1) for i in range(3)]
+    biases: list[torch.Tensor | None] = [torch.randn(4, generator=gen, requires_grad=True),
+                                         None, None]
+    s = shard_length(length, world_size)
+    shard = torch.nn.functional.pad(x, (0, 0, 0, s * world_size - length))[:, rank * s:][:, :s]
+    shard = shard.clone().requires_grad_()
+    ref_x = x.clone().requires_grad_()
+    ref = sum((torch.nn.functional.linear(ref_x, w, b) ** 2).sum()
+              for w, b in zip(weights, biases, strict=True))
+    ref_grads = torch.autograd.grad(ref, [ref_x, weights[0], weights[2], biases[0]])
+    out: dict = {}
+    with torchtp.count_collectives() as counter:
+        loss = _siblings(shard, weights, biases, length)
+        grads = torch.autograd.grad(loss, [shard, weights[0], weights[2], biases[0]],
+                                    retain_graph=True)
+    out["collectives"] = dict(counter.counts)  # forward and backward
+    # fp32, the same products in another order (the partial sums reduce-scattered): 1e-5.
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    want_shard = ref_grads[0] * world_size  # every rank's weights are the same here
+    want_shard = torch.nn.functional.pad(want_shard, (0, 0, 0, s * world_size - length))
+    torch.testing.assert_close(loss, ref, **tol)
+    torch.testing.assert_close(grads[0], want_shard[:, rank * s:][:, :s], **tol)
+    for got, want in zip(grads[1:], ref_grads[1:], strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    again = torch.autograd.grad(loss, [weights[0]])  # retain_graph: the re-gather runs again
+    torch.testing.assert_close(again[0], grads[1], rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_bf = sum((torch.nn.functional.linear(ref_x, w, b).float() ** 2).sum()
+                     for w, b in zip(weights, biases, strict=True))
+        loss_bf = _siblings(shard, weights, biases, length)
+    want_bf = torch.autograd.grad(ref_bf, [weights[0], biases[0]])
+    got_bf = torch.autograd.grad(loss_bf, [weights[0], biases[0]])
+    out["autocast dtypes"] = [g.dtype for g in got_bf]
+    for got, want in zip(got_bf, want_bf, strict=True):
+        # bf16 products (8 mantissa bits) summed in another order: 2e-2 relative.
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    return out

@@ -7,7 +7,7 @@ import torch
 
 from torchtp.sequence_parallel import pad_sequence, shard_length
 
-from ._sp_checks import check_sequence_parallel_suite, dp2_tp2_ddp
+from ._sp_checks import check_linear_on_gathered, check_sequence_parallel_suite, dp2_tp2_ddp
 
 
 def test_padding_rule():
@@ -32,6 +32,16 @@ def test_sequence_parallel_tp2_and_errors(ranks):
     assert got["gpt2 seq=9 lp=True ckpt=False"]["forward"] == {
         "all_reduce": 3, "all_gather": 5, "reduce_scatter": 4}
     assert got["mistral seq=9 lp=True ckpt=True"]["grads_checked"] == 21
+    # Backward, per layer: a reduce-scatter out of each gather, an all-gather for each
+    # reduce-scatter and one re-gather per block for the weight gradients (2 layers),
+    # + the first scatter's all-gather; the 5 norms' weight gradients are summed
+    # (all-reduce each) + the LM head's input gradient.
+    assert got["llama seq=9 lp=False ckpt=False"]["backward"] == {
+        "all_reduce": 6, "all_gather": 9, "reduce_scatter": 4}
+    # Saved for backward: none of the gathered (B, T, d) sequences (2 per layer
+    # without the re-gather); the blocks keep their (B, S, d) shards.
+    for case in ("llama seq=9 lp=False ckpt=False", "gpt2 seq=9 lp=True ckpt=False"):
+        assert got[case]["saved full sequences"] == 0, case
     assert got["generated"] == 5
     for res in results:  # the same error on every rank
         errors = res["errors"]
@@ -64,3 +74,12 @@ def test_sequence_parallel_tp4_more(ranks):
 def test_dp2_tp2_ddp_with_sequence_and_loss_parallelism(ranks):
     norms = ranks(dp2_tp2_ddp, 4, timeout=300, gloo_timeout=60)
     assert all(n == norms[0] for n in norms)
+
+
+def test_projections_save_the_shard_and_regather_once(ranks):
+    # Three siblings (one with a frozen weight) on one gathered input: the forward's
+    # gather, one re-gather in the backward for both trainable weights, and the input
+    # gradient reduce-scattered once; autocast's dtypes kept.
+    got = ranks(check_linear_on_gathered, 2, timeout=120)
+    assert got[0]["collectives"] == {"all_gather": 2, "reduce_scatter": 1}
+    assert got[0]["autocast dtypes"] == [torch.float32, torch.float32]

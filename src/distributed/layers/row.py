@@ -10,6 +10,7 @@ from ..errors import MissingProcessGroupError, launch_hint
 from ..layouts import ParamLayout
 from ..regions import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, rank_local_error
 from ..runtime import ProcessGroup
+from ..sequence_linear import linear_on_gathered
 from ._base import require_group
 from ._shape import input_mismatch
 from .parallel_linear import ParallelLinear
@@ -46,7 +47,9 @@ class RowParallelLinear(ParallelLinear):
         sequence_dim: Set by sequence parallelism: the input was all-gathered
             from sequence shards along this dimension by
             :func:`~torchtp.sequence_parallel.gather_for_tensor_parallel`, whose
-            backward reduce-scatters the input gradient, so no all-reduce here.
+            backward reduce-scatters the input gradient, so no all-reduce here;
+            the weight gradient re-gathers the input from its shard instead
+            of keeping it (:mod:`torchtp.sequence_linear`).
 
     Raises:
         ValueError: ``out_features`` is smaller than ``world_size`` (the
@@ -137,7 +140,10 @@ class RowParallelLinear(ParallelLinear):
                 f"{self._name()}: the input gradient needs an all-reduce across "
                 f"world_size={self.world_size} ranks but no process group is running; "
                 f"{launch_hint(self.world_size)} (or run under torch.no_grad())")
-        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        if self.sequence_dim is None:
+            y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        else:  # saves the sequence shard x was gathered from, not x
+            y = linear_on_gathered(x, self.weight, self.bias)  # (B, T, out/tp)
         if self.gather_output:
             group = require_group(self._name(), self.group, self.world_size)
             y = gather_from_tensor_parallel_region(y, group, -1, self.out_features)  # (..., out)
