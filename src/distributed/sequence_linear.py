@@ -6,8 +6,8 @@ and feeds it to its weight-rows-split projections. A plain ``F.linear`` saves
 that full ``(B, T, d)`` tensor for its weight gradient, and it does not shrink
 with tp. :func:`linear_on_gathered` saves the ``(B, S, d)`` shard instead and
 all-gathers it again in the backward, once per block (:class:`~torchtp.sequence_parallel.Regather`),
-as Megatron's sequence-parallel linear does. A frozen weight (LoRA's base,
-inference) needs no re-gather at all.
+as Megatron's sequence-parallel linear does. A frozen weight
+(``requires_grad=False``) needs no re-gather at all.
 
 =========================  ========================================================
 forward                    ``y = x W^T + b`` on the gathered ``x`` (no collective)
