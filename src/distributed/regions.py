@@ -26,14 +26,12 @@ one, still with one collective each (padded to the largest chunk).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _comm, _health, _torch_compat
+from . import _comm, _health
 from .runtime import ProcessGroup, group_rank, group_size
+from .tensor_memo import TensorMemo
 
 
 def rank_local_error(group: ProcessGroup | None, error: BaseException) -> BaseException:
@@ -152,10 +150,10 @@ def _needs_grad(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
 
-# Per group, the last tensor that entered the region with autograd: (input, held
-# weakly; its version; the output). The entry is dropped when the input dies, so
-# the output (a view of the input) keeps nothing alive that the input does not.
-_LAST_COPY: dict[ProcessGroup, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+# Per group, the last tensor that entered the region with autograd, and its output.
+# The output is a view of the input, so the entry keeps nothing alive that the
+# input does not (the input is held weakly; the entry dies with it).
+_LAST_COPY: TensorMemo[torch.Tensor] = TensorMemo()
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -171,13 +169,11 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) 
         return x
     if torch.compiler.is_compiling():  # the compiled graph holds no Python cache
         return _CopyToRegion.apply(x, group)
-    last = _LAST_COPY.get(group)  # type: ignore[arg-type]
-    if last is not None and last[0]() is x and last[1] == _torch_compat.version_counter(x):
-        return last[2]
-    out = _CopyToRegion.apply(x, group)
-    # out is a view of x: an in-place change to either bumps the version checked above.
-    entry = (weakref.ref(x, _forget(group)), _torch_compat.version_counter(x), out)
-    _LAST_COPY[group] = entry  # type: ignore[index]
+    out = _LAST_COPY.get(group, x)
+    if out is None:
+        out = _CopyToRegion.apply(x, group)
+        # out is a view of x: an in-place change to either bumps the version checked.
+        _LAST_COPY.put(group, x, out)
     return out
 
 
@@ -190,14 +186,6 @@ def forget_shared_inputs() -> None:
     of every forward, so nothing of one forward outlives it here.
     """
     _LAST_COPY.clear()
-
-
-def _forget(group: ProcessGroup | None) -> Callable[[weakref.ref[torch.Tensor]], None]:
-    def drop(ref: weakref.ref[torch.Tensor]) -> None:
-        entry = _LAST_COPY.get(group)  # type: ignore[arg-type]
-        if entry is not None and entry[0] is ref:
-            del _LAST_COPY[group]  # type: ignore[arg-type]
-    return drop
 
 
 def reduce_from_tensor_parallel_region(

@@ -36,17 +36,16 @@ is such a tensor.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import _comm, _torch_compat
+from . import _comm
 from ._torch_compat import is_view
 from .runtime import ProcessGroup, group_rank, group_size
+from .tensor_memo import TensorMemo
 
 
 def shard_length(length: int, world_size: int) -> int:
@@ -185,9 +184,7 @@ def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim:
         return _gather(x, dim, group, length)
     full = _GatherFromShards.apply(x, group, dim, length, True)
     if not torch.compiler.is_compiling():  # the compiled graph holds no Python registry
-        entry = (weakref.ref(full, _forget(group)), _torch_compat.version_counter(full), x,
-                 Regather(group, dim, length))
-        _LAST_GATHER[group] = entry
+        _LAST_GATHER.put(group, full, (x, Regather(group, dim, length)))
     return full
 
 
@@ -228,10 +225,9 @@ class Regather:
             self._full = None
 
 
-# Per group, the last tensor gather_for_tensor_parallel returned with autograd:
-# (it, held weakly; its version; the shard it was gathered from; its Regather).
-_LAST_GATHER: dict[ProcessGroup, tuple[weakref.ref[torch.Tensor], int, torch.Tensor,
-                                       Regather]] = {}
+# Per group, the last tensor gather_for_tensor_parallel returned with autograd
+# (held weakly), with the shard it was gathered from and its Regather.
+_LAST_GATHER: TensorMemo[tuple[torch.Tensor, Regather]] = TensorMemo()
 
 
 def gathered_source(x: torch.Tensor) -> tuple[torch.Tensor, Regather] | None:
@@ -239,10 +235,7 @@ def gathered_source(x: torch.Tensor) -> tuple[torch.Tensor, Regather] | None:
     :func:`gather_for_tensor_parallel` (with gradients) on its group, else ``None``."""
     if torch.compiler.is_compiling():
         return None
-    for ref, version, shard, regather in _LAST_GATHER.values():
-        if ref() is x and version == _torch_compat.version_counter(x):
-            return shard, regather
-    return None
+    return _LAST_GATHER.find(x)
 
 
 def forget_gathered_inputs() -> None:
@@ -251,14 +244,6 @@ def forget_gathered_inputs() -> None:
     An entry holds its shard, so it is dropped when the wrapper's forward ends.
     """
     _LAST_GATHER.clear()
-
-
-def _forget(group: ProcessGroup) -> Callable[[weakref.ref[torch.Tensor]], None]:
-    def drop(ref: weakref.ref[torch.Tensor]) -> None:
-        entry = _LAST_GATHER.get(group)
-        if entry is not None and entry[0] is ref:
-            del _LAST_GATHER[group]
-    return drop
 
 
 def reduce_scatter_to_sequence_shards(x: torch.Tensor, group: ProcessGroup | None,

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import torchtp
+from torchtp import sequence_parallel as sp_module
 
 from ._hf_checks import LOGITS, compare_params
 from ._hf_models import VOCAB, build
@@ -51,6 +52,8 @@ def check_training(rank: int, world_size: int, arch: str, seq: int, loss_paralle
         want = ref(**data)
         with torchtp.count_collectives() as fwd:
             got = wrapped(**data)
+        # The gathered-input entries end with the forward (they hold shards).
+        assert not sp_module._LAST_GATHER
         torch.testing.assert_close(got.loss, want.loss, **LOSS)
         full = want.logits.detach()
         if loss_parallel:  # this rank's vocabulary rows of the logits
