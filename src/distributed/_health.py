@@ -25,7 +25,7 @@ disagree:
 * **Errors escaping a forward or backward.** An exception that leaves a
   wrapped model's forward on one rank (raised in user code between two
   parallel layers, after some collectives ran) is reported like a failure
-  (:func:`guarded_call`); so is a backward through the model that raised on
+  (:mod:`torchtp.forward_guard`); so is a backward through the model that raised on
   this rank, at the model's next forward. A user who catches it and goes on
   with the next batch then gets :class:`InconsistentGroupError` on every rank
   instead of outputs computed on misaligned collectives.
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -59,7 +58,7 @@ _POLL = timedelta(seconds=POLL_S)
 _FAILURES = "torchtp/failures"
 # Set on an exception once every rank that must hear of it was told (or
 # raises it too), so an enclosing forward does not report it again.
-_REPORTED = "_torchtp_reported"
+REPORTED = "_torchtp_reported"
 
 
 @dataclass
@@ -233,7 +232,7 @@ def _check_failures(st: GroupState, n: int, checking: bool) -> None:
             _skip_together(st, n, f"rank {rank} raised {msg}")
             err = RuntimeError(f"rank {rank} of the tensor-parallel group raised {msg} (rank "
                                f"{st.rank} stops at the same collective)")
-            setattr(err, _REPORTED, True)
+            setattr(err, REPORTED, True)
             raise err
 
 
@@ -262,7 +261,7 @@ def fail(group: ProcessGroup | None, error: BaseException) -> BaseException:
     Returns:
         ``error``, for ``raise fail(group, err)``.
     """
-    setattr(error, _REPORTED, True)
+    setattr(error, REPORTED, True)
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return error
     st = state(group)
@@ -274,95 +273,6 @@ def fail(group: ProcessGroup | None, error: BaseException) -> BaseException:
     post(st, n, "fail", what)
     _skip_together(st, n, what)
     return error
-
-
-def guarded_call(group: ProcessGroup | None, fn: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: Mapping[str, Any]) -> Any:
-    """``fn(*args, **kwargs)`` (a model's forward), reporting an exception that escapes it.
-
-    An exception raised on some ranks only between two collectives of the
-    forward leaves the ranks' collective sequences misaligned: if the user
-    catches it and goes on, every later collective pairs with the wrong one.
-    It is reported like :func:`fail` (the group stays usable if every rank
-    raised at the same point, else it is poisoned on every rank). A backward
-    through the outputs that raised on this rank is reported the same way at
-    the next call. Costs one dict look-up per call; with gradients enabled
-    also a hook on the output's ``grad_fn`` (see docs/troubleshooting.md).
-    """
-    if group is None or not dist.is_initialized():
-        return fn(*args, **kwargs)
-    st = state(group)
-    if st.size == 1:
-        return fn(*args, **kwargs)
-    if st.backward_open and not _torch_compat.in_backward():
-        _report_failed_backward(st)
-    try:
-        out = fn(*args, **kwargs)
-    except BaseException as err:
-        _report_escaped(st, err)
-        raise
-    if torch.is_grad_enabled():
-        _watch_backward(st, out)
-    return out
-
-
-def _report_escaped(st: GroupState, err: BaseException) -> None:
-    """Report ``err`` (escaping a forward on this rank) unless every rank already knows."""
-    if st.poisoned is not None or getattr(err, _REPORTED, False) \
-            or isinstance(err, (RankMismatchError, InconsistentGroupError)):
-        return  # raised on every rank at the same collective, or the group is poisoned
-    setattr(err, _REPORTED, True)
-    what = f"{type(err).__name__}: {err}"
-    if not isinstance(err, Exception):
-        # KeyboardInterrupt, SystemExit: tell the others, but do not wait for them.
-        post(st, st.seq, "fail", what.replace("|", "/"))
-        st.poisoned = inconsistent(st.rank, f"rank {st.rank} raised {what} in a forward")
-        return
-    try:
-        fail(st.group, err)
-    except Exception:  # a rank died meanwhile: the group is poisoned; raise the user's error
-        _logging.logger.debug("reporting an error that left a forward failed", exc_info=True)
-        if st.poisoned is None:
-            st.poisoned = inconsistent(st.rank, f"rank {st.rank} raised {what} in a forward")
-
-
-def _report_failed_backward(st: GroupState) -> None:
-    """The last backward through a wrapped model raised on this rank: report it, then raise.
-
-    Raises:
-        InconsistentGroupError: the other ranks' backward did not fail at the
-            same point (or the group was poisoned already).
-    """
-    st.backward_open = False
-    if st.poisoned is None:
-        err = RuntimeError("the backward through the tensor-parallel model raised on rank "
-                           f"{st.rank} and was abandoned")
-        try:
-            fail(st.group, err)
-        except Exception:  # a rank died meanwhile
-            st.poisoned = st.poisoned or inconsistent(st.rank, str(err))
-        if st.poisoned is None:
-            return  # every rank's backward raised at the same point: still in step
-    raise InconsistentGroupError(st.poisoned)
-
-
-def _watch_backward(st: GroupState, out: Any) -> None:
-    """Mark a backward through ``out`` as open until it completes (hooks on the grad_fns)."""
-
-    def finished() -> None:
-        st.backward_open = False
-
-    def started(_grads: Any) -> None:
-        if not st.backward_open:
-            st.backward_open = True
-            _torch_compat.at_end_of_backward(finished)
-
-    values = out.values() if isinstance(out, Mapping) else out \
-        if isinstance(out, (tuple, list)) else (out,)
-    for value in values:
-        node = getattr(value, "grad_fn", None) if isinstance(value, torch.Tensor) else None
-        if node is not None:
-            node.register_prehook(started)
 
 
 def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,

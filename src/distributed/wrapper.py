@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _health, _torch_compat, clip, regions, rng, sequence_parallel
+from . import _torch_compat, clip, forward_guard, regions, rng, sequence_parallel
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
@@ -124,6 +124,9 @@ class DistributedModelWrapper(nn.Module):
             rng.install(model)
             self.train(model.training)  # records where dropout would draw (see train)
             guard_frameworks(self)
+            if ctx.world_size > 1:  # direct calls of the model (TensorParallelTrainer's) too
+                forward_guard.guard_module(ctx.group, model)
+                model.register_forward_hook(_forget_shared_inputs, always_call=True)
         finally:
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
 
@@ -184,10 +187,10 @@ class DistributedModelWrapper(nn.Module):
                 raise rng.refuse_compiled_dropout(site, self.world_size)
             return self.base_model(*args, **kwargs)
         try:
-            return _health.guarded_call(self.group, self.base_model, args, kwargs)
-        finally:
-            regions.forget_shared_inputs()  # siblings share an input within one forward only
-            sequence_parallel.forget_gathered_inputs()
+            return self.base_model(*args, **kwargs)
+        except BaseException as err:  # the model's hooks report Exceptions (forward_guard)
+            forward_guard.report_interrupted(self.group, err)
+            raise
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
@@ -290,6 +293,14 @@ def _check_not_wrapped(model: nn.Module) -> None:
         if isinstance(mod, (RowParallelLinear, ColumnParallelLinear)):
             raise ValueError(f"model is already tensor-parallel: '{name}' is a "
                              f"{type(mod).__name__}; wrap the original model once")
+
+
+def _forget_shared_inputs(_module: nn.Module, _args: tuple, _out: Any) -> None:
+    """After each forward of the wrapped model, raised or not: siblings share an
+    input within one forward only (the entries would keep its graph alive)."""
+    if not torch.compiler.is_compiling():
+        regions.forget_shared_inputs()
+        sequence_parallel.forget_gathered_inputs()
 
 
 def _fingerprint(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:

@@ -310,9 +310,11 @@ def _two_pairs(seed: int = 0) -> nn.Sequential:
                          nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
 
 
-def _escaping_forward(rank: int, world: int) -> dict:
-    tp, ref = DistributedModelWrapper(_two_pairs()), _two_pairs()
-    step = tp.base_model[3]
+def _escaping_forward(rank: int, world: int, direct: bool) -> dict:
+    wrapped, ref = DistributedModelWrapper(_two_pairs()), _two_pairs()
+    # direct: the wrapped model called itself, as TensorParallelTrainer does
+    tp = wrapped.base_model if direct else wrapped
+    step = wrapped.base_model[3]
     x = torch.randn(4, 16)
     torch.testing.assert_close(_forward(tp, x), ref(x))  # fp32 sums in another order
     seen = {}
@@ -327,8 +329,9 @@ def _escaping_forward(rank: int, world: int) -> dict:
     return seen
 
 
-def test_an_error_escaping_a_forward_on_one_rank_poisons_the_group(ranks):
-    results = ranks(_escaping_forward, 2, env=FAST, gloo_timeout=30, timeout=DEADLINE)
+@pytest.mark.parametrize("direct", [False, True], ids=["wrapper", "model"])
+def test_an_error_escaping_a_forward_on_one_rank_poisons_the_group(ranks, direct):
+    results = ranks(_escaping_forward, 2, direct, env=FAST, gloo_timeout=30, timeout=DEADLINE)
     for rank, seen in enumerate(results):
         kind, msg, _ = seen["everyone"]
         assert kind == "RuntimeError" and f"user code failed on rank {rank}" in msg, seen
@@ -343,9 +346,10 @@ def test_an_error_escaping_a_forward_on_one_rank_poisons_the_group(ranks):
         assert kind == "InconsistentGroupError" and INCONSISTENT in msg and took < 1, seen
 
 
-def _failing_backward(rank: int, world: int) -> dict:
-    tp = DistributedModelWrapper(_two_pairs())
-    step = tp.base_model[3]
+def _failing_backward(rank: int, world: int, direct: bool) -> dict:
+    wrapped = DistributedModelWrapper(_two_pairs())
+    tp = wrapped.base_model if direct else wrapped
+    step = wrapped.base_model[3]
     x = torch.randn(4, 16, requires_grad=True)  # so the first pair's backward all-reduces
     seen = {}
     step.backward_fails = {1}  # after the second pair's backward all-reduce, rank 1 only
@@ -356,8 +360,9 @@ def _failing_backward(rank: int, world: int) -> dict:
     return seen
 
 
-def test_a_backward_that_raises_on_one_rank_poisons_the_group(ranks):
-    results = ranks(_failing_backward, 2, env=FAST, gloo_timeout=30, timeout=DEADLINE)
+@pytest.mark.parametrize("direct", [False, True], ids=["wrapper", "model"])
+def test_a_backward_that_raises_on_one_rank_poisons_the_group(ranks, direct):
+    results = ranks(_failing_backward, 2, direct, env=FAST, gloo_timeout=30, timeout=DEADLINE)
     kind, msg, _ = results[1]["backward"]
     assert kind == "RuntimeError" and "user hook failed in backward" in msg, results
     # Rank 0 waits in the first pair's backward all-reduce until rank 1's next
