@@ -153,7 +153,7 @@ def _needs_grad(x: torch.Tensor) -> bool:
 # Per group, the last tensor that entered the region with autograd, and its output.
 # The output is a view of the input, so the entry keeps nothing alive that the
 # input does not (the input is held weakly; the entry dies with it).
-_LAST_COPY: TensorMemo[torch.Tensor] = TensorMemo()
+_LAST_COPY: TensorMemo[torch.Tensor] = TensorMemo(last_per_group=True)
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

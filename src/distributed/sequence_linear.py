@@ -33,7 +33,8 @@ class _LinearOnGathered(torch.autograd.Function):
     def forward(ctx, full: torch.Tensor, shard: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, regather: Regather) -> torch.Tensor:
         y = F.linear(full, weight, bias)  # (B, T, out/tp); autocast may pick its dtype
-        ctx.save_for_backward(shard, weight)
+        # A frozen weight needs no input for its gradient (plain autograd saves none).
+        ctx.save_for_backward(shard if weight.requires_grad else None, weight)
         ctx.regather, ctx.full_dtype = regather, full.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y

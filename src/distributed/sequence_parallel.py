@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import _comm
+from . import _comm, _torch_compat
 from ._torch_compat import is_view
 from .runtime import ProcessGroup, group_rank, group_size
 from .tensor_memo import TensorMemo
@@ -174,9 +174,8 @@ def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim:
                                length: int | None) -> torch.Tensor:
     """Shard ``(B, S, d)`` -> ``(B, length or S*tp, d)`` for TP compute. backward: reduce-scatter.
 
-    With gradients, the result is remembered (until it dies or the next call
-    on ``group``) so that the projections fed it can save ``x`` instead of it:
-    see :func:`gathered_source`.
+    With gradients, the result is remembered (weakly, until it dies) so that
+    the projections fed it can save ``x`` instead of it: see :func:`gathered_source`.
     """
     if group is None or group_size(group) == 1:
         return x
@@ -184,7 +183,8 @@ def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim:
         return _gather(x, dim, group, length)
     full = _GatherFromShards.apply(x, group, dim, length, True)
     if not torch.compiler.is_compiling():  # the compiled graph holds no Python registry
-        _LAST_GATHER.put(group, full, (x, Regather(group, dim, length)))
+        _GATHERED.put(group, full, (x, Regather(group, dim, length,
+                                                _torch_compat.version_counter(x))))
     return full
 
 
@@ -195,18 +195,22 @@ class Regather:
     Shared by the sibling projections fed that tensor (q/k/v, gate/up): the
     first one whose weight gradient needs it all-gathers the shard, the
     others reuse the result, and the last one lets it go, so the backward
-    costs one all-gather per block and holds one full tensor at a time.
+    costs one all-gather per block and holds one full tensor at a time. The
+    end of the backward lets it go in any case (a sibling whose backward did
+    not run: ``autograd.grad`` of some weights, an unused output).
 
     Attributes:
         group: The TP group.
         dim: Sequence dimension.
         length: Tokens kept after the gather (``None``: keep the padding).
+        shard_version: The shard's version counter at the gather.
         users: Projections that will call :meth:`full` in the backward.
     """
 
     group: ProcessGroup
     dim: int
     length: int | None
+    shard_version: int
     users: int = 0
     _full: torch.Tensor | None = None
     _pending: int = 0
@@ -216,34 +220,38 @@ class Regather:
         if self._full is None:
             self._full = _gather(shard, self.dim, self.group, self.length)
             self._pending = self.users
+            _torch_compat.at_end_of_backward(self._drop)
         return self._full
 
     def release(self) -> None:
         """One user is done with :meth:`full`; the last one frees it."""
         self._pending -= 1
         if self._pending <= 0:
-            self._full = None
+            self._drop()
+
+    def _drop(self) -> None:
+        self._full, self._pending = None, 0
 
 
-# Per group, the last tensor gather_for_tensor_parallel returned with autograd
-# (held weakly), with the shard it was gathered from and its Regather.
-_LAST_GATHER: TensorMemo[tuple[torch.Tensor, Regather]] = TensorMemo()
+# Every live tensor gather_for_tensor_parallel returned with autograd (held
+# weakly), with the shard it was gathered from and its Regather.
+_GATHERED: TensorMemo[tuple[torch.Tensor, Regather]] = TensorMemo(last_per_group=False)
 
 
 def gathered_source(x: torch.Tensor) -> tuple[torch.Tensor, Regather] | None:
-    """``(shard, regather)`` if ``x`` is the unmodified output of the last
-    :func:`gather_for_tensor_parallel` (with gradients) on its group, else ``None``."""
+    """``(shard, regather)`` if ``x`` is an unmodified output of
+    :func:`gather_for_tensor_parallel` (with gradients) whose shard is
+    unmodified too, else ``None``.
+
+    Looked up by the tensor itself, so a recomputation under activation
+    checkpointing (which keeps ``x`` alive) finds it as the forward did.
+    """
     if torch.compiler.is_compiling():
         return None
-    return _LAST_GATHER.find(x)
-
-
-def forget_gathered_inputs() -> None:
-    """Drop the entries of :func:`gather_for_tensor_parallel` (end of a forward).
-
-    An entry holds its shard, so it is dropped when the wrapper's forward ends.
-    """
-    _LAST_GATHER.clear()
+    source = _GATHERED.get(None, x)
+    if source is None or _torch_compat.version_counter(source[0]) != source[1].shard_version:
+        return None  # a changed shard would re-gather to other values than x's
+    return source
 
 
 def reduce_scatter_to_sequence_shards(x: torch.Tensor, group: ProcessGroup | None,

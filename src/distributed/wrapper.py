@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _torch_compat, clip, forward_guard, regions, rng, sequence_parallel
+from . import _torch_compat, clip, forward_guard, regions, rng
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
@@ -300,7 +300,6 @@ def _forget_shared_inputs(_module: nn.Module, _args: tuple, _out: Any) -> None:
     input within one forward only (the entries would keep its graph alive)."""
     if not torch.compiler.is_compiling():
         regions.forget_shared_inputs()
-        sequence_parallel.forget_gathered_inputs()
 
 
 def _fingerprint(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:

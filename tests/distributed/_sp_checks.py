@@ -52,8 +52,8 @@ def check_training(rank: int, world_size: int, arch: str, seq: int, loss_paralle
         want = ref(**data)
         with torchtp.count_collectives() as fwd:
             got = wrapped(**data)
-        # The gathered-input entries end with the forward (they hold shards).
-        assert not sp_module._LAST_GATHER
+        # The gathered inputs died with the forward, so their entries (holding shards) too.
+        assert not sp_module._GATHERED
         torch.testing.assert_close(got.loss, want.loss, **LOSS)
         full = want.logits.detach()
         if loss_parallel:  # this rank's vocabulary rows of the logits
@@ -314,8 +314,59 @@ def check_linear_on_gathered(rank: int, world_size: int) -> dict:
         loss_bf = _siblings(shard, weights, biases, length)
     want_bf = torch.autograd.grad(ref_bf, [weights[0], biases[0]])
     got_bf = torch.autograd.grad(loss_bf, [weights[0], biases[0]])
-    out["autocast dtypes"] = [g.dtype for g in got_bf]
     for got, want in zip(got_bf, want_bf, strict=True):
         # bf16 products (8 mantissa bits) summed in another order: 2e-2 relative.
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    out.update(_gathered_edge_cases(shard, weights[0], length))
+    return out
+
+
+def _gathered_edge_cases(shard: torch.Tensor, weight: torch.Tensor, length: int) -> dict:
+    """Each use that must not save the shard, or must let go of the re-gathered input."""
+    from torch.utils.checkpoint import checkpoint
+
+    from torchtp.runtime import tp_group
+    from torchtp.sequence_linear import linear_on_gathered
+    from torchtp.sequence_parallel import gather_for_tensor_parallel, gathered_source
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return gather_for_tensor_parallel(x, tp_group(), 1, length)  # (B, T, d)
+
+    def weight_grad(fn, full: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad((fn(full, weight, None) ** 2).sum(), [weight])[0]
+
+    out: dict = {}
+    # The shard changed in place after the gather: re-gathering it would give other
+    # values than the forward used, so the projection saves what F.linear saves.
+    h = shard * 1.0
+    full = gather(h)
+    h.mul_(3.0)
+    out["changed shard"] = gathered_source(full) is None
+    torch.testing.assert_close(weight_grad(linear_on_gathered, full),
+                               weight_grad(torch.nn.functional.linear, full), rtol=0, atol=0)
+    # A backward that runs one sibling only lets go of the re-gathered input at its end.
+    full = gather(shard)
+    regather = gathered_source(full)[1]  # type: ignore[index]
+    other = torch.randn_like(weight).requires_grad_()
+    loss = (linear_on_gathered(full, weight, None) ** 2).sum() \
+        + (linear_on_gathered(full, other, None) ** 2).sum()
+    torch.autograd.grad(loss, [weight], retain_graph=True)
+    out["held after a partial backward"] = regather._full is not None
+    # Non-reentrant checkpointing around one projection, with a later block's gather
+    # before the backward: the recomputation finds the gathered input again (the
+    # checkpoint keeps it) and saves the same tensors.
+    full = gather(shard)
+    y = checkpoint(linear_on_gathered, full, weight, None, use_reentrant=False)
+    gather(shard)
+    got = torch.autograd.grad((y ** 2).sum(), [weight])[0]
+    torch.testing.assert_close(got, weight_grad(torch.nn.functional.linear, full.detach()),
+                               rtol=1e-6, atol=1e-6)
+    # A frozen weight saves neither the shard nor the full input.
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.untyped_storage().data_ptr()) or t, lambda t: t):
+        full = gather(shard)
+        linear_on_gathered(full, weight.detach(), None)
+    out["frozen weight saves the input"] = bool(
+        {shard.untyped_storage().data_ptr(), full.untyped_storage().data_ptr()} & set(saved))
     return out
