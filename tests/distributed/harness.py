@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from typing import Any
 # Ranks that still run this long after another rank failed are killed: Gloo's
 # own timeout would end them too, but only after gloo_timeout.
 FAILURE_GRACE_S = 5.0
+# Runs started when the harness's own init_process_group fails on a rank.
+INIT_ATTEMPTS = 2
 
 
 class RankFailure(AssertionError):
@@ -35,6 +38,7 @@ class _Outcome:
     ok: bool
     value: Any
     finished_at: float
+    started: bool = True  # False: the harness's own init_process_group failed
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[Any],
@@ -51,14 +55,16 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[A
     import torchtp
 
     torchtp.configure_from_env()
+    started = False
     try:
         if init == "file":
             dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank,
                                     world_size=world_size,
                                     timeout=timedelta(seconds=gloo_timeout))
+        started = True
         outcome = _Outcome(rank, True, fn(rank, world_size, *args), time.time())
     except BaseException:
-        outcome = _Outcome(rank, False, traceback.format_exc(), time.time())
+        outcome = _Outcome(rank, False, traceback.format_exc(), time.time(), started)
     _write(Path(workdir) / f"rank{rank}.pkl", outcome)
     try:
         if dist.is_initialized():
@@ -110,18 +116,26 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, tmp_path: Pat
     Raises:
         RankFailure: a rank raised, died, or the deadline passed.
     """
-    workdir = tmp_path / f"ranks-{time.monotonic_ns()}"
-    workdir.mkdir(parents=True)
-    ctx = _context()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, args, str(workdir), init, gloo_timeout,
-                               dict(env or {})))
-             for r in range(world_size)]
-    start = time.time()
-    for p in procs:
-        p.start()
-    hung = _wait(procs, workdir, start + timeout)
-    outcomes = [_read(workdir / f"rank{r}.pkl") for r in range(world_size)]
+    for attempt in range(INIT_ATTEMPTS):
+        workdir = tmp_path / f"ranks-{time.monotonic_ns()}"
+        workdir.mkdir(parents=True)
+        ctx = _context()
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(fn, r, world_size, args, str(workdir), init, gloo_timeout,
+                                   dict(env or {})))
+                 for r in range(world_size)]
+        start = time.time()
+        for p in procs:
+            p.start()
+        hung = _wait(procs, workdir, start + timeout)
+        outcomes = [_read(workdir / f"rank{r}.pkl") for r in range(world_size)]
+        unstarted = [o for o in outcomes if o is not None and not o.started]
+        if not unstarted or attempt == INIT_ATTEMPTS - 1:
+            break
+        # The harness's own rendezvous failed on a rank (Gloo's TCP mesh on a busy
+        # shared machine; fn never ran there): discard this run, start all afresh.
+        print(f"run_ranks: rank {unstarted[0].rank}'s init_process_group failed; "
+              f"starting all {world_size} ranks again:\n{unstarted[0].value}", file=sys.stderr)
     _raise_failures(outcomes, procs, hung, start, timeout)
     return [o.value for o in outcomes if o is not None]
 
