@@ -5,6 +5,7 @@ down), joins a Gloo group through a file store under the test's ``tmp_path``
 with a short collective timeout, and writes its result or traceback to a
 file. The parent enforces a hard wall-clock deadline, kills what is left, and
 raises :class:`RankFailure` with every failing rank's traceback, earliest first.
+A run whose group could not be joined on some rank is started again once.
 """
 
 from __future__ import annotations
