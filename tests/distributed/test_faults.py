@@ -312,7 +312,7 @@ def _two_pairs(seed: int = 0) -> nn.Sequential:
 
 def _escaping_forward(rank: int, world: int, direct: bool) -> dict:
     wrapped, ref = DistributedModelWrapper(_two_pairs()), _two_pairs()
-    # direct: the wrapped model called itself, as TensorParallelTrainer does
+    # direct: the wrapped model is called directly, as TensorParallelTrainer does
     tp = wrapped.base_model if direct else wrapped
     step = wrapped.base_model[3]
     x = torch.randn(4, 16)
