@@ -36,7 +36,7 @@ is such a tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -183,8 +183,8 @@ def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim:
         return _gather(x, dim, group, length)
     full = _GatherFromShards.apply(x, group, dim, length, True)
     if not torch.compiler.is_compiling():  # the compiled graph holds no Python registry
-        _GATHERED.put(group, full, (x, Regather(group, dim, length,
-                                                _torch_compat.version_counter(x))))
+        _GATHERED.put(group, full, GatheredInput(x, _torch_compat.version_counter(x),
+                                                 Regather(group, dim, length)))
     return full
 
 
@@ -203,21 +203,19 @@ class Regather:
         group: The TP group.
         dim: Sequence dimension.
         length: Tokens kept after the gather (``None``: keep the padding).
-        shard_version: The shard's version counter at the gather.
         users: Projections that will call :meth:`full` in the backward.
     """
 
     group: ProcessGroup
     dim: int
     length: int | None
-    shard_version: int
     users: int = 0
     _full: torch.Tensor | None = None
     _pending: int = 0
 
     def full(self, shard: torch.Tensor) -> torch.Tensor:
         """The full-sequence tensor ``(B, length or S*tp, d)`` gathered from ``shard``."""
-        if self._full is None:
+        if self._full is None or self._full.dtype != shard.dtype:
             self._full = _gather(shard, self.dim, self.group, self.length)
             self._pending = self.users
             _torch_compat.at_end_of_backward(self._drop)
@@ -233,15 +231,47 @@ class Regather:
         self._full, self._pending = None, 0
 
 
+@dataclass(eq=False)
+class GatheredInput:
+    """What the projections fed one gathered tensor need for their backward.
+
+    Lives as long as the gathered tensor (its :data:`_GATHERED` entry), so
+    the casts it shares among the siblings are then held only by the
+    backward graphs that saved them.
+
+    Attributes:
+        shard: The shard the tensor was gathered from.
+        shard_version: The shard's version counter at the gather.
+        regather: Shared by the siblings in the backward.
+    """
+
+    shard: torch.Tensor
+    shard_version: int
+    regather: Regather
+    _casts: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def shard_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The shard in ``dtype`` (what autocast computes in): one copy for all siblings.
+
+        Casting commutes with the gather, so re-gathering the cast shard gives
+        exactly the cast input the forward multiplied, at the cast's size.
+        """
+        if dtype == self.shard.dtype:
+            return self.shard.detach()
+        cast = self._casts.get(dtype)
+        if cast is None:
+            cast = self._casts[dtype] = self.shard.detach().to(dtype)  # (B, S, d)
+        return cast
+
+
 # Every live tensor gather_for_tensor_parallel returned with autograd (held
-# weakly), with the shard it was gathered from and its Regather.
-_GATHERED: TensorMemo[tuple[torch.Tensor, Regather]] = TensorMemo(last_per_group=False)
+# weakly), with what the projections fed it need.
+_GATHERED: TensorMemo[GatheredInput] = TensorMemo(last_per_group=False)
 
 
-def gathered_source(x: torch.Tensor) -> tuple[torch.Tensor, Regather] | None:
-    """``(shard, regather)`` if ``x`` is an unmodified output of
-    :func:`gather_for_tensor_parallel` (with gradients) whose shard is
-    unmodified too, else ``None``.
+def gathered_source(x: torch.Tensor) -> GatheredInput | None:
+    """What :func:`gather_for_tensor_parallel` recorded for ``x``, if ``x`` is its
+    unmodified output (with gradients) and the shard is unmodified too, else ``None``.
 
     Looked up by the tensor itself, so a recomputation under activation
     checkpointing (which keeps ``x`` alive) finds it as the forward did.
@@ -249,7 +279,7 @@ def gathered_source(x: torch.Tensor) -> tuple[torch.Tensor, Regather] | None:
     if torch.compiler.is_compiling():
         return None
     source = _GATHERED.get(None, x)
-    if source is None or _torch_compat.version_counter(source[0]) != source[1].shard_version:
+    if source is None or _torch_compat.version_counter(source.shard) != source.shard_version:
         return None  # a changed shard would re-gather to other values than x's
     return source
 

@@ -308,12 +308,24 @@ def check_linear_on_gathered(rank: int, world_size: int) -> dict:
         torch.testing.assert_close(got, want, **tol)
     again = torch.autograd.grad(loss, [weights[0]])  # retain_graph: the re-gather runs again
     torch.testing.assert_close(again[0], grads[1], rtol=0, atol=0)
+    saved: set[tuple[int, torch.dtype]] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.shape == shard.shape:
+            saved.add((t.untyped_storage().data_ptr(), t.dtype))
+        return t
+
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_bf = sum((torch.nn.functional.linear(ref_x, w, b).float() ** 2).sum()
                      for w, b in zip(weights, biases, strict=True))
-        loss_bf = _siblings(shard, weights, biases, length)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_bf = _siblings(shard, weights, biases, length)
     want_bf = torch.autograd.grad(ref_bf, [weights[0], biases[0]])
-    got_bf = torch.autograd.grad(loss_bf, [weights[0], biases[0]])
+    with torchtp.count_collectives() as counter:
+        got_bf = torch.autograd.grad(loss_bf, [weights[0], biases[0]])
+    # Autocast: the siblings share one bf16 copy of the shard, re-gathered in bf16.
+    out["autocast saved shards"] = sorted(str(dtype) for _, dtype in saved)
+    out["autocast re-gather"] = [str(r.dtype) for r in counter.records if r.op == "all_gather"]
     for got, want in zip(got_bf, want_bf, strict=True):
         # bf16 products (8 mantissa bits) summed in another order: 2e-2 relative.
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
@@ -346,7 +358,7 @@ def _gathered_edge_cases(shard: torch.Tensor, weight: torch.Tensor, length: int)
                                weight_grad(torch.nn.functional.linear, full), rtol=0, atol=0)
     # A backward that runs one sibling only lets go of the re-gathered input at its end.
     full = gather(shard)
-    regather = gathered_source(full)[1]  # type: ignore[index]
+    regather = gathered_source(full).regather  # type: ignore[union-attr]
     other = torch.randn_like(weight).requires_grad_()
     loss = (linear_on_gathered(full, weight, None) ** 2).sum() \
         + (linear_on_gathered(full, other, None) ** 2).sum()

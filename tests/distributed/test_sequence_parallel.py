@@ -82,6 +82,8 @@ def test_projections_save_the_shard_and_regather_once(ranks):
     # gradient reduce-scattered once; CPU bf16 autocast; the edge cases below.
     got = ranks(check_linear_on_gathered, 2, timeout=120)
     assert got[0]["collectives"] == {"all_gather": 2, "reduce_scatter": 1}
+    assert got[0]["autocast saved shards"] == ["torch.bfloat16"]
+    assert got[0]["autocast re-gather"] == ["torch.bfloat16"]
     for res in got:
         assert res["changed shard"] is True  # falls back to F.linear
         assert res["held after a partial backward"] is False
