@@ -154,10 +154,9 @@ def _local_sum(pieces: list[tuple[torch.Tensor, float]], p: float,
     One ``_foreach_norm`` per dtype and device (as ``torch.nn.utils.get_total_norm``
     does), then one weighted sum: a handful of ops, not a few per parameter.
     """
+    # An empty piece adds nothing (and has no inf norm: _foreach_norm raises on it).
+    pieces = [(t, w) for t, w in pieces if t.numel()]
     if not pieces:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    pieces = [(t, w) for t, w in pieces if t.numel()]  # an empty one adds nothing
-    if not pieces:  # (and has no inf norm: _foreach_norm raises on it)
         return torch.zeros((), dtype=torch.float32, device=device)
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, (piece, _) in enumerate(pieces):

@@ -84,8 +84,7 @@ def report_interrupted(group: ProcessGroup | None, err: BaseException) -> None:
     :func:`guard_module`'s hooks report ``Exception``s only; the wrapper's
     forward calls this for the rest. ``Exception``s are ignored here.
     """
-    if isinstance(err, Exception) or torch.compiler.is_compiling() \
-            or not dist.is_initialized():
+    if isinstance(err, Exception) or not dist.is_initialized():
         return
     st = state(group)
     if st.size > 1:

@@ -151,8 +151,8 @@ def _needs_grad(x: torch.Tensor) -> bool:
 
 
 # Per group, the last tensor that entered the region with autograd, and its output.
-# The output is a view of the input, so the entry keeps nothing alive that the
-# input does not (the input is held weakly; the entry dies with it).
+# The output is a view of the input and keeps it alive, so the entry lives until
+# the next call on the group replaces it or forget_shared_inputs() drops it.
 _LAST_COPY: TensorMemo[torch.Tensor] = TensorMemo(last_per_group=True)
 
 
@@ -183,7 +183,8 @@ def forget_shared_inputs() -> None:
     An entry's output is a view of its input, so it keeps the input (and,
     with gradients enabled, that forward's autograd graph) alive until the
     next call replaces it. ``DistributedModelWrapper`` calls this at the end
-    of every forward, so nothing of one forward outlives it here.
+    of every forward of the model it wraps (a hook, so direct calls too),
+    so nothing of one forward outlives it here.
     """
     _LAST_COPY.clear()
 
