@@ -148,3 +148,44 @@ def test_nccl_without_cuda_falls_back_to_gloo_as_documented(monkeypatch, caplog)
     assert "CUDA is not available: using 'gloo'" in caplog.text
     with pytest.raises(ValueError, match="unknown backend 'ncc'"):
         torchtp.runtime._pick_backend("ncc")
+
+
+# `name>=1.2` written in prose or a table: the bounds pyproject.toml declares.
+DECLARED = re.compile(r"`(?P<name>[A-Za-z][\w.-]*)>=(?P<version>\d[\w.]*)`")
+
+
+def _declared_bounds() -> dict[str, str]:
+    """Each requirement's lower bound in pyproject.toml's ``"name>=X..."`` strings
+    (a regex, not tomllib: the package supports Python 3.10)."""
+    project = (ROOT / "pyproject.toml").read_text().split("[project.scripts]")[0]
+    return {m.group(1).lower(): m.group(2)
+            for m in re.finditer(r'"([A-Za-z][\w.-]*)>=(\d[\w.]*)', project)}
+
+
+def _stated_bounds(text: str) -> list[tuple[str, str]]:
+    return [(m.group("name").lower(), m.group("version")) for m in DECLARED.finditer(text)]
+
+
+def test_stated_version_bounds_match_pyproject() -> None:
+    """README/compat.md quote `torch>=X` etc.: X must be what pyproject.toml declares."""
+    declared = _declared_bounds()
+    assert declared["torch"] and declared["transformers"]
+    wrong = [f"{page.name} says {name}>={version}, pyproject.toml declares {name}>={declared[name]}"
+             for page in (ROOT / "README.md", ROOT / "docs" / "compat.md")
+             for name, version in _stated_bounds(page.read_text())
+             if name in declared and declared[name] != version]
+    assert not wrong, wrong
+    readme = (ROOT / "README.md").read_text()
+    assert any(name == "torch" for name, _ in _stated_bounds(readme)), "README names no torch bound"
+
+
+def test_version_drift_check_catches_a_stale_bound() -> None:
+    declared = _declared_bounds()
+    stale = "The only hard dependency is `torch>=2.4`."
+    assert [(n, v) for n, v in _stated_bounds(stale) if declared[n] != v] == [("torch", "2.4")]
+
+
+def test_readme_install_line_installs_what_make_installs() -> None:
+    extras = re.search(r'-e "\.\[(?P<extras>[^\]]+)\]"', (ROOT / "Makefile").read_text())
+    assert extras is not None
+    assert f'-e ".[{extras.group("extras")}]"' in (ROOT / "README.md").read_text()
