@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchtp-installed
 
-.PHONY: test test-all demo lint bench install clean compat compat-smoke
+.PHONY: test test-all demo lint bench install clean compat compat-smoke compat-new-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,19 +27,20 @@ test: lint
 
 # Compatibility runs (docs/compat.md). "old": the oldest supported versions:
 # torch 2.13.0 (reused from $(VENV), the same wheel) with the oldest supported
-# transformers; "new": the newest releases installable here, standalone.
+# transformers; "new": the newest releases pip can install here, resolved when
+# make compat runs (no version is written down), standalone.
 # pyproject.toml's lower bounds are COMPAT_OLD's versions.
 COMPAT_OLD_TRANSFORMERS ?= 5.3.0
-COMPAT_NEW_TORCH ?= 2.14.1
-COMPAT_NEW_TRANSFORMERS ?= 5.23.0
+COMPAT_NEW_PACKAGES ?= torch transformers peft lightning accelerate
 COMPAT_OLD := .venv-compat-old/.installed-$(COMPAT_OLD_TRANSFORMERS)
-COMPAT_NEW := .venv-compat-new/.installed-$(COMPAT_NEW_TORCH)-$(COMPAT_NEW_TRANSFORMERS)
 # The compat venvs import torchtp from this checkout, whatever is installed.
 COMPAT_SHIM := build/compat-shim
 COMPAT_PYTEST = PYTHONPATH=$(CURDIR)/$(COMPAT_SHIM) $(1)/bin/python -m pytest -q -p no:cacheprovider
-# Smoke subset: the private-name fence; HF plan sources (completed plans),
-# dataflow tracing, styles and ties; 12 architectures at tp=2 against the
-# unsharded model (head-split attention, static cache); collective counts.
+# The HF architecture matrix, slow parts included: 12 architectures at tp 2 and 4,
+# 21 more at tp 4, all 33 at tp 3, uneven sizes. make compat runs it on the newest
+# releases, where a release that changes a model's plan or layout shows first.
+HF_MATRIX := tests/distributed/test_hf_models.py tests/distributed/test_hf_more_archs.py \
+	tests/distributed/test_hf_matrix_tp3.py tests/distributed/test_uneven.py
 HF_PLANS := tests/distributed/test_hf_plans.py
 COMPAT_SMOKE ?= tests/distributed/test_compat_fence.py \
 	$(HF_PLANS)::test_plan_sources_and_printing \
@@ -55,10 +56,9 @@ $(COMPAT_OLD): $(STAMP) .ci/compat_venv.py
 	$(PY) .ci/compat_venv.py .venv-compat-old --base $(VENV) transformers==$(COMPAT_OLD_TRANSFORMERS)
 	touch $@
 
-$(COMPAT_NEW): .ci/compat_venv.py
-	$(PY) .ci/compat_venv.py .venv-compat-new torch==$(COMPAT_NEW_TORCH) \
-		transformers==$(COMPAT_NEW_TRANSFORMERS)
-	touch $@
+# Phony: resolves the newest releases every time; reinstalls only when one changed.
+compat-new-venv: $(STAMP)
+	$(PY) .ci/compat_venv.py .venv-compat-new --newest $(COMPAT_NEW_PACKAGES)
 
 $(COMPAT_SHIM)/torchtp:
 	mkdir -p $(COMPAT_SHIM)
@@ -67,9 +67,10 @@ $(COMPAT_SHIM)/torchtp:
 compat-smoke: $(COMPAT_OLD) $(COMPAT_SHIM)/torchtp
 	$(call COMPAT_PYTEST,.venv-compat-old) $(COMPAT_SMOKE)
 
-compat: $(COMPAT_OLD) $(COMPAT_NEW) $(COMPAT_SHIM)/torchtp
+compat: $(COMPAT_OLD) compat-new-venv $(COMPAT_SHIM)/torchtp
 	$(call COMPAT_PYTEST,.venv-compat-old) tests -m "not slow"
 	$(call COMPAT_PYTEST,.venv-compat-new) tests -m "not slow"
+	$(call COMPAT_PYTEST,.venv-compat-new) $(HF_MATRIX) -m slow
 
 test-all: lint
 	$(PY) -m pytest tests -q -p no:cacheprovider

@@ -111,4 +111,17 @@ def check_arch(rank: int, world_size: int, arch: str, steps: int, unplanned: boo
 
 def check_archs(rank: int, world_size: int, archs: list[str], steps: int,
                 unplanned: bool = False) -> dict[str, dict]:
-    return {arch: check_arch(rank, world_size, arch, steps, unplanned) for arch in archs}
+    results = {}
+    for arch in archs:
+        try:
+            results[arch] = check_arch(rank, world_size, arch, steps, unplanned)
+        except Exception as err:  # name what failed where: make compat runs new releases
+            raise AssertionError(f"{arch} at tp {world_size} is wrong on {versions()}: {err}") from err
+    return results
+
+
+def versions() -> str:
+    """The releases under test, e.g. ``transformers 5.24.0, torch 2.14.1``."""
+    import transformers
+
+    return f"transformers {transformers.__version__}, torch {torch.__version__}"
