@@ -1,13 +1,20 @@
-"""DDP around a wrapped model: exact over a DP group or the TP group, an error otherwise.
+"""DDP around a tensor-parallel model: exact over a DP group or the TP group, an error otherwise.
 
 ``DistributedDataParallel`` broadcasts rank 0's parameters at construction and
 averages gradients over its group. Over a DP group (one rank of each TP
 group, ``process_group=cfg.dp_group``) that is data parallelism and exact.
-Over the TP group itself (plain ``DDP(wrapped)`` when the world is one TP
-group) it would overwrite every rank's shards with rank 0's: the split
-parameters are left out of DDP (replicated ones are identical on every TP
-rank, so DDP's broadcast and averaging keep them exact). Over a group mixing
-TP peers with other ranks no choice is right, and DDP's constructor raises.
+Over the TP group itself (plain ``DDP(...)`` when the world is one TP group)
+it would overwrite every rank's shards with rank 0's: the split parameters are
+left out of DDP (replicated ones are identical on every TP rank, so DDP's
+broadcast and averaging keep them exact). Over a group mixing TP peers with
+other ranks no choice is right, and DDP's constructor raises, before its
+broadcast, on every rank.
+
+This holds for whatever module DDP is given: the wrapper, ``wrapped.base_model``,
+a PEFT model around it, any module containing one or inside one. The first
+wrap with tp > 1 calls :func:`install`, which has torch call :func:`_on_ddp`
+from inside every later ``DistributedDataParallel.__init__`` (see
+``_torch_compat.watch_ddp_construction``).
 """
 
 from __future__ import annotations
@@ -16,32 +23,69 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _torch_compat
-from .clip import layouts_of
-from .runtime import ProcessGroup
+from .layers import layouts_of
+from .runtime import ProcessGroup, tp_group
 
 
-def ignored_by_ddp(model: nn.Module, tp: ProcessGroup | None, ddp_group: ProcessGroup | None,
-                   prefix: str) -> list[str]:
-    """Names (under ``prefix``, e.g. ``"base_model"``) DDP over ``ddp_group`` must leave alone.
+def install() -> None:
+    """Watch every ``DistributedDataParallel`` built from now on (idempotent).
+
+    Called by the first wrap with tp > 1, never at import: until then torchtp
+    changes nothing in torch.
+    """
+    _torch_compat.watch_ddp_construction(_on_ddp)
+
+
+def _on_ddp(ddp: nn.Module, module: nn.Module) -> None:
+    names = ignored_by_ddp(module, ddp.process_group)  # type: ignore[arg-type]
+    if names:
+        _torch_compat.ddp_leave_alone(ddp, module, names)
+
+
+def ignored_by_ddp(module: nn.Module, ddp_group: ProcessGroup) -> list[str]:
+    """Names (as ``module.named_parameters()`` spells them) DDP over ``ddp_group`` must leave alone.
+
+    Every split parameter of ``module``'s torchtp layers when ``ddp_group``
+    holds this rank's TP peers; none over a DP group (one rank per TP group).
+    The verdict depends only on the groups' ranks, the same on every rank.
 
     Raises:
         ValueError: ``ddp_group`` holds TP peers of this rank and other ranks too.
     """
-    if tp is None or ddp_group is None or dist.get_world_size(tp) == 1:
-        return []
+    names: list[str] = []
+    verdicts: dict[int, bool] = {}
+    for mod_name, mod in module.named_modules():
+        split = {attr: lay for attr, lay in layouts_of(mod).items() if lay.dim is not None}
+        if not split:
+            continue
+        tp = getattr(mod, "group", None) or tp_group()
+        if id(tp) not in verdicts:
+            verdicts[id(tp)] = _spans_tp_peers(tp, ddp_group, module, mod_name, split)
+        if verdicts[id(tp)]:
+            names += [f"{mod_name}.{attr}" if mod_name else attr for attr in split]
+    return names
+
+
+def _spans_tp_peers(tp: ProcessGroup | None, ddp_group: ProcessGroup, module: nn.Module,
+                    mod_name: str, split: dict) -> bool:
+    if tp is None or dist.get_world_size(tp) == 1:
+        return False
     tp_ranks = set(dist.get_process_group_ranks(tp))
     ddp_ranks = set(dist.get_process_group_ranks(ddp_group))
     if len(tp_ranks & ddp_ranks) <= 1:
-        return []  # data parallelism across TP groups
+        return False  # data parallelism across TP groups
     if ddp_ranks != tp_ranks:
+        attr, layout = next(iter(split.items()))
         raise ValueError(
-            f"DistributedDataParallel over ranks {sorted(ddp_ranks)} mixes tensor-parallel "
-            f"peers {sorted(tp_ranks & ddp_ranks)} (which hold different shards) with other "
-            "ranks; pass process_group=torchtp.get_tensor_parallel_config().dp_group "
+            f"DistributedDataParallel over ranks {sorted(ddp_ranks)} around "
+            f"{type(module).__name__} mixes tensor-parallel peers {sorted(tp_ranks & ddp_ranks)} "
+            f"(which hold different shards, e.g. '{'.'.join(filter(None, (mod_name, attr)))}' "
+            f"of full shape {list(layout.full_shape)} split along dim {layout.dim} "
+            f"({'rows' if layout.dim == 0 else 'columns'}) over "
+            f"tp={len(tp_ranks)}) with other ranks; pass "
+            "process_group=torchtp.get_tensor_parallel_config().dp_group "
             "(from init_tensor_parallel(tp_size=...)) so DDP averages across TP groups only")
-    return [".".join(filter(None, (prefix, mod_name, attr)))
-            for mod_name, mod in model.named_modules() for attr, layout in layouts_of(mod).items()
-            if layout.dim is not None]
+    return True
 
 
 def check_fsdp(model: nn.Module, tp: ProcessGroup | None) -> None:
@@ -71,35 +115,3 @@ def check_fsdp(model: nn.Module, tp: ProcessGroup | None) -> None:
                 f"FSDP's mesh {mesh.mesh.tolist()} contains tensor-parallel peers "
                 f"{sorted(shared)}, which hold different shards; shard with "
                 "fully_shard(module, mesh=cfg.mesh['dp']) from init_tensor_parallel(tp_size=...)")
-
-
-def check_enclosing_ddp(wrapper: nn.Module, model: nn.Module, tp: ProcessGroup | None) -> None:
-    """Raise if a DDP around a module *containing* ``wrapper`` spans TP peers unguarded.
-
-    Only a DDP that wraps the wrapper itself asks it which parameters to
-    leave alone; one around a larger module broadcast rank 0's shards into
-    every TP rank at construction and averages different shards. Called at
-    the first training forward (DDP's forward is then on the stack); the
-    verdict depends on the module tree and the groups, the same on every rank.
-
-    Raises:
-        ValueError: naming the DDP's module, the wrapper's path and the fix.
-    """
-    for ddp in _torch_compat.enclosing_ddps():
-        if ddp.module is wrapper:
-            continue  # asked the wrapper at construction (ignored_by_ddp)
-        path = next((name for name, mod in ddp.module.named_modules() if mod is wrapper), None)
-        if path is None:
-            continue
-        prefix = f"{path}.base_model" if path else "base_model"
-        needed = ignored_by_ddp(model, tp, ddp.process_group, prefix)
-        missing = [name for name in needed if name not in ddp.parameters_to_ignore]
-        if missing:
-            raise ValueError(
-                f"DistributedDataParallel wraps {type(ddp.module).__name__}, which contains a "
-                f"tensor-parallel model at '{path}', over ranks that are its TP peers: DDP "
-                f"broadcast rank 0's shards (e.g. '{missing[0]}', split over "
-                f"tp={dist.get_world_size(tp)}) into every rank at construction and would "
-                "average different shards. Wrap the DistributedModelWrapper itself in DDP "
-                "(it tells DDP to leave its split parameters alone), or use "
-                "process_group=cfg.dp_group from init_tensor_parallel(tp_size=...)")

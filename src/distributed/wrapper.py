@@ -9,13 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _torch_compat, clip, forward_guard, regions, rng
+from . import clip, ddp_guard, forward_guard, regions, rng
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
 from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
-from .ddp_guard import check_enclosing_ddp, check_fsdp, ignored_by_ddp
+from .ddp_guard import check_fsdp
 from .devices import device_mismatch
 from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
 from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
@@ -125,6 +125,7 @@ class DistributedModelWrapper(nn.Module):
             self.train(model.training)  # records where dropout would draw (see train)
             guard_frameworks(self)
             if ctx.world_size > 1:  # direct calls of the model (TensorParallelTrainer's) too
+                ddp_guard.install()  # any later DDP around or inside it leaves shards alone
                 forward_guard.guard_module(ctx.group, model)
                 model.register_forward_hook(_forget_shared_inputs, always_call=True)
         finally:
@@ -151,7 +152,6 @@ class DistributedModelWrapper(nn.Module):
             if (self.training and not self.__dict__.get("_inputs_checked")) \
                     or input_check_requested():
                 check_same_inputs(args, kwargs, self.group)
-                check_enclosing_ddp(self, self.base_model, self.group)
                 self.__dict__["_inputs_checked"] = self.training
             if self.training:
                 # Replicated regions draw from the TP group's shared stream (see rng.py).
@@ -191,20 +191,6 @@ class DistributedModelWrapper(nn.Module):
         except BaseException as err:  # the model's hooks report Exceptions (forward_guard)
             forward_guard.report_interrupted(self.group, err)
             raise
-
-    @property
-    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
-        """Read by ``DistributedDataParallel.__init__``: split parameters when DDP spans the
-        TP group, nothing over a DP group; raises over a group mixing both (see ddp_guard)."""
-        ddp = _torch_compat.ddp_under_construction()
-        extra = list(self.__dict__.get("_user_ddp_ignore", []))
-        if ddp is None:
-            return extra
-        return extra + ignored_by_ddp(self.base_model, self.group, ddp.process_group, "base_model")
-
-    @_ddp_params_and_buffers_to_ignore.setter
-    def _ddp_params_and_buffers_to_ignore(self, names: list[str]) -> None:
-        self.__dict__["_user_ddp_ignore"] = list(names)
 
     def __getattr__(self, name: str) -> Any:
         try:
