@@ -13,6 +13,7 @@ runs them); ``CHECKED_TORCH`` is that list.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -108,24 +109,29 @@ def watch_ddp_construction(callback: Callable[[Any, nn.Module], None]) -> None:
     Checked: torch 2.13.0.
     """
     from torch.nn.modules.module import register_module_module_registration_hook
-    from torch.nn.parallel import DistributedDataParallel
 
     if callback in _DDP_WATCHERS:
         return
     _DDP_WATCHERS.append(callback)
-    if len(_DDP_WATCHERS) > 1:
-        return
-
-    def hook(parent: nn.Module, name: str, child: Any) -> None:
-        if name == "module" and isinstance(parent, DistributedDataParallel) \
-                and isinstance(child, nn.Module):
-            for watcher in _DDP_WATCHERS:
-                watcher(parent, child)
-
-    register_module_module_registration_hook(hook)
+    if len(_DDP_WATCHERS) == 1:
+        register_module_module_registration_hook(on_module_registration)
 
 
 _DDP_WATCHERS: list[Callable[[Any, nn.Module], None]] = []
+
+
+def on_module_registration(parent: nn.Module, name: str, child: Any) -> None:
+    """The hook :func:`watch_ddp_construction` registers (cheap: one string compare)."""
+    if name == "module" and isinstance(parent, _ddp_class()) and isinstance(child, nn.Module):
+        for watcher in _DDP_WATCHERS:
+            watcher(parent, child)
+
+
+@functools.cache
+def _ddp_class() -> type:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel
 
 
 def ddp_leave_alone(ddp: Any, module: nn.Module, names: list[str]) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import _torch_compat
 from .layers import layouts_of
+from .layouts import ParamLayout
 from .runtime import ProcessGroup, tp_group
 
 
@@ -67,7 +68,7 @@ def ignored_by_ddp(module: nn.Module, ddp_group: ProcessGroup) -> list[str]:
 
 
 def _spans_tp_peers(tp: ProcessGroup | None, ddp_group: ProcessGroup, module: nn.Module,
-                    mod_name: str, split: dict) -> bool:
+                    mod_name: str, split: dict[str, ParamLayout]) -> bool:
     if tp is None or dist.get_world_size(tp) == 1:
         return False
     tp_ranks = set(dist.get_process_group_ranks(tp))
@@ -77,12 +78,12 @@ def _spans_tp_peers(tp: ProcessGroup | None, ddp_group: ProcessGroup, module: nn
     if ddp_ranks != tp_ranks:
         attr, layout = next(iter(split.items()))
         raise ValueError(
-            f"DistributedDataParallel over ranks {sorted(ddp_ranks)} around "
-            f"{type(module).__name__} mixes tensor-parallel peers {sorted(tp_ranks & ddp_ranks)} "
-            f"(which hold different shards, e.g. '{'.'.join(filter(None, (mod_name, attr)))}' "
-            f"of full shape {list(layout.full_shape)} split along dim {layout.dim} "
-            f"({'rows' if layout.dim == 0 else 'columns'}) over "
-            f"tp={len(tp_ranks)}) with other ranks; pass "
+            f"DistributedDataParallel over ranks {sorted(ddp_ranks)} mixes tensor-parallel "
+            f"peers {sorted(tp_ranks & ddp_ranks)} (which hold different shards of "
+            f"{type(module).__name__}, e.g. '{'.'.join(filter(None, (mod_name, attr)))}' of "
+            f"full shape {list(layout.full_shape)} split along dim {layout.dim} "
+            f"({'rows' if layout.dim == 0 else 'columns'}) over tp={len(tp_ranks)}) with other "
+            "ranks; pass "
             "process_group=torchtp.get_tensor_parallel_config().dp_group "
             "(from init_tensor_parallel(tp_size=...)) so DDP averages across TP groups only")
     return True

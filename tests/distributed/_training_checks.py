@@ -75,6 +75,11 @@ def _misuse() -> list[str]:
     msgs = [_raises(lambda: DDP(torchtp.DistributedModelWrapper(build("llama"))),
                     r"DistributedDataParallel over ranks \[0, 1, 2, 3\] mixes tensor-parallel "
                     r"peers .* process_group=.*dp_group")]
+    msgs.append(_raises(lambda: DDP(_Outer(torchtp.DistributedModelWrapper(build("llama")))),
+                        r"DistributedDataParallel over ranks \[0, 1, 2, 3\] mixes tensor-parallel "
+                        r"peers \[\d, \d\] \(which hold different shards of _Outer, e\.g\. "
+                        r"'inner\.base_model\.model\.embed_tokens\.weight' of full shape "
+                        r"\[\d+, \d+\] split along dim \d \((rows|columns)\) over tp=2\)"))
     world = init_device_mesh("cpu", (4,))
     sharded = fully_shard(torchtp.DistributedModelWrapper(build("llama")), mesh=world)
     msgs.append(_raises(lambda: sharded(input_ids=ids),
