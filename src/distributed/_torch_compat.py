@@ -159,6 +159,28 @@ def ddp_leave_alone(ddp: Any, module: nn.Module, names: list[str]) -> None:
     ddp._module_parameters = kept
 
 
+def active_ddp() -> Any:
+    """The ``DistributedDataParallel`` whose forward is running its module now, else ``None``.
+
+    ``DistributedDataParallel._get_active_ddp_module()``: DDP sets it around
+    ``self.module(...)`` in its forward (not with the Python reducer).
+    Checked: torch 2.13.0.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module()
+
+
+def ddp_parameters(ddp: Any) -> list[torch.Tensor]:
+    """The parameters a ``DistributedDataParallel`` took from its module at construction.
+
+    ``ddp._module_parameters`` (its reducer's are those that require grad).
+    Checked: torch 2.13.0.
+    """
+    params: list[torch.Tensor] = ddp._module_parameters
+    return params
+
+
 def implicit_replication() -> AbstractContextManager[None]:
     """DTensor's implicit replication: plain tensors mixed with DTensors act as replicated.
 

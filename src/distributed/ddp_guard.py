@@ -19,6 +19,10 @@ from inside every later ``DistributedDataParallel.__init__`` (see
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -37,10 +41,49 @@ def install() -> None:
     _torch_compat.watch_ddp_construction(_on_ddp)
 
 
+def guard(model: nn.Module) -> None:
+    """:func:`install`, and refuse a DDP built around ``model`` before it was sharded.
+
+    Such a DDP was never seen by :func:`install`'s watch; its reducer holds
+    the replaced Linear weights, so the split ones would never be averaged
+    (or DDP waits for gradients that never come). A forward pre-hook on
+    ``model`` finds it the first time that DDP's forward calls into ``model``.
+    """
+    install()
+    model.register_forward_pre_hook(_check_active_ddp)
+
+
+# DDP -> ids of the parameters _on_ddp told it to leave alone.
+_LEFT_ALONE: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()
+# DDP -> the models already found consistent with it (checked once per pair).
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = \
+    weakref.WeakKeyDictionary()
+
+
 def _on_ddp(ddp: nn.Module, module: nn.Module) -> None:
     names = ignored_by_ddp(module, ddp.process_group)  # type: ignore[arg-type]
     if names:
         _torch_compat.ddp_leave_alone(ddp, module, names)
+        params = dict(module.named_parameters(remove_duplicate=False))
+        _LEFT_ALONE[ddp] = {id(params[n]) for n in names if n in params}
+
+
+def _check_active_ddp(model: nn.Module, _args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    ddp = _torch_compat.active_ddp()
+    if ddp is None or model in _CHECKED.get(ddp, ()):
+        return
+    known = {id(p) for p in _torch_compat.ddp_parameters(ddp)} | _LEFT_ALONE.get(ddp, set())
+    stale = next((n for n, p in model.named_parameters()
+                  if p.requires_grad and id(p) not in known), None)
+    if stale is not None:
+        raise ValueError(
+            f"DistributedDataParallel around {type(ddp.module).__name__} was built before "
+            f"{type(model).__name__} was made tensor-parallel (or before adapters were added): "
+            f"its reducer does not hold '{stale}', so DDP would never average it. Build DDP "
+            "after DistributedModelWrapper(model) (and after get_peft_model)")
+    _CHECKED.setdefault(ddp, weakref.WeakSet()).add(model)
 
 
 def ignored_by_ddp(module: nn.Module, ddp_group: ProcessGroup) -> list[str]:

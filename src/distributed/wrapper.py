@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from . import clip, ddp_guard, forward_guard, regions, rng
 from ._torch_compat import registered_child
@@ -125,7 +126,7 @@ class DistributedModelWrapper(nn.Module):
             self.train(model.training)  # records where dropout would draw (see train)
             guard_frameworks(self)
             if ctx.world_size > 1:  # direct calls of the model (TensorParallelTrainer's) too
-                ddp_guard.install()  # any later DDP around or inside it leaves shards alone
+                ddp_guard.guard(model)  # any DDP around or inside it leaves shards alone
                 forward_guard.guard_module(ctx.group, model)
                 model.register_forward_hook(_forget_shared_inputs, always_call=True)
         finally:
@@ -275,6 +276,9 @@ def _check_not_wrapped(model: nn.Module) -> None:
     if isinstance(model, DistributedModelWrapper):
         raise ValueError("model is already a DistributedModelWrapper; wrap the original "
                          "model once (use wrapper.base_model to reach it)")
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("model is a DistributedDataParallel: wrap the model first, then build "
+                         "DDP around the DistributedModelWrapper (see docs/training.md)")
     for name, mod in model.named_modules():
         if isinstance(mod, (RowParallelLinear, ColumnParallelLinear)):
             raise ValueError(f"model is already tensor-parallel: '{name}' is a "

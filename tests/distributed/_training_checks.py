@@ -188,6 +188,16 @@ def _ddp_placements(ref: nn.Module, ref_losses: list[float], ref_norms: list[flo
         torch.testing.assert_close(evaluating(input_ids=_batch()).logits,
                                    build("mistral-mqa", seed=0)(input_ids=_batch()).logits, **TOL)
     _ddp_peft()
+    early = DDP(build("mistral-mqa", seed=0).train())  # before the model is sharded
+    with pytest.raises(ValueError, match=r"model is a DistributedDataParallel: wrap the model "
+                       r"first, then build DDP around the DistributedModelWrapper"):
+        torchtp.DistributedModelWrapper(early)
+    torchtp.DistributedModelWrapper(early.module)
+    with pytest.raises(ValueError, match=r"DistributedDataParallel around MistralForCausalLM "
+                       r"was built before MistralForCausalLM was made tensor-parallel .*: its "
+                       r"reducer does not hold 'model\.embed_tokens\.weight', so DDP would never "
+                       r"average it\. Build DDP after DistributedModelWrapper\(model\)"):
+        early(input_ids=_batch())
 
 
 def _ddp_peft() -> None:
