@@ -106,7 +106,7 @@ def watch_ddp_construction(callback: Callable[[Any, nn.Module], None]) -> None:
     broadcasts rank 0's (``_build_params_for_reducer``, ``_sync_module_states``,
     both filtered by ``parameters_to_ignore``): the callback runs before any
     collective of DDP's, and an exception it raises leaves DDP's constructor.
-    Checked: torch 2.13.0.
+    Checked: torch 2.13.0, 2.14.1.
     """
     from torch.nn.modules.module import register_module_module_registration_hook
 
@@ -121,7 +121,10 @@ _DDP_WATCHERS: list[Callable[[Any, nn.Module], None]] = []
 
 
 def on_module_registration(parent: nn.Module, name: str, child: Any) -> None:
-    """The hook :func:`watch_ddp_construction` registers (cheap: one string compare)."""
+    """The hook :func:`watch_ddp_construction` registers (cheap: one string compare).
+
+    Checked: torch 2.13.0, 2.14.1.
+    """
     if name == "module" and isinstance(parent, _ddp_class()) and isinstance(child, nn.Module):
         for watcher in _DDP_WATCHERS:
             watcher(parent, child)
@@ -143,6 +146,7 @@ def ddp_leave_alone(ddp: Any, module: nn.Module, names: list[str]) -> None:
     ``_ddp_params_and_buffers_to_ignore``. A root-level parameter ``"w"`` is
     also added as ``".w"``: the reducer builds ``f"{module_name}.{name}"``.
     Called from :func:`watch_ddp_construction`'s callback only.
+    Checked: torch 2.13.0, 2.14.1.
 
     Raises:
         ValueError: nothing trainable would be left for DDP to average.
@@ -164,18 +168,16 @@ def active_ddp() -> Any:
 
     ``DistributedDataParallel._get_active_ddp_module()``: DDP sets it around
     ``self.module(...)`` in its forward (not with the Python reducer).
-    Checked: torch 2.13.0.
+    Checked: torch 2.13.0, 2.14.1.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel._get_active_ddp_module()
+    return _ddp_class()._get_active_ddp_module()  # type: ignore[attr-defined]
 
 
 def ddp_parameters(ddp: Any) -> list[torch.Tensor]:
     """The parameters a ``DistributedDataParallel`` took from its module at construction.
 
     ``ddp._module_parameters`` (its reducer's are those that require grad).
-    Checked: torch 2.13.0.
+    Checked: torch 2.13.0, 2.14.1.
     """
     params: list[torch.Tensor] = ddp._module_parameters
     return params
