@@ -44,17 +44,17 @@ def install() -> None:
 def guard(model: nn.Module) -> None:
     """:func:`install`, and refuse a DDP built around ``model`` before it was sharded.
 
-    Such a DDP was never seen by :func:`install`'s watch; its reducer holds
-    the replaced Linear weights, so the split ones would never be averaged
-    (or DDP waits for gradients that never come). A forward pre-hook on
-    ``model`` finds it the first time that DDP's forward calls into ``model``.
+    Such a DDP listed its parameters before the wrapper replaced the Linear
+    weights (or before PEFT added adapters): its reducer holds the old ones,
+    so the new ones would never be averaged (or DDP waits for gradients that
+    never come). A forward pre-hook on ``model`` finds it the first time that
+    DDP's forward calls into ``model``; a DDP whose module does not contain
+    ``model`` (a model merely called from its forward) is none of its business.
     """
     install()
     model.register_forward_pre_hook(_check_active_ddp)
 
 
-# DDP -> ids of the parameters _on_ddp told it to leave alone.
-_LEFT_ALONE: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()
 # DDP -> the models already found consistent with it (checked once per pair).
 _CHECKED: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = \
     weakref.WeakKeyDictionary()
@@ -64,8 +64,6 @@ def _on_ddp(ddp: nn.Module, module: nn.Module) -> None:
     names = ignored_by_ddp(module, ddp.process_group)  # type: ignore[arg-type]
     if names:
         _torch_compat.ddp_leave_alone(ddp, module, names)
-        params = dict(module.named_parameters(remove_duplicate=False))
-        _LEFT_ALONE[ddp] = {id(params[n]) for n in names if n in params}
 
 
 def _check_active_ddp(model: nn.Module, _args: Any) -> None:
@@ -74,16 +72,26 @@ def _check_active_ddp(model: nn.Module, _args: Any) -> None:
     ddp = _torch_compat.active_ddp()
     if ddp is None or model in _CHECKED.get(ddp, ()):
         return
-    known = {id(p) for p in _torch_compat.ddp_parameters(ddp)} | _LEFT_ALONE.get(ddp, set())
-    stale = next((n for n, p in model.named_parameters()
-                  if p.requires_grad and id(p) not in known), None)
-    if stale is not None:
+    stale = _missed_by(ddp, model)
+    if stale is not None:  # raised again at every forward: never trains on silently
         raise ValueError(
             f"DistributedDataParallel around {type(ddp.module).__name__} was built before "
             f"{type(model).__name__} was made tensor-parallel (or before adapters were added): "
             f"its reducer does not hold '{stale}', so DDP would never average it. Build DDP "
             "after DistributedModelWrapper(model) (and after get_peft_model)")
     _CHECKED.setdefault(ddp, weakref.WeakSet()).add(model)
+
+
+def _missed_by(ddp: Any, model: nn.Module) -> str | None:
+    """A trainable parameter of ``model`` (inside ``ddp.module``) that DDP neither averages
+    nor was told to leave alone (by torchtp or by the user), else ``None``."""
+    if not any(m is model for m in ddp.module.modules()):
+        return None  # a model merely called from DDP's forward: DDP does not manage it
+    known = {id(p) for p in _torch_compat.ddp_parameters(ddp)}
+    known |= {id(p) for n, p in ddp.module.named_parameters(remove_duplicate=False)
+              if n in ddp.parameters_to_ignore}
+    return next((n for n, p in model.named_parameters()
+                 if p.requires_grad and id(p) not in known), None)
 
 
 def ignored_by_ddp(module: nn.Module, ddp_group: ProcessGroup) -> list[str]:
@@ -102,7 +110,8 @@ def ignored_by_ddp(module: nn.Module, ddp_group: ProcessGroup) -> list[str]:
         split = {attr: lay for attr, lay in layouts_of(mod).items() if lay.dim is not None}
         if not split:
             continue
-        tp = getattr(mod, "group", None) or tp_group()
+        tp = getattr(mod, "group", None)
+        tp = tp if tp is not None else tp_group()
         if id(tp) not in verdicts:
             verdicts[id(tp)] = _spans_tp_peers(tp, ddp_group, module, mod_name, split)
         if verdicts[id(tp)]:

@@ -193,11 +193,13 @@ def _ddp_placements(ref: nn.Module, ref_losses: list[float], ref_norms: list[flo
                        r"first, then build DDP around the DistributedModelWrapper"):
         torchtp.DistributedModelWrapper(early)
     torchtp.DistributedModelWrapper(early.module)
-    with pytest.raises(ValueError, match=r"DistributedDataParallel around MistralForCausalLM "
-                       r"was built before MistralForCausalLM was made tensor-parallel .*: its "
-                       r"reducer does not hold 'model\.embed_tokens\.weight', so DDP would never "
-                       r"average it\. Build DDP after DistributedModelWrapper\(model\)"):
-        early(input_ids=_batch())
+    for _ in range(2):  # at every forward, not only the first
+        with pytest.raises(ValueError, match=r"DistributedDataParallel around MistralForCausalLM "
+                           r"was built before MistralForCausalLM was made tensor-parallel .*: "
+                           r"its reducer does not hold 'model\.embed_tokens\.weight', so DDP "
+                           r"would never average it\. Build DDP after "
+                           r"DistributedModelWrapper\(model\)"):
+            early(input_ids=_batch())
 
 
 def _ddp_peft() -> None:
