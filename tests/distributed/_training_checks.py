@@ -188,6 +188,12 @@ def _ddp_placements(ref: nn.Module, ref_losses: list[float], ref_norms: list[flo
         torch.testing.assert_close(evaluating(input_ids=_batch()).logits,
                                    build("mistral-mqa", seed=0)(input_ids=_batch()).logits, **TOL)
     _ddp_peft()
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    hand = DDP(nn.Sequential(torchtp.RowParallelLinear.from_linear(full[0]), nn.ReLU(),
+                             torchtp.ColumnParallelLinear.from_linear(full[2])))  # no wrapper
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(hand(x), full(x), **TOL)
     early = DDP(build("mistral-mqa", seed=0).train())  # before the model is sharded
     with pytest.raises(ValueError, match=r"model is a DistributedDataParallel: wrap the model "
                        r"first, then build DDP around the DistributedModelWrapper"):
