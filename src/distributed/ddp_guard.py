@@ -12,9 +12,10 @@ broadcast, on every rank.
 
 This holds for whatever module DDP is given: the wrapper, ``wrapped.base_model``,
 a PEFT model around it, any module containing one or inside one. The first
-wrap with tp > 1 calls :func:`install`, which has torch call :func:`_on_ddp`
-from inside every later ``DistributedDataParallel.__init__`` (see
-``_torch_compat.watch_ddp_construction``).
+torchtp layer or wrap with tp > 1 calls :func:`install`, which has torch call
+:func:`_on_ddp` from inside every later ``DistributedDataParallel.__init__``
+(see ``_torch_compat.watch_ddp_construction``). A DDP built before the model
+was sharded is refused at its first forward into the model (:func:`guard`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from .runtime import ProcessGroup, tp_group
 def install() -> None:
     """Watch every ``DistributedDataParallel`` built from now on (idempotent).
 
-    Called by the first wrap with tp > 1, never at import: until then torchtp
-    changes nothing in torch.
+    Called by the first torchtp layer or wrap with tp > 1, never at import:
+    until then torchtp changes nothing in torch.
     """
     _torch_compat.watch_ddp_construction(_on_ddp)
 

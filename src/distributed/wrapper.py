@@ -126,7 +126,7 @@ class DistributedModelWrapper(nn.Module):
             self.train(model.training)  # records where dropout would draw (see train)
             guard_frameworks(self)
             if ctx.world_size > 1:  # direct calls of the model (TensorParallelTrainer's) too
-                ddp_guard.guard(model)  # any DDP around or inside it leaves shards alone
+                ddp_guard.guard(model)  # later DDPs leave shards alone; an earlier one raises
                 forward_guard.guard_module(ctx.group, model)
                 model.register_forward_hook(_forget_shared_inputs, always_call=True)
         finally:
