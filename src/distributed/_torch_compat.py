@@ -13,10 +13,9 @@ runs them); ``CHECKED_TORCH`` is that list.
 from __future__ import annotations
 
 import copy
-import sys
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from types import FrameType
 from typing import Any, TypeVar
 
 import torch
@@ -93,40 +92,95 @@ def node_inputs(node: Any) -> Iterator[Any]:
         yield fn
 
 
-def ddp_under_construction(depth: int = 2) -> Any:
-    """The ``DistributedDataParallel`` whose ``__init__`` is ``depth`` frames up, else ``None``.
+def watch_ddp_construction(callback: Callable[[Any, nn.Module], None]) -> None:
+    """Call ``callback(ddp, module)`` inside every later ``DistributedDataParallel(module)``.
 
-    ``DistributedDataParallel.__init__`` sets ``self.process_group``, then reads
-    ``module._ddp_params_and_buffers_to_ignore`` and leaves those parameters
-    out of its start-up broadcast and gradient averaging; a module answering
-    that query through a property calls this to learn DDP's process group.
-    Checked: torch 2.13.0.
+    Registers torch's public global module-registration hook once per process
+    (``torch.nn.modules.module.register_module_module_registration_hook``); it
+    runs on every ``parent.child = module`` in the process, so it only compares
+    the attribute name and the parent's type. In torch 2.13
+    ``DistributedDataParallel.__init__`` first reads
+    ``module._ddp_params_and_buffers_to_ignore`` into ``parameters_to_ignore``
+    and lists ``_module_parameters``, then assigns ``self.module = module``
+    (this hook), and only afterwards builds its reducer's parameters and
+    broadcasts rank 0's (``_build_params_for_reducer``, ``_sync_module_states``,
+    both filtered by ``parameters_to_ignore``): the callback runs before any
+    collective of DDP's, and an exception it raises leaves DDP's constructor.
+    Checked: torch 2.13.0, 2.14.1.
     """
+    from torch.nn.modules.module import register_module_module_registration_hook
+
+    if callback in _DDP_WATCHERS:
+        return
+    _DDP_WATCHERS.append(callback)
+    if len(_DDP_WATCHERS) == 1:
+        register_module_module_registration_hook(on_module_registration)
+
+
+_DDP_WATCHERS: list[Callable[[Any, nn.Module], None]] = []
+
+
+def on_module_registration(parent: nn.Module, name: str, child: Any) -> None:
+    """The hook :func:`watch_ddp_construction` registers (cheap: one string compare).
+
+    Checked: torch 2.13.0, 2.14.1.
+    """
+    if name == "module" and isinstance(parent, _ddp_class()) and isinstance(child, nn.Module):
+        for watcher in _DDP_WATCHERS:
+            watcher(parent, child)
+
+
+@functools.cache
+def _ddp_class() -> type:
     from torch.nn.parallel import DistributedDataParallel
 
-    caller = sys._getframe(depth).f_locals.get("self")
-    return caller if isinstance(caller, DistributedDataParallel) else None
+    return DistributedDataParallel
 
 
-def enclosing_ddps(limit: int = 64) -> list[Any]:
-    """The ``DistributedDataParallel`` modules whose ``forward`` is on this thread's stack.
+def ddp_leave_alone(ddp: Any, module: nn.Module, names: list[str]) -> None:
+    """Make a ``DistributedDataParallel`` being built around ``module`` leave ``names`` alone.
 
-    Walks at most ``limit`` frames up (``sys._getframe``), reading each
-    frame's ``self``.
-    Checked: torch 2.13.0.
+    Adds them to ``ddp.parameters_to_ignore`` (read by its broadcast and its
+    reducer) and drops their tensors from ``ddp._module_parameters`` (read by
+    the Python reducer's hooks), as if the module had listed them in
+    ``_ddp_params_and_buffers_to_ignore``. A root-level parameter ``"w"`` is
+    also added as ``".w"``: the reducer builds ``f"{module_name}.{name}"``.
+    Called from :func:`watch_ddp_construction`'s callback only.
+    Checked: torch 2.13.0, 2.14.1.
+
+    Raises:
+        ValueError: nothing trainable would be left for DDP to average.
     """
-    from torch.nn.parallel import DistributedDataParallel
+    ddp.parameters_to_ignore.update(names)
+    ddp.parameters_to_ignore.update(f".{n}" for n in names if "." not in n)
+    kept = [p for n, p in module.named_parameters() if n not in ddp.parameters_to_ignore]
+    if not any(p.requires_grad for p in kept):
+        raise ValueError(
+            f"DistributedDataParallel over {type(module).__name__}: every trainable "
+            "parameter is split over the tensor-parallel group DDP spans, so DDP would average "
+            "nothing; drop DDP, or give it process_group=cfg.dp_group from "
+            "init_tensor_parallel(tp_size=...) for data parallelism")
+    ddp._module_parameters = kept
 
-    found: list[Any] = []
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(limit):
-        if frame is None:
-            break
-        caller = frame.f_locals.get("self")
-        if isinstance(caller, DistributedDataParallel) and caller not in found:
-            found.append(caller)
-        frame = frame.f_back
-    return found
+
+def active_ddp() -> Any:
+    """The ``DistributedDataParallel`` whose forward is running its module now, else ``None``.
+
+    ``DistributedDataParallel._get_active_ddp_module()``: DDP sets it around
+    ``self.module(...)`` in its forward (not with the Python reducer).
+    Checked: torch 2.13.0, 2.14.1.
+    """
+    return _ddp_class()._get_active_ddp_module()  # type: ignore[attr-defined]
+
+
+def ddp_parameters(ddp: Any) -> list[torch.Tensor]:
+    """The parameters a ``DistributedDataParallel`` took from its module at construction.
+
+    ``ddp._module_parameters`` (its reducer's are those that require grad).
+    Checked: torch 2.13.0, 2.14.1.
+    """
+    params: list[torch.Tensor] = ddp._module_parameters
+    return params
 
 
 def implicit_replication() -> AbstractContextManager[None]:

@@ -8,14 +8,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from . import _torch_compat, clip, forward_guard, regions, rng
+from . import clip, ddp_guard, forward_guard, regions, rng
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
 from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
-from .ddp_guard import check_enclosing_ddp, check_fsdp, ignored_by_ddp
+from .ddp_guard import check_fsdp
 from .devices import device_mismatch
 from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
 from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
@@ -125,6 +126,7 @@ class DistributedModelWrapper(nn.Module):
             self.train(model.training)  # records where dropout would draw (see train)
             guard_frameworks(self)
             if ctx.world_size > 1:  # direct calls of the model (TensorParallelTrainer's) too
+                ddp_guard.guard(model)  # later DDPs leave shards alone; an earlier one raises
                 forward_guard.guard_module(ctx.group, model)
                 model.register_forward_hook(_forget_shared_inputs, always_call=True)
         finally:
@@ -151,7 +153,6 @@ class DistributedModelWrapper(nn.Module):
             if (self.training and not self.__dict__.get("_inputs_checked")) \
                     or input_check_requested():
                 check_same_inputs(args, kwargs, self.group)
-                check_enclosing_ddp(self, self.base_model, self.group)
                 self.__dict__["_inputs_checked"] = self.training
             if self.training:
                 # Replicated regions draw from the TP group's shared stream (see rng.py).
@@ -191,20 +192,6 @@ class DistributedModelWrapper(nn.Module):
         except BaseException as err:  # the model's hooks report Exceptions (forward_guard)
             forward_guard.report_interrupted(self.group, err)
             raise
-
-    @property
-    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
-        """Read by ``DistributedDataParallel.__init__``: split parameters when DDP spans the
-        TP group, nothing over a DP group; raises over a group mixing both (see ddp_guard)."""
-        ddp = _torch_compat.ddp_under_construction()
-        extra = list(self.__dict__.get("_user_ddp_ignore", []))
-        if ddp is None:
-            return extra
-        return extra + ignored_by_ddp(self.base_model, self.group, ddp.process_group, "base_model")
-
-    @_ddp_params_and_buffers_to_ignore.setter
-    def _ddp_params_and_buffers_to_ignore(self, names: list[str]) -> None:
-        self.__dict__["_user_ddp_ignore"] = list(names)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -289,6 +276,9 @@ def _check_not_wrapped(model: nn.Module) -> None:
     if isinstance(model, DistributedModelWrapper):
         raise ValueError("model is already a DistributedModelWrapper; wrap the original "
                          "model once (use wrapper.base_model to reach it)")
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("model is a DistributedDataParallel: wrap the model first, then build "
+                         "DDP around the DistributedModelWrapper (see docs/training.md)")
     for name, mod in model.named_modules():
         if isinstance(mod, (RowParallelLinear, ColumnParallelLinear)):
             raise ValueError(f"model is already tensor-parallel: '{name}' is a "

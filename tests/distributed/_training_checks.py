@@ -75,6 +75,11 @@ def _misuse() -> list[str]:
     msgs = [_raises(lambda: DDP(torchtp.DistributedModelWrapper(build("llama"))),
                     r"DistributedDataParallel over ranks \[0, 1, 2, 3\] mixes tensor-parallel "
                     r"peers .* process_group=.*dp_group")]
+    msgs.append(_raises(lambda: DDP(_Outer(torchtp.DistributedModelWrapper(build("llama")))),
+                        r"DistributedDataParallel over ranks \[0, 1, 2, 3\] mixes tensor-parallel "
+                        r"peers \[\d, \d\] \(which hold different shards of _Outer, e\.g\. "
+                        r"'inner\.base_model\.model\.embed_tokens\.weight' of full shape "
+                        r"\[\d+, \d+\] split along dim \d \((rows|columns)\) over tp=2\)"))
     world = init_device_mesh("cpu", (4,))
     sharded = fully_shard(torchtp.DistributedModelWrapper(build("llama")), mesh=world)
     msgs.append(_raises(lambda: sharded(input_ids=ids),
@@ -128,7 +133,8 @@ def dp_tp_ddp_fsdp(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
 
 def tp_only(rank: int, world_size: int) -> list[float]:
-    """World = TP group: grad_norm vs torch, then plain DDP(wrapped) trains exactly."""
+    """World = TP group: grad_norm vs torch; DDP around the wrapper or any other module trains
+    exactly."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torchtp.init_tensor_parallel()
@@ -143,15 +149,87 @@ def tp_only(rank: int, world_size: int) -> list[float]:
     with torch.no_grad():
         torch.testing.assert_close(model.module(input_ids=_batch()).logits,
                                    ref(input_ids=_batch()).logits, **TOL)
-    # A DDP around a larger module never asks the wrapper what to leave alone:
-    # its construction broadcast rank 0's shards, so the first forward refuses.
-    outer = DDP(nn.Sequential(torchtp.DistributedModelWrapper(build("mistral-mqa").train())))
-    with pytest.raises(ValueError, match=r"DistributedDataParallel wraps Sequential, which "
-                       r"contains a tensor-parallel model at '0'.*'0\.base_model\.model\."
-                       r"embed_tokens\.weight', split over tp=2.*Wrap the "
-                       r"DistributedModelWrapper itself in DDP"):
-        outer(_batch())
+    _ddp_placements(ref, ref_losses, ref_norms)
     return got + norms
+
+
+class _Outer(nn.Module):
+    """A user's module holding the tensor-parallel model (keyword arguments passed on)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.inner(**kwargs)
+
+
+def _ddp_placements(ref: nn.Module, ref_losses: list[float], ref_norms: list[float]) -> None:
+    """DDP over the TP group around base_model, an outer module (after a training forward
+    ran, and for evaluation only) and a PEFT model: each as the unsharded model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def fresh() -> torchtp.DistributedModelWrapper:
+        return torchtp.DistributedModelWrapper(build("mistral-mqa", seed=0).train())
+
+    base = DDP(fresh().base_model)
+    assert "model.layers.0.self_attn.q_proj.weight" in base.parameters_to_ignore
+    warm = fresh()
+    warm(input_ids=_batch())  # a training forward before DDP exists
+    for model in (base, DDP(_Outer(warm))):
+        losses, norms = _train(model, _batch(), torchtp.clip_grad_norm_, model.parameters)
+        torch.testing.assert_close(losses, ref_losses, **TOL)
+        torch.testing.assert_close(norms, ref_norms, **TOL)
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=_batch()).logits,
+                                       ref(input_ids=_batch()).logits, **TOL)
+    evaluating = DDP(_Outer(fresh().eval()))  # evaluation only: the broadcast alone would harm
+    with torch.no_grad():
+        torch.testing.assert_close(evaluating(input_ids=_batch()).logits,
+                                   build("mistral-mqa", seed=0)(input_ids=_batch()).logits, **TOL)
+    _ddp_peft()
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    hand = DDP(nn.Sequential(torchtp.RowParallelLinear.from_linear(full[0]), nn.ReLU(),
+                             torchtp.ColumnParallelLinear.from_linear(full[2])))  # no wrapper
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(hand(x), full(x), **TOL)
+    early = DDP(build("mistral-mqa", seed=0).train())  # before the model is sharded
+    with pytest.raises(ValueError, match=r"model is a DistributedDataParallel: wrap the model "
+                       r"first, then build DDP around the DistributedModelWrapper"):
+        torchtp.DistributedModelWrapper(early)
+    torchtp.DistributedModelWrapper(early.module)
+    for _ in range(2):  # at every forward, not only the first
+        with pytest.raises(ValueError, match=r"DistributedDataParallel around MistralForCausalLM "
+                           r"was built before MistralForCausalLM was made tensor-parallel .*: "
+                           r"its reducer does not hold 'model\.embed_tokens\.weight', so DDP "
+                           r"would never average it\. Build DDP after "
+                           r"DistributedModelWrapper\(model\)"):
+            early(input_ids=_batch())
+
+
+def _ddp_peft() -> None:
+    """DDP(get_peft_model(wrapped.base_model)): three LoRA steps as unsharded LoRA."""
+    from peft import LoraConfig, get_peft_model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def lora(model: nn.Module) -> nn.Module:
+        torch.manual_seed(5)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                            init_lora_weights="gaussian")
+        return get_peft_model(model, config)
+
+    ref = lora(build("mistral-mqa", seed=0).train())
+    tp = DDP(lora(torchtp.DistributedModelWrapper(build("mistral-mqa", seed=0).train())
+                  .base_model))
+    got = []
+    for model, clip in ((ref, torch.nn.utils.clip_grad_norm_), (tp, torchtp.clip_grad_norm_)):
+        adapters = [p for p in model.parameters() if p.requires_grad]
+        got.append(_train(model, _batch(), clip, lambda ps=adapters: ps))
+    torch.testing.assert_close(got[1], got[0], **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(tp(input_ids=_batch()).logits,
+                                   ref(input_ids=_batch()).logits, **TOL)
 
 
 def _clip_matches_torch() -> list[float]:

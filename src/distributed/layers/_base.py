@@ -35,6 +35,10 @@ def resolve_placement(
         if rank is not None and rank != me:
             raise ValueError(f"{who}: rank={rank} but this process is rank {me} of the group; "
                              "pass rank=None to use the group's")
+        if size > 1:  # from now on a DDP around these shards leaves them alone
+            from ..ddp_guard import install
+
+            install()
         return group, size, me
     size = 1 if world_size is None else world_size
     me = 0 if rank is None else rank
