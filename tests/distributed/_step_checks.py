@@ -1,0 +1,114 @@
+"""Rank functions for test_step_check: the optimizer-step check of replicated state."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchtp
+
+from ._models import deep_mlp
+
+
+def _batch(step: int) -> torch.Tensor:
+    torch.manual_seed(100 + step)
+    return torch.randn(4, 16)
+
+
+def _wrapped(period: str | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    if period is None:
+        os.environ.pop("TP_STEP_CHECK", None)
+    else:
+        os.environ["TP_STEP_CHECK"] = period
+    model = torchtp.DistributedModelWrapper(deep_mlp().eval())  # eval: no dropout draws
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _backward(model: nn.Module, step: int) -> torch.Tensor:
+    loss = model(_batch(step)).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _raises(fn: Callable[[], Any], match: str) -> str:
+    with pytest.raises(torchtp.RankMismatchError, match=match) as info:
+        fn()
+    return str(info.value)
+
+
+def _torch_clip(rank: int) -> str:
+    """torch's clip on the local shards: each rank clips by a different factor."""
+    model, opt = _wrapped()
+    _backward(model, 0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    return _raises(opt.step, r"gradient .*use torchtp\.clip_grad_norm_ instead of "
+                             r"torch\.nn\.utils\.clip_grad_norm_")
+
+
+def _torchtp_clip_exact() -> list[float]:
+    """torchtp's clip passes the check; weights stay equal to the unsharded run."""
+    model, opt = _wrapped()
+    ref = deep_mlp().eval()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _backward(model, step)
+        _backward(ref, step)
+        torchtp.clip_grad_norm_(model, 0.05)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        ref_opt.step()
+    out = model(_batch(9))
+    return [float((out - ref(_batch(9))).abs().max())]
+
+
+def _edited_weight(rank: int, at_step: int) -> str:
+    """Rank 1's replicated LayerNorm weight off by 1% just before optimizer step ``at_step``
+    (after the backward, so only the weights differ): caught at that step."""
+    model, opt = _wrapped("3")
+    for step in range(at_step + 1):
+        opt.zero_grad()
+        _backward(model, step)
+        if step < at_step:
+            opt.step()
+    if rank == 1:
+        with torch.no_grad():
+            model.base_model[4].weight.mul_(1.01)
+    return _raises(opt.step, r"'4\.weight' weights .*weights differ: a wrong shard file")
+
+
+def _untouched_and_off(rank: int) -> list[Any]:
+    """A plain optimizer issues no collective; TP_STEP_CHECK=0 lets torch's clip through."""
+    plain = nn.Linear(4, 4)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(torch.randn(2, 4)).sum().backward()
+    model, opt = _wrapped()
+    _backward(model, 0)
+    with torchtp.count_collectives() as plain_count:
+        plain_opt.step()
+    with torchtp.count_collectives() as tp_count:
+        opt.step()
+    off, off_opt = _wrapped("0")
+    _backward(off, 0)
+    torch.nn.utils.clip_grad_norm_(off.parameters(), 1e-3)
+    with torchtp.count_collectives() as off_count:
+        off_opt.step()
+    os.environ.pop("TP_STEP_CHECK", None)
+    return [plain_count.total, dict(tp_count.counts), off_count.total]
+
+
+def cases(rank: int, world_size: int) -> dict[str, Any]:
+    """Every case in one spawned run; each message must be the same on every rank."""
+    return {
+        "torch_clip": _torch_clip(rank),
+        "torchtp_clip_err": _torchtp_clip_exact(),
+        "edit_first": _edited_weight(rank, 0),
+        "edit_step_n": _edited_weight(rank, 3),
+        "untouched": _untouched_and_off(rank),
+    }
