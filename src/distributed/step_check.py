@@ -57,7 +57,7 @@ _CAUSE_GRAD = (
     "gradient_clip_val on a self-wrapped model (they clip each rank by the norm of its own "
     "shards), or a DDP over the TP group that averaged or broadcast gradients")
 _CAUSE_WEIGHT = (
-    "weights differ: a wrong shard file, a rank-local edit, or a DDP broadcast of one rank's "
+    "a wrong shard file or a rank-local edit on some ranks, or a DDP broadcast of one rank's "
     "weights into the others")
 _CAUSE_PRESENCE = (
     "a gradient present on some TP ranks only: a backward, zero_grad or requires_grad change "
@@ -230,21 +230,25 @@ def _mismatch(plan: _Plan, slots: list[int], high: torch.Tensor,
     """The error for the differing digest ``slots`` (identical on every rank: built from the
     all-reduced values). Weights first: differing weights also make the gradients differ."""
     count = len(plan.params)
-    found: dict[tuple[int, int], str] = {}
-    for slot in sorted(slots, key=lambda s: (-(s // count), s)):
+    kinds: dict[int, dict[int, tuple[float, float]]] = {}  # kind -> {param index: (lo, hi)}
+    for slot in slots:
         part, index = divmod(slot, count)
-        name, hi, lo = plan.names[index], float(high[slot]), float(low[slot])
-        if part >= 2:
-            key, text = (0, index), f"'{name}' weights ({lo:.6g} .. {hi:.6g}): {_CAUSE_WEIGHT}"
-        elif part == 0 and lo < 0 <= hi:
-            key, text = (1, index), f"'{name}': {_CAUSE_PRESENCE}"
-        else:
-            key, text = (2, index), f"'{name}' gradient ({lo:.6g} .. {hi:.6g}): {_CAUSE_GRAD}"
-        found.setdefault(key, text)
-    shown = [found[k] for k in sorted(found)][:3]
-    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        lo, hi = float(low[slot]), float(high[slot])
+        kind = 0 if part >= 2 else 1 if part == 0 and lo < 0 <= hi else 2
+        kinds.setdefault(kind, {}).setdefault(index, (lo, hi))
+    causes = {0: ("weights", _CAUSE_WEIGHT), 1: ("gradient presence", _CAUSE_PRESENCE),
+              2: ("gradients", _CAUSE_GRAD)}
+    parts = []
+    for kind in sorted(kinds):
+        what, cause = causes[kind]
+        found = sorted(kinds[kind])
+        names = ", ".join(f"'{plan.names[i]}'" for i in found[:3])
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        lo, hi = kinds[kind][found[0]]
+        parts.append(f"{what} of {names}{more} (first digest {lo:.6g} .. {hi:.6g} over ranks): "
+                     f"likely {cause}")
     return RankMismatchError(
         f"optimizer step {plan.steps}: replicated parameters (split along no dimension, so all "
         f"{group_size(plan.group)} TP ranks must hold the same copy) differ across TP ranks "
-        "before the step (digest min .. max over ranks): " + "; ".join(shown) + more
+        "before the step; " + "; ".join(parts)
         + f". Nothing was updated. {ENV}=0 turns this check off (see docs/training.md)")

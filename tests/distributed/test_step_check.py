@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from torchtp import step_check
 
@@ -27,3 +28,21 @@ def test_step_check_period_from_env(monkeypatch):
     monkeypatch.setenv(step_check.ENV, "often")
     with pytest.raises(ValueError, match=r"TP_STEP_CHECK='often' must be an integer >= 0"):
         step_check.period_from_env()
+
+
+def _digest(t: torch.Tensor) -> torch.Tensor:
+    plan = step_check._Plan(None, 10, ["t"], [t])
+    return step_check.digest(plan, [t])
+
+
+def test_digest_is_deterministic_and_sees_scaling_one_element_and_permutations():
+    torch.manual_seed(0)
+    t = torch.randn(300, 1000)  # larger than the sample: the norm covers every element
+    assert torch.equal(_digest(t), _digest(t.clone()))
+    one = t.clone()
+    one[123, 457] *= 1.01  # one element off by 1%, not in the strided sample
+    swapped = t.clone().reshape(-1)
+    swapped[[0, 4687]] = swapped[[4687, 0]]  # two sampled elements exchanged
+    for other in (t * 1.001, one, swapped.reshape(300, 1000), -t):
+        assert not torch.equal(_digest(t), _digest(other))
+    assert _digest(None)[0] == -1 and _digest(torch.empty(0))[0] == 0  # type: ignore[arg-type]
