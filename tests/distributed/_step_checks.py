@@ -50,6 +50,23 @@ def _torch_clip(rank: int) -> str:
                              r"torch\.nn\.utils\.clip_grad_norm_")
 
 
+def _framework_clips(rank: int) -> list[str]:
+    """accelerate's and Lightning's clipping (what a self-wrapped model gets from
+    ``Accelerator.clip_grad_norm_`` and ``Trainer(gradient_clip_val=...)``): torch's clip."""
+    from accelerate import Accelerator
+    from lightning.pytorch.plugins.precision import Precision
+
+    out = []
+    clips = [lambda model, opt: Accelerator(cpu=True).clip_grad_norm_(model.parameters(), 1e-3),
+             lambda model, opt: Precision().clip_gradients(opt, 1e-3)]
+    for clip in clips:
+        model, opt = _wrapped()
+        _backward(model, 0)
+        clip(model, opt)
+        out.append(_raises(opt.step, r"gradients of .*use torchtp\.clip_grad_norm_"))
+    return out
+
+
 def _torchtp_clip_exact() -> list[float]:
     """torchtp's clip passes the check; weights stay equal to the unsharded run."""
     model, opt = _wrapped()
@@ -107,6 +124,7 @@ def cases(rank: int, world_size: int) -> dict[str, Any]:
     """Every case in one spawned run; each message must be the same on every rank."""
     return {
         "torch_clip": _torch_clip(rank),
+        "framework_clips": _framework_clips(rank),
         "torchtp_clip_err": _torchtp_clip_exact(),
         "edit_first": _edited_weight(rank, 0),
         "edit_step_n": _edited_weight(rank, 3),
