@@ -2,7 +2,9 @@
 
 One run, 2 Gloo CPU processes (one thread each), tp 2: a small Llama (hidden
 256, 4 layers, 8 heads, ffn 704, vocab 8000) wrapped with its default plan
-(``DistributedModelWrapper(model)``), twice in the same processes: once with
+(``DistributedModelWrapper(model)``: embedding and LM head split too; with
+``--replicated-embeddings`` only the decoder layers, so 4.1M replicated
+elements per rank are digested), twice in the same processes: once with
 the check on (``TP_STEP_CHECK`` unset: gradients every step, weights every 10
 steps) and once off (``TP_STEP_CHECK=0`` while wrapping). A step is forward +
 backward + ``torchtp.clip_grad_norm_`` + AdamW. The two variants run in
@@ -13,6 +15,7 @@ and gradients + weights), because the difference of two step medians on a busy
 machine is mostly noise. Target: the check <= 1% of the step.
 
     .venv/bin/python benchmarks/step_check.py --reps 30
+    .venv/bin/python benchmarks/step_check.py --reps 30 --replicated-embeddings
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _llama import build_llama
+from _llama import HF_PLAN, build_llama
 from torchtp.cli._launch import launch
 
 SIZE = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -38,11 +41,11 @@ SIZE = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
 BATCH, SEQ = 4, 128
 
 
-def _stepper(check: bool) -> tuple[Any, Any, torch.optim.Optimizer]:
+def _stepper(check: bool, plan: Any) -> tuple[Any, Any, torch.optim.Optimizer]:
     import torchtp
 
     os.environ["TP_STEP_CHECK"] = "10" if check else "0"
-    model = torchtp.DistributedModelWrapper(build_llama(**SIZE).train())
+    model = torchtp.DistributedModelWrapper(build_llama(**SIZE).train(), plan=plan)
     os.environ.pop("TP_STEP_CHECK")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, SIZE["vocab_size"], (BATCH, SEQ), generator=torch.Generator()
@@ -75,13 +78,13 @@ def _direct(opt: torch.optim.Optimizer, weights: bool, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, world: int, reps: int) -> dict[str, Any]:
+def _rank(rank: int, world: int, reps: int, plan: Any) -> dict[str, Any]:
     import torchtp
     from torchtp import step_check
 
     warnings.filterwarnings("ignore")
     torchtp.init_tensor_parallel(tp_size=2)
-    steps = {"on": _stepper(True), "off": _stepper(False)}
+    steps = {"on": _stepper(True, plan), "off": _stepper(False, plan)}
     for step, _, _ in steps.values():
         step()  # warm-up
     wall: dict[str, list[float]] = {n: [] for n in steps}
@@ -100,9 +103,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=30, help="interleaved repetitions")
+    parser.add_argument("--replicated-embeddings", action="store_true",
+                        help="plan only the decoder layers (benchmarks/_llama.py HF_PLAN): the "
+                             "embedding and LM head stay replicated, so the check reads them")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    per_rank = launch(_rank, 2, args.reps, timeout=3600)
+    plan = HF_PLAN if args.replicated_embeddings else None
+    per_rank = launch(_rank, 2, args.reps, plan, timeout=3600)
     load_after = os.getloadavg()
     ms = {n: statistics.median(max(ts) for ts in zip(*[r["wall"][n] for r in per_rank],
                                                     strict=True)) * 1e3 for n in ("on", "off")}
