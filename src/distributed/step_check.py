@@ -187,15 +187,14 @@ def digest(plan: _Plan, tensors: list[torch.Tensor | None]) -> torch.Tensor:
     count = len(tensors)
     local = [None if t is None else _local(t) for t in tensors]
     present = tuple(i for i, t in enumerate(local) if t is not None and t.numel())
+    chosen = [t for t in local if t is not None and t.numel()]
     device = next((t.device for t in local if t is not None), torch.device("cpu"))
     norms = torch.full((count,), -1.0, dtype=torch.float64, device=device)
-    norms[[i for i, t in enumerate(local) if t is not None]] = 0.0
+    norms[[i for i, t in enumerate(local) if t is not None]] = 0.0  # empty tensors: 0
     sums = torch.zeros(count, dtype=torch.float64, device=device)
-    if present:
-        chosen = [local[i] for i in present]
-        index = torch.tensor(present, device=device)
-        values = _torch_compat.foreach_norm(chosen, 2.0, dtype=torch.float64)  # type: ignore
-        norms[index] = torch.stack([v.to(device) for v in values])
+    if chosen:
+        values = _torch_compat.foreach_norm(chosen, 2.0, dtype=torch.float64)
+        norms[torch.tensor(present, device=device)] = torch.stack([v.to(device) for v in values])
         segment, weight = _layout(plan, present, chosen, device)
         sample = torch.cat([_sample(t).to(device) for t in chosen]).to(torch.float64)
         sums.index_add_(0, segment, sample * weight)
@@ -204,7 +203,7 @@ def digest(plan: _Plan, tensors: list[torch.Tensor | None]) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     # FSDP2: TP peers hold the same DP shard of a replicated parameter; compare that.
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
