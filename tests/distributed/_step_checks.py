@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import torchtp
+from torchtp import step_check
 
 from ._models import deep_mlp
 
@@ -64,6 +65,29 @@ def _framework_clips(rank: int) -> list[str]:
         _backward(model, 0)
         clip(model, opt)
         out.append(_raises(opt.step, r"gradients of .*use torchtp\.clip_grad_norm_"))
+    return out
+
+
+def _peft(rank: int) -> list[Any]:
+    """LoRA on a wrapped model: its replicated adapters (A of a weight-rows-split layer, B of
+    a weight-columns-split one) agree after a plain step, and torch's clip is caught."""
+    from peft import LoraConfig, get_peft_model
+
+    wrapped, _ = _wrapped()
+    torch.manual_seed(1)
+    lora = LoraConfig(r=2, target_modules=["0", "3"], init_lora_weights="gaussian")
+    model = get_peft_model(wrapped.base_model, lora)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    out: list[Any] = []
+    for clip in (False, True):
+        opt.zero_grad()
+        _backward(model, 0)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            out.append(_raises(opt.step, r"gradients of '.*lora_.*use torchtp\.clip_grad_norm_"))
+        else:
+            opt.step()
+            out.append(sorted(step_check._plans(opt)[0].names))
     return out
 
 
@@ -125,6 +149,7 @@ def cases(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "torch_clip": _torch_clip(rank),
         "framework_clips": _framework_clips(rank),
+        "peft": _peft(rank),
         "torchtp_clip_err": _torchtp_clip_exact(),
         "edit_first": _edited_weight(rank, 0),
         "edit_step_n": _edited_weight(rank, 3),
