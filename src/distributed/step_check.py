@@ -235,6 +235,9 @@ def _mismatch(plan: _Plan, slots: list[int], high: torch.Tensor,
         lo, hi = float(low[slot]), float(high[slot])
         kind = 0 if part >= 2 else 1 if part == 0 and lo < 0 <= hi else 2
         kinds.setdefault(kind, {}).setdefault(index, (lo, hi))
+    for index in kinds.get(1, {}):  # a missing gradient's sample differs too: say it once
+        kinds.get(2, {}).pop(index, None)
+    kinds = {kind: found for kind, found in kinds.items() if found}
     causes = {0: ("weights", _CAUSE_WEIGHT), 1: ("gradient presence", _CAUSE_PRESENCE),
               2: ("gradients", _CAUSE_GRAD)}
     parts = []
@@ -244,8 +247,8 @@ def _mismatch(plan: _Plan, slots: list[int], high: torch.Tensor,
         names = ", ".join(f"'{plan.names[i]}'" for i in found[:3])
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
         lo, hi = kinds[kind][found[0]]
-        parts.append(f"{what} of {names}{more} (first digest {lo:.6g} .. {hi:.6g} over ranks): "
-                     f"likely {cause}")
+        spread = "" if kind == 1 else f" (first digest {lo:.6g} .. {hi:.6g} over ranks)"
+        parts.append(f"{what} of {names}{more}{spread}: likely {cause}")
     return RankMismatchError(
         f"optimizer step {plan.steps}: replicated parameters (split along no dimension, so all "
         f"{group_size(plan.group)} TP ranks must hold the same copy) differ across TP ranks "

@@ -91,6 +91,19 @@ def _peft(rank: int) -> list[Any]:
     return out
 
 
+def _presence(rank: int) -> str:
+    """A frozen parameter (no gradient anywhere) passes; a gradient dropped on one rank not."""
+    model, opt = _wrapped()
+    model.base_model[4].bias.requires_grad_(False)
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    _backward(model, 1)
+    if rank == 1:
+        model.base_model[4].weight.grad = None
+    return _raises(opt.step, r"gradient presence of '4\.weight'.*on some TP ranks only")
+
+
 def _torchtp_clip_exact() -> list[float]:
     """torchtp's clip passes the check; weights stay equal to the unsharded run."""
     model, opt = _wrapped()
@@ -150,6 +163,7 @@ def cases(rank: int, world_size: int) -> dict[str, Any]:
         "torch_clip": _torch_clip(rank),
         "framework_clips": _framework_clips(rank),
         "peft": _peft(rank),
+        "presence": _presence(rank),
         "torchtp_clip_err": _torchtp_clip_exact(),
         "edit_first": _edited_weight(rank, 0),
         "edit_step_n": _edited_weight(rank, 3),
