@@ -160,6 +160,21 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum"
     return all_reduce_(tensor.clone(memory_format=torch.contiguous_format), group, op)
 
 
+def all_reduce_as(tensor: torch.Tensor, group: ProcessGroup | None, op: str,
+                  name: str) -> torch.Tensor:
+    """:func:`all_reduce` recorded, counted and shape-agreed as op ``all_reduce:<name>``.
+
+    For a check that runs beside the model's own all-reduces (the optimizer-step
+    check): its own op name keeps its agreed shape apart from theirs, so neither
+    forces a store round trip on every call, and counts show it separately.
+    """
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    n = record(f"all_reduce:{name}", out, group)
+    work = dist.all_reduce(out, op=TORCH_OPS[op], group=group, async_op=n is not None)
+    _finish(work, n, f"all_reduce:{name}", out, group)
+    return out
+
+
 def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None,
                size: int | None = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` (fresh tensor).

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import clip, ddp_guard, forward_guard, regions, rng
+from . import clip, ddp_guard, forward_guard, regions, rng, step_check
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint.load import from_pretrained
@@ -105,6 +105,8 @@ class DistributedModelWrapper(nn.Module):
                                     adjust=options.adjust)
             fingerprint = _fingerprint(model, resolved, ctx)
             fingerprint["options"] = (loss_parallel, sequence_parallel)  # type: ignore[assignment]
+            fingerprint[f"{step_check.ENV} (optimizer-step check period)"] = \
+                step_check.period_from_env()
         except Exception as err:
             # Any rank-local error (e.g. a plan file missing on one node), not only
             # validation errors, must reach agree(), or the other ranks hang in it.
@@ -122,6 +124,7 @@ class DistributedModelWrapper(nn.Module):
             self.loss_parallel = loss_parallel
             self.sequence_parallel = options.sequence is not None
             clip.track(model)
+            step_check.track(model, ctx.group)
             rng.install(model)
             self.train(model.training)  # records where dropout would draw (see train)
             guard_frameworks(self)

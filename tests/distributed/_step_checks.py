@@ -1,0 +1,171 @@
+"""Rank functions for test_step_check: the optimizer-step check of replicated state."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchtp
+from torchtp import step_check
+
+from ._models import deep_mlp
+
+
+def _batch(step: int) -> torch.Tensor:
+    torch.manual_seed(100 + step)
+    return torch.randn(4, 16)
+
+
+def _wrapped(period: str | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    if period is None:
+        os.environ.pop("TP_STEP_CHECK", None)
+    else:
+        os.environ["TP_STEP_CHECK"] = period
+    model = torchtp.DistributedModelWrapper(deep_mlp().eval())  # eval: no dropout draws
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _backward(model: nn.Module, step: int) -> torch.Tensor:
+    loss = model(_batch(step)).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _raises(fn: Callable[[], Any], match: str) -> str:
+    with pytest.raises(torchtp.RankMismatchError, match=match) as info:
+        fn()
+    return str(info.value)
+
+
+def _torch_clip(rank: int) -> str:
+    """torch's clip on the local shards: each rank clips by a different factor."""
+    model, opt = _wrapped()
+    _backward(model, 0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    return _raises(opt.step, r"gradients of '3\.bias'.*use torchtp\.clip_grad_norm_ instead of "
+                             r"torch\.nn\.utils\.clip_grad_norm_")
+
+
+def _framework_clips(rank: int) -> list[str]:
+    """accelerate's and Lightning's clipping (what a self-wrapped model gets from
+    ``Accelerator.clip_grad_norm_`` and ``Trainer(gradient_clip_val=...)``): torch's clip."""
+    from accelerate import Accelerator
+    from lightning.pytorch.plugins.precision import Precision
+
+    out = []
+    clips = [lambda model, opt: Accelerator(cpu=True).clip_grad_norm_(model.parameters(), 1e-3),
+             lambda model, opt: Precision().clip_gradients(opt, 1e-3)]
+    for clip in clips:
+        model, opt = _wrapped()
+        _backward(model, 0)
+        clip(model, opt)
+        out.append(_raises(opt.step, r"gradients of .*use torchtp\.clip_grad_norm_"))
+    return out
+
+
+def _peft(rank: int) -> list[Any]:
+    """LoRA on a wrapped model: its replicated adapters (A of a weight-rows-split layer, B of
+    a weight-columns-split one) agree after a plain step, and torch's clip is caught."""
+    from peft import LoraConfig, get_peft_model
+
+    wrapped, _ = _wrapped()
+    torch.manual_seed(1)
+    lora = LoraConfig(r=2, target_modules=["0", "3"], init_lora_weights="gaussian")
+    model = get_peft_model(wrapped.base_model, lora)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    out: list[Any] = []
+    for clip in (False, True):
+        opt.zero_grad()
+        _backward(model, 0)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            out.append(_raises(opt.step, r"gradients of '.*lora_.*use torchtp\.clip_grad_norm_"))
+        else:
+            opt.step()
+            out.append(sorted(step_check._plans(opt)[0].names))
+    return out
+
+
+def _presence(rank: int) -> str:
+    """A frozen parameter (no gradient anywhere) passes; a gradient dropped on one rank not."""
+    model, opt = _wrapped()
+    model.base_model[4].bias.requires_grad_(False)
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    _backward(model, 1)
+    if rank == 1:
+        model.base_model[4].weight.grad = None
+    return _raises(opt.step, r"gradient presence of '4\.weight'.*on some TP ranks only")
+
+
+def _torchtp_clip_exact() -> list[float]:
+    """torchtp's clip passes the check; weights stay equal to the unsharded run."""
+    model, opt = _wrapped()
+    ref = deep_mlp().eval()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _backward(model, step)
+        _backward(ref, step)
+        torchtp.clip_grad_norm_(model, 0.05)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        ref_opt.step()
+    with torch.no_grad():
+        return [float((model(_batch(9)) - ref(_batch(9))).abs().max())]
+
+
+def _edited_weight(rank: int, at_step: int) -> str:
+    """Rank 1's replicated LayerNorm weight off by 1% just before optimizer step ``at_step``
+    (after the backward, so only the weights differ): caught at that step."""
+    model, opt = _wrapped("3")
+    for step in range(at_step + 1):
+        opt.zero_grad()
+        _backward(model, step)
+        if step < at_step:
+            opt.step()
+    if rank == 1:
+        with torch.no_grad():
+            model.base_model[4].weight.mul_(1.01)
+    return _raises(opt.step, r"weights of '4\.weight' .*likely a wrong shard file or a rank-local edit")
+
+
+def _untouched_and_off(rank: int) -> list[Any]:
+    """A plain optimizer issues no collective; TP_STEP_CHECK=0 lets torch's clip through."""
+    plain = nn.Linear(4, 4)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(torch.randn(2, 4)).sum().backward()
+    model, opt = _wrapped()
+    _backward(model, 0)
+    with torchtp.count_collectives() as plain_count:
+        plain_opt.step()
+    with torchtp.count_collectives() as tp_count:
+        opt.step()
+    off, off_opt = _wrapped("0")
+    _backward(off, 0)
+    torch.nn.utils.clip_grad_norm_(off.parameters(), 1e-3)
+    with torchtp.count_collectives() as off_count:
+        off_opt.step()
+    os.environ.pop("TP_STEP_CHECK", None)
+    return [plain_count.total, dict(tp_count.counts), off_count.total]
+
+
+def cases(rank: int, world_size: int) -> dict[str, Any]:
+    """Every case in one spawned run; each message must be the same on every rank."""
+    return {
+        "torch_clip": _torch_clip(rank),
+        "framework_clips": _framework_clips(rank),
+        "peft": _peft(rank),
+        "presence": _presence(rank),
+        "torchtp_clip_err": _torchtp_clip_exact(),
+        "edit_first": _edited_weight(rank, 0),
+        "edit_step_n": _edited_weight(rank, 3),
+        "untouched": _untouched_and_off(rank),
+    }
