@@ -456,11 +456,15 @@ def entry_barrier(group: ProcessGroup | None, name: str, timeout: float) -> str 
     """Wait until every rank of ``group`` enters ``name``, at most ``timeout`` seconds.
 
     Ranks meet at the k-th *successful* entry of ``name``: a rank that gives up
-    withdraws its arrival, so a call made on a subset of the ranks does not
-    shift the later calls that every rank makes.
+    withdraws its arrival. It gives up early when a missing rank posted that it
+    exited, died or raised at or after this point (it will never come). A rank
+    that gives up posts its failure and poisons the group on this rank: the
+    missing ranks may be blocked in a collective this rank never enters, so
+    they raise at once (blocked in a torchtp collective) or at their next
+    torchtp collective, and no exit barrier waits for them afterwards.
 
     Returns:
-        ``None`` when every rank arrived, else which ranks did not.
+        ``None`` when every rank arrived, else which ranks did not and why.
     """
     st = state(group)
     done = st.entries.get(name, 0)
@@ -469,10 +473,12 @@ def entry_barrier(group: ProcessGroup | None, name: str, timeout: float) -> str 
     count = st.store.add(key, 1)
     deadline = time.monotonic() + timeout
     delay = 0.001
-    while count < st.size and time.monotonic() < deadline:
+    gone: str | None = None
+    while count < st.size and time.monotonic() < deadline and gone is None:
         time.sleep(delay)
         delay = min(2 * delay, 0.05)
         count = st.store.add(key, 0)
+        gone = _gone(st, key) if count < st.size else None
     if count >= st.size:
         st.entries[name] = done + 1
         return None
@@ -480,4 +486,35 @@ def entry_barrier(group: ProcessGroup | None, name: str, timeout: float) -> str 
     _delete(st.store, f"{key}/{st.rank}")
     missing = [r for r in range(st.size)
                if r != st.rank and not st.store.check([f"{key}/{r}"])]
-    return f"ranks {missing} did not arrive within {timeout:.0f} s"
+    why = gone or f"did not arrive within {timeout:.0f} s"
+    reason = f"ranks {missing} {why}"
+    _give_up(st, f"RuntimeError: {name} called on a subset of the ranks: {reason}")
+    return reason
+
+
+def _gone(st: GroupState, key: str) -> str | None:
+    """Why a rank missing from ``key`` will never arrive (it exited, died or raised), if it posted."""
+    for rank, m, kind, msg in _failure_records(st):
+        if rank == st.rank or st.store.check([f"{key}/{rank}"]):
+            continue
+        if kind in ("exit", "died") or (kind == "fail" and m >= st.seq):
+            return (f"(rank {rank} reached the end of its program)" if kind == "exit"
+                    else f"(rank {rank} {'exited with' if kind == 'died' else 'raised'} {msg})")
+    return None
+
+
+def _give_up(st: GroupState, what: str) -> None:
+    """After a failed entry barrier: post it for the other ranks and poison the group here.
+
+    The acknowledgement of collective ``n`` lets a rank that checks the
+    signature of ``n`` later skip it with this one instead of waiting for it;
+    a rank that failed later than ``n`` is answered too, so neither waits.
+    """
+    n = st.seq
+    st.seq = n + 1
+    post(st, n, "fail", what.replace("|", "/"))
+    st.store.set(f"torchtp/ack/{n}/{st.rank}", "skipped")
+    for rank, m, kind, _msg in _failure_records(st):
+        if kind == "fail" and m > n and rank != st.rank:  # it waits for this rank's answer
+            st.store.set(f"torchtp/ack/{m}/{st.rank}", "in flight")
+    st.poisoned = inconsistent(st.rank, what)

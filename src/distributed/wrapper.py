@@ -255,22 +255,26 @@ class DistributedModelWrapper(nn.Module):
         return from_pretrained(lambda model: cls(model, plan=plan, group=group), path, plan,
                                dtype, device, model_class, group, progress)
 
-    def save_sharded(self, directory: str | os.PathLike[str], timeout: float = 120.0) -> None:
+    def save_sharded(self, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
         """Collective: every rank writes its shard, rank 0 the metadata (see docs/checkpoints.md).
 
         Raises:
-            RuntimeError: not every rank called it within ``timeout`` seconds.
+            RuntimeError: not every rank called it within ``timeout`` seconds
+                (default 60 s, or ``TP_TIMEOUT`` if shorter; at once when the
+                missing ranks already exited).
             ValueError: the directory cannot be written (on every rank; the
                 previous checkpoint there stays intact).
         """
         save_sharded(self, directory, timeout)
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
-                        timeout: float = 120.0) -> None:
+                        timeout: float | None = None) -> None:
         """Collective: a consolidated HF directory, gathered one tensor at a time on rank 0.
 
         Raises:
-            RuntimeError: not every rank called it within ``timeout`` seconds.
+            RuntimeError: not every rank called it within ``timeout`` seconds
+                (default 60 s, or ``TP_TIMEOUT`` if shorter; at once when the
+                missing ranks already exited).
             ValueError: the directory cannot be written (on every rank).
         """
         save_pretrained(self, directory, max_shard_size, timeout)

@@ -28,7 +28,7 @@ def gather_layouts(items: list[Placement], group: Any) -> list[dict[str, Any]]:
     return everyone
 
 
-def save_sharded(wrapper: Any, directory: str | os.PathLike[str], timeout: float = 120.0) -> None:
+def save_sharded(wrapper: Any, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
     """Implementation of :meth:`DistributedModelWrapper.save_sharded` (see there)."""
     directory = os.fspath(directory)
     group, rank, tp = wrapper.group, wrapper.rank, wrapper.world_size
