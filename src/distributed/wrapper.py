@@ -12,6 +12,7 @@ from torch import nn
 from . import _torch_compat, clip, forward_guard, regions, rng
 from ._torch_compat import registered_child
 from .agreement import agree
+from .checkpoint import shard_identity
 from .checkpoint.load import from_pretrained
 from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
@@ -216,13 +217,27 @@ class DistributedModelWrapper(nn.Module):
             return getattr(base, name)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's shards, with the original model's parameter names."""
-        return self.base_model.state_dict(*args, **kwargs)
+        """This rank's shards, with the original model's parameter names.
+
+        Its ``_metadata`` (kept by ``torch.save``) records this rank, the tp
+        size, the layout and a model fingerprint, which :meth:`load_state_dict` checks.
+        """
+        return shard_identity.stamp(self.base_model.state_dict(*args, **kwargs),
+                                    self.base_model, self.world_size, self.rank)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
-        """Load this rank's shards (names as in :meth:`state_dict`)."""
-        return self.base_model.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Collective over the TP group: load this rank's shards (names as in :meth:`state_dict`).
+
+        Raises:
+            ValueError: on every rank, when a rank was given another rank's state dict
+                (or one saved at another tp or plan), naming both ranks.
+            RankMismatchError: on every rank, when the ranks' state dicts come from
+                different models or saves (names the replicated parameter that differs).
+            RuntimeError: not every rank called it within min(60 s, ``TP_TIMEOUT``).
+        """
+        return shard_identity.load(self.base_model, state_dict, strict, assign,
+                                   self.world_size, self.rank, self.group)
 
     @classmethod
     def from_pretrained(
