@@ -486,7 +486,7 @@ def entry_barrier(group: ProcessGroup | None, name: str, timeout: float) -> str 
     _delete(st.store, f"{key}/{st.rank}")
     missing = [r for r in range(st.size)
                if r != st.rank and not st.store.check([f"{key}/{r}"])]
-    why = gone or f"did not arrive within {timeout:.0f} s"
+    why = f"will never arrive {gone}" if gone else f"did not arrive within {timeout:.0f} s"
     reason = f"ranks {missing} {why}"
     _give_up(st, f"RuntimeError: {name} called on a subset of the ranks: {reason}")
     return reason
@@ -518,3 +518,6 @@ def _give_up(st: GroupState, what: str) -> None:
         if kind == "fail" and m > n and rank != st.rank:  # it waits for this rank's answer
             st.store.set(f"torchtp/ack/{m}/{st.rank}", "in flight")
     st.poisoned = inconsistent(st.rank, what)
+    # A poisoned group skips the exit barrier (runtime.shutdown_tensor_parallel):
+    # count this rank as arrived there, so the others' barrier does not wait for it.
+    st.store.add("torchtp/exit", 1)
