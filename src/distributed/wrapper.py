@@ -117,6 +117,7 @@ class DistributedModelWrapper(nn.Module):
             self.base_model = model
             self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
             self._resolved = resolved
+            self._origin = shard_identity.origin(fingerprint)  # recorded in saved shards
             self.parallelized_layers = apply_plan(model, resolved, ctx)
             options.install(model, ctx)
             self.loss_parallel = loss_parallel
@@ -222,8 +223,7 @@ class DistributedModelWrapper(nn.Module):
         Its ``_metadata`` (kept by ``torch.save``) records this rank, the tp
         size, the layout and a model fingerprint, which :meth:`load_state_dict` checks.
         """
-        return shard_identity.stamp(self.base_model.state_dict(*args, **kwargs),
-                                    self.base_model, self.world_size, self.rank)
+        return shard_identity.stamp(self.base_model.state_dict(*args, **kwargs), self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
@@ -236,8 +236,7 @@ class DistributedModelWrapper(nn.Module):
                 different models or saves (names the replicated parameter that differs).
             RuntimeError: not every rank called it within min(60 s, ``TP_TIMEOUT``).
         """
-        return shard_identity.load(self.base_model, state_dict, strict, assign,
-                                   self.world_size, self.rank, self.group)
+        return shard_identity.load(self, state_dict, strict, assign)
 
     @classmethod
     def from_pretrained(

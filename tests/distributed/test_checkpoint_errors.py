@@ -69,6 +69,15 @@ def _make_cases(root: str) -> tuple[dict[str, str], str]:
           intermediate_size=96, head_dim=16).save_pretrained(one)
     cases["tp_blocked"] = os.path.join(root, "tp_blocked")
     reshard(one, cases["tp_blocked"], 1)
+    # Rank files copied between checkpoints: same names and shapes, another owner.
+    cases["foreign_file"] = _copy(sharded, os.path.join(root, "foreign_file"))
+    seed1 = os.path.join(root, "seed1")
+    torchtp.DistributedModelWrapper(build("llama", seed=1)).save_sharded(seed1)
+    shutil.copy(os.path.join(seed1, "rank-00000-of-00001.safetensors"), cases["foreign_file"])
+    cases["wrong_rank_file"] = os.path.join(root, "wrong_rank_file")
+    reshard(good, cases["wrong_rank_file"], 2)
+    shutil.copy(os.path.join(cases["wrong_rank_file"], "rank-00000-of-00002.safetensors"),
+                os.path.join(cases["wrong_rank_file"], "rank-00001-of-00002.safetensors"))
     cases["no_config"] = _copy(good, os.path.join(root, "no_config"))
     os.remove(os.path.join(cases["no_config"], "config.json"))
     return cases, good
@@ -92,6 +101,12 @@ def test_offline_errors(tmp_path):
     with pytest.raises(ValueError, match="truncated or corrupt"):
         reshard(cases["truncated"], str(tmp_path / "r"), 2)
     assert not os.path.exists(str(tmp_path / "r2")) and not os.path.exists(str(tmp_path / "r"))
+    with pytest.raises(ValueError, match=r"rank-00000-of-00001\.safetensors comes from another "
+                       r"model or save \(model fingerprint [0-9a-f]{16}, the checkpoint"):
+        reshard(cases["foreign_file"], str(tmp_path / "r"), 2)
+    with pytest.raises(ValueError, match=r"rank-00001-of-00002\.safetensors holds TP rank 0's "
+                       r"shards of a tp 2 save, but the checkpoint lists it as rank 1's of tp 2"):
+        reshard(cases["wrong_rank_file"], str(tmp_path / "r"), 1)
 
 
 def test_bad_max_shard_size_is_named_and_leaves_nothing(tmp_path):

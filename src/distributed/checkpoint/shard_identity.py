@@ -30,36 +30,51 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from torch import nn
-
 from ..agreement import agree
 from ..fingerprints import tensor_digest
-from ..runtime import ProcessGroup, group_size
+from ..runtime import group_size
 from .atomic import enter
 from .placements import placements
 
 KEY = "torchtp_shard"
 _WHAT = "load_state_dict"
+FINGERPRINT = ("model fingerprint (sampled digest of every replicated parameter; ranks whose "
+               "replicated copies differ would save an ambiguous model)")
 
 
-def identity(model: nn.Module, tp: int, rank: int) -> dict[str, Any]:
-    """What a per-rank state dict of ``model`` (this rank's shards) records about itself."""
+def origin(wrap_fingerprint: dict[str, Any]) -> str:
+    """Which model a wrapper was built from: a digest of what its ranks agreed on at wrap time.
+
+    That agreement holds a sampled digest of every full tensor before slicing,
+    so models built from different seeds or checkpoints differ here even when
+    their replicated tensors are equal (fresh norms are all ones).
+    """
+    return hashlib.blake2b(repr(sorted(wrap_fingerprint.items(), key=str)).encode(),
+                           digest_size=8).hexdigest()
+
+
+def identity(wrapper: Any) -> dict[str, Any]:
+    """What a per-rank state dict of ``wrapper`` (this rank's shards) records about itself.
+
+    ``model`` combines the wrap-time origin with a digest of the replicated
+    tensors now (equal on every rank of one model at one moment).
+    """
     layout = hashlib.blake2b(digest_size=8)
-    fingerprint = hashlib.blake2b(digest_size=8)
-    for p in placements(model):
+    fingerprint = hashlib.blake2b(str(wrapper.__dict__.get("_origin")).encode(), digest_size=8)
+    for p in placements(wrapper.base_model):
         layout.update(repr((p.name, p.layout.dim, p.layout.segments,
                             tuple(p.layout.full_shape))).encode())
         if p.layout.dim is None:  # replicated: the same bytes on every rank
             fingerprint.update(f"{p.name}={tensor_digest(p.tensor)};".encode())
-    return {"tp_size": tp, "rank": rank, "layout": layout.hexdigest(),
+    return {"tp_size": wrapper.world_size, "rank": wrapper.rank, "layout": layout.hexdigest(),
             "model": fingerprint.hexdigest()}
 
 
-def stamp(state_dict: dict[str, Any], model: nn.Module, tp: int, rank: int) -> dict[str, Any]:
+def stamp(state_dict: dict[str, Any], wrapper: Any) -> dict[str, Any]:
     """Record :func:`identity` in ``state_dict._metadata`` (absent: left unstamped)."""
     meta = getattr(state_dict, "_metadata", None)
     if isinstance(meta, dict):
-        meta.setdefault("", {})[KEY] = identity(model, tp, rank)
+        meta.setdefault("", {})[KEY] = identity(wrapper)
     return state_dict
 
 
@@ -86,19 +101,20 @@ def wrong_file(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
     return None
 
 
-def load(model: nn.Module, state_dict: Mapping[str, Any], strict: bool, assign: bool,
-         tp: int, rank: int, group: ProcessGroup | None) -> Any:
-    """``model.load_state_dict`` checked as the module docstring says; collective over ``group``.
+def load(wrapper: Any, state_dict: Mapping[str, Any], strict: bool, assign: bool) -> Any:
+    """``base_model.load_state_dict`` checked as the module docstring says; collective over
+    the wrapper's TP group.
 
     Raises:
         ValueError: on every rank, when a rank was given another rank's (or
             another plan's) state dict, naming both ranks.
         RankMismatchError: on every rank, when the ranks' files come from
             different models or saves (a replicated parameter differs after
-            loading, named).
+            loading, named; else the recorded model fingerprints differ).
         RuntimeError: not every rank called it within min(60 s, TP_TIMEOUT),
             or ``nn.Module.load_state_dict``'s own errors (on every rank).
     """
+    model, group = wrapper.base_model, wrapper.group
     collective = group is not None and group_size(group) > 1
     if collective:
         enter(_WHAT, group, None)
@@ -106,7 +122,7 @@ def load(model: nn.Module, state_dict: Mapping[str, Any], strict: bool, assign: 
     error: BaseException | None = None
     result = None
     if saved is not None:
-        reason = wrong_file(saved, identity(model, tp, rank))
+        reason = wrong_file(saved, identity(wrapper))
         error = ValueError(f"{_WHAT}: {reason}") if reason else None
     if error is None:
         try:
@@ -128,3 +144,31 @@ def load(model: nn.Module, state_dict: Mapping[str, Any], strict: bool, assign: 
                "from different models or saves)"] = saved and saved.get("model")
     agree(_WHAT, error, prints, group)
     return result
+
+
+def file_metadata(ident: dict[str, Any]) -> dict[str, str]:
+    """A sharded checkpoint's rank-file header metadata (safetensors ``__metadata__``: strings)."""
+    return {"format": "pt", **{f"torchtp_{k}": str(v) for k, v in ident.items()}}
+
+
+def check_rank_file(path: str, metadata: dict[str, str], rank: int, tp: int,
+                    model: str | None) -> None:
+    """Raise if a sharded checkpoint's rank file is another rank's or another save's.
+
+    Files written before this record existed (no ``torchtp_rank``) pass.
+
+    Raises:
+        ValueError: naming the file, the rank and tp it records and the
+            expected ones, or the two model fingerprints.
+    """
+    if "torchtp_rank" not in metadata:
+        return
+    saved = (metadata.get("torchtp_rank"), metadata.get("torchtp_tp_size"))
+    if saved != (str(rank), str(tp)):
+        raise ValueError(f"{path} holds TP rank {saved[0]}'s shards of a tp {saved[1]} save, but "
+                         f"the checkpoint lists it as rank {rank}'s of tp {tp}: the rank files "
+                         "were renamed or copied between checkpoints; re-save")
+    if model is not None and metadata.get("torchtp_model") != model:
+        raise ValueError(f"{path} comes from another model or save (model fingerprint "
+                         f"{metadata.get('torchtp_model')}, the checkpoint metadata's {model}): "
+                         "the rank files were copied between checkpoints; re-save")

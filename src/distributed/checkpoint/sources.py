@@ -16,6 +16,7 @@ import torch
 
 from .atomic import OLD_SUFFIX
 from .fmt import METADATA_FILE, read_metadata
+from .shard_identity import check_rank_file
 from .st_reader import StFile
 
 Segments = tuple[tuple[int, int], ...]
@@ -121,6 +122,8 @@ class TorchTPSource(Source):
         self.path = path
         self.meta = read_metadata(path)
         self.files = [StFile(os.path.join(path, f)) for f in self.meta["files"]]
+        for r, f in enumerate(self.files):
+            check_rank_file(f.path, f.metadata, r, len(self.files), self.meta.get("model"))
         self.tensors: dict[str, dict] = self.meta["tensors"]
         for name, info in self.tensors.items():
             for shard in info["shards"]:
