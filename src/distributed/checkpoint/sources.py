@@ -122,12 +122,13 @@ class TorchTPSource(Source):
         self.path = path
         self.meta = read_metadata(path)
         self.files = [StFile(os.path.join(path, f)) for f in self.meta["files"]]
-        for r, f in enumerate(self.files):
-            check_rank_file(f.path, f.metadata, r, len(self.files), self.meta.get("model"))
         self.tensors: dict[str, dict] = self.meta["tensors"]
         for name, info in self.tensors.items():
             for shard in info["shards"]:
                 self._check_shard(name, info, shard)
+        # After the shapes: a file with the right shapes may still be another rank's or save's.
+        for r, f in enumerate(self.files):
+            check_rank_file(f.path, f.metadata, r, len(self.files), self.meta.get("model"))
 
     def _check_shard(self, name: str, info: dict, shard: dict) -> None:
         f = self.files[shard["rank"]]
