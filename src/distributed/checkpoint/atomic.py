@@ -49,8 +49,7 @@ def enter(what: str, group: Any, timeout: float | None) -> None:
 
     Raises:
         RuntimeError: some ranks did not call it (on the ranks that did, after
-            at most the bound, whichever ranks they are). The group is then
-            unusable on those ranks (see :func:`torchtp._health.entry_barrier`).
+            at most the bound, whichever ranks they are; the group stays usable).
     """
     if group_size(group) == 1:
         return
@@ -61,7 +60,7 @@ def enter(what: str, group: Any, timeout: float | None) -> None:
             f"{what} is collective: every rank of the tensor-parallel group (size "
             f"{group_size(group)}) must call it, but {missing} (the bound is timeout= or "
             f"min(60 s, TP_TIMEOUT), here {bound:.0f} s); call it on all ranks, not only on "
-            "rank 0, and restart: this group's ranks no longer run the same program")
+            "rank 0")
 
 
 def check_target(directory: str) -> None:
