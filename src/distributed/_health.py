@@ -56,6 +56,8 @@ from .runtime import ProcessGroup, collective_timeout
 POLL_S = 0.2
 _POLL = timedelta(seconds=POLL_S)
 _FAILURES = "torchtp/failures"
+# The exit barrier's bound after an entry barrier gave up (see entry_barrier).
+AFTER_MISSED_S = 2.0
 # Set on an exception once every rank that must hear of it was told (or
 # raises it too), so an enclosing forward does not report it again.
 REPORTED = "_torchtp_reported"
@@ -73,6 +75,7 @@ class GroupState:
     last_check: int | None = None
     poisoned: str | None = None
     entries: dict[str, int] = field(default_factory=dict)  # entry_barrier calls per name
+    missed_entry: bool = False  # the last entry_barrier gave up (see exit_barrier)
     failures: list[tuple[int, int, str, str]] = field(default_factory=list)  # read so far
     backward_open: bool = False  # a backward through a wrapped model started, not yet finished
     # Tensors of finished CPU collectives that Gloo's worker may still hold,
@@ -428,13 +431,16 @@ def known_groups() -> list[GroupState]:
 def exit_barrier(group: ProcessGroup | None, timeout: float) -> bool:
     """Wait until every rank of ``group`` arrives here, at most ``timeout`` seconds.
 
-    Gives up early when a rank posted that it died. Uses the store, not a
+    Gives up early when a rank posted that it died, and waits at most
+    :data:`AFTER_MISSED_S` after an entry barrier gave up. Uses the store, not a
     collective, so a rank that never comes cannot block this one past the bound.
 
     Returns:
         True when every rank arrived.
     """
     st = state(group)
+    if any(other.missed_entry for other in _STATES.values()):
+        timeout = min(timeout, AFTER_MISSED_S)
     # Ranks still waiting in a collective learn that this one will never enter it.
     post(st, st.seq, "exit", "normal exit")
     st.store.add("torchtp/exit", 1)
@@ -457,10 +463,14 @@ def entry_barrier(group: ProcessGroup | None, name: str, timeout: float) -> str 
 
     Ranks meet at the k-th *successful* entry of ``name``: a rank that gives up
     withdraws its arrival, so a call made on a subset of the ranks does not
-    shift the later calls that every rank makes.
+    shift the later calls that every rank makes. It gives up early when a
+    missing rank posted that it exited, died or raised at or after this point
+    (it will never come). Until an entry barrier completes again, the exit
+    barrier waits at most :data:`AFTER_MISSED_S` (the missing ranks may be
+    blocked in a collective this rank never enters: no second timeout).
 
     Returns:
-        ``None`` when every rank arrived, else which ranks did not.
+        ``None`` when every rank arrived, else which ranks did not and why.
     """
     st = state(group)
     done = st.entries.get(name, 0)
@@ -469,15 +479,31 @@ def entry_barrier(group: ProcessGroup | None, name: str, timeout: float) -> str 
     count = st.store.add(key, 1)
     deadline = time.monotonic() + timeout
     delay = 0.001
-    while count < st.size and time.monotonic() < deadline:
+    gone: str | None = None
+    while count < st.size and time.monotonic() < deadline and gone is None:
         time.sleep(delay)
         delay = min(2 * delay, 0.05)
         count = st.store.add(key, 0)
+        gone = _gone(st, key) if count < st.size else None
     if count >= st.size:
         st.entries[name] = done + 1
+        st.missed_entry = False
         return None
     st.store.add(key, -1)
     _delete(st.store, f"{key}/{st.rank}")
     missing = [r for r in range(st.size)
                if r != st.rank and not st.store.check([f"{key}/{r}"])]
-    return f"ranks {missing} did not arrive within {timeout:.0f} s"
+    st.missed_entry = True
+    why = f"will never arrive {gone}" if gone else f"did not arrive within {timeout:.0f} s"
+    return f"ranks {missing} {why}"
+
+
+def _gone(st: GroupState, key: str) -> str | None:
+    """Why a rank missing from ``key`` will never arrive (it exited, died or raised), if it posted."""
+    for rank, m, kind, msg in _failure_records(st):
+        if rank == st.rank or st.store.check([f"{key}/{rank}"]):
+            continue
+        if kind in ("exit", "died") or (kind == "fail" and m >= st.seq):
+            return (f"(rank {rank} reached the end of its program)" if kind == "exit"
+                    else f"(rank {rank} {'exited with' if kind == 'died' else 'raised'} {msg})")
+    return None

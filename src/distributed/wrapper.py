@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import clip, ddp_guard, forward_guard, regions, rng, step_check
 from ._torch_compat import registered_child
 from .agreement import agree
+from .checkpoint import shard_identity
 from .checkpoint.load import from_pretrained
 from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
@@ -119,6 +120,7 @@ class DistributedModelWrapper(nn.Module):
             self.base_model = model
             self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
             self._resolved = resolved
+            self._origin = shard_identity.origin(fingerprint)  # recorded in saved shards
             self.parallelized_layers = apply_plan(model, resolved, ctx)
             options.install(model, ctx)
             self.loss_parallel = loss_parallel
@@ -206,13 +208,25 @@ class DistributedModelWrapper(nn.Module):
             return getattr(base, name)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's shards, with the original model's parameter names."""
-        return self.base_model.state_dict(*args, **kwargs)
+        """This rank's shards, with the original model's parameter names.
+
+        Its ``_metadata`` (kept by ``torch.save``) records this rank, the tp
+        size, the layout and a model fingerprint, which :meth:`load_state_dict` checks.
+        """
+        return shard_identity.stamp(self.base_model.state_dict(*args, **kwargs), self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
-        """Load this rank's shards (names as in :meth:`state_dict`)."""
-        return self.base_model.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Collective over the TP group: load this rank's shards (names as in :meth:`state_dict`).
+
+        Raises:
+            ValueError: on every rank, when a rank was given another rank's state dict
+                (or one saved at another tp or plan), naming both ranks.
+            RankMismatchError: on every rank, when the ranks' state dicts come from
+                different models or saves (names the replicated parameter that differs).
+            RuntimeError: not every rank called it within min(60 s, ``TP_TIMEOUT``).
+        """
+        return shard_identity.load(self, state_dict, strict, assign)
 
     @classmethod
     def from_pretrained(
@@ -245,22 +259,26 @@ class DistributedModelWrapper(nn.Module):
         return from_pretrained(lambda model: cls(model, plan=plan, group=group), path, plan,
                                dtype, device, model_class, group, progress)
 
-    def save_sharded(self, directory: str | os.PathLike[str], timeout: float = 120.0) -> None:
+    def save_sharded(self, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
         """Collective: every rank writes its shard, rank 0 the metadata (see docs/checkpoints.md).
 
         Raises:
-            RuntimeError: not every rank called it within ``timeout`` seconds.
+            RuntimeError: not every rank called it within ``timeout`` seconds
+                (default 60 s, or ``TP_TIMEOUT`` if shorter; at once when the
+                missing ranks already exited).
             ValueError: the directory cannot be written (on every rank; the
                 previous checkpoint there stays intact).
         """
         save_sharded(self, directory, timeout)
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
-                        timeout: float = 120.0) -> None:
+                        timeout: float | None = None) -> None:
         """Collective: a consolidated HF directory, gathered one tensor at a time on rank 0.
 
         Raises:
-            RuntimeError: not every rank called it within ``timeout`` seconds.
+            RuntimeError: not every rank called it within ``timeout`` seconds
+                (default 60 s, or ``TP_TIMEOUT`` if shorter; at once when the
+                missing ranks already exited).
             ValueError: the directory cannot be written (on every rank).
         """
         save_pretrained(self, directory, max_shard_size, timeout)

@@ -1,7 +1,8 @@
 """Collective saves that fail together and never leave a half-written checkpoint.
 
 * :func:`enter` - every rank must call a save: a barrier through the group's
-  store, bounded by the save's ``timeout`` (120 s by default) on *every* rank
+  store, bounded by the save's ``timeout`` (default 60 s, or ``TP_TIMEOUT``
+  if shorter; less when the missing ranks already exited) on *every* rank
   that called it, raises on those ranks naming the ranks that did not,
   instead of hanging in the next collective (any backend, any subset).
 * Output goes to ``<dir>.tmp-torchtp`` first; :func:`publish` swaps it in
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from .. import _health
 from ..agreement import agree
+from ..runtime import collective_timeout
 
 TMP_SUFFIX = ".tmp-torchtp"
 OLD_SUFFIX = ".old-torchtp"
@@ -32,21 +34,33 @@ def group_size(group: Any) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
-def enter(what: str, group: Any, timeout: float) -> None:
-    """Raise unless every rank of ``group`` calls ``what`` within ``timeout`` seconds.
+ENTRY_TIMEOUT_S = 60.0
+
+
+def entry_timeout(timeout: float | None) -> float:
+    """A collective save's entry bound: ``timeout``, else 60 s or ``TP_TIMEOUT`` if shorter."""
+    return timeout if timeout is not None else min(ENTRY_TIMEOUT_S, collective_timeout())
+
+
+def enter(what: str, group: Any, timeout: float | None) -> None:
+    """Raise unless every rank of ``group`` calls ``what`` within :func:`entry_timeout` seconds.
+
+    Ends early when a missing rank has exited, died or failed this call already.
 
     Raises:
         RuntimeError: some ranks did not call it (on the ranks that did, after
-            at most ``timeout`` seconds, whichever ranks they are).
+            at most the bound, whichever ranks they are; the group stays usable).
     """
     if group_size(group) == 1:
         return
-    missing = _health.entry_barrier(group, what, timeout)
+    bound = entry_timeout(timeout)
+    missing = _health.entry_barrier(group, what, bound)
     if missing:
         raise RuntimeError(
             f"{what} is collective: every rank of the tensor-parallel group (size "
-            f"{group_size(group)}) must call it, but {missing} (the save's timeout= is "
-            f"{timeout:.0f} s); call it on all ranks, not only on rank 0")
+            f"{group_size(group)}) must call it, but {missing} (the bound is timeout= or "
+            f"min(60 s, TP_TIMEOUT), here {bound:.0f} s); call it on all ranks, not only on "
+            "rank 0")
 
 
 def check_target(directory: str) -> None:
@@ -72,7 +86,7 @@ def check_target(directory: str) -> None:
                          "next to the target, then renames it); pick a writable location")
 
 
-def validate(what: str, directory: str, group: Any, timeout: float, extra: dict | None = None) -> str:
+def validate(what: str, directory: str, group: Any, timeout: float | None, extra: dict | None = None) -> str:
     """Entry barrier, then agree on the target directory; returns the temp dir to write."""
     enter(what, group, timeout)
     error = None

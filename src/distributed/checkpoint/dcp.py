@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..layouts import ParamLayout
 from ..runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
+from .atomic import enter
 from .placements import placements
 
 
@@ -61,7 +62,8 @@ def save_training_state(directory: str | os.PathLike[str], model: nn.Module,
     FSDP2 shards (DTensor parameters over the DP mesh) are all-gathered over
     DP first: the checkpoint does not depend on FSDP2 (see the module docstring).
     """
-    base, group = _unwrap(model)
+    base, group = _unwrap(model, "save_training_state")
+    enter("save_training_state", dist.group.WORLD if dist.is_initialized() else None, None)
     state = _state(base, group, optimizer, for_load=False)
     state["step"] = step
     # One opaque blob: DCP would flatten a dict into keys a loading rank cannot predict.
@@ -76,7 +78,8 @@ def load_training_state(directory: str | os.PathLike[str], model: nn.Module,
     Returns:
         ``(step, extra)`` as saved.
     """
-    base, group = _unwrap(model)
+    base, group = _unwrap(model, "load_training_state")
+    enter("load_training_state", dist.group.WORLD if dist.is_initialized() else None, None)
     if optimizer is not None:
         _init_optimizer_state(optimizer)
     state = _state(base, group, optimizer, for_load=True)
@@ -89,12 +92,25 @@ def load_training_state(directory: str | os.PathLike[str], model: nn.Module,
     return int(state["step"]), pickle.loads(state["extra"].getvalue())
 
 
-def _unwrap(model: nn.Module) -> tuple[nn.Module, ProcessGroup | None]:
-    """The wrapped model's base model and TP group (through a DDP around it)."""
+def _unwrap(model: nn.Module, what: str) -> tuple[nn.Module, ProcessGroup | None]:
+    """The wrapped model's base model and TP group (through a DDP around it).
+
+    Raises:
+        TypeError: ``model`` is not a :class:`~torchtp.DistributedModelWrapper`
+            (or a DDP around one): its parameters have no torchtp layout.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
+    from ..wrapper import DistributedModelWrapper
+
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    return getattr(inner, "base_model", inner), getattr(inner, "group", None)
+    if not isinstance(inner, DistributedModelWrapper):
+        raise TypeError(
+            f"{what} needs the DistributedModelWrapper (or a DDP around it), got "
+            f"{type(inner).__name__}: the checkpoint stores each parameter with its tensor-"
+            "parallel layout (which dimension is split, and where), which only the wrapper "
+            "knows; wrap the model first (torchtp.DistributedModelWrapper(model)) on every rank")
+    return inner.base_model, inner.group
 
 
 def _tp_mesh(group: ProcessGroup | None) -> DeviceMesh | None:

@@ -101,7 +101,9 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], tp: int,
             produce = cast("Callable[[TensorSpec], torch.Tensor]",
                            lambda s, b=by_name: source.read(found[s.name], b[s.name].layout.dim,
                                                             b[s.name].layout.segments))
-            write_file(os.path.join(tmp, rank_file(rank, tp)), specs, produce)
+            # Rank and tp only: no model is in memory to fingerprint (see shard_identity).
+            write_file(os.path.join(tmp, rank_file(rank, tp)), specs, produce,
+                       {"format": "pt", "torchtp_rank": str(rank), "torchtp_tp_size": str(tp)})
         _write_metadata(tmp, wrappers[0], [p for p in per_rank[0] if p.name in found], layouts,
                         write_config=False)
         _copy_configs(src, tmp)

@@ -33,7 +33,7 @@ _WHAT = "save_pretrained"
 
 
 def save_pretrained(wrapper: Any, directory: str | os.PathLike[str],
-                    max_shard_size: int | str = "5GB", timeout: float = 120.0) -> None:
+                    max_shard_size: int | str = "5GB", timeout: float | None = None) -> None:
     """Implementation of :meth:`DistributedModelWrapper.save_pretrained` (see there)."""
     directory = os.fspath(directory)
     group, rank = wrapper.group, wrapper.rank

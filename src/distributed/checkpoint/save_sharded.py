@@ -13,6 +13,7 @@ from .._logging import logger
 from .atomic import group_size, make_tmp, publish_agreed, step, validate
 from .fmt import FORMAT, FORMAT_VERSION, METADATA_FILE, rank_file
 from .placements import Placement, checkpoint_local, placements
+from .shard_identity import FINGERPRINT, file_metadata, identity
 from .st_writer import DTYPES, TensorSpec, write_file
 
 _WHAT = "save_sharded"
@@ -28,11 +29,14 @@ def gather_layouts(items: list[Placement], group: Any) -> list[dict[str, Any]]:
     return everyone
 
 
-def save_sharded(wrapper: Any, directory: str | os.PathLike[str], timeout: float = 120.0) -> None:
+def save_sharded(wrapper: Any, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
     """Implementation of :meth:`DistributedModelWrapper.save_sharded` (see there)."""
     directory = os.fspath(directory)
     group, rank, tp = wrapper.group, wrapper.rank, wrapper.world_size
-    tmp = validate(_WHAT, directory, group, timeout, {"tp": tp})
+    ident = identity(wrapper)
+    # Only rank 0's copy of a replicated tensor is written: ranks whose copies
+    # differ (drifted) would save an ambiguous model, so they must agree first.
+    tmp = validate(_WHAT, directory, group, timeout, {"tp": tp, FINGERPRINT: ident["model"]})
     error: BaseException | None = None
     if rank == 0:
         try:
@@ -48,9 +52,9 @@ def save_sharded(wrapper: Any, directory: str | os.PathLike[str], timeout: float
         specs = [TensorSpec(p.name, tuple(checkpoint_local(p).shape), p.tensor.dtype) for p in mine]
         by_name = {p.name: p for p in mine}
         write_file(os.path.join(tmp, rank_file(rank, tp)), specs,
-                   lambda s: checkpoint_local(by_name[s.name]))
+                   lambda s: checkpoint_local(by_name[s.name]), file_metadata(ident))
         if rank == 0:
-            _write_metadata(tmp, wrapper, items, layouts)
+            _write_metadata(tmp, wrapper, items, layouts, fingerprint=ident["model"])
     except (OSError, ValueError) as err:
         error = err
     step(_WHAT, error, group, tmp, rank)
@@ -68,7 +72,8 @@ def _holders(name: str, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _write_metadata(tmp: str, wrapper: Any, items: list[Placement],
-                    layouts: list[dict[str, Any]], write_config: bool = True) -> None:
+                    layouts: list[dict[str, Any]], write_config: bool = True,
+                    fingerprint: str | None = None) -> None:
     from .. import __version__
 
     model = wrapper.base_model
@@ -87,6 +92,8 @@ def _write_metadata(tmp: str, wrapper: Any, items: list[Placement],
         "files": [rank_file(r, wrapper.world_size) for r in range(wrapper.world_size)],
         "aliases": aliases, "tensors": tensors,
     }
+    if fingerprint is not None:  # the rank files record it too (see shard_identity)
+        meta["model"] = fingerprint
     if write_config and config is not None and hasattr(config, "save_pretrained"):
         save_config(model, tmp)
     with open(os.path.join(tmp, METADATA_FILE), "w") as f:

@@ -16,6 +16,7 @@ import torch
 
 from .atomic import OLD_SUFFIX
 from .fmt import METADATA_FILE, read_metadata
+from .shard_identity import check_rank_file
 from .st_reader import StFile
 
 Segments = tuple[tuple[int, int], ...]
@@ -125,6 +126,9 @@ class TorchTPSource(Source):
         for name, info in self.tensors.items():
             for shard in info["shards"]:
                 self._check_shard(name, info, shard)
+        # After the shapes: a file with the right shapes may still be another rank's or save's.
+        for r, f in enumerate(self.files):
+            check_rank_file(f.path, f.metadata, r, len(self.files), self.meta.get("model"))
 
     def _check_shard(self, name: str, info: dict, shard: dict) -> None:
         f = self.files[shard["rank"]]

@@ -45,7 +45,8 @@ class StFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.entries = _parse(path)
+        self.metadata: dict[str, str] = {}  # the header's ``__metadata__`` (strings)
+        self.entries = _parse(path, self.metadata)
 
     def read(self, name: str, ranges: dict[int, tuple[int, int]] | None = None) -> torch.Tensor:
         """Tensor ``name`` narrowed to ``ranges`` (``{dim: (start, length)}``), as a fresh copy."""
@@ -114,7 +115,8 @@ def _read_exact(f: io.BufferedReader, out: torch.Tensor, path: str) -> None:
                          "bytes; re-download or re-save it")
 
 
-def _parse(path: str) -> dict[str, StEntry]:
+def _parse(path: str, metadata: dict[str, str]) -> dict[str, StEntry]:
+    """The file's tensors; its ``__metadata__`` string entries go into ``metadata``."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -134,6 +136,8 @@ def _parse(path: str) -> dict[str, StEntry]:
     entries: dict[str, StEntry] = {}
     for name, info in header.items():
         if name == "__metadata__":
+            if isinstance(info, dict):
+                metadata.update({str(k): str(v) for k, v in info.items()})
             continue
         try:
             dtype = NAMES[info["dtype"]]

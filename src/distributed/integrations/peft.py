@@ -40,6 +40,7 @@ from torch import nn
 
 from .. import grad_sync
 from ..agreement import agree
+from ..checkpoint.atomic import enter
 from ..checkpoint.placements import placements
 from ..checkpoint.save_pretrained import gather_full
 from ..checkpoint.save_sharded import gather_layouts
@@ -304,6 +305,10 @@ def _save_pretrained(original: Any) -> Any:
         if kwargs.get("state_dict") is not None or not any(
                 isinstance(m, TensorParallelLoraLinear) for m in self.modules()):
             return original(self, save_directory, *args, **kwargs)
+        # Over the world, like the agreement below: a save on some ranks only
+        # raises on them within min(60 s, TP_TIMEOUT) instead of a Gloo timeout.
+        enter("PeftModel.save_pretrained", dist.group.WORLD if dist.is_initialized() else None,
+              None)
         state, group = consolidated_adapter_state(self)  # collective over the TP group
         main = kwargs.pop("is_main_process", True) and (
             not dist.is_initialized() or dist.get_rank() == 0)
