@@ -2,15 +2,24 @@
 
 Each run starts ``--tp`` fresh Python processes the way ``torchrun`` does
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment),
-and each process calls ``torchtp.init_tensor_parallel()``, wraps a tiny model,
-runs one forward and returns from the script, leaving the exit to torchtp's
-shutdown at interpreter exit. A run passes when every process exits with 0.
-Torch's Gloo can abort a process at exit ("terminate called without an active
-exception", exit code -6) after all of its work is done; this counts how often.
+and each process starts the group, wraps a tiny model, runs three forwards
+and ends. ``--start torchtp`` calls ``torchtp.init_tensor_parallel()`` and
+returns from the script, leaving the exit to torchtp's shutdown;
+``--start dist`` calls ``dist.init_process_group("gloo")`` itself (as
+Trainer, accelerate and Lightning do) and ends with
+``dist.destroy_process_group()``; ``both`` runs each. ``--error mismatch``
+first feeds each rank a different batch in training mode and handles the
+``RankMismatchError`` the input check raises on every rank. A run passes when
+every process exits with 0. Torch's Gloo can abort a process at exit
+("terminate called without an active exception", exit code -6) after all of
+its work is done; this counts how often (column SIGABRT).
 
     .venv/bin/python benchmarks/exit_loop.py [--runs 100] [--tp 2] [--fail-rank R] [--jobs J]
+        [--start torchtp|dist|both] [--error none|mismatch|both] [--load N]
 
-``--jobs J`` runs J launches at a time (more load, as on a busy node).
+``--runs`` is per variant. ``--jobs J`` runs J launches at a time and
+``--load N`` starts N busy-loop processes beside them (more load, as on a
+busy node).
 
 ``--fail-rank R`` makes rank R fail after the first all-reduce instead (it
 raises RuntimeError; with ``--fail-how input`` it passes an input of the
@@ -177,9 +186,14 @@ def main() -> None:
     args = ap.parse_args()
     starts = ["torchtp", "dist"] if args.start == "both" else [args.start]
     errors = ["none", "mismatch"] if args.error == "both" else [args.error]
-    # A SIGTERM (timeout, kill) still runs the finally below, which ends the busy loops.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     loops = _busy_loops(args.load)
+
+    def stop(*_: object) -> None:  # SIGTERM (timeout, kill): leave no busy loop behind
+        for p in loops:
+            p.kill()
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
     rows = []
     try:
         for start in starts:

@@ -418,8 +418,9 @@ def test_exit_protection_on_a_group_torchtp_did_not_start(ranks):
     for rank, s in enumerate(seen):
         assert s["caught"] == "RankMismatchError" and s["held_bytes"] and s["protected"], \
             (rank, s)
-    assert seen[0]["waited"][0] is False and seen[0]["waited"][1] < 10, seen[0]
-    assert seen[1]["waited"][0] is False and seen[1]["waited"][1] < 5, seen[1]
+    # Bounds far below the 60 s each would wait without the "left" record (loaded machine).
+    assert seen[0]["waited"][0] is False and seen[0]["waited"][1] < 30, seen[0]
+    assert seen[1]["waited"][0] is False and seen[1]["waited"][1] < 30, seen[1]
 
 
 def test_started_with_init_process_group_a_handled_error_exits_with_zero(exit_loop):
