@@ -390,7 +390,8 @@ def _exit_protection(rank: int, world: int) -> dict[str, object]:
     # The input check's object gather: its byte tensors stay held until Gloo's
     # worker lets go (torch's all_gather_object would drop them at once).
     held_bytes = any(t.dtype == torch.uint8 for ts, _ in st.held for t in ts)
-    protected = runtime._EXIT_PROTECTED and getattr(sys.excepthook, "_torchtp", False)
+    protected = getattr(runtime, "_EXIT_PROTECTED", False) \
+        and getattr(sys.excepthook, "_torchtp", False)
     waited = None
     if rank == 0:  # gives up first, telling the others
         waited = _timed_barrier(st, 1.0)
