@@ -336,10 +336,13 @@ def _lent(held: tuple[tuple[torch.Tensor, ...], int]) -> bool:
     return _torch_compat.use_count(held[0][0]) >= held[1]
 
 
-def settle(timeout: float) -> bool:
+def settle(timeout: float, warn: bool = True) -> bool:
     """Wait (at most ``timeout`` s) until the backend released every collective torchtp ran.
 
     Runs at exit before the interpreter shuts down (see :func:`_hold`).
+    ``warn=False`` (exiting on an error, where a collective this rank left by
+    raising may never be released) logs a timeout at debug level only, so the
+    error stays the last thing the rank printed.
 
     Returns:
         True when every worker let go in time.
@@ -351,8 +354,8 @@ def settle(timeout: float) -> bool:
             if not st.held:
                 break
             if time.monotonic() > deadline:
-                _logging.logger.warning(
-                    "rank %d: a collective of the backend was not released within %.1f s of "
+                log = _logging.logger.warning if warn else _logging.logger.debug
+                log("rank %d: a collective of the backend was not released within %.1f s of "
                     "exit", st.rank, timeout)
                 return False
             time.sleep(0.001)

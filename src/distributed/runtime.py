@@ -291,7 +291,7 @@ def _release_collectives() -> None:
     failing = _DYING is not None or bool(_health.poisoned_groups())
     # A collective left in flight by a failure may never be released: wait briefly
     # (the exit code is non-zero either way).
-    if _health.settle(0.5 if failing else SETTLE_S):
+    if _health.settle(0.5 if failing else SETTLE_S, warn=not failing):
         _health.forget_all()
 
 
