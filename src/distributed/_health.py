@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from . import _logging, _torch_compat
 from .errors import InconsistentGroupError, RankMismatchError
-from .runtime import ProcessGroup, collective_timeout
+from .runtime import ProcessGroup, collective_timeout, protect_exit
 
 # How long a blocked collective waits before it looks at the store. Only a
 # collective that is already slow pays the store round trip.
@@ -102,6 +102,9 @@ def state(group: ProcessGroup | None) -> GroupState:
         assert pg is not None, "a collective needs a process group"
         st = GroupState(pg, dist.get_rank(pg), dist.get_world_size(pg))
         _STATES[pg] = st
+        # First use of this group by torchtp, whoever started it: from here on
+        # torchtp's collectives hold tensors that must be released before exit.
+        protect_exit()
     return st
 
 
@@ -288,9 +291,29 @@ def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
         # NCCL's wait only orders streams; its own watchdog bounds the time.
         _wait_converting(work, st, n)
         return
-    while not _waited(work, st, n):
-        _answer_store(st, n, op, tensor, work)
-    _hold(st, (tensor,) if out is None else (tensor, out))
+    try:
+        while not _waited(work, st, n):
+            _answer_store(st, n, op, tensor, work)
+    finally:
+        # Also when this rank raises instead (a handled RankMismatchError, another
+        # rank's failure): the collective is still in the backend's hands.
+        _hold(st, (tensor,) if out is None else (tensor, out))
+
+
+def wait_and_hold(work: Any, st: GroupState, tensors: tuple[torch.Tensor, ...],
+                  what: str) -> None:
+    """Wait for a collective torchtp issued outside :func:`finish`; hold its CPU tensors.
+
+    Raises:
+        InconsistentGroupError: the collective failed (see :func:`raise_converted`).
+    """
+    try:
+        work.wait()
+    except RuntimeError as err:
+        raise_converted(st, what, err)
+    finally:
+        if tensors[0].device.type == "cpu":
+            _hold(st, tensors)
 
 
 def _hold(st: GroupState, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -316,10 +339,13 @@ def _lent(held: tuple[tuple[torch.Tensor, ...], int]) -> bool:
     return _torch_compat.use_count(held[0][0]) >= held[1]
 
 
-def settle(timeout: float) -> bool:
+def settle(timeout: float, warn: bool = True) -> bool:
     """Wait (at most ``timeout`` s) until the backend released every collective torchtp ran.
 
     Runs at exit before the interpreter shuts down (see :func:`_hold`).
+    ``warn=False`` (exiting on an error, where a collective this rank left by
+    raising may never be released) logs a timeout at debug level only, so the
+    error stays the last thing the rank printed.
 
     Returns:
         True when every worker let go in time.
@@ -331,8 +357,8 @@ def settle(timeout: float) -> bool:
             if not st.held:
                 break
             if time.monotonic() > deadline:
-                _logging.logger.warning(
-                    "rank %d: a collective of the backend was not released within %.1f s of "
+                log = _logging.logger.warning if warn else _logging.logger.debug
+                log("rank %d: a collective of the backend was not released within %.1f s of "
                     "exit", st.rank, timeout)
                 return False
             time.sleep(0.001)
@@ -431,9 +457,11 @@ def known_groups() -> list[GroupState]:
 def exit_barrier(group: ProcessGroup | None, timeout: float) -> bool:
     """Wait until every rank of ``group`` arrives here, at most ``timeout`` seconds.
 
-    Gives up early when a rank posted that it died, and waits at most
-    :data:`AFTER_MISSED_S` after an entry barrier gave up. Uses the store, not a
-    collective, so a rank that never comes cannot block this one past the bound.
+    Gives up early when a rank posted that it died or that it stopped waiting
+    here (so a timeout is never paid twice), or when the store is gone (its
+    host, rank 0, has exited), and waits at most :data:`AFTER_MISSED_S` after
+    an entry barrier gave up. Uses the store, not a collective, so a rank that
+    never comes cannot block this one past the bound.
 
     Returns:
         True when every rank arrived.
@@ -441,14 +469,24 @@ def exit_barrier(group: ProcessGroup | None, timeout: float) -> bool:
     st = state(group)
     if any(other.missed_entry for other in _STATES.values()):
         timeout = min(timeout, AFTER_MISSED_S)
+    try:
+        return _exit_barrier(st, timeout)
+    except RuntimeError:  # DistStoreError: the store's host (rank 0) has exited
+        _logging.logger.debug("rank %d: the store is gone at exit", st.rank, exc_info=True)
+        return False
+
+
+def _exit_barrier(st: GroupState, timeout: float) -> bool:
     # Ranks still waiting in a collective learn that this one will never enter it.
     post(st, st.seq, "exit", "normal exit")
     st.store.add("torchtp/exit", 1)
     deadline = time.monotonic() + timeout
     delay = 0.001
     while st.store.add("torchtp/exit", 0) < st.size:
-        if time.monotonic() > deadline or any(
-                kind == "died" for _r, _n, kind, _m in _failure_records(st)):
+        gone = any(kind in ("died", "left") for _r, _n, kind, _m in _failure_records(st))
+        if gone or time.monotonic() > deadline:
+            if not gone:  # later ranks stop at once instead of waiting their own timeout
+                post(st, st.seq, "left", "stopped waiting at exit")
             _logging.logger.warning(
                 "rank %d: not every rank reached the end of the program within %.0f s "
                 "(or one died); exiting without waiting for them", st.rank, timeout)

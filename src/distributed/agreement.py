@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _health
+from ._objects import all_gather_object
 from .errors import RankMismatchError
 from .runtime import ProcessGroup
 
@@ -44,13 +44,8 @@ def agree(
     # Only builtin exception classes travel (by name): pickling an arbitrary
     # class can fail on one rank, which would leave the others in the gather.
     mine = (None if error is None else (type(error).__name__, str(error)), fingerprint)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    st = _health.state(group)
-    _health.raise_if_poisoned(st)
-    try:
-        dist.all_gather_object(everyone, mine, group=group)
-    except RuntimeError as err:  # a rank died or timed out: say which, if it told us
-        _health.raise_converted(st, f"{what}'s agreement", err)
+    # A rank that died or timed out is named, if it told us (InconsistentGroupError).
+    everyone = all_gather_object(mine, group, f"{what}'s agreement")
     _raise_first_error(what, everyone, error)
     _raise_on_mismatch(what, [fp for _, fp in everyone])
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _comm, _torch_compat
+from ._objects import all_gather_object
 from .layers import layouts_of
 from .layouts import ParamLayout
 from .runtime import ProcessGroup, get_tensor_parallel_config, group_size
@@ -248,8 +249,7 @@ def _count_holders(modules: list[nn.Module], tp: ProcessGroup | None) -> None:
     everyone = [mine]
     size = group_size(tp)
     if size > 1:
-        everyone = [None] * size  # type: ignore[list-item]
-        dist.all_gather_object(everyone, mine, group=tp)
+        everyone = all_gather_object(mine, tp, "the clip's layout count")
     for i, mod in enumerate(modules):
         counts = {}
         for attr, (_, segments) in mine[i].items():

@@ -14,9 +14,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import _logging
+from ._objects import all_gather_object
 from .errors import RankMismatchError
 from .runtime import ProcessGroup, group_size
 
@@ -64,8 +64,7 @@ def check_same_inputs(args: tuple[Any, ...], kwargs: dict[str, Any],
     named = [*(_tensors(a, f"argument {i}") for i, a in enumerate(args)),
              *(_tensors(v, f"argument '{k}'") for k, v in kwargs.items())]
     mine = {name: tensor_digest(t) for gen in named for name, t in gen}
-    everyone: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_object(mine, group, "the input check")
     for name in dict.fromkeys(k for d in everyone for k in d):
         values = [d.get(name) for d in everyone]
         if any(v != values[0] for v in values):

@@ -93,8 +93,11 @@ torch's 30. Change it with ``init_tensor_parallel(timeout=...)`` or the
 """
 
 SETTLE_S = 5.0  # at most this long at exit for the backend to release finished collectives
+EXIT_WAIT_S = 60.0  # at most this long (or TP_TIMEOUT if shorter) at exit for the other ranks
 _TIMEOUT_S: float | None = None  # set by init_tensor_parallel(timeout=...)
 _DYING: str | None = None  # "ExcType: message" once the process exits on an exception
+_STARTED = False  # init_tensor_parallel started the default group (so torchtp ends it)
+_EXIT_PROTECTED = False  # _at_exit and the excepthook are installed
 
 
 def collective_timeout() -> float:
@@ -215,7 +218,7 @@ def init_tensor_parallel(
         ValueError: torchrun's variables are malformed or inconsistent, or the
             world size is not divisible by ``tp_size`` (naming the valid values).
     """
-    global _CONFIG, _TIMEOUT_S
+    global _CONFIG, _TIMEOUT_S, _STARTED
     configure_from_env()
     if timeout is not None:
         _TIMEOUT_S = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
@@ -240,13 +243,56 @@ def init_tensor_parallel(
         torch.cuda.set_device(local_rank)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=collective_timeout())}
     dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, **kwargs)
-    # We started the group, so we end it (see shutdown_tensor_parallel), and we
-    # tell the other ranks when this one dies on an exception.
-    atexit.register(shutdown_tensor_parallel)
-    _install_excepthook()
+    # We started the group, so we end it at exit (see shutdown_tensor_parallel).
+    _STARTED = True
+    protect_exit()
     _CONFIG = _with_mesh(_config_from_group(local_rank), tp_size)
     logger.debug("init_tensor_parallel: %s", _CONFIG)
     return _CONFIG
+
+
+def protect_exit() -> None:
+    """Install torchtp's exit handling in this process, once.
+
+    Called by :func:`init_tensor_parallel` and on torchtp's first use of any
+    process group (its first collective or agreement), so groups started with
+    ``dist.init_process_group`` (Trainer, accelerate, Lightning) are covered
+    too. Process-wide, installed at first use, never at import: an ``atexit``
+    handler (:func:`_at_exit`) and a ``sys.excepthook`` that chains to the
+    previous one and tells the other ranks when this one dies on an exception.
+    """
+    global _EXIT_PROTECTED
+    if _EXIT_PROTECTED:
+        return
+    _EXIT_PROTECTED = True
+    atexit.register(_at_exit)
+    _install_excepthook()
+
+
+def _at_exit() -> None:
+    """Before the interpreter shuts down: let the backend release torchtp's collectives.
+
+    A group torchtp started is ended by :func:`shutdown_tensor_parallel`. For a
+    group the user started (and maybe destroyed) torchtp only waits until
+    Gloo's workers released every collective torchtp ran (bounded; see
+    ``_health._hold``) and then drops its references to the groups, so a
+    destroyed group's threads are joined while the interpreter is still whole.
+    """
+    if _STARTED:
+        shutdown_tensor_parallel()
+    else:
+        _release_collectives()
+
+
+def _release_collectives() -> None:
+    """Wait (bounded) until the backend let go of torchtp's collectives, then forget the groups."""
+    from . import _health
+
+    failing = _DYING is not None or bool(_health.poisoned_groups())
+    # A collective left in flight by a failure may never be released: wait briefly
+    # (the exit code is non-zero either way).
+    if _health.settle(0.5 if failing else SETTLE_S, warn=not failing):
+        _health.forget_all()
 
 
 def _install_excepthook() -> None:
@@ -287,7 +333,8 @@ def shutdown_tensor_parallel() -> None:
     group; call it yourself to end earlier. Safe to call more than once.
 
     On a normal exit every rank waits for the others (at most
-    :func:`collective_timeout` seconds, less if a rank dies meanwhile), then
+    :data:`EXIT_WAIT_S` = 60 s, or :func:`collective_timeout` if shorter; less
+    if a rank dies, gives up waiting or has ended the store meanwhile), then
     destroys the group. A process exiting on an exception, or whose group a
     failure left inconsistent, waits for nobody: the other ranks learn of the
     failure from the store (their error names this rank) or from the closed
@@ -298,16 +345,16 @@ def shutdown_tensor_parallel() -> None:
 
     running = dist.is_available() and dist.is_initialized()
     if running and _DYING is None and not _health.poisoned_groups():
-        _health.exit_barrier(dist.group.WORLD, collective_timeout())
+        _health.exit_barrier(dist.group.WORLD, min(EXIT_WAIT_S, collective_timeout()))
         # Before the interpreter shuts down: a Gloo worker freeing a finished
         # collective after that point aborts the process (see _health._hold).
         _health.settle(SETTLE_S)
         dist.destroy_process_group()
         _health.forget_all()
-    elif running:
-        # Exiting on an error: a collective left in flight is never released,
-        # so wait only briefly (the exit code stays non-zero either way).
-        _health.settle(0.5)
+    else:
+        # Exiting on an error, or the user destroyed the group already (its
+        # worker may still hold torchtp's tensors).
+        _release_collectives()
     _CONFIG = None
 
 

@@ -9,6 +9,7 @@ inconsistent come last in their launch.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -376,3 +377,55 @@ def test_a_backward_that_raises_on_one_rank_poisons_the_group(ranks, direct):
         assert kind == "InconsistentGroupError" and INCONSISTENT in msg and took < 5, results
         kind, msg, took = seen["after"]
         assert kind == "InconsistentGroupError" and INCONSISTENT in msg and took < 1, results
+
+
+def _exit_protection(rank: int, world: int) -> dict[str, object]:
+    """On a group the harness started (not torchtp): a handled input mismatch, then exit waits."""
+    from torchtp import _health, runtime
+
+    tp, _ = _wrapped()
+    tp.train()
+    caught = _timed(tp, torch.randn(2, 16) + rank)[0]  # each rank a different batch
+    st = _health.state(dist.group.WORLD)
+    # The input check's object gather: its byte tensors stay held until Gloo's
+    # worker lets go (torch's all_gather_object would drop them at once).
+    held_bytes = any(t.dtype == torch.uint8 for ts, _ in st.held for t in ts)
+    protected = getattr(runtime, "_EXIT_PROTECTED", False) \
+        and getattr(sys.excepthook, "_torchtp", False)
+    waited = None
+    if rank == 0:  # gives up first, telling the others
+        waited = _timed_barrier(st, 1.0)
+    elif rank == 1:  # arrives after rank 0 gave up: must not wait its own 60 s
+        time.sleep(2.0)
+        waited = _timed_barrier(st, 60.0)
+    return {"caught": caught, "held_bytes": held_bytes, "protected": protected, "waited": waited}
+
+
+def _timed_barrier(st: object, timeout: float) -> tuple[bool, float]:
+    from torchtp import _health
+
+    start = time.monotonic()
+    arrived = _health.exit_barrier(st.group, timeout)  # type: ignore[attr-defined]
+    return arrived, time.monotonic() - start
+
+
+def test_exit_protection_on_a_group_torchtp_did_not_start(ranks):
+    """dist.init_process_group's group (the harness's) gets torchtp's exit handling at first use.
+
+    Rank 2 never reaches the exit barrier: rank 0 gives up after its 1 s bound
+    and rank 1, arriving later, stops at once instead of stacking its own bound.
+    """
+    seen = ranks(_exit_protection, 3, env=FAST, timeout=DEADLINE)
+    for rank, s in enumerate(seen):
+        assert s["caught"] == "RankMismatchError" and s["held_bytes"] and s["protected"], \
+            (rank, s)
+    # Bounds far below the 60 s each would wait without the "left" record (loaded machine).
+    assert seen[0]["waited"][0] is False and seen[0]["waited"][1] < 30, seen[0]
+    assert seen[1]["waited"][0] is False and seen[1]["waited"][1] < 30, seen[1]
+
+
+def test_started_with_init_process_group_a_handled_error_exits_with_zero(exit_loop):
+    """`benchmarks/exit_loop.py --start dist --error mismatch` once: the script ends with
+    dist.destroy_process_group() after a handled RankMismatchError; every rank exits 0."""
+    codes, _lag, tails = exit_loop.one_run(2, -1, "raise", DEADLINE, "dist", "mismatch")
+    assert codes == [0, 0], tails
