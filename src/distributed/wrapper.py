@@ -64,6 +64,10 @@ class DistributedModelWrapper(nn.Module):
             attention/MLP block and a reduce-scatter leaves it (instead of an
             all-reduce). Also turned on by a ``"sequence_parallel"`` style in
             the plan. See docs/sequence_parallel.md.
+        verify_plan: ``False`` skips the probe that confirms, before any weight
+            is cut, that every whole-head attention split computes what the
+            unsharded module computes (see docs/concepts.md); a plan it refuses
+            then runs as written, and its exactness is the caller's responsibility.
 
     Attributes:
         base_model: The parallelized model.
@@ -84,7 +88,7 @@ class DistributedModelWrapper(nn.Module):
         self, model: nn.Module, world_size: int | None = None, rank: int | None = None,
         plan: PlanArg = None, group: ProcessGroup | None = None,
         example_inputs: object = None, *,
-        loss_parallel: bool = False, sequence_parallel: bool = False,
+        loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
     ) -> None:
         super().__init__()
         group = group if group is not None else tp_group()
@@ -101,7 +105,7 @@ class DistributedModelWrapper(nn.Module):
             if wrong_device is not None:
                 raise wrong_device
             resolved = resolve_plan(model, plan, ctx, example_inputs=example_inputs,
-                                    adjust=options.adjust)
+                                    adjust=options.adjust, verify=verify_plan)
             fingerprint = _fingerprint(model, resolved, ctx)
             fingerprint["options"] = (loss_parallel, sequence_parallel)  # type: ignore[assignment]
         except Exception as err:
@@ -303,7 +307,8 @@ def _forget_shared_inputs(_module: nn.Module, _args: tuple, _out: Any) -> None:
 
 
 def _fingerprint(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:
-    prints: dict[str, Any] = {"world_size": ctx.world_size, "plan": plan.rules}
+    prints: dict[str, Any] = {"world_size": ctx.world_size, "plan": plan.rules,
+                              "attention checks": plan.checks}
     for name, layer in plan.layers.items():
         prints[f"layer '{name}'"] = (layer.style, layer.full)
     # Before slicing: ranks built from different seeds or checkpoint copies would
