@@ -45,6 +45,8 @@ from .styles import Colwise, ParallelStyle, Replicate, Rowwise, ShardContext
 
 CONFIRMED = "whole heads confirmed by the local probe"
 OPT_OUT = "verify_plan=False"
+SMALL_VOCAB = 256  # the one-layer copy's vocabulary (above every special token id)
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 
 def is_user_plan(source: str) -> bool:
@@ -190,6 +192,11 @@ def _small_copy(model: nn.Module) -> nn.Module | None:
             cfg.num_hidden_layers = 1
         if isinstance(getattr(cfg, "layer_types", None), list):
             cfg.layer_types = cfg.layer_types[:1]
+        vocab = getattr(cfg, "vocab_size", None)
+        if isinstance(vocab, int):  # the embedding and LM head dominate the copy's build time
+            ids = [getattr(cfg, k, None) for k in _TOKEN_IDS]
+            cfg.vocab_size = min(vocab, max([SMALL_VOCAB] + [i + 1 for i in ids
+                                                             if isinstance(i, int)]))
     try:
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(0)  # every rank builds the same copy
@@ -248,7 +255,9 @@ def _replicate(plan: ResolvedPlan, attention: str, members: list[str], why: str)
     for name in members:
         plan.assignments[name] = Replicate()
         plan.why[name] = f"kept replicated: attention '{attention}' {why}"
-    plan.notes.append(f"'{attention}' kept replicated: {why}; {members} stay whole")
+    note = f"'{_stars(attention)}' kept replicated: {why}; {list(map(_stars, members))} stay whole"
+    if note not in plan.notes:  # once per layer pattern
+        plan.notes.append(note)
 
 
 def _refusal(model: nn.Module, plan: ResolvedPlan, attention: str, members: list[str],
