@@ -17,15 +17,17 @@ many were used (printed with the table).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from _llama import build_llama, llama_config
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torchtp
+from _llama import build_llama, llama_config
 
 BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
         "num_key_value_heads": 12, "intermediate_size": 2048, "vocab_size": 32000}

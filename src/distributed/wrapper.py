@@ -232,7 +232,7 @@ class DistributedModelWrapper(nn.Module):
     def from_pretrained(
         cls, path: str | os.PathLike[str], plan: PlanArg = None, dtype: torch.dtype | None = None,
         device: torch.device | str | None = None, model_class: type | None = None,
-        group: ProcessGroup | None = None, progress: bool = True,
+        group: ProcessGroup | None = None, progress: bool = True, verify_plan: bool = True,
     ) -> DistributedModelWrapper:
         """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
 
@@ -248,6 +248,8 @@ class DistributedModelWrapper(nn.Module):
                 ``architectures``, else ``AutoModelForCausalLM``/``AutoModel``).
             group: Process group; ``None`` for the default TP group.
             progress: Show a progress bar on rank 0 (only on a TTY, after 1 s).
+            verify_plan: As for the constructor (the probe runs on a one-layer
+                CPU copy built from the config, since the model is on meta).
 
         Raises:
             ValueError: on every rank, for a missing/corrupt/truncated file, a
@@ -256,7 +258,8 @@ class DistributedModelWrapper(nn.Module):
                 split at (naming the saved tp, the current tp and the dimension).
         """
         group = group if group is not None else tp_group()
-        return from_pretrained(lambda model: cls(model, plan=plan, group=group), path, plan,
+        return from_pretrained(lambda model: cls(model, plan=plan, group=group,
+                                                 verify_plan=verify_plan), path, plan,
                                dtype, device, model_class, group, progress)
 
     def save_sharded(self, directory: str | os.PathLike[str], timeout: float = 120.0) -> None:

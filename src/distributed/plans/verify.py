@@ -30,6 +30,7 @@ import copy
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -159,14 +160,14 @@ def _renumber(consumer: str | None, probed: str, attention: str) -> str | None:
 def _probe_model(model: nn.Module, example_inputs: object
                  ) -> Iterator[tuple[nn.Module | None, Trace | None, str]]:
     """The model to probe (itself, or a one-layer CPU copy of a meta model) and its trace."""
-    probe: nn.Module | None = model
+    probe = model
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        probe = _small_copy(model)
-        if probe is None:
+        small = _small_copy(model)
+        if small is None:
             yield None, None, ("the model is on the meta device and no copy can be built from a "
                                "HuggingFace config")
             return
-        example_inputs = None
+        probe, example_inputs = small, None
     if example_inputs is None and is_hf_model(probe):
         example_inputs = probe_inputs(probe)
     inputs = _as_inputs(example_inputs) if example_inputs is not None else _derive(probe)
@@ -185,7 +186,7 @@ def _small_copy(model: nn.Module) -> nn.Module | None:
     """A one-layer CPU copy of an HF model from its config, random weights under seed 0."""
     if not is_hf_model(model):
         return None
-    config = copy.deepcopy(model.config)
+    config: Any = copy.deepcopy(model.config)
     for cfg in {id(c): c for c in (config, getattr(config, "text_config", None))
                 if c is not None}.values():
         if isinstance(getattr(cfg, "num_hidden_layers", None), int):
