@@ -26,9 +26,10 @@ HF_PLAN = {"h.*.attn.qkv_proj": "colwise", "h.*.attn.out_proj": "rowwise",
            "h.*.mlp.fc_in": "colwise", "h.*.mlp.fc_out": "rowwise"}
 REFUSED = (r"plan \(argument\): attention 'transformer\.h\.0\.attn' \(CodeGenAttention, "
            r"num_attention_heads=8, num_key_value_heads=8, head_dim=8\) split by whole heads at "
-           r"world_size={tp} via 'transformer\.h\.0\.attn\.qkv_proj' \(colwise: "
-           r"out_features=192 x in_features=64\).*does not reproduce each rank's slice of its "
-           r"output projection's input.*mp_num=4 groups.*Fix: mark these modules 'replicate' in "
+           r"world_size={tp} via 'transformer\.h\.0\.attn\.qkv_proj' \(colwise: splits "
+           r"out_features=192 \(weight rows\)\), 'transformer\.h\.0\.attn\.out_proj' \(rowwise: "
+           r"splits in_features=64 \(weight columns\)\): .*does not reproduce each rank's "
+           r"slice of its output projection's input.*mp_num=4 groups.*Fix: mark these modules 'replicate' in "
            r"the plan, or pass verify_plan=False")
 
 
@@ -86,6 +87,19 @@ def test_correct_plans_still_split_heads_and_say_so():
         assert len(checks) == 2 and set(checks.values()) == {"confirmed"}, (arch, checks)
         assert len(wrapped.resolved_plan.heads) == 2, arch
     assert "whole heads confirmed by the local probe" in wrapped.describe_plan()
+
+
+def test_user_plan_that_cannot_be_probed_is_refused_with_the_fix():
+    from ._handwritten import PLANS, build as build_handwritten, example_inputs
+
+    with pytest.raises(ValueError, match=r"attention 'blocks\.0\.attn' \(TimmAttention.*could not "
+                                         r"be verified: no example inputs could be derived.*Fix: "
+                                         r"pass example_inputs=\(\.\.\.\)"):
+        torchtp.DistributedModelWrapper(build_handwritten("vit"), world_size=2, rank=0,
+                                        plan=PLANS["vit"])
+    vit = torchtp.DistributedModelWrapper(build_handwritten("vit"), world_size=2, rank=0,
+                                          plan=PLANS["vit"], example_inputs=example_inputs("vit"))
+    assert set(vit.resolved_plan.checks.values()) == {"confirmed"}
 
 
 def test_opt_out_keeps_the_user_plan_and_says_it_was_not_verified():

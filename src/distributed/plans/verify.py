@@ -46,6 +46,7 @@ from .styles import Colwise, ParallelStyle, Replicate, Rowwise, ShardContext
 
 CONFIRMED = "whole heads confirmed by the local probe"
 OPT_OUT = "verify_plan=False"
+UNVERIFIABLE = "could not be verified"
 SMALL_VOCAB = 256  # the one-layer copy's vocabulary (above every special token id)
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
@@ -123,7 +124,7 @@ def _verdicts(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext, example_i
         return {}
     with _probe_model(model, example_inputs) as (probe, trace, why):
         if trace is None or probe is None:
-            return dict.fromkeys(heads, (f"could not be verified: {why}", None))
+            return dict.fromkeys(heads, (f"{UNVERIFIABLE}: {why}", None))
         names = _names_by_pattern(probe)
         pairs: dict[str, Pair] = {}
         out: dict[str, tuple[str | None, str | None]] = {}
@@ -221,15 +222,15 @@ def _pair(probe: nn.Module, trace: Trace, plan: ResolvedPlan, attention: str, in
     producers = {names.get(_stars(n)): s for n, s in plan.assignments.items()
                  if n.startswith(f"{attention}.") and isinstance(s, Colwise)}
     if None in producers or not producers:
-        return "could not be verified: its projections are not in the probe model"
+        return f"{UNVERIFIABLE}: its projections are not in the probe model"
     local = {n for n in producers if n is not None and n in trace.calls}
     if len(local) != len(producers):
-        return "could not be verified: the probe forward did not call its projections"
+        return f"{UNVERIFIABLE}: the probe forward did not call its projections"
     owner = names.get(_stars(attention))
     consumer = _consumer(probe, trace, plan, local, names)
     if consumer is None or owner is None:
-        return ("no output projection split by in_features (weight columns, 'rowwise') reads "
-                "only its split heads, so its local output cannot be checked")
+        return (f"{UNVERIFIABLE}: no output projection split by in_features (weight columns, "
+                "'rowwise') reads only its split heads")
     styles: dict[str, ParallelStyle] = {n: s for n, s in producers.items() if n is not None}
     styles[consumer[0]] = consumer[1]
     return Pair(consumer[0], styles, owner, info, "whole heads")
@@ -266,19 +267,26 @@ def _refusal(model: nn.Module, plan: ResolvedPlan, attention: str, members: list
     info = plan.heads[attention]
     shapes = []
     for name in members:
-        view = linear_view(model.get_submodule(name))
-        if view is not None:
-            shapes.append(f"'{name}' ({plan.assignments[name].name}: out_features="
-                          f"{view.out_features} x in_features={view.in_features})")
+        view, style = linear_view(model.get_submodule(name)), plan.assignments[name]
+        if view is not None and isinstance(style, (Colwise, Rowwise)):
+            split = (f"out_features={view.out_features} (weight rows)" if isinstance(style, Colwise)
+                     else f"in_features={view.in_features} (weight columns)")
+            shapes.append(f"'{name}' ({style.name}: splits {split})")
     kind = type(model.get_submodule(attention)).__name__
+    if why.startswith(UNVERIFIABLE):
+        fix = ("Fix: pass example_inputs=(...) to DistributedModelWrapper so the probe can run "
+               "(from_pretrained: a one-layer copy is built from the HuggingFace config), mark "
+               f"these modules 'replicate' in the plan, or pass {OPT_OUT} if you have checked "
+               "the split yourself")
+    else:
+        fix = ("Its forward probably lays out its heads in a way the styles do not describe "
+               "(e.g. CodeGen packs qkv_proj's out_features in mp_num=4 groups). Fix: mark "
+               f"these modules 'replicate' in the plan, or pass {OPT_OUT} to "
+               "DistributedModelWrapper if you have checked the split yourself")
     return ValueError(
         f"plan ({plan.source}): attention '{attention}' ({kind}, num_attention_heads="
         f"{info.heads}, num_key_value_heads={info.kv_heads}, head_dim={info.head_dim}) split by "
-        f"whole heads at world_size={ctx.world_size} via {', '.join(shapes)}: {why}. Its forward "
-        "probably lays out its heads in a way the styles do not describe (e.g. CodeGen packs "
-        "qkv_proj's out_features in mp_num=4 groups). Fix: mark these modules 'replicate' in "
-        f"the plan, or pass {OPT_OUT} to DistributedModelWrapper if you have checked the split "
-        "yourself")
+        f"whole heads at world_size={ctx.world_size} via {', '.join(shapes)}: {why}. {fix}")
 
 
 def _stars(name: str) -> str:
