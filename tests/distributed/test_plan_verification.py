@@ -17,6 +17,7 @@ from torch import nn
 
 import torchtp
 
+from . import _handwritten
 from ._hf_checks import LOGITS, inputs
 from ._hf_models import build
 
@@ -90,15 +91,14 @@ def test_correct_plans_still_split_heads_and_say_so():
 
 
 def test_user_plan_that_cannot_be_probed_is_refused_with_the_fix():
-    from ._handwritten import PLANS, build as build_handwritten, example_inputs
-
     with pytest.raises(ValueError, match=r"attention 'blocks\.0\.attn' \(TimmAttention.*could not "
                                          r"be verified: no example inputs could be derived.*Fix: "
                                          r"pass example_inputs=\(\.\.\.\)"):
-        torchtp.DistributedModelWrapper(build_handwritten("vit"), world_size=2, rank=0,
-                                        plan=PLANS["vit"])
-    vit = torchtp.DistributedModelWrapper(build_handwritten("vit"), world_size=2, rank=0,
-                                          plan=PLANS["vit"], example_inputs=example_inputs("vit"))
+        torchtp.DistributedModelWrapper(_handwritten.build("vit"), world_size=2, rank=0,
+                                        plan=_handwritten.PLANS["vit"])
+    vit = torchtp.DistributedModelWrapper(_handwritten.build("vit"), world_size=2, rank=0,
+                                          plan=_handwritten.PLANS["vit"],
+                                          example_inputs=_handwritten.example_inputs("vit"))
     assert set(vit.resolved_plan.checks.values()) == {"confirmed"}
 
 
