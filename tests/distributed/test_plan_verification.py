@@ -54,6 +54,16 @@ def test_user_plan_that_splits_codegen_heads_is_refused(tp):
         torchtp.DistributedModelWrapper(build("codegen"), world_size=tp, rank=tp - 1, plan=PLAN)
 
 
+def test_low_precision_models_are_judged_by_their_dtype():
+    # bf16 kernels may round per shape (a few ulps); a wrong layout still differs by O(1).
+    with pytest.raises(ValueError, match=REFUSED.format(tp=2)):
+        torchtp.DistributedModelWrapper(build("codegen").to(torch.bfloat16), world_size=2, rank=0,
+                                        plan=PLAN)
+    llama = torchtp.DistributedModelWrapper(build("llama").to(torch.bfloat16), world_size=2,
+                                            rank=0)
+    assert set(llama.resolved_plan.checks.values()) == {"confirmed"}
+
+
 def test_meta_model_is_checked_on_a_one_layer_copy():
     # from_pretrained's path: no forward can run on meta weights.
     with pytest.raises(ValueError, match=REFUSED.format(tp=2)):
