@@ -9,6 +9,7 @@ replicated and ``describe_plan()`` says why. Correct plans still split.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -110,6 +111,27 @@ def test_user_plan_that_cannot_be_probed_is_refused_with_the_fix():
                                           plan=_handwritten.PLANS["vit"],
                                           example_inputs=_handwritten.example_inputs("vit"))
     assert set(vit.resolved_plan.checks.values()) == {"confirmed"}
+
+
+def test_unverifiable_split_from_a_builtin_plan_stays_whole_with_its_sibling_output(
+        monkeypatch):
+    from torchtp.plans import verify
+
+    @contextlib.contextmanager
+    def no_probe(model: nn.Module, example_inputs: object):  # e.g. the probe forward raised
+        yield None, None, "the probe forward failed (RuntimeError: boom)"
+
+    monkeypatch.setattr(verify, "_probe_model", no_probe)
+    bert = torchtp.DistributedModelWrapper(build("bert"), world_size=2, rank=0)
+    styles = {n: s.name for n, s in bert.resolved_plan.assignments.items() if ".layer.0." in n}
+    assert styles == {"bert.encoder.layer.0.attention.self.query": "replicate",
+                      "bert.encoder.layer.0.attention.self.key": "replicate",
+                      "bert.encoder.layer.0.attention.self.value": "replicate",
+                      "bert.encoder.layer.0.attention.output.dense": "replicate",  # the sibling
+                      "bert.encoder.layer.0.intermediate.dense": "colwise",
+                      "bert.encoder.layer.0.output.dense": "rowwise"}
+    assert bert.resolved_plan.checks["bert.encoder.layer.0.attention.self"] == (
+        "kept replicated: could not be verified: the probe forward failed (RuntimeError: boom)")
 
 
 def test_opt_out_keeps_the_user_plan_and_says_it_was_not_verified():

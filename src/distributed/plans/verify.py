@@ -87,7 +87,9 @@ def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
     for attention, (why, consumer) in _verdicts(model, plan, ctx, example_inputs,
                                                  unfit).items():
         members = [n for n in plan.assignments if n.startswith(f"{attention}.")]
-        members += [consumer] if consumer in plan.assignments and consumer not in members else []
+        outside = [consumer] if consumer is not None else _output_projections(model, plan,
+                                                                             attention)
+        members += [n for n in outside if n in plan.assignments and n not in members]
         if why is None:
             plan.checks[attention] = "confirmed"
             for name in members:
@@ -99,6 +101,28 @@ def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
             plan.checks[attention] = f"kept replicated: {why}"
             _replicate(plan, attention, members, why)
     return errors
+
+
+def _output_projections(model: nn.Module, plan: ResolvedPlan, attention: str) -> list[str]:
+    """Without a probe: the in_features-split Linears near ``attention`` that read its heads.
+
+    Inside it, or (BERT's ``attention.output.dense``) under its parent, not
+    below a sibling that splits out_features itself (an MLP), with
+    in_features equal to the query heads' width.
+    """
+    info = plan.heads[attention]
+    parent = attention.rpartition(".")[0]
+    lead = f"{parent}." if parent else ""
+    own = {n.rpartition(".")[0] for n, s in plan.assignments.items()
+           if isinstance(s, Colwise) and not n.startswith(f"{attention}.")}
+    out = []
+    for name, style in plan.assignments.items():
+        view = linear_view(model.get_submodule(name))
+        if (isinstance(style, Rowwise) and not style.split_input and name.startswith(lead)
+                and view is not None and view.in_features == info.heads * info.head_dim
+                and not any(name.startswith(f"{o}.") for o in own if o != parent)):
+            out.append(name)
+    return out
 
 
 def _fits(model: nn.Module, plan: ResolvedPlan, attention: str, ctx: ShardContext) -> bool:
