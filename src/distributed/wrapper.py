@@ -66,6 +66,10 @@ class DistributedModelWrapper(nn.Module):
             attention/MLP block and a reduce-scatter leaves it (instead of an
             all-reduce). Also turned on by a ``"sequence_parallel"`` style in
             the plan. See docs/sequence_parallel.md.
+        verify_plan: ``False`` skips the probe that confirms, before any weight
+            is cut, that every whole-head attention split computes what the
+            unsharded module computes (see docs/concepts.md); a plan it refuses
+            then runs as written, and its exactness is the caller's responsibility.
 
     Attributes:
         base_model: The parallelized model.
@@ -86,7 +90,7 @@ class DistributedModelWrapper(nn.Module):
         self, model: nn.Module, world_size: int | None = None, rank: int | None = None,
         plan: PlanArg = None, group: ProcessGroup | None = None,
         example_inputs: object = None, *,
-        loss_parallel: bool = False, sequence_parallel: bool = False,
+        loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
     ) -> None:
         super().__init__()
         group = group if group is not None else tp_group()
@@ -103,7 +107,7 @@ class DistributedModelWrapper(nn.Module):
             if wrong_device is not None:
                 raise wrong_device
             resolved = resolve_plan(model, plan, ctx, example_inputs=example_inputs,
-                                    adjust=options.adjust)
+                                    adjust=options.adjust, verify=verify_plan)
             fingerprint = _fingerprint(model, resolved, ctx)
             fingerprint["options"] = (loss_parallel, sequence_parallel)  # type: ignore[assignment]
             fingerprint[f"{step_check.ENV} (optimizer-step check period)"] = \
@@ -232,7 +236,7 @@ class DistributedModelWrapper(nn.Module):
     def from_pretrained(
         cls, path: str | os.PathLike[str], plan: PlanArg = None, dtype: torch.dtype | None = None,
         device: torch.device | str | None = None, model_class: type | None = None,
-        group: ProcessGroup | None = None, progress: bool = True,
+        group: ProcessGroup | None = None, progress: bool = True, verify_plan: bool = True,
     ) -> DistributedModelWrapper:
         """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
 
@@ -248,6 +252,8 @@ class DistributedModelWrapper(nn.Module):
                 ``architectures``, else ``AutoModelForCausalLM``/``AutoModel``).
             group: Process group; ``None`` for the default TP group.
             progress: Show a progress bar on rank 0 (only on a TTY, after 1 s).
+            verify_plan: As for the constructor (the probe runs on a one-layer
+                CPU copy built from the config, since the model is on meta).
 
         Raises:
             ValueError: on every rank, for a missing/corrupt/truncated file, a
@@ -256,7 +262,8 @@ class DistributedModelWrapper(nn.Module):
                 split at (naming the saved tp, the current tp and the dimension).
         """
         group = group if group is not None else tp_group()
-        return from_pretrained(lambda model: cls(model, plan=plan, group=group), path, plan,
+        return from_pretrained(lambda model: cls(model, plan=plan, group=group,
+                                                 verify_plan=verify_plan), path, plan,
                                dtype, device, model_class, group, progress)
 
     def save_sharded(self, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
@@ -314,7 +321,8 @@ def _forget_shared_inputs(_module: nn.Module, _args: tuple, _out: Any) -> None:
 
 
 def _fingerprint(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:
-    prints: dict[str, Any] = {"world_size": ctx.world_size, "plan": plan.rules}
+    prints: dict[str, Any] = {"world_size": ctx.world_size, "plan": plan.rules,
+                              "attention checks": plan.checks}
     for name, layer in plan.layers.items():
         prints[f"layer '{name}'"] = (layer.style, layer.full)
     # Before slicing: ranks built from different seeds or checkpoint copies would

@@ -41,7 +41,8 @@ def _check_kinds(rank: int, world_size: int, kinds: list[str]) -> dict[str, dict
     for kind in kinds:
         ref = build(kind).train()
         auto = DistributedModelWrapper(build(kind).train(), example_inputs=example_inputs(kind))
-        hand = DistributedModelWrapper(build(kind).train(), plan=PLANS[kind])
+        hand = DistributedModelWrapper(build(kind).train(), plan=PLANS[kind],
+                                       example_inputs=example_inputs(kind))
         data = batch(kind)
         with torch.no_grad():
             torch.testing.assert_close(_outputs(kind, auto, data[0]), _outputs(kind, ref, data[0]),

@@ -9,8 +9,9 @@
    pairs Linears by the dataflow of one probe forward and splits attention by
    whole heads (:mod:`torchtp.plans.auto`);
 2. match the rules' ``fnmatch`` patterns against module names;
-3. upgrade sharded attention projections to whole-head splits (the automatic
-   plan splits heads itself, confirmed by its probe);
+3. upgrade sharded attention projections to whole-head splits and confirm
+   each on the real module with the automatic plan's probe
+   (:mod:`torchtp.plans.verify`; the automatic plan confirms its own);
 4. plan every layer once (:meth:`~torchtp.plans.styles.ParallelStyle.plan`) and
    check the constraints on the tp size and tied parameters.
 
@@ -40,6 +41,7 @@ from .files import load_plan_file
 from .registry import get_style
 from .resolved import Plan, ResolvedPlan, Rules
 from .styles import ShardContext
+from .verify import verify_heads
 
 PlanArg = Mapping[str, Any] | str | os.PathLike[str] | None
 # Edits the matched plan before its layers are planned (the wrapper's
@@ -50,7 +52,7 @@ AUTO = ("auto", "auto-memory")  # the default resolution; "-memory" lets the cos
 
 def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: bool = True,
                  example_inputs: object = None,
-                 adjust: PlanAdjust | None = None) -> ResolvedPlan:
+                 adjust: PlanAdjust | None = None, verify: bool = True) -> ResolvedPlan:
     """Pick the plan's source, match it, split heads whole, and plan every layer.
 
     Args:
@@ -64,17 +66,23 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             :func:`~torchtp.plans.auto.auto_plan`).
         adjust: Called with the matched plan after the head splits, before the
             layers are planned (may change assignments).
+        verify: ``False`` skips the probe of whole-head attention splits
+            (``verify_plan=False``: exactness is then the user's responsibility).
 
     Raises:
         TypeError: a style does not fit its module's type.
         ValueError: unknown style, unsupported style, a dimension that does not
-            split at ``ctx.world_size`` (listing the valid sizes), or a tied
-            parameter split two ways.
+            split at ``ctx.world_size`` (listing the valid sizes), a tied
+            parameter split two ways, or a user plan's attention split that the
+            probe does not confirm.
     """
     rules = pick_rules(model, plan, ctx, example_inputs)
     resolved = match_rules(model, rules)
-    resolved.heads = (dict(rules.heads) if rules.heads is not None
-                      else split_whole_heads(model, resolved))
+    if rules.heads is not None:  # the automatic plan: confirmed by its own probe
+        resolved.heads = dict(rules.heads)
+    else:
+        resolved.heads = split_whole_heads(model, resolved)
+        resolved.problems += verify_heads(model, resolved, ctx, example_inputs, verify)
     if adjust is not None:
         adjust(model, resolved, ctx)
     modules = dict(model.named_modules())

@@ -54,6 +54,9 @@ class ResolvedPlan:
         heads: Attention modules whose heads are split, with their geometry.
         problems: Errors found while planning the layers (raised by the wrapper;
             listed by ``torchtp plan``).
+        checks: Attention module -> the verdict of the local probe on its whole-head
+            split (``"confirmed"``, ``"kept replicated: ..."``, ``"refused: ..."``,
+            ``"not verified ..."``; see :mod:`torchtp.plans.verify`).
     """
 
     source: str
@@ -65,6 +68,7 @@ class ResolvedPlan:
     layers: dict[str, LayerPlan] = field(default_factory=dict)
     heads: dict[str, HeadInfo] = field(default_factory=dict)
     problems: list[Exception] = field(default_factory=list)
+    checks: dict[str, str] = field(default_factory=dict)
 
     @property
     def constraints(self) -> list[Constraint]:

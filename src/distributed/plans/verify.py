@@ -1,0 +1,318 @@
+"""Confirm every whole-head attention split on the real module before any weight is cut.
+
+Rules from any source (the model's HF plan, torchtp's built-in plans, a plan
+passed by the user) only name styles; whether a module's forward then reads
+its heads where the split put them depends on its code. CodeGen, for one,
+packs ``qkv_proj``'s out_features (weight rows) in ``mp_num=4`` groups that no
+style describes, so a ``colwise`` split of it runs and gives wrong numbers.
+
+The check is the automatic plan's probe (:func:`torchtp.plans.auto._simulate`):
+for each rank, the model runs with the q/k/v producers returning that rank's
+slice of their recorded output and the attention module's head counts set to
+their local values; what reaches the output projection (the consumer, found
+by dataflow, wherever it lives) must equal that rank's slice of its recorded
+input, cut as its own style splits in_features (weight columns). Every rank
+simulates every rank on the same fixed-seed inputs, so all reach the same
+verdict, which is part of the wrap's fingerprint.
+
+A model on the meta device (``from_pretrained``) cannot run: a one-layer copy
+is built on CPU from its HuggingFace config with random weights (fixed seed)
+and its verdicts apply to every layer of the same name pattern. A split that is
+not confirmed stays replicated with the reason in ``describe_plan()`` when the
+plan comes from a source torchtp does not control; a plan the user passed is
+refused with the reason, unless ``verify_plan=False`` makes it their
+responsibility.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..hf.attention import HeadInfo
+from ..hf.detect import is_hf_model
+from ..hf.probe_inputs import probe_inputs
+from .auto import Pair, _as_inputs, _derive, _simulate
+from .dataflow import Trace, record
+from .linear_view import linear_view
+from .resolved import ResolvedPlan
+from .styles import Colwise, ParallelStyle, Replicate, Rowwise, ShardContext
+
+CONFIRMED = "whole heads confirmed by the local probe"
+OPT_OUT = "verify_plan=False"
+UNVERIFIABLE = "could not be verified"
+SMALL_VOCAB = 256  # the one-layer copy's vocabulary (above every special token id)
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def is_user_plan(source: str) -> bool:
+    """Whether the rules came from the ``plan`` argument (a dict or a file)."""
+    return source == "argument" or source.startswith("file ")
+
+
+def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
+                 example_inputs: object = None, verify: bool = True) -> list[ValueError]:
+    """Confirm each attention split in ``plan.heads``; undo or refuse the others.
+
+    Args:
+        model: The model being planned (may live on the meta device).
+        plan: The matched plan after :func:`~torchtp.hf.attention.split_whole_heads`;
+            ``plan.checks`` gets one verdict per attention module, and
+            unconfirmed splits are reverted to ``replicate`` unless the plan is
+            the user's.
+        ctx: The tp size.
+        example_inputs: Inputs for the probe forward (as for the automatic plan).
+        verify: ``False`` (the user's opt-out): record that nothing was checked.
+
+    Returns:
+        One error per unconfirmed attention split of a user plan (empty otherwise).
+    """
+    if not plan.heads or ctx.world_size == 1:
+        return []
+    if not verify:
+        for attention in plan.heads:
+            plan.checks[attention] = f"not verified ({OPT_OUT}): the user's responsibility"
+        plan.notes.append(f"attention splits not verified ({OPT_OUT}): exactness of "
+                          f"{sorted(plan.heads)} is the user's responsibility")
+        return []
+    errors = []
+    # A split that does not fit this tp raises while its layers are planned, naming the size.
+    unfit = {a for a in plan.heads if not _fits(model, plan, a, ctx)}
+    for attention, (why, consumer) in _verdicts(model, plan, ctx, example_inputs,
+                                                 unfit).items():
+        members = [n for n in plan.assignments if n.startswith(f"{attention}.")]
+        outside = [consumer] if consumer is not None else _output_projections(model, plan,
+                                                                             attention)
+        members += [n for n in outside if n in plan.assignments and n not in members]
+        if why is None:
+            plan.checks[attention] = "confirmed"
+            for name in members:
+                plan.why[name] = f"{plan.why.get(name, '')}; {CONFIRMED}"
+        elif is_user_plan(plan.source):
+            plan.checks[attention] = f"refused: {why}"
+            errors.append(_refusal(model, plan, attention, members, why, ctx))
+        else:
+            plan.checks[attention] = f"kept replicated: {why}"
+            _replicate(plan, attention, members, why)
+    return errors
+
+
+def _output_projections(model: nn.Module, plan: ResolvedPlan, attention: str) -> list[str]:
+    """Without a probe: the in_features-split Linears near ``attention`` that read its heads.
+
+    Inside it, or (BERT's ``attention.output.dense``) under its parent, not
+    below a sibling that splits out_features itself (an MLP), with
+    in_features equal to the query heads' width.
+    """
+    info = plan.heads[attention]
+    parent = attention.rpartition(".")[0]
+    lead = f"{parent}." if parent else ""
+    own = {n.rpartition(".")[0] for n, s in plan.assignments.items()
+           if isinstance(s, Colwise) and not n.startswith(f"{attention}.")}
+    out = []
+    for name, style in plan.assignments.items():
+        view = linear_view(model.get_submodule(name))
+        if (isinstance(style, Rowwise) and not style.split_input and name.startswith(lead)
+                and view is not None and view.in_features == info.heads * info.head_dim
+                and not any(name.startswith(f"{o}.") for o in own if o != parent)):
+            out.append(name)
+    return out
+
+
+def _fits(model: nn.Module, plan: ResolvedPlan, attention: str, ctx: ShardContext) -> bool:
+    """Every split module inside ``attention`` plans and fits at ``ctx.world_size``."""
+    for name, style in plan.assignments.items():
+        if name.startswith(f"{attention}."):
+            try:
+                if not style.plan(model.get_submodule(name), name, ctx).fits(ctx.world_size):
+                    return False
+            except (TypeError, ValueError):
+                return False
+    return True
+
+
+def _verdicts(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext, example_inputs: object,
+              unfit: set[str]) -> dict[str, tuple[str | None, str | None]]:
+    """Per attention module in ``plan.heads``: (``None`` or why not confirmed, its consumer).
+
+    One layer per name pattern is checked (``h.*.attn``); its verdict holds for all.
+    """
+    heads = {a: i for a, i in plan.heads.items() if a not in unfit}
+    if not heads:
+        return {}
+    with _probe_model(model, example_inputs) as (probe, trace, why):
+        if trace is None or probe is None:
+            return dict.fromkeys(heads, (f"{UNVERIFIABLE}: {why}", None))
+        names = _names_by_pattern(probe)
+        pairs: dict[str, Pair] = {}
+        out: dict[str, tuple[str | None, str | None]] = {}
+        for attention, info in heads.items():
+            key = _stars(attention)
+            if key not in pairs and key not in out:
+                found = _pair(probe, trace, plan, attention, info, names)
+                if isinstance(found, str):
+                    out[key] = (found, None)
+                else:
+                    pairs[key] = found
+        verdicts, _ = _simulate(probe, trace, list(pairs.values()), ctx)
+        for key, pair in pairs.items():
+            why_not = verdicts[pair.consumer]
+            out[key] = (None if why_not is None else (
+                "with its projections split by whole heads, the local probe does not "
+                f"reproduce each rank's slice of its output projection's input ({why_not})"),
+                pair.consumer)
+        return {a: (out[_stars(a)][0], _renumber(out[_stars(a)][1], names[_stars(a)], a))
+                for a in heads}
+
+
+def _renumber(consumer: str | None, probed: str, attention: str) -> str | None:
+    """The consumer of ``attention`` given the probed layer's (same layer numbers as it)."""
+    if consumer is None:
+        return None
+    a, c = probed.split("."), consumer.split(".")
+    common = next((i for i, (x, y) in enumerate(zip(a, c, strict=False)) if x != y),
+                  min(len(a), len(c)))
+    return ".".join(attention.split(".")[:common] + c[common:])
+
+
+@contextmanager
+def _probe_model(model: nn.Module, example_inputs: object
+                 ) -> Iterator[tuple[nn.Module | None, Trace | None, str]]:
+    """The model to probe (itself, or a one-layer CPU copy of a meta model) and its trace."""
+    probe = model
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        small = _small_copy(model)
+        if small is None:
+            yield None, None, ("the model is on the meta device and no copy can be built from a "
+                               "HuggingFace config")
+            return
+        probe, example_inputs = small, None
+    if example_inputs is None and is_hf_model(probe):
+        example_inputs = probe_inputs(probe)
+    inputs = _as_inputs(example_inputs) if example_inputs is not None else _derive(probe)
+    if inputs is None:
+        yield None, None, "no example inputs could be derived (pass example_inputs=)"
+        return
+    try:
+        trace = record(probe, inputs)
+    except Exception as err:  # any model-specific failure: unverifiable
+        yield None, None, f"the probe forward failed ({type(err).__name__}: {err})"
+        return
+    yield probe, trace, ""
+
+
+def _small_copy(model: nn.Module) -> nn.Module | None:
+    """A one-layer CPU copy of an HF model from its config, random weights under seed 0."""
+    if not is_hf_model(model):
+        return None
+    config: Any = copy.deepcopy(model.config)
+    for cfg in {id(c): c for c in (config, getattr(config, "text_config", None))
+                if c is not None}.values():
+        if isinstance(getattr(cfg, "num_hidden_layers", None), int):
+            cfg.num_hidden_layers = 1
+        if isinstance(getattr(cfg, "layer_types", None), list):
+            cfg.layer_types = cfg.layer_types[:1]
+        vocab = getattr(cfg, "vocab_size", None)
+        if isinstance(vocab, int):  # the embedding and LM head dominate the copy's build time
+            ids = [getattr(cfg, k, None) for k in _TOKEN_IDS]
+            cfg.vocab_size = min(vocab, max([SMALL_VOCAB] + [i + 1 for i in ids
+                                                             if isinstance(i, int)]))
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.manual_seed(0)  # every rank builds the same copy
+            small = type(model)(config)
+    except Exception:  # a config that cannot be shrunk or rebuilt: unverifiable
+        return None
+    return small.float().eval()
+
+
+def _names_by_pattern(model: nn.Module) -> dict[str, str]:
+    """Module name with layer numbers as ``*`` -> the first such module's name."""
+    out: dict[str, str] = {}
+    for name, _ in model.named_modules():
+        out.setdefault(_stars(name), name)
+    return out
+
+
+def _pair(probe: nn.Module, trace: Trace, plan: ResolvedPlan, attention: str, info: HeadInfo,
+          names: dict[str, str]) -> Pair | str:
+    """The producers and consumer of ``attention``'s split, named as in ``probe``."""
+    producers = {names.get(_stars(n)): s for n, s in plan.assignments.items()
+                 if n.startswith(f"{attention}.") and isinstance(s, Colwise)}
+    if None in producers or not producers:
+        return f"{UNVERIFIABLE}: its projections are not in the probe model"
+    local = {n for n in producers if n is not None and n in trace.calls}
+    if len(local) != len(producers):
+        return f"{UNVERIFIABLE}: the probe forward did not call its projections"
+    owner = names.get(_stars(attention))
+    consumer = _consumer(probe, trace, plan, local, names)
+    if consumer is None or owner is None:
+        return (f"{UNVERIFIABLE}: no output projection split by in_features (weight columns, "
+                "'rowwise') reads only its split heads")
+    styles: dict[str, ParallelStyle] = {n: s for n, s in producers.items() if n is not None}
+    styles[consumer[0]] = consumer[1]
+    return Pair(consumer[0], styles, owner, info, "whole heads")
+
+
+def _consumer(probe: nn.Module, trace: Trace, plan: ResolvedPlan, producers: set[str],
+              names: dict[str, str]) -> tuple[str, ParallelStyle] | None:
+    """The in_features-split Linear whose input is made only from ``producers``."""
+    styles = {names.get(_stars(n)): s for n, s in plan.assignments.items()
+              if isinstance(s, Rowwise) and not s.split_input}
+    for name, style in styles.items():
+        if name is None or name not in trace.calls or linear_view(probe.get_submodule(name)) \
+                is None:
+            continue
+        sources = trace.sources(name)
+        if sources and sources <= producers:
+            return name, style
+    return None
+
+
+def _replicate(plan: ResolvedPlan, attention: str, members: list[str], why: str) -> None:
+    """Keep ``attention``'s split modules whole (per-head norms too) and say why."""
+    plan.heads.pop(attention, None)
+    for name in members:
+        plan.assignments[name] = Replicate()
+        plan.why[name] = f"kept replicated: attention '{attention}' {why}"
+    note = f"'{_stars(attention)}' kept replicated: {why}; {list(map(_stars, members))} stay whole"
+    if note not in plan.notes:  # once per layer pattern
+        plan.notes.append(note)
+
+
+def _refusal(model: nn.Module, plan: ResolvedPlan, attention: str, members: list[str],
+             why: str, ctx: ShardContext) -> ValueError:
+    info = plan.heads[attention]
+    shapes = []
+    for name in members:
+        view, style = linear_view(model.get_submodule(name)), plan.assignments[name]
+        if view is not None and isinstance(style, (Colwise, Rowwise)):
+            split = (f"out_features={view.out_features} (weight rows)" if isinstance(style, Colwise)
+                     else f"in_features={view.in_features} (weight columns)")
+            shapes.append(f"'{name}' ({style.name}: splits {split})")
+    kind = type(model.get_submodule(attention)).__name__
+    if why.startswith(UNVERIFIABLE):
+        fix = ("Fix: pass example_inputs=(...) to DistributedModelWrapper so the probe can run "
+               "(from_pretrained: a one-layer copy is built from the HuggingFace config), mark "
+               f"these modules 'replicate' in the plan, or pass {OPT_OUT} if you have checked "
+               "the split yourself")
+    else:
+        fix = ("Its forward probably lays out its heads in a way the styles do not describe "
+               "(e.g. CodeGen packs qkv_proj's out_features in mp_num=4 groups). Fix: mark "
+               f"these modules 'replicate' in the plan, or pass {OPT_OUT} to "
+               "DistributedModelWrapper if you have checked the split yourself")
+    return ValueError(
+        f"plan ({plan.source}): attention '{attention}' ({kind}, num_attention_heads="
+        f"{info.heads}, num_key_value_heads={info.kv_heads}, head_dim={info.head_dim}) split by "
+        f"whole heads at world_size={ctx.world_size} via {', '.join(shapes)}: {why}. {fix}")
+
+
+def _stars(name: str) -> str:
+    """Layer numbers inside module names as ``*`` (``h.3.attn`` -> ``h.*.attn``)."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
