@@ -48,8 +48,9 @@ from ..hf.attention import (
     head_info,
     local_overrides,
     narrow_head_biases,
+    query_part,
 )
-from ..hf.styles import HeadSplit
+from ..hf.styles import HeadColumns, HeadSplit
 from .dataflow import Inputs, Region, Trace, probe_mode, record
 from .linear_view import linear_view
 from .resolved import Rules
@@ -320,7 +321,7 @@ def _head_pair(b: str, producers: list[str], views: dict[str, Any], info: HeadIn
         if parts is None:
             return None
         styles[p] = HeadSplit(parts, layout if len(parts) > 1 else "colwise")
-    styles[b] = Rowwise()
+    styles[b] = HeadColumns(query_part(info))  # the same heads' columns (head_share)
     how = (f"whole heads of '{owner}' ({info.heads} heads, {info.kv_heads} KV heads, "
            f"head_dim {info.head_dim}), local head counts confirmed by the probe")
     return Pair(b, styles, owner, info, how)
