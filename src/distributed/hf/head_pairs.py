@@ -100,6 +100,7 @@ def check_head_boundaries(heads: Mapping[str, HeadInfo], assignments: Mapping[st
             tp size and the fix.
     """
     for attention, info in heads.items():
+        _check_head_params(attention, info, modules, ctx)
         consumer = output_projection(attention, info, assignments, modules)
         if consumer is None:
             continue
@@ -140,6 +141,33 @@ def _check_pair(attention: str, info: HeadInfo, producer: str, consumer: str, st
         "The head boundaries must agree (torchtp.layouts.head_share); use the style 'rowwise' "
         "for it (torchtp then cuts its columns by the same heads), or a tp size that divides "
         f"the {info.heads} heads")
+
+
+def _check_head_params(attention: str, info: HeadInfo, modules: Mapping[str, nn.Module],
+                       ctx: ShardContext) -> None:
+    """Refuse a per-head-grouped parameter inside a head-split attention (Cohere's ``q_norm``).
+
+    A norm over ``head_dim`` (Qwen3's ``q_norm``) applies to any number of
+    heads; one holding a row per head (weight ``(heads, head_dim)``) or the
+    whole width (``heads * head_dim``) would need its rows cut by the same heads,
+    which torchtp does not do: the forward would fail or mix heads.
+    """
+    lead = f"{attention}." if attention else ""
+    widths = {info.heads * info.head_dim: info.heads, info.kv_heads * info.head_dim: info.kv_heads}
+    for name, module in modules.items():
+        if not name.startswith(lead) or linear_view(module) is not None:
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            heads = widths.get(param.numel())
+            if heads is None or heads < 2 or param.shape[0] not in (heads, param.numel()):
+                continue
+            raise ValueError(
+                f"attention '{attention}' at world_size={ctx.world_size} for {ctx.model_name}: "
+                f"its heads are split, but '{name}.{pname}' (shape {tuple(param.shape)}) holds "
+                f"all {heads} heads' features; each rank would apply it to its own heads only. "
+                "torchtp does not cut per-head-grouped parameters: keep this attention whole "
+                "(plan= with its projections 'replicate', or 'colwise_gather_output' for q/k/v "
+                "and 'rowwise_split_input' for the output projection)")
 
 
 def _features(segments: Segments) -> str:
