@@ -5,8 +5,9 @@ q/k/v by whole heads and ``attention.output.dense`` (in the sibling
 ``BertSelfOutput``) by the same heads, not by balanced columns (22/21/21).
 The automatic plan splits uneven-head attention of a torchtitan-style Llama
 (4 heads, 2 KV heads: 1/1/2) and a timm-style ViT (fused ``qkv``, 4 heads:
-2/1/1) instead of keeping it replicated. BLOOM's ALiBi slopes and KV cache
-follow the same heads (generate). A plan whose output projection cuts other
+2/1/1) instead of keeping it replicated, and Qwen3's (per-head_dim
+``q_norm``/``k_norm``). BLOOM's ALiBi slopes and KV cache follow the same heads
+(generate). A plan whose output projection cuts other
 boundaries is refused at wrap time on every rank.
 """
 
@@ -38,7 +39,9 @@ def _at_tp_3(rank: int, world_size: int) -> dict:
     out: dict = {}
     # HF path: torchtp's built-in plan (also what plan="auto" picks for BERT/RoBERTa),
     # and the dataflow automatic plan on a BERT whose plans are hidden.
-    for arch, unplanned in (("bert", False), ("roberta", False), ("bert", True), ("bloom", False)):
+    # Qwen3 without a plan: per-head_dim q_norm/k_norm replicated, gradients summed.
+    for arch, unplanned in (("bert", False), ("roberta", False), ("bert", True), ("bloom", False),
+                            ("qwen3", True)):
         got = check_arch(rank, world_size, arch, 1, unplanned)
         out[f"{arch}{'-auto' if unplanned else ''}"] = got
     # torchtitan-style Llama and timm-style ViT through the automatic plan.
@@ -50,7 +53,7 @@ def test_uneven_heads_at_tp_3_are_exact_and_split(ranks):
     # Outputs, every gradient and one SGD step equal the unsharded model's (check_arch,
     # _check_kinds); BLOOM generates the same tokens (ALiBi slopes, KV cache per head).
     results = ranks(_at_tp_3, 3, timeout=300, gloo_timeout=60)
-    for arch in ("bert", "roberta", "bert-auto", "bloom"):
+    for arch in ("bert", "roberta", "bert-auto", "bloom", "qwen3-auto"):
         got = results[0][arch]
         # Two all-reduces per layer: attention (heads split) and MLP; nothing replicated.
         assert got["collectives"]["all_reduce"] == 4, (arch, got)
