@@ -157,6 +157,27 @@ def group_share(groups: int, per_group: int, parts: int,
     return (group * per_group + start, n), (group, 1)
 
 
+def head_share(heads: int, kv_heads: int, parts: int,
+               index: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """**The head-boundary rule**: rank ``index``'s query heads and KV heads.
+
+    Every layer that touches heads cuts by this one rule, so their boundaries
+    agree: the query/key/value projections' output rows (weight rows), the
+    output projection's input columns (weight columns) wherever that layer
+    lives, their biases, ALiBi slopes, the local head counts the attention
+    module and its KV cache read. It is :func:`group_share` over KV groups
+    (``heads // kv_heads`` query heads each).
+
+    Returns:
+        ``((first query head, query heads), (first KV head, KV heads))``.
+
+    Example:
+        >>> [head_share(4, 4, 3, r)[0] for r in range(3)]  # BERT-base-like 4 heads, tp 3
+        [(0, 2), (2, 1), (3, 1)]
+    """
+    return group_share(kv_heads, heads // kv_heads, parts, index)
+
+
 def group_ranks(groups: int, parts: int) -> list[list[int]]:
     """The ranks holding each group when there are more ranks than groups (see :func:`group_share`)."""
     out = []

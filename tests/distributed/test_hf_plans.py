@@ -55,10 +55,12 @@ def test_hf_models_without_a_plan_say_what_stays_replicated_and_why():
     assert mpt.resolved_plan.rules["transformer.blocks.0.attn.Wqkv"] == "packed_colwise"
     assert "whole heads of 'transformer.blocks.*.attn' (8 heads" in mpt.describe_plan()
     assert mpt.base_model.transformer.blocks[0].attn.n_heads == 4
+    # Qwen3's q_norm/k_norm normalize each head over head_dim: heads split, norms
+    # replicated with their gradients summed (exactness: test_head_boundaries at tp 3).
     qwen3 = torchtp.DistributedModelWrapper(strip_plans(build("qwen3")), world_size=2, rank=0)
-    assert any("'model.layers.0.self_attn' kept replicated" in n and "['q_norm', 'k_norm']" in n
-               for n in qwen3.resolved_plan.notes)
-    assert qwen3.resolved_plan.collectives() == {"all_reduce": 2, "all_gather": 1}
+    assert qwen3.resolved_plan.rules["model.layers.0.self_attn.q_norm"] == \
+        "replicated_with_grad_allreduce"
+    assert qwen3.resolved_plan.collectives() == {"all_reduce": 4, "all_gather": 1}
 
 
 def test_plan_sources_and_printing():

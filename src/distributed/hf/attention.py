@@ -12,7 +12,9 @@ Two steps around the swap:
    approach), see :func:`torchtp.layouts.group_share`. Shares may differ by a
    head or a KV group: nothing has to divide. Fused ``qkv`` projections are
    split part by part, and the output projection's input columns follow the
-   same query heads (:class:`~torchtp.hf.styles.HeadColumns`).
+   same query heads (:class:`~torchtp.hf.styles.HeadColumns`), wherever that
+   projection lives (found by :func:`~torchtp.hf.head_pairs.output_projection`).
+   Every cut follows one rule, :func:`torchtp.layouts.head_share`.
 2. :func:`localize_attention` (after the swap): rewrite the attributes the
    module's forward reads (head counts, widths, ``num_key_value_groups`` and a
    per-module copy of ``config``) to their local values.
@@ -25,13 +27,14 @@ from dataclasses import dataclass
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..layouts import group_share
+from ..layouts import head_share
 from ..plans.linear_view import linear_view
 from ..plans.resolved import ResolvedPlan
 from ..plans.styles import Colwise, Rowwise, ShardContext
 from . import compat
 from .compat import HEAD_ATTRS, HEAD_DIM_ATTRS, KV_ATTRS
 from .detect import text_config
+from .head_pairs import output_projection
 from .styles import HeadColumns, HeadSplit, Part
 
 
@@ -134,16 +137,27 @@ def split_whole_heads(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInf
 
 def _head_columns(plan: ResolvedPlan, modules: dict[str, nn.Module],
                   found: dict[str, HeadInfo]) -> None:
-    """Split each head-split attention's output projection by the same whole heads."""
-    for name, style in list(plan.assignments.items()):
-        parent_name = name.rpartition(".")[0]
-        info = found.get(parent_name)
-        view = linear_view(modules[name])
-        if (info is not None and type(style) is Rowwise and not style.split_input
-                and view is not None and view.in_features == info.heads * info.head_dim):
-            plan.assignments[name] = HeadColumns(query_part(info), style.name)
-            plan.why[name] = (f"{plan.why.get(name, style.name)}; input columns by the whole "
-                              f"query heads of attention '{parent_name}'")
+    """Split each head-split attention's output projection by the same whole heads.
+
+    The output projection is found by the plan's pairing (it may live outside
+    the attention module, as BERT's ``attention.output.dense``); only a plain
+    ``rowwise`` one is upgraded: any other is left for
+    :func:`~torchtp.hf.head_pairs.check_head_boundaries` to judge.
+    """
+    for parent_name, info in found.items():
+        name = output_projection(parent_name, info, plan.assignments, modules)
+        style = plan.assignments.get(name) if name is not None else None
+        if name is None or type(style) is not Rowwise or style.split_input:
+            continue
+        plan.assignments[name] = HeadColumns(query_part(info), style.name)
+        plan.why[name] = (f"{plan.why.get(name, style.name)}; input columns by the whole "
+                          f"query heads of attention '{parent_name}'")
+
+
+def local_heads(info: HeadInfo, ctx: ShardContext) -> tuple[int, int]:
+    """This rank's ``(query heads, KV heads)`` by :func:`torchtp.layouts.head_share`."""
+    (_, heads), (_, kv) = head_share(info.heads, info.kv_heads, ctx.world_size, ctx.rank)
+    return heads, kv
 
 
 def localize_attention(model: nn.Module, infos: dict[str, HeadInfo], ctx: ShardContext) -> None:
@@ -152,24 +166,21 @@ def localize_attention(model: nn.Module, infos: dict[str, HeadInfo], ctx: ShardC
     Per-head biases passed into the module (ALiBi) are narrowed to its heads too.
     """
     for name, info in infos.items():
-        local_heads = query_part(info).unit_range(ctx)[1]
-        local_kv = group_share(info.kv_heads, 1, ctx.world_size, ctx.rank)[1][1]
+        heads, kv = local_heads(info, ctx)
         module = model.get_submodule(name)
-        compat.localize_attention(module, info.heads, info.kv_heads, info.head_dim, local_heads,
-                                  local_kv)
+        compat.localize_attention(module, info.heads, info.kv_heads, info.head_dim, heads, kv)
         narrow_head_biases(module, info, ctx)
 
 
 def narrow_head_biases(module: nn.Module, info: HeadInfo, ctx: ShardContext
                        ) -> RemovableHandle | None:
     """Give ``module`` this rank's query heads of the per-head biases it is passed, if any."""
-    first, count = query_part(info).unit_range(ctx)
+    (first, count), _ = head_share(info.heads, info.kv_heads, ctx.world_size, ctx.rank)
     return compat.narrow_head_biases(module, info.heads, first, count)
 
 
 def local_overrides(module: nn.Module, info: HeadInfo, ctx: ShardContext) -> dict[str, object]:
     """The attributes of ``module`` to set on this rank when its heads are split."""
-    local_heads = query_part(info).unit_range(ctx)[1]
-    local_kv = group_share(info.kv_heads, 1, ctx.world_size, ctx.rank)[1][1]
+    heads, kv = local_heads(info, ctx)
     return compat.local_attention_values(module, info.heads, info.kv_heads, info.head_dim,
-                                         local_heads, local_kv)
+                                         heads, kv)

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..grad_sync import GradSync, mark
 from ..layers import FeatureParallelEmbedding, VocabParallelEmbedding
-from ..layouts import group_share, shard_range, split_layout
+from ..layouts import head_share, shard_range, split_layout
 from ..plans.constraints import Constraint
 from ..plans.fidelity import embedding_splits_exactly
 from ..plans.linear_view import LinearView
@@ -59,12 +59,12 @@ class Part:
         return self.is_kv
 
     def unit_range(self, ctx: ShardContext) -> tuple[int, int]:
-        """This rank's ``(first unit, units)`` (whole heads; see :func:`torchtp.layouts.group_share`)."""
+        """This rank's ``(first unit, units)`` (whole heads; see :func:`torchtp.layouts.head_share`)."""
         if not self.kv_groups:
             return shard_range(self.units, ctx.world_size, ctx.rank)
-        per_group = 1 if self.is_kv else self.units // self.kv_groups
-        units, groups = group_share(self.kv_groups, per_group, ctx.world_size, ctx.rank)
-        return groups if self.is_kv else units
+        heads = self.kv_groups if self.is_kv else self.units  # a KV part: one head per group
+        query, kv = head_share(heads, self.kv_groups, ctx.world_size, ctx.rank)
+        return kv if self.is_kv else query
 
     def segment(self, offset: int, ctx: ShardContext) -> tuple[int, int]:
         """This rank's rows of the part, in full-tensor coordinates."""

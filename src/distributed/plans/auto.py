@@ -32,6 +32,7 @@ running it replicated; ``plan="auto-memory"`` splits regardless, to save memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -48,8 +49,9 @@ from ..hf.attention import (
     head_info,
     local_overrides,
     narrow_head_biases,
+    query_part,
 )
-from ..hf.styles import HeadSplit
+from ..hf.styles import HeadColumns, HeadSplit, ReplicatedWithGradAllreduce
 from .dataflow import Inputs, Region, Trace, probe_mode, record
 from .linear_view import linear_view
 from .resolved import Rules
@@ -76,6 +78,7 @@ class Pair:
     attention: str | None = None
     info: HeadInfo | None = None
     how: str = "feature-wise ops only"
+    norms: tuple[str, ...] = ()  # per-head_dim norms on the way (Qwen3's q_norm/k_norm)
 
     @property
     def producers(self) -> list[str]:
@@ -128,6 +131,11 @@ def _take(pair: Pair, styles: dict[str, ParallelStyle | str], rules: Rules) -> N
         styles[name] = style
         rules.why[name] = (f"dataflow: feeds '{pair.consumer}' ({pair.how})" if name != pair.consumer
                            else f"dataflow: reads only {producers}; one all-reduce")
+    for name in pair.norms:  # applied to this rank's heads only: gradients partial
+        styles[name] = ReplicatedWithGradAllreduce()
+        rules.why[name] = (f"dataflow: a norm over head_dim inside '{pair.attention}' on the "
+                           "way to its output projection; replicated, gradients summed over "
+                           "the group")
     if pair.attention is not None and pair.info is not None:
         assert rules.heads is not None
         rules.heads[pair.attention] = pair.info
@@ -241,12 +249,15 @@ def _candidates(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], t
         group = [*producers, b]
         if any(n in taken or len(trace.calls[n]) != 1 or id(linears[n]) in tied for n in group):
             continue
-        problem = _region_problem(trace, b, region, producers)
+        norms = _head_dim_norms(model, region, producers, b, config)
+        problem = _region_problem(trace, b, region, producers, norms is not None)
         if problem:
             notes.append(f"'{b}' not paired with {producers}: {problem}")
             _block_attention(model, group, problem, blocked, notes)
             continue
         alts = _alternatives(model, b, producers, linears, ctx, config)
+        if norms:  # only whole heads keep a head_dim norm's input whole
+            alts = [dataclasses.replace(p, norms=norms) for p in alts if p.attention is not None]
         if alts:
             out.append(alts)
             taken.update(group)
@@ -272,9 +283,43 @@ def _block_attention(model: nn.Module, group: list[str], problem: str,
         blocked.setdefault(name, why)
 
 
-def _region_problem(trace: Trace, b: str, region: Region, producers: list[str]) -> str | None:
-    """Why the ops between the producers and ``b`` cannot run on split features, if they cannot."""
-    if region.leaves:
+def _head_dim_norms(model: nn.Module, region: Region, producers: list[str], b: str,
+                    config: object) -> tuple[str, ...] | None:
+    """The norms over ``head_dim`` whose parameters are the region's only leaves, if so.
+
+    Such a norm (Qwen3's or timm's ``q_norm``/``k_norm``: one weight of
+    ``head_dim`` applied to every head) works on any number of heads; a
+    parameter of any other shape (per-head-grouped, full width) is not one.
+    """
+    if not region.leaves:
+        return ()
+    owner = _attention_owner(model, producers, b)
+    if owner is None:
+        return None
+    attention = model.get_submodule(owner) if owner else model
+    width = linear_view(model.get_submodule(b)).in_features  # type: ignore[union-attr]
+    info = head_info(attention, config if config is not None
+                     else SimpleNamespace(hidden_size=width))
+    owners = {id(p): name for name, m in attention.named_modules()
+              if name and linear_view(m) is None for p in m.parameters(recurse=False)}
+    names = {owners.get(id(t)) for t in region.tensors}
+    if info is None or None in names or len(region.tensors) != len(region.leaves):
+        return None
+    for name in names:
+        params = list(attention.get_submodule(str(name)).parameters(recurse=False))
+        if any(p.dim() != 1 or p.numel() != info.head_dim for p in params):
+            return None
+    lead = f"{owner}." if owner else ""
+    return tuple(sorted(f"{lead}{n}" for n in names))
+
+
+def _region_problem(trace: Trace, b: str, region: Region, producers: list[str],
+                    norms_ok: bool = False) -> str | None:
+    """Why the ops between the producers and ``b`` cannot run on split features, if they cannot.
+
+    ``norms_ok``: the region's leaves are head_dim norms (:func:`_head_dim_norms`).
+    """
+    if region.leaves and not norms_ok:
         return ("it also reads a parameter or an input on the way (e.g. a norm's weight), "
                 "which would need splitting too")
     users = trace.consumers()
@@ -320,7 +365,7 @@ def _head_pair(b: str, producers: list[str], views: dict[str, Any], info: HeadIn
         if parts is None:
             return None
         styles[p] = HeadSplit(parts, layout if len(parts) > 1 else "colwise")
-    styles[b] = Rowwise()
+    styles[b] = HeadColumns(query_part(info))  # the same heads' columns (head_share)
     how = (f"whole heads of '{owner}' ({info.heads} heads, {info.kv_heads} KV heads, "
            f"head_dim {info.head_dim}), local head counts confirmed by the probe")
     return Pair(b, styles, owner, info, how)

@@ -56,11 +56,13 @@ class Region:
         nodes: Autograd nodes in between (ids -> nodes).
         leaves: Leaf tensors reached without passing a producer (parameters
             of other modules, inputs that need gradients), as node names.
+        tensors: Those leaf tensors themselves (to tell whose parameters they are).
     """
 
     producers: set[str] = field(default_factory=set)
     nodes: dict[int, Any] = field(default_factory=dict)
     leaves: list[str] = field(default_factory=list)
+    tensors: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Trace:
             nexts = list(node_inputs(node))
             if not nexts and hasattr(node, "variable"):  # AccumulateGrad: a leaf tensor
                 found.leaves.append(type(node).__name__)
+                found.tensors.append(node.variable)
             stack.extend(nexts)
         return found
 

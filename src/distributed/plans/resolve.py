@@ -9,11 +9,13 @@
    pairs Linears by the dataflow of one probe forward and splits attention by
    whole heads (:mod:`torchtp.plans.auto`);
 2. match the rules' ``fnmatch`` patterns against module names;
-3. upgrade sharded attention projections to whole-head splits and confirm
-   each on the real module with the automatic plan's probe
+3. upgrade sharded attention projections to whole-head splits, the output
+   projection's input columns included wherever it lives, and confirm each
+   on the real module with the automatic plan's probe
    (:mod:`torchtp.plans.verify`; the automatic plan confirms its own);
 4. plan every layer once (:meth:`~torchtp.plans.styles.ParallelStyle.plan`) and
-   check the constraints on the tp size and tied parameters.
+   check the constraints on the tp size, tied parameters, and that every
+   output projection cuts the same heads as its q/k/v projections.
 
 Nothing here touches a weight or communicates.
 """
@@ -31,6 +33,7 @@ from .._logging import logger
 from ..hf.attention import split_whole_heads
 from ..hf.builtin import BUILTIN_PLANS, builtin_plan
 from ..hf.detect import is_hf_model, text_config
+from ..hf.head_pairs import check_head_boundaries
 from ..hf.plan_source import hf_plan
 from ..hf.probe_inputs import probe_inputs
 from ..integrations.adapter_hosts import hf_model_inside
@@ -91,6 +94,10 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             resolved.layers[name] = style.plan(modules[name], name, ctx)
         except (TypeError, ValueError) as err:
             resolved.problems.append(err)
+    try:  # every rank reaches the same verdict from the plan alone
+        check_head_boundaries(resolved.heads, resolved.assignments, modules, ctx)
+    except ValueError as err:
+        resolved.problems.append(err)
     if strict:
         if resolved.problems:
             raise resolved.problems[0]
