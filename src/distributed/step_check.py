@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -128,11 +129,31 @@ def track(model: nn.Module, group: ProcessGroup | None) -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
-def _before_step(optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     if torch.compiler.is_compiling():
-        return  # a compiled step cannot run the eager collective; checked when run eagerly
-    for plan in _plans(optimizer):
-        check(plan)
+        return None  # a compiled step cannot run the eager collective; checked when run eagerly
+    plans = _plans(optimizer)
+    if not plans:
+        return None
+    # args is (optimizer, *step's positional arguments)
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is None:
+        for plan in plans:
+            check(plan)
+        return None
+
+    # step(closure) (Lightning's automatic optimization, LBFGS): the closure computes (and
+    # Lightning clips) the gradients inside the step, so check after each call of it.
+    def checked() -> Any:
+        loss = closure()
+        for plan in plans:
+            check(plan)
+        return loss
+
+    if len(args) > 1:
+        return (args[0], checked, *args[2:]), kwargs
+    return args, {**kwargs, "closure": checked}
 
 
 def _plans(optimizer: torch.optim.Optimizer) -> list[_Plan]:
