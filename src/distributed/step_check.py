@@ -165,6 +165,9 @@ def _plans(optimizer: torch.optim.Optimizer) -> list[_Plan]:
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     plans = [p for p in (_plan(model, held, *entry) for model, entry in list(_MODELS.items()))
              if p is not None]
+    if not plans:  # logged once per change of its parameter groups, not per step
+        logger.debug("optimizer step check: %s holds no replicated parameter of a wrapped "
+                     "model; its steps are not checked", type(optimizer).__name__)
     _PLANS[optimizer] = (key, plans)
     return plans
 
