@@ -237,8 +237,7 @@ def _norms(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         # float64 accumulation of float32 data costs ~10x on CPU (a converted copy per tensor)
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         values = _torch_compat.foreach_norm([tensors[i] for i in members], 2.0, dtype=wide)
-        out[torch.tensor(members, device=device)] = torch.stack(
-            [v.to(device, torch.float64) for v in values])
+        out[torch.tensor(members, device=device)] = torch.stack(values).to(device, torch.float64)
     return out
 
 
