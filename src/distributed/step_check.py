@@ -19,10 +19,12 @@ replicated parameters themselves. Any difference raises
 :class:`~torchtp.RankMismatchError` on every rank, before the step changes
 any weight, naming the parameter and the likely cause.
 
-The digest of one tensor is two float64 numbers: its L2 norm over every
-element (a scaled tensor or one element changed by 1% changes it) and a
-position-weighted sum of a strided sample of at most :data:`SAMPLES`
-elements (a permutation or sign flip among sampled elements changes it).
+The digest of one tensor is two numbers: its L2 norm over every element,
+accumulated in float32 (a scaled tensor changes it; so does one element changed
+by 1% wherever that moves a float32 norm: tensors up to ~10^5 elements of
+similar size), and a float64 position-weighted sum of an evenly strided sample
+of at most :data:`SAMPLES` elements (a permutation or sign flip among sampled
+elements changes it).
 Both come from a handful of fused ops for all parameters at once, and all
 ranks compare them with ONE all-reduce (max of ``cat(d, -d)``: max equals
 ``-min`` where every rank sent the same value).
@@ -33,6 +35,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,9 +50,9 @@ from .runtime import ProcessGroup, group_size
 ENV = "TP_STEP_CHECK"
 DEFAULT_PERIOD = 10
 SAMPLES = 64  # elements per tensor in the position-weighted sample
-# Relative slack when comparing float64 digests: equal tensors give bitwise-equal
-# digests under the same kernels and thread count; this only absorbs float64
-# summation-order rounding (~1e-16 per element) should two ranks reduce differently.
+# Relative slack when comparing digests: equal tensors give bitwise-equal digests under
+# the same kernels and thread count, so any difference above float64 rounding of the
+# (float64) comparison itself is a real one.
 RTOL = 1e-12
 _CAUSE_GRAD = (
     "a rank-local gradient change: use torchtp.clip_grad_norm_ instead of "
@@ -126,11 +129,31 @@ def track(model: nn.Module, group: ProcessGroup | None) -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
-def _before_step(optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     if torch.compiler.is_compiling():
-        return  # a compiled step cannot run the eager collective; checked when run eagerly
-    for plan in _plans(optimizer):
-        check(plan)
+        return None  # a compiled step cannot run the eager collective; checked when run eagerly
+    plans = _plans(optimizer)
+    if not plans:
+        return None
+    # args is (optimizer, *step's positional arguments)
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is None:
+        for plan in plans:
+            check(plan)
+        return None
+
+    # step(closure) (Lightning's automatic optimization, LBFGS): the closure computes (and
+    # Lightning clips) the gradients inside the step, so check after each call of it.
+    def checked() -> Any:
+        loss = closure()
+        for plan in plans:
+            check(plan)
+        return loss
+
+    if len(args) > 1:
+        return (args[0], checked, *args[2:]), kwargs
+    return args, {**kwargs, "closure": checked}
 
 
 def _plans(optimizer: torch.optim.Optimizer) -> list[_Plan]:
@@ -142,6 +165,9 @@ def _plans(optimizer: torch.optim.Optimizer) -> list[_Plan]:
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     plans = [p for p in (_plan(model, held, *entry) for model, entry in list(_MODELS.items()))
              if p is not None]
+    if not plans:  # logged once per change of its parameter groups, not per step
+        logger.debug("optimizer step check: %s holds no replicated parameter of a wrapped "
+                     "model; its steps are not checked", type(optimizer).__name__)
     _PLANS[optimizer] = (key, plans)
     return plans
 
@@ -193,12 +219,26 @@ def digest(plan: _Plan, tensors: list[torch.Tensor | None]) -> torch.Tensor:
     norms[[i for i, t in enumerate(local) if t is not None]] = 0.0  # empty tensors: 0
     sums = torch.zeros(count, dtype=torch.float64, device=device)
     if chosen:
-        values = _torch_compat.foreach_norm(chosen, 2.0, dtype=torch.float64)
-        norms[torch.tensor(present, device=device)] = torch.stack([v.to(device) for v in values])
+        norms[torch.tensor(present, device=device)] = _norms(chosen, device)
         segment, weight = _layout(plan, present, chosen, device)
         sample = torch.cat([_sample(t).to(device) for t in chosen]).to(torch.float64)
         sums.index_add_(0, segment, sample * weight)
     return torch.cat([norms, sums])
+
+
+def _norms(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``(len(tensors),)`` float64: each tensor's L2 norm, accumulated in float32 (float64
+    tensors in float64): one ``_foreach_norm`` per dtype, as the clip computes them."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
+    for dtype, members in groups.items():
+        # float64 accumulation of float32 data costs ~10x on CPU (a converted copy per tensor)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        values = _torch_compat.foreach_norm([tensors[i] for i in members], 2.0, dtype=wide)
+        out[torch.tensor(members, device=device)] = torch.stack(values).to(device, torch.float64)
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

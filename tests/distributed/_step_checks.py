@@ -58,13 +58,19 @@ def _framework_clips(rank: int) -> list[str]:
     from lightning.pytorch.plugins.precision import Precision
 
     out = []
-    clips = [lambda model, opt: Accelerator(cpu=True).clip_grad_norm_(model.parameters(), 1e-3),
-             lambda model, opt: Precision().clip_gradients(opt, 1e-3)]
-    for clip in clips:
-        model, opt = _wrapped()
-        _backward(model, 0)
-        clip(model, opt)
-        out.append(_raises(opt.step, r"gradients of .*use torchtp\.clip_grad_norm_"))
+    model, opt = _wrapped()
+    _backward(model, 0)
+    Accelerator(cpu=True).clip_grad_norm_(model.parameters(), 1e-3)
+    out.append(_raises(opt.step, r"gradients of .*use torchtp\.clip_grad_norm_"))
+    model, opt = _wrapped()
+
+    def closure() -> torch.Tensor:  # Lightning's automatic optimization: step(closure)
+        opt.zero_grad()
+        loss = _backward(model, 0)
+        Precision().clip_gradients(opt, 1e-3)
+        return loss
+
+    out.append(_raises(lambda: opt.step(closure=closure), r"gradients of .*use torchtp\.clip_grad_norm_"))
     return out
 
 
