@@ -263,7 +263,8 @@ def _pair(probe: nn.Module, trace: Trace, plan: ResolvedPlan, attention: str, in
           names: dict[str, str]) -> Pair | str:
     """The producers and consumer of ``attention``'s split, named as in ``probe``."""
     producers = {names.get(_stars(n)): s for n, s in plan.assignments.items()
-                 if n.startswith(f"{attention}.") and isinstance(s, Colwise)}
+                 if n.startswith(f"{attention}.") and isinstance(s, Colwise)
+                 and not s.gather_output}
     if None in producers or not producers:
         return f"{UNVERIFIABLE}: its projections are not in the probe model"
     local = {n for n in producers if n is not None and n in trace.calls}
