@@ -134,6 +134,17 @@ def test_unverifiable_split_from_a_builtin_plan_stays_whole_with_its_sibling_out
         "kept replicated: could not be verified: the probe forward failed (RuntimeError: boom)")
 
 
+def test_verdicts_are_part_of_the_fingerprint_the_ranks_agree_on():
+    from torchtp.plans import ShardContext
+    from torchtp.wrapper import _fingerprint
+
+    wrapped = torchtp.DistributedModelWrapper(_codegen_with_hf_plan(), world_size=2, rank=1)
+    ctx = ShardContext(2, 1, None, "CodeGenForCausalLM")
+    prints = _fingerprint(wrapped.base_model, wrapped.resolved_plan, ctx)
+    assert prints["attention checks"] == wrapped.resolved_plan.checks
+    assert prints["attention checks"]["transformer.h.0.attn"].startswith("kept replicated")
+
+
 def test_opt_out_keeps_the_user_plan_and_says_it_was_not_verified():
     wrapped = torchtp.DistributedModelWrapper(build("codegen"), world_size=2, rank=0, plan=PLAN,
                                               verify_plan=False)

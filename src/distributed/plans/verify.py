@@ -15,13 +15,17 @@ input, cut as its own style splits in_features (weight columns). Every rank
 simulates every rank on the same fixed-seed inputs, so all reach the same
 verdict, which is part of the wrap's fingerprint.
 
-A model on the meta device (``from_pretrained``) cannot run: a one-layer copy
-is built on CPU from its HuggingFace config with random weights (fixed seed)
-and its verdicts apply to every layer of the same name pattern. A split that is
-not confirmed stays replicated with the reason in ``describe_plan()`` when the
-plan comes from a source torchtp does not control; a plan the user passed is
-refused with the reason, unless ``verify_plan=False`` makes it their
-responsibility.
+A HuggingFace model is probed on a one-layer CPU copy built from its config
+with random weights (fixed seed), whose verdicts apply to every layer of the
+same name pattern: a model on the meta device (``from_pretrained``) cannot run
+at all, and the copy costs a few layers' work instead of ``tp + 1`` forwards of
+the whole model. A model whose modules differ from the copy's (replaced by the
+user), one given ``example_inputs`` and any other model are probed themselves.
+
+A split that is not confirmed stays replicated with the reason in
+``describe_plan()`` when the plan comes from a source torchtp does not
+control; a plan the user passed is refused with the reason, unless
+``verify_plan=False`` makes it their responsibility.
 """
 
 from __future__ import annotations
@@ -184,15 +188,24 @@ def _renumber(consumer: str | None, probed: str, attention: str) -> str | None:
 @contextmanager
 def _probe_model(model: nn.Module, example_inputs: object
                  ) -> Iterator[tuple[nn.Module | None, Trace | None, str]]:
-    """The model to probe (itself, or a one-layer CPU copy of a meta model) and its trace."""
+    """The model to probe and its trace.
+
+    An HF model is probed on a one-layer CPU copy (a few layers' worth of work
+    instead of ``tp + 1`` forwards of the whole model) when every module of the
+    copy has the type of the model's module of the same name; the model
+    itself otherwise, or when ``example_inputs`` are given. A meta model
+    cannot run: the copy or nothing.
+    """
     probe = model
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+    meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if meta or (example_inputs is None and is_hf_model(model)):
         small = _small_copy(model)
-        if small is None:
+        if small is not None and (meta or _same_types(small, model)):
+            probe, example_inputs = small, None
+        elif meta:
             yield None, None, ("the model is on the meta device and no copy can be built from a "
                                "HuggingFace config")
             return
-        probe, example_inputs = small, None
     if example_inputs is None and is_hf_model(probe):
         example_inputs = probe_inputs(probe)
     inputs = _as_inputs(example_inputs) if example_inputs is not None else _derive(probe)
@@ -205,6 +218,12 @@ def _probe_model(model: nn.Module, example_inputs: object
         yield None, None, f"the probe forward failed ({type(err).__name__}: {err})"
         return
     yield probe, trace, ""
+
+
+def _same_types(small: nn.Module, model: nn.Module) -> bool:
+    """Every module of ``small`` has the type of ``model``'s module of the same name."""
+    modules = dict(model.named_modules())
+    return all(type(modules.get(name)) is type(m) for name, m in small.named_modules())
 
 
 def _small_copy(model: nn.Module) -> nn.Module | None:
@@ -244,7 +263,8 @@ def _pair(probe: nn.Module, trace: Trace, plan: ResolvedPlan, attention: str, in
           names: dict[str, str]) -> Pair | str:
     """The producers and consumer of ``attention``'s split, named as in ``probe``."""
     producers = {names.get(_stars(n)): s for n, s in plan.assignments.items()
-                 if n.startswith(f"{attention}.") and isinstance(s, Colwise)}
+                 if n.startswith(f"{attention}.") and isinstance(s, Colwise)
+                 and not s.gather_output}
     if None in producers or not producers:
         return f"{UNVERIFIABLE}: its projections are not in the probe model"
     local = {n for n in producers if n is not None and n in trace.calls}
