@@ -146,9 +146,76 @@ def _finish(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor
         _health.finish(work, _health.state(group), n, op, tensor, out)
 
 
+@dataclass
+class Ride:
+    """A few values summed over a group along with its next float all-reduce.
+
+    :mod:`torchtp.input_check` uses it so that checking a forward's inputs
+    costs no collective of its own.
+    """
+
+    values: torch.Tensor  # (k,) float64 integers below 2**16 (float32 sums stay exact)
+    result: torch.Tensor | None = None  # (k,) float64: the sum over the group, once reduced
+
+
+_RIDES: dict[object, Ride] = {}
+# A float32 sum of values below 2**16 stays exact (< 2**24) over at most 256 ranks.
+_RIDE_DTYPES = (torch.float32, torch.float64)
+
+
+def ride_next_all_reduce(group: ProcessGroup | None, values: torch.Tensor) -> Ride:
+    """Sum ``values`` with the next eager float32/float64 sum all-reduce over ``group``.
+
+    The all-reduce's own tensor is reduced unchanged (the values are appended
+    to a copy of it, which is copied back); it is counted as one all-reduce of
+    its own shape. Read the sum with :func:`ride_result`.
+    """
+    ride = Ride(values)
+    _RIDES[dist.group.WORLD if group is None else group] = ride
+    return ride
+
+
+def cancel_ride(group: ProcessGroup | None, ride: Ride) -> None:
+    """Stop ``ride`` from joining a later all-reduce (its forward raised)."""
+    key = dist.group.WORLD if group is None else group
+    if _RIDES.get(key) is ride:
+        del _RIDES[key]
+
+
+def ride_result(group: ProcessGroup | None, ride: Ride) -> torch.Tensor:
+    """The sum of ``ride``'s values over ``group``: one small all-reduce if none carried it."""
+    cancel_ride(group, ride)
+    if ride.result is None:
+        ride.result = all_reduce_(ride.values.clone(), group)
+    return ride.result
+
+
+def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
+                       ride: Ride) -> torch.Tensor:
+    """Sum ``tensor`` (contiguous, ``(...)``) and the ride's ``(k,)`` values in one collective."""
+    st = _health.state(group)
+    flat = tensor.view(-1)
+    # (numel + k,): the real buffer goes to the backend (and _health holds it).
+    buf = torch.cat([flat, ride.values.to(device=tensor.device, dtype=tensor.dtype)])
+    # Its own agreed signature: the model's all-reduces keep theirs (no store round trip).
+    n = _health.before("all_reduce+inputs", buf, st)
+    if _COUNTERS or debug_enabled():
+        count("all_reduce", tensor, group)
+    work = dist.all_reduce(buf, op=TORCH_OPS["sum"], group=group, async_op=True)
+    _finish(work, n, "all_reduce", buf, group)
+    flat.copy_(buf[:flat.numel()])
+    ride.result = buf[flat.numel():].to(torch.float64, copy=True)
+    return tensor
+
+
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
     """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller."""
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
+    if _RIDES and op == "sum" and tensor.dtype in _RIDE_DTYPES and not _compiling() \
+            and (tensor.dtype == torch.float64 or _health.state(group).size <= 256):
+        ride = _RIDES.pop(dist.group.WORLD if group is None else group, None)
+        if ride is not None:
+            return _all_reduce_riding(tensor, group, ride)
     n = record("all_reduce", tensor, group)
     work = dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=n is not None)
     _finish(work, n, "all_reduce", tensor, group)
