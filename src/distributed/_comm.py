@@ -154,23 +154,24 @@ class Ride:
     costs no collective of its own.
     """
 
-    values: torch.Tensor  # (k,) float64 integers below 2**16 (float32 sums stay exact)
-    result: torch.Tensor | None = None  # (k,) float64: the sum over the group, once reduced
+    values: list[float]  # integers below 2**16: float32 sums over <= 256 ranks stay exact
+    device: torch.device  # for the separate all-reduce when no all-reduce carried them
+    result: list[float] | None = None  # the sums over the group, once reduced
 
 
 _RIDES: dict[object, Ride] = {}
-# A float32 sum of values below 2**16 stays exact (< 2**24) over at most 256 ranks.
 _RIDE_DTYPES = (torch.float32, torch.float64)
 
 
-def ride_next_all_reduce(group: ProcessGroup | None, values: torch.Tensor) -> Ride:
+def ride_next_all_reduce(group: ProcessGroup | None, values: list[float],
+                         device: torch.device) -> Ride:
     """Sum ``values`` with the next eager float32/float64 sum all-reduce over ``group``.
 
-    The all-reduce's own tensor is reduced unchanged (the values are appended
-    to a copy of it, which is copied back); it is counted as one all-reduce of
-    its own shape. Read the sum with :func:`ride_result`.
+    That all-reduce's own tensor is reduced unchanged (the values are appended
+    to a copy of it, which is copied back) and counted as one all-reduce of
+    its own shape. Read the sums with :func:`ride_result`.
     """
-    ride = Ride(values)
+    ride = Ride(values, device)
     _RIDES[dist.group.WORLD if group is None else group] = ride
     return ride
 
@@ -182,21 +183,22 @@ def cancel_ride(group: ProcessGroup | None, ride: Ride) -> None:
         del _RIDES[key]
 
 
-def ride_result(group: ProcessGroup | None, ride: Ride) -> torch.Tensor:
-    """The sum of ``ride``'s values over ``group``: one small all-reduce if none carried it."""
+def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
+    """The sums of ``ride``'s values over ``group``: one small all-reduce if none carried them."""
     cancel_ride(group, ride)
     if ride.result is None:
-        ride.result = all_reduce_(ride.values.clone(), group)
+        values = torch.tensor(ride.values, dtype=torch.float64, device=ride.device)
+        ride.result = all_reduce_(values, group).tolist()
     return ride.result
 
 
 def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
                        ride: Ride) -> torch.Tensor:
-    """Sum ``tensor`` (contiguous, ``(...)``) and the ride's ``(k,)`` values in one collective."""
+    """Sum ``tensor`` (contiguous, ``(...)``) and the ride's ``k`` values in one collective."""
     st = _health.state(group)
     flat = tensor.view(-1)
-    # (numel + k,): the real buffer goes to the backend (and _health holds it).
-    buf = torch.cat([flat, ride.values.to(device=tensor.device, dtype=tensor.dtype)])
+    extra = torch.tensor(ride.values, dtype=tensor.dtype, device=tensor.device)
+    buf = torch.cat([flat, extra])  # (numel + k,): the real buffer goes to the backend
     # Its own agreed signature: the model's all-reduces keep theirs (no store round trip).
     n = _health.before("all_reduce+inputs", buf, st)
     if _COUNTERS or debug_enabled():
@@ -204,7 +206,7 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
     work = dist.all_reduce(buf, op=TORCH_OPS["sum"], group=group, async_op=True)
     _finish(work, n, "all_reduce", buf, group)
     flat.copy_(buf[:flat.numel()])
-    ride.result = buf[flat.numel():].to(torch.float64, copy=True)
+    ride.result = buf[flat.numel():].tolist()
     return tensor
 
 
