@@ -60,7 +60,8 @@ class _Forward:
     ride: _comm.Ride
 
 
-def guard_inputs(module: nn.Module, group: ProcessGroup, shard_width: int | None) -> None:
+def guard_inputs(module: nn.Module, group: ProcessGroup | None,
+                 shard_width: int | None) -> None:
     """Check ``module``'s inputs on every forward (see the module docstring).
 
     Args:
@@ -138,7 +139,7 @@ def _encoded(args: tuple[Any, ...], kwargs: dict[str, Any],
     return [float(x) for x in b] + [float(x * x) for x in b], device
 
 
-def _verdict(fwd: _Forward, group: ProcessGroup, shard_width: int | None) -> None:
+def _verdict(fwd: _Forward, group: ProcessGroup | None, shard_width: int | None) -> None:
     """Raise :class:`RankMismatchError` on every rank if the ranks' digests differ."""
     sums = _comm.ride_result(group, fwd.ride)  # 2 * _BYTES values, summed over the group
     size = dist.get_world_size(group)

@@ -41,10 +41,18 @@ def _plain(rank: int, world_size: int) -> list[str]:
             wrapped(_per_rank(rank, 2, 16))
         # The group is still in step after every rank raised together.
         torch.testing.assert_close(wrapped(x), ref(x))
-    # Shapes differ: every rank raises (the collectives' shape agreement).
+    with torchtp.count_collectives() as rides:
+        wrapped(x)  # the digest rides the model's one all-reduce: no collective of its own
+    # bf16 activations cannot carry the digest exactly: one small all-reduce of its own.
+    half = torchtp.DistributedModelWrapper(mlp(dtype=torch.bfloat16))
+    with torch.no_grad(), torchtp.count_collectives() as separate:
+        half(x.bfloat16())
+    with pytest.raises(torchtp.RankMismatchError, match=DIFFERENT):
+        half(_per_rank(rank, 2, 16).bfloat16())
+    # Shapes differ: every rank raises at the first collective (its shape agreement).
     with pytest.raises(torchtp.RankMismatchError):
         wrapped(seeded(2 + rank, 16, seed=3))
-    return ["ok"]
+    return ["ok", dict(rides.counts), dict(separate.counts)]
 
 
 def _rowwise_first(rank: int, world_size: int) -> list[str]:
@@ -72,7 +80,8 @@ def _rowwise_first(rank: int, world_size: int) -> list[str]:
 
 
 def test_every_forward_is_checked(ranks):
-    assert ranks(_plain, 2) == [["ok"], ["ok"]]
+    want = ["ok", {"all_reduce": 1}, {"all_reduce": 2}]
+    assert ranks(_plain, 2) == [want, want]
 
 
 def test_rowwise_first_layer_takes_input_shards_in_training(ranks):
@@ -98,6 +107,12 @@ def _hf(rank: int, world_size: int) -> list[str]:
     batch = {"input_ids": torch.tensor([[1, 2, 3, 4, 5, 6]]) + rank}
     with pytest.raises(torchtp.RankMismatchError, match=r"'input_ids' differs on TP ranks \[1\]"):
         peft(**batch, labels=batch["input_ids"])
+    # Sequence parallelism's forward gathers and reduce-scatters: a separate all-reduce.
+    sp = torchtp.DistributedModelWrapper(build("llama"), sequence_parallel=True)
+    with torch.no_grad():
+        torch.testing.assert_close(sp(input_ids=prompt).logits, ref(input_ids=prompt).logits)
+        with pytest.raises(torchtp.RankMismatchError, match=r"'input_ids' differs"):
+            sp(input_ids=prompt + rank)
     return ["ok"]
 
 
