@@ -63,7 +63,7 @@ def _check_work_ms(ids: torch.Tensor, hidden: int, reps: int) -> float:
     samples = []
     for _ in range(reps):
         start = time.perf_counter()
-        values, _device = input_check._encoded((), {"input_ids": ids}, None) or ([], None)
+        values, _device = input_check._encoded((), {"input_ids": ids}, None)
         buf = torch.cat([act, torch.tensor(values, dtype=act.dtype)])
         act.copy_(buf[:act.numel()])
         sums = buf[act.numel():].tolist()

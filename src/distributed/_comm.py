@@ -168,8 +168,9 @@ def ride_next_all_reduce(group: ProcessGroup | None, values: list[float],
     """Sum ``values`` with the next eager float32/float64 sum all-reduce over ``group``.
 
     That all-reduce's own tensor is reduced unchanged (the values are appended
-    to a copy of it, which is copied back) and counted as one all-reduce of
-    its own shape. Read the sums with :func:`ride_result`.
+    to a copy of it, which is copied back); it is agreed and counted as one
+    all-reduce of its own shape, so every rank of ``group`` must make the same
+    call before it. Read the sums with :func:`ride_result`.
     """
     ride = Ride(values, device)
     _RIDES[dist.group.WORLD if group is None else group] = ride
@@ -199,12 +200,13 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
     flat = tensor.view(-1)
     extra = torch.tensor(ride.values, dtype=tensor.dtype, device=tensor.device)
     buf = torch.cat([flat, extra])  # (numel + k,): the real buffer goes to the backend
-    # Its own agreed signature: the model's all-reduces keep theirs (no store round trip).
-    n = _health.before("all_reduce+inputs", buf, st)
+    # Agreed and counted as the caller's all-reduce: every rank appends the same k
+    # values, and a shape mismatch is named in the model's shapes.
+    n = _health.before("all_reduce", tensor, st)
     if _COUNTERS or debug_enabled():
         count("all_reduce", tensor, group)
     work = dist.all_reduce(buf, op=TORCH_OPS["sum"], group=group, async_op=True)
-    _finish(work, n, "all_reduce", buf, group)
+    _health.finish(work, st, n, "all_reduce", buf, shown=tensor)
     flat.copy_(buf[:flat.numel()])
     ride.result = buf[flat.numel():].tolist()
     return tensor

@@ -276,17 +276,19 @@ def fail(group: ProcessGroup | None, error: BaseException) -> BaseException:
 
 
 def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
-           out: torch.Tensor | None = None) -> None:
+           out: torch.Tensor | None = None, shown: torch.Tensor | None = None) -> None:
     """Wait for collective ``n``; while it is slow, answer the store and watch for failures.
 
-    ``out``: the collective's output when it is not ``tensor``.
+    ``out``: the collective's output when it is not ``tensor``. ``shown``: the
+    tensor whose signature was agreed, when ``tensor`` carries more values
+    (:func:`torchtp._comm.ride_next_all_reduce`).
     """
     if tensor.device.type != "cpu":
         # NCCL's wait only orders streams; its own watchdog bounds the time.
         _wait_converting(work, st, n)
         return
     while not _waited(work, st, n):
-        _answer_store(st, n, op, tensor, work)
+        _answer_store(st, n, op, tensor if shown is None else shown, work)
     _hold(st, (tensor,) if out is None else (tensor, out))
 
 

@@ -77,10 +77,12 @@ def guard_inputs(module: nn.Module, group: ProcessGroup | None,
         if not _logging.CHECK_INPUTS or torch.compiler.is_compiling() \
                 or not dist.is_initialized():
             return
-        encoded = _encoded(args, kwargs, shard_width)
-        if encoded is not None:
-            ride = _comm.ride_next_all_reduce(group, *encoded)
-            pending.append(_Forward(args, kwargs, ride))
+        # Every rank rides, with or without tensor arguments: the riding all-reduce
+        # must carry the same number of values on every rank.
+        values, device = _encoded(args, kwargs, shard_width)
+        if device is None:
+            device = next(module.parameters(), torch.empty(0)).device
+        pending.append(_Forward(args, kwargs, _comm.ride_next_all_reduce(group, values, device)))
 
     def returned(_module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any],
                  _out: Any) -> None:
@@ -125,16 +127,14 @@ def _detail(t: torch.Tensor, shard_width: int | None) -> str:
 
 
 def _encoded(args: tuple[Any, ...], kwargs: dict[str, Any],
-             shard_width: int | None) -> tuple[list[float], torch.device] | None:
+             shard_width: int | None) -> tuple[list[float], torch.device | None]:
     """``(2 * _BYTES)`` values: the bytes ``b`` of a hash of every argument's digest, then
-    ``b * b`` (integers below 2**16); and the device of the inputs. ``None``: no tensors."""
+    ``b * b`` (integers below 2**16); and the inputs' device (``None``: no tensors)."""
     h = hashlib.blake2b(digest_size=_BYTES)
     device = None
     for name, t in _checked(args, kwargs):
         device = t.device if device is None else device
         h.update(f"{name}={_detail(t, shard_width)};".encode())
-    if device is None:
-        return None
     b = list(h.digest())
     return [float(x) for x in b] + [float(x * x) for x in b], device
 
