@@ -154,18 +154,18 @@ class Ride:
     costs no collective of its own.
     """
 
-    values: list[float]  # integers below 2**16: float32 sums over <= 256 ranks stay exact
+    values: list[float]  # 0 or 1: sums over <= 256 ranks are exact in every float dtype
     device: torch.device  # for the separate all-reduce when no all-reduce carried them
     result: list[float] | None = None  # the sums over the group, once reduced
 
 
 _RIDES: dict[object, Ride] = {}
-_RIDE_DTYPES = (torch.float32, torch.float64)
+_RIDE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def ride_next_all_reduce(group: ProcessGroup | None, values: list[float],
                          device: torch.device) -> Ride:
-    """Sum ``values`` with the next eager float32/float64 sum all-reduce over ``group``.
+    """Sum ``values`` with the next eager floating-point sum all-reduce over ``group``.
 
     That all-reduce's own tensor is reduced unchanged (the values are appended
     to a copy of it, which is copied back); it is agreed and counted as one
@@ -216,7 +216,7 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
     """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller."""
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
     if _RIDES and op == "sum" and tensor.dtype in _RIDE_DTYPES and not _compiling() \
-            and (tensor.dtype == torch.float64 or _health.state(group).size <= 256):
+            and _health.state(group).size <= 256:
         ride = _RIDES.pop(dist.group.WORLD if group is None else group, None)
         if ride is not None:
             return _all_reduce_riding(tensor, group, ride)

@@ -6,16 +6,16 @@ a PEFT model around it. Training and eval alike.
 
 Cost: before the forward, each input tensor's digest
 (:func:`torchtp.fingerprints.tensor_digest`: shape, dtype and a strided sample
-of at most 256 elements) is hashed into :data:`_BYTES` bytes ``b``. The
-values ``(b, b*b)`` ride along with the forward's first float32/float64
+of at most 256 elements) is hashed into a 64-bit hash. Its bits, as 64
+values 0 or 1, ride along with the forward's first floating-point sum
 all-reduce over the TP group (:func:`torchtp._comm.ride_next_all_reduce`:
 appended to a copy of its buffer, the model's values copied back untouched),
-so no extra collective runs. After the forward every rank reads the sums
-``S = sum(b)``, ``Q = sum(b*b)``: the ranks' bytes are all equal exactly when
-``tp * Q == S * S`` (Cauchy-Schwarz), and every rank reads the same sums, so
+so no extra collective runs. After the forward every rank reads the 64 sums:
+the ranks' hashes are all equal exactly when every sum is 0 or ``tp`` (exact
+in any float dtype up to 256 ranks), and every rank reads the same sums, so
 every rank gives the same verdict. A forward without such an all-reduce (a
-replicated model, half-precision activations, sequence parallelism's gathers)
-pays one separate all-reduce of the 16 values. Only on a mismatch does an
+replicated model, sequence parallelism's gathers and reduce-scatters) pays
+one separate all-reduce of the 64 values. Only on a mismatch does an
 ``all_gather_object`` of per-argument digests name the argument and the
 ranks. On GPU, hashing copies each input's sample to the host (a
 synchronisation) and reading the sums is another, at the forward's end.
@@ -47,7 +47,7 @@ from .fingerprints import named_tensors, raise_different_inputs, tensor_digest
 from .layers import ColumnParallelLinear
 from .runtime import ProcessGroup
 
-_BYTES = 8  # a 64-bit hash of the digests
+_BITS = 64  # a 64-bit hash of the digests, one value per bit
 _SKIP = ("past", "cache")  # keyword arguments holding each rank's shard of a KV cache
 
 
@@ -73,10 +73,10 @@ def guard_inputs(module: nn.Module, group: ProcessGroup | None,
     pending: list[_Forward] = []
 
     def before(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        pending.clear()
-        if not _logging.CHECK_INPUTS or torch.compiler.is_compiling() \
+        if torch.compiler.is_compiling() or not _logging.CHECK_INPUTS \
                 or not dist.is_initialized():
             return
+        pending.clear()
         # Every rank rides, with or without tensor arguments: the riding all-reduce
         # must carry the same number of values on every rank.
         values, device = _encoded(args, kwargs, shard_width)
@@ -128,22 +128,22 @@ def _detail(t: torch.Tensor, shard_width: int | None) -> str:
 
 def _encoded(args: tuple[Any, ...], kwargs: dict[str, Any],
              shard_width: int | None) -> tuple[list[float], torch.device | None]:
-    """``(2 * _BYTES)`` values: the bytes ``b`` of a hash of every argument's digest, then
-    ``b * b`` (integers below 2**16); and the inputs' device (``None``: no tensors)."""
-    h = hashlib.blake2b(digest_size=_BYTES)
+    """``_BITS`` values 0 or 1: the bits of a hash of every argument's digest; and the
+    inputs' device (``None``: no tensors)."""
+    h = hashlib.blake2b(digest_size=_BITS // 8)
     device = None
     for name, t in _checked(args, kwargs):
         device = t.device if device is None else device
         h.update(f"{name}={_detail(t, shard_width)};".encode())
-    b = list(h.digest())
-    return [float(x) for x in b] + [float(x * x) for x in b], device
+    bits = int.from_bytes(h.digest(), "little")
+    return [float(bits >> i & 1) for i in range(_BITS)], device
 
 
 def _verdict(fwd: _Forward, group: ProcessGroup | None, shard_width: int | None) -> None:
     """Raise :class:`RankMismatchError` on every rank if the ranks' digests differ."""
-    sums = _comm.ride_result(group, fwd.ride)  # 2 * _BYTES values, summed over the group
+    sums = _comm.ride_result(group, fwd.ride)  # _BITS bit counts, summed over the group
     size = dist.get_world_size(group)
-    if all(size * q == s * s for s, q in zip(sums[:_BYTES], sums[_BYTES:], strict=True)):
+    if all(s in (0.0, size) for s in sums):
         return
     mine = {name: _detail(t, shard_width) for name, t in _checked(fwd.args, fwd.kwargs)}
     everyone: list[Any] = [None] * size

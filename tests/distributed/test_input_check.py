@@ -43,16 +43,22 @@ def _plain(rank: int, world_size: int) -> list[str]:
         torch.testing.assert_close(wrapped(x), ref(x))
     with torchtp.count_collectives() as rides:
         wrapped(x)  # the digest rides the model's one all-reduce: no collective of its own
-    # bf16 activations cannot carry the digest exactly: one small all-reduce of its own.
+    # bf16 activations carry it too (bits: sums are exact small integers).
     half = torchtp.DistributedModelWrapper(mlp(dtype=torch.bfloat16))
-    with torch.no_grad(), torchtp.count_collectives() as separate:
+    with torch.no_grad(), torchtp.count_collectives() as bf16:
         half(x.bfloat16())
     with pytest.raises(torchtp.RankMismatchError, match=DIFFERENT):
         half(_per_rank(rank, 2, 16).bfloat16())
+    # A forward without an all-reduce (everything replicated): one small one of its own.
+    replicated = torchtp.DistributedModelWrapper(mlp(), plan={"*": "replicate"})
+    with torch.no_grad(), torchtp.count_collectives() as separate:
+        torch.testing.assert_close(replicated(x), ref(x))
+    with pytest.raises(torchtp.RankMismatchError, match=DIFFERENT):
+        replicated(_per_rank(rank, 2, 16))
     # Shapes differ: every rank raises at the first collective (its shape agreement).
     with pytest.raises(torchtp.RankMismatchError):
         wrapped(seeded(2 + rank, 16, seed=3))
-    return ["ok", dict(rides.counts), dict(separate.counts)]
+    return ["ok", dict(rides.counts), dict(bf16.counts), dict(separate.counts)]
 
 
 def _rowwise_first(rank: int, world_size: int) -> list[str]:
@@ -80,7 +86,7 @@ def _rowwise_first(rank: int, world_size: int) -> list[str]:
 
 
 def test_every_forward_is_checked(ranks):
-    want = ["ok", {"all_reduce": 1}, {"all_reduce": 2}]
+    want = ["ok", {"all_reduce": 1}, {"all_reduce": 1}, {"all_reduce": 1}]
     assert ranks(_plain, 2) == [want, want]
 
 
