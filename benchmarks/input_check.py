@@ -12,6 +12,7 @@ check would cost as a collective of its own: one all-reduce of its 64 values.
 
     python benchmarks/input_check.py                # table (about 1-2 min on 2 cores)
     python benchmarks/input_check.py --reps 50      # fewer repetitions
+    python benchmarks/input_check.py --case 0 --reps 400  # one case, many pairs
 """
 
 from __future__ import annotations
@@ -72,14 +73,14 @@ def _check_work_ms(ids: torch.Tensor, hidden: int, reps: int) -> float:
     return statistics.median(samples) * 1e3
 
 
-def _rank(rank: int, world: int, store: str, reps: int, out: str) -> None:
+def _rank(rank: int, world: int, store: str, reps: int, out: str, only: list[int]) -> None:
     import torchtp
     from torchtp import _comm, _logging
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     rows = []
-    for name, overrides, batch, tokens in CASES:
+    for name, overrides, batch, tokens in [c for i, c in enumerate(CASES) if i in only]:
         model = torchtp.DistributedModelWrapper(build_llama(**overrides))
         hidden = model.config.hidden_size
         ids = torch.randint(0, 2048, (batch, tokens), generator=torch.Generator().manual_seed(1))
@@ -118,10 +119,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--case", type=int, action="append",
+                        help="only this case (index into CASES; repeatable)")
     args = parser.parse_args()
+    only = args.case if args.case else list(range(len(CASES)))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "table.md")
-        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.reps, out), nprocs=2)
+        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.reps, out, only), nprocs=2)
         print("| case | mode | check off ms | check on ms | end-to-end cost (median of "
               "paired ratios) | check's own work, timed alone (% of the forward) |\n"
               "|---|---|---|---|---|---|")
