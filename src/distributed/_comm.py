@@ -146,9 +146,80 @@ def _finish(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor
         _health.finish(work, _health.state(group), n, op, tensor, out)
 
 
+@dataclass
+class Ride:
+    """A few values summed over a group along with its next float all-reduce.
+
+    :mod:`torchtp.input_check` uses it so that checking a forward's inputs
+    costs no collective of its own.
+    """
+
+    values: list[float]  # 0 or 1: sums over <= 256 ranks are exact in every float dtype
+    device: torch.device  # for the separate all-reduce when no all-reduce carried them
+    result: list[float] | None = None  # the sums over the group, once reduced
+
+
+_RIDES: dict[object, Ride] = {}
+_RIDE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def ride_next_all_reduce(group: ProcessGroup | None, values: list[float],
+                         device: torch.device) -> Ride:
+    """Sum ``values`` with the next eager floating-point sum all-reduce over ``group``.
+
+    That all-reduce's own tensor is reduced unchanged (the values are appended
+    to a copy of it, which is copied back); it is agreed and counted as one
+    all-reduce of its own shape, so every rank of ``group`` must make the same
+    call before it. Read the sums with :func:`ride_result`.
+    """
+    ride = Ride(values, device)
+    _RIDES[dist.group.WORLD if group is None else group] = ride
+    return ride
+
+
+def cancel_ride(group: ProcessGroup | None, ride: Ride) -> None:
+    """Stop ``ride`` from joining a later all-reduce (its forward raised)."""
+    key = dist.group.WORLD if group is None else group
+    if _RIDES.get(key) is ride:
+        del _RIDES[key]
+
+
+def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
+    """The sums of ``ride``'s values over ``group``: one small all-reduce if none carried them."""
+    cancel_ride(group, ride)
+    if ride.result is None:
+        values = torch.tensor(ride.values, dtype=torch.float64, device=ride.device)
+        ride.result = all_reduce_(values, group).tolist()
+    return ride.result
+
+
+def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
+                       ride: Ride) -> torch.Tensor:
+    """Sum ``tensor`` (contiguous, ``(...)``) and the ride's ``k`` values in one collective."""
+    st = _health.state(group)
+    flat = tensor.view(-1)
+    extra = torch.tensor(ride.values, dtype=tensor.dtype, device=tensor.device)
+    buf = torch.cat([flat, extra])  # (numel + k,): the real buffer goes to the backend
+    # Agreed and counted as the caller's all-reduce: every rank appends the same k
+    # values, and a shape mismatch is named in the model's shapes.
+    n = _health.before("all_reduce", tensor, st)
+    if _COUNTERS or debug_enabled():
+        count("all_reduce", tensor, group)
+    work = dist.all_reduce(buf, op=TORCH_OPS["sum"], group=group, async_op=True)
+    _health.finish(work, st, n, "all_reduce", buf, shown=tensor)
+    flat.copy_(buf[:flat.numel()])
+    ride.result = buf[flat.numel():].tolist()
+    return tensor
+
+
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
     """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller."""
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
+    if _RIDES and op == "sum" and tensor.dtype in _RIDE_DTYPES and not _compiling() \
+            and _health.state(group).size <= 256:
+        ride = _RIDES.pop(dist.group.WORLD if group is None else group, None)
+        if ride is not None:
+            return _all_reduce_riding(tensor, group, ride)
     n = record("all_reduce", tensor, group)
     work = dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=n is not None)
     _finish(work, n, "all_reduce", tensor, group)

@@ -282,10 +282,12 @@ def fail(group: ProcessGroup | None, error: BaseException) -> BaseException:
 
 
 def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
-           out: torch.Tensor | None = None) -> None:
+           out: torch.Tensor | None = None, shown: torch.Tensor | None = None) -> None:
     """Wait for collective ``n``; while it is slow, answer the store and watch for failures.
 
-    ``out``: the collective's output when it is not ``tensor``.
+    ``out``: the collective's output when it is not ``tensor``. ``shown``: the
+    tensor whose signature was agreed, when ``tensor`` carries more values
+    (:func:`torchtp._comm.ride_next_all_reduce`).
     """
     if tensor.device.type != "cpu":
         # NCCL's wait only orders streams; its own watchdog bounds the time.
@@ -293,7 +295,7 @@ def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
         return
     try:
         while not _waited(work, st, n):
-            _answer_store(st, n, op, tensor, work)
+            _answer_store(st, n, op, tensor if shown is None else shown, work)
     finally:
         # Also when this rank raises instead (a handled RankMismatchError, another
         # rank's failure): the collective is still in the backend's hands.

@@ -15,9 +15,10 @@ _TRUTHY = {"1", "true", "yes", "on", "debug"}
 # TP_CHECK_SHAPES=1: every collective first checks that all ranks pass the same
 # shape and dtype. Read once (configure_from_env), not on every collective.
 CHECK_SHAPES = False
-# TP_CHECK_INPUTS=1: the wrapper checks every forward's inputs across TP ranks,
-# not only the first training one. Read once too: the wrapper's forward is hot.
-CHECK_INPUTS = False
+# TP_CHECK_INPUTS=0: skip the check that every TP rank got the same inputs (on by
+# default, every forward; see torchtp.input_check). Read once too: forwards are hot.
+CHECK_INPUTS = True
+_FALSY = {"0", "false", "no", "off"}
 
 
 def debug_enabled() -> bool:
@@ -34,7 +35,7 @@ def configure_from_env() -> None:
     """
     global CHECK_SHAPES, CHECK_INPUTS
     CHECK_SHAPES = os.environ.get("TP_CHECK_SHAPES", "").strip().lower() in _TRUTHY
-    CHECK_INPUTS = os.environ.get("TP_CHECK_INPUTS", "").strip().lower() in _TRUTHY
+    CHECK_INPUTS = os.environ.get("TP_CHECK_INPUTS", "").strip().lower() not in _FALSY
     if os.environ.get("TP_DEBUG", "").strip().lower() not in _TRUTHY:
         return
     logger.setLevel(logging.DEBUG)

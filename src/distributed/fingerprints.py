@@ -3,8 +3,9 @@
 A fingerprint hashes a tensor's shape, dtype and a strided sample of at most
 :data:`SAMPLES` elements (not every byte): ranks built from different seeds,
 or fed different batches, differ in nearly every element, so a sample
-catches them at a cost independent of the tensor's size. Comparing is one
-``all_gather_object`` of the digests over the TP group.
+catches them at a cost independent of the tensor's size. Input digests are
+compared by :mod:`torchtp.input_check`; weight digests by the wrapper's
+agreement at wrap time.
 """
 
 from __future__ import annotations
@@ -15,10 +16,7 @@ from typing import Any
 
 import torch
 
-from . import _logging
-from ._objects import all_gather_object
 from .errors import RankMismatchError
-from .runtime import ProcessGroup, group_size
 
 SAMPLES = 256
 
@@ -28,7 +26,8 @@ def tensor_digest(t: torch.Tensor) -> str:
     h = hashlib.blake2b(f"{tuple(t.shape)}{t.dtype}".encode(), digest_size=8)
     if t.device.type != "meta" and t.numel():
         flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // SAMPLES)][:SAMPLES]
+        # Small tensors (token ids of a short batch) are taken whole: two ops fewer per forward.
+        sample = flat if flat.numel() <= SAMPLES else flat[:: flat.numel() // SAMPLES][:SAMPLES]
         h.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -45,33 +44,38 @@ def _tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(v, f"{name}[{i}]")
 
 
-def input_check_requested() -> bool:
-    """``TP_CHECK_INPUTS=1``: check the inputs of every forward, not only the first.
+def named_tensors(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                  skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(argument path, tensor)`` for every tensor of a call's arguments.
 
-    Read once, with ``TP_DEBUG`` and ``TP_CHECK_SHAPES`` (:func:`torchtp.configure_from_env`).
+    Keyword arguments whose name contains one of ``skip`` are left out.
     """
-    return _logging.CHECK_INPUTS
+    for i, a in enumerate(args):
+        yield from _tensors(a, f"argument {i}")
+    for k, v in kwargs.items():
+        if not any(word in k for word in skip):
+            yield from _tensors(v, f"argument '{k}'")
 
 
-def check_same_inputs(args: tuple[Any, ...], kwargs: dict[str, Any],
-                      group: ProcessGroup | None) -> None:
-    """Raise :class:`RankMismatchError` on every rank if TP ranks got different inputs.
+def raise_different_inputs(everyone: list[Mapping[str, str]], when: str) -> None:
+    """Raise :class:`RankMismatchError` naming the first argument whose digests differ.
 
-    Collective over ``group`` (one ``all_gather_object`` of a few digests).
+    Args:
+        everyone: Each TP rank's ``{argument path: digest}``, in rank order
+            (the same list on every rank, so every rank raises the same error).
+        when: Which forwards are checked, for the message.
     """
-    if group is None or group_size(group) == 1:
-        return
-    named = [*(_tensors(a, f"argument {i}") for i, a in enumerate(args)),
-             *(_tensors(v, f"argument '{k}'") for k, v in kwargs.items())]
-    mine = {name: tensor_digest(t) for gen in named for name, t in gen}
-    everyone = all_gather_object(mine, group, "the input check")
     for name in dict.fromkeys(k for d in everyone for k in d):
         values = [d.get(name) for d in everyone]
         if any(v != values[0] for v in values):
             differ = [r for r, v in enumerate(values) if v != values[0]]
             raise RankMismatchError(
-                f"DistributedModelWrapper: tensor-parallel ranks received different inputs: "
+                f"tensor-parallel ranks received different inputs ({when} is checked): "
                 f"{name} differs on TP ranks {differ} from TP rank 0. Every rank of a TP group "
                 "must get the same batch; the likely cause is a data sampler that splits data "
                 "across TP ranks (a DistributedSampler over the whole world): shard data over "
-                "cfg.dp_size/cfg.dp_rank instead (see docs/training.md)")
+                "cfg.dp_size/cfg.dp_rank instead (see docs/training.md); with generate(), "
+                "every TP rank must pass the same prompt")
+    raise RankMismatchError(
+        "tensor-parallel ranks received different inputs (their digests differ) but the "
+        "per-argument digests agree; every rank of a TP group must get the same batch")

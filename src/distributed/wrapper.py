@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import clip, ddp_guard, forward_guard, regions, rng, step_check
+from . import clip, ddp_guard, forward_guard, input_check, regions, rng, step_check
 from ._torch_compat import registered_child
 from .agreement import agree
 from .checkpoint import shard_identity
@@ -19,7 +19,7 @@ from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
 from .ddp_guard import check_fsdp
 from .devices import device_mismatch
-from .fingerprints import check_same_inputs, input_check_requested, tensor_digest
+from .fingerprints import tensor_digest
 from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
 from .integrations.guards import guard_frameworks
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -137,6 +137,8 @@ class DistributedModelWrapper(nn.Module):
             if ctx.world_size > 1:  # direct calls of the model (TensorParallelTrainer's) too
                 ddp_guard.guard(model)  # later DDPs leave shards alone; an earlier one raises
                 forward_guard.guard_module(ctx.group, model)
+                input_check.guard_inputs(model, ctx.group, input_check.first_layer_shard_width(
+                    model, self.parallelized_layers))
                 model.register_forward_hook(_forget_shared_inputs, always_call=True)
         finally:
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
@@ -159,10 +161,6 @@ class DistributedModelWrapper(nn.Module):
             if first is not None and id(first) != self.__dict__.get("_checked_param"):
                 check_fsdp(self.base_model, self.group)
                 self.__dict__["_checked_param"] = id(first)
-            if (self.training and not self.__dict__.get("_inputs_checked")) \
-                    or input_check_requested():
-                check_same_inputs(args, kwargs, self.group)
-                self.__dict__["_inputs_checked"] = self.training
             if self.training:
                 # Replicated regions draw from the TP group's shared stream (see rng.py).
                 rng.enter_model()

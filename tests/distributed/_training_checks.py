@@ -262,19 +262,20 @@ def agreement(rank: int, world_size: int, tmp: str) -> list[str]:
     wrapped = torchtp.DistributedModelWrapper(mlp())
     x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
     wrapped.eval()
-    wrapped(x)  # eval: not checked by default
-    os.environ["TP_CHECK_INPUTS"] = "1"
-    torchtp.configure_from_env()  # read once, as at import
     with pytest.raises(torchtp.RankMismatchError, match=r"argument 0 differs on TP ranks \[1\]"):
-        wrapped(x)
+        wrapped(x)  # eval forwards are checked too
+    os.environ["TP_CHECK_INPUTS"] = "0"
+    torchtp.configure_from_env()  # read once, as at import
+    wrapped(x)  # turned off: not checked
     del os.environ["TP_CHECK_INPUTS"]
     torchtp.configure_from_env()
     wrapped.train()
     with pytest.raises(torchtp.RankMismatchError, match=r"data sampler") as info:
         wrapped(x)
     msgs.append(str(info.value))
-    wrapped(torch.ones(2, 16))  # the same batch everywhere: fine, and checked once only
-    wrapped(x)
+    wrapped(torch.ones(2, 16))  # the same batch everywhere: fine
+    with pytest.raises(torchtp.RankMismatchError, match=r"data sampler"):
+        wrapped(x)  # and checked again on every forward
     # One copy of the files per "node", same config, rank 1's copy is stale.
     model = build("llama")
     if rank == 1:
