@@ -101,10 +101,10 @@ def _unwrap(model: nn.Module, what: str) -> tuple[nn.Module, ProcessGroup | None
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..wrapper import DistributedModelWrapper
-
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    if not isinstance(inner, DistributedModelWrapper):
+    # By what it has, not by class: checkpoint loading never imports the wrapper.
+    if not (hasattr(inner, "resolved_plan") and isinstance(getattr(inner, "base_model", None),
+                                                           nn.Module)):
         raise TypeError(
             f"{what} needs the DistributedModelWrapper (or a DDP around it), got "
             f"{type(inner).__name__}: the checkpoint stores each parameter with its tensor-"

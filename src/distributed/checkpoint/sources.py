@@ -128,7 +128,7 @@ class TorchTPSource(Source):
                 self._check_shard(name, info, shard)
         # After the shapes: a file with the right shapes may still be another rank's or save's.
         for r, f in enumerate(self.files):
-            check_rank_file(f.path, f.metadata, r, len(self.files), self.meta.get("model"))
+            check_rank_file(f.path, f.header, r, len(self.files), self.meta.get("model"))
 
     def _check_shard(self, name: str, info: dict, shard: dict) -> None:
         f = self.files[shard["rank"]]

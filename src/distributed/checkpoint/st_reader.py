@@ -45,8 +45,8 @@ class StFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.metadata: dict[str, str] = {}  # the header's ``__metadata__`` (strings)
-        self.entries = _parse(path, self.metadata)
+        self.header: dict[str, str] = {}  # the header's ``__metadata__`` (strings)
+        self.entries = _parse(path, self.header)
 
     def read(self, name: str, ranges: dict[int, tuple[int, int]] | None = None) -> torch.Tensor:
         """Tensor ``name`` narrowed to ``ranges`` (``{dim: (start, length)}``), as a fresh copy."""
