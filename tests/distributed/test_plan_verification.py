@@ -122,6 +122,7 @@ def test_unverifiable_split_from_a_builtin_plan_stays_whole_with_its_sibling_out
         yield None, None, "the probe forward failed (RuntimeError: boom)"
 
     monkeypatch.setattr(verify, "_probe_model", no_probe)
+    monkeypatch.setattr(verify, "_CACHE", {})  # no verdict from an earlier wrap
     bert = torchtp.DistributedModelWrapper(build("bert"), world_size=2, rank=0)
     styles = {n: s.name for n, s in bert.resolved_plan.assignments.items() if ".layer.0." in n}
     assert styles == {"bert.encoder.layer.0.attention.self.query": "replicate",
@@ -143,6 +144,18 @@ def test_verdicts_are_part_of_the_fingerprint_the_ranks_agree_on():
     prints = _fingerprint(wrapped.base_model, wrapped.resolved_plan, ctx)
     assert prints["attention checks"] == wrapped.resolved_plan.checks
     assert prints["attention checks"]["transformer.h.0.attn"].startswith("kept replicated")
+
+
+def test_verdicts_from_a_one_layer_copy_are_cached(monkeypatch):
+    from torchtp.plans import verify
+
+    monkeypatch.setattr(verify, "_CACHE", {})
+    first = torchtp.DistributedModelWrapper(build("llama"), world_size=2, rank=0)
+    assert len(verify._CACHE) == 1
+    monkeypatch.setattr(verify, "_probe_patterns", None)  # a second probe would raise
+    again = torchtp.DistributedModelWrapper(_on_meta("llama"), world_size=2, rank=1)
+    assert again.resolved_plan.checks == first.resolved_plan.checks
+    assert set(again.resolved_plan.checks.values()) == {"confirmed"}
 
 
 def test_opt_out_keeps_the_user_plan_and_says_it_was_not_verified():

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -53,6 +53,8 @@ OPT_OUT = "verify_plan=False"
 UNVERIFIABLE = "could not be verified"
 SMALL_VOCAB = 256  # the one-layer copy's vocabulary (above every special token id)
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+CACHE_SIZE = 32  # verdicts of distinct (model class, config, plan, tp) kept per process
+_CACHE: dict[Hashable, dict[str, tuple[str | None, str | None, str]]] = {}
 
 
 def is_user_plan(source: str) -> bool:
@@ -146,33 +148,69 @@ def _verdicts(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext, example_i
     """Per attention module in ``plan.heads``: (``None`` or why not confirmed, its consumer).
 
     One layer per name pattern is checked (``h.*.attn``); its verdict holds for all.
+    Verdicts from a one-layer copy depend only on the model's class, config,
+    module types, plan and tp: they are cached (another wrap of the same model
+    at the same tp, e.g. one per test or per process restart, probes once).
     """
     heads = {a: i for a, i in plan.heads.items() if a not in unfit}
     if not heads:
         return {}
+    key = _cache_key(model, plan, heads, ctx) if example_inputs is None else None
+    found = _CACHE.get(key) if key is not None else None
+    if found is None:
+        found, from_copy = _probe_patterns(model, plan, heads, ctx, example_inputs)
+        if key is not None and from_copy:
+            if len(_CACHE) >= CACHE_SIZE:
+                del _CACHE[next(iter(_CACHE))]
+            _CACHE[key] = found
+    return {a: (found[_stars(a)][0], _renumber(found[_stars(a)][1], found[_stars(a)][2], a))
+            for a in heads}
+
+
+def _probe_patterns(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadInfo],
+                    ctx: ShardContext, example_inputs: object
+                    ) -> tuple[dict[str, tuple[str | None, str | None, str]], bool]:
+    """Per name pattern: (why not confirmed or ``None``, consumer, attention) as probed,
+    and whether the probe was the one-layer copy."""
     with _probe_model(model, example_inputs) as (probe, trace, why):
         if trace is None or probe is None:
-            return dict.fromkeys(heads, (f"{UNVERIFIABLE}: {why}", None))
+            return {_stars(a): (f"{UNVERIFIABLE}: {why}", None, a) for a in heads}, False
         names = _names_by_pattern(probe)
         pairs: dict[str, Pair] = {}
-        out: dict[str, tuple[str | None, str | None]] = {}
+        out: dict[str, tuple[str | None, str | None, str]] = {}
         for attention, info in heads.items():
             key = _stars(attention)
             if key not in pairs and key not in out:
-                found = _pair(probe, trace, plan, attention, info, names)
-                if isinstance(found, str):
-                    out[key] = (found, None)
+                pair = _pair(probe, trace, plan, attention, info, names)
+                if isinstance(pair, str):
+                    out[key] = (pair, None, names.get(key, attention))
                 else:
-                    pairs[key] = found
+                    pairs[key] = pair
         verdicts, _ = _simulate(probe, trace, list(pairs.values()), ctx)
         for key, pair in pairs.items():
             why_not = verdicts[pair.consumer]
             out[key] = (None if why_not is None else (
                 "with its projections split by whole heads, the local probe does not "
                 f"reproduce each rank's slice of its output projection's input ({why_not})"),
-                pair.consumer)
-        return {a: (out[_stars(a)][0], _renumber(out[_stars(a)][1], names[_stars(a)], a))
-                for a in heads}
+                pair.consumer, names[key])
+        return out, probe is not model
+
+
+def _cache_key(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadInfo],
+               ctx: ShardContext) -> Hashable | None:
+    """What a one-layer copy's verdicts depend on, or ``None`` (not an HF model)."""
+    if not is_hf_model(model):
+        return None
+    try:
+        config = cast(Any, model).config.to_json_string()
+    except Exception:  # a config that does not serialize: no caching
+        return None
+    types = frozenset((_stars(n), type(m)) for n, m in model.named_modules())
+    styles = frozenset((_stars(n), type(s), s.name, getattr(s, "parts", None),
+                        getattr(s, "heads", None), getattr(s, "split_input", None),
+                        getattr(s, "gather_output", None)) for n, s in plan.assignments.items())
+    return (type(model), config, types, styles,
+            frozenset((_stars(a), i) for a, i in heads.items()), ctx.world_size)
 
 
 def _renumber(consumer: str | None, probed: str, attention: str) -> str | None:
