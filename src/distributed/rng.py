@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ._objects import all_gather_object
 from .runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
 
 LOCAL_OFFSET = 2718  # Megatron's offset of the tensor-parallel seed
@@ -84,10 +84,9 @@ def sync(group: ProcessGroup | None) -> None:
     """
     if _TRACKER.shared is not None:
         return
-    payload = [(torch.initial_seed(), _get_state())]
-    if group is not None and group_size(group) > 1:
-        dist.broadcast_object_list(payload, group=group, group_src=0)
-    seed, state = payload[0]
+    seed, state = torch.initial_seed(), _get_state()
+    if group is not None and group_size(group) > 1:  # TP rank 0's (object gathers are held)
+        seed, state = all_gather_object((seed, state), group, "the RNG sync")[0]
     _TRACKER.shared = (state[0].clone(), None if state[1] is None else state[1].clone())
     _TRACKER.local = _seeded(seed + LOCAL_OFFSET + group_rank(group))
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import _health
+from .._objects import all_gather_object
 from ..agreement import agree
 from ..runtime import collective_timeout
 
@@ -158,9 +159,7 @@ def step(what: str, error: BaseException | None, group: Any, cleanup: str | None
         error = ValueError(f"{what}: cannot write the checkpoint: {error}")
     failed = [error is not None]
     if group_size(group) > 1:
-        everyone: list[Any] = [None] * group_size(group)
-        dist.all_gather_object(everyone, error is not None, group=group)
-        failed = everyone
+        failed = all_gather_object(error is not None, group, f"{what}'s outcome")
     if any(failed) and rank == 0 and cleanup:
         shutil.rmtree(cleanup, ignore_errors=True)
     agree(what, error, {}, group)

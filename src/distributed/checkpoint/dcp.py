@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from .._objects import all_gather_object
 from ..layouts import ParamLayout
 from ..runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
 from .atomic import enter
@@ -103,14 +104,15 @@ def _unwrap(model: nn.Module, what: str) -> tuple[nn.Module, ProcessGroup | None
 
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     # By what it has, not by class: checkpoint loading never imports the wrapper.
-    if not (hasattr(inner, "resolved_plan") and isinstance(getattr(inner, "base_model", None),
-                                                           nn.Module)):
+    base = getattr(inner, "base_model", None)
+    if not (hasattr(inner, "resolved_plan") and isinstance(base, nn.Module)):
         raise TypeError(
             f"{what} needs the DistributedModelWrapper (or a DDP around it), got "
             f"{type(inner).__name__}: the checkpoint stores each parameter with its tensor-"
             "parallel layout (which dimension is split, and where), which only the wrapper "
             "knows; wrap the model first (torchtp.DistributedModelWrapper(model)) on every rank")
-    return inner.base_model, inner.group
+    group: ProcessGroup | None = inner.group  # type: ignore[assignment]
+    return base, group
 
 
 def _tp_mesh(group: ProcessGroup | None) -> DeviceMesh | None:
@@ -178,8 +180,7 @@ def _gather_full(local: torch.Tensor, layout: ParamLayout, group: Any,
     """The full tensor (torchtp orientation) from every rank's segments."""
     assert layout.dim is not None
     dim = len(full) - 1 - layout.dim if layout.transposed else layout.dim
-    pieces: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(pieces, (layout.segments, local.cpu()), group=group)
+    pieces = all_gather_object((layout.segments, local.cpu()), group, "a DCP tensor gather")
     out = torch.empty(full, dtype=local.dtype, device=local.device)
     for segments, tensor in pieces:
         offset = 0

@@ -7,9 +7,8 @@ import json
 import os
 from typing import Any
 
-import torch.distributed as dist
-
 from .._logging import logger
+from .._objects import all_gather_object
 from .atomic import group_size, make_tmp, publish_agreed, step, validate
 from .fmt import FORMAT, FORMAT_VERSION, METADATA_FILE, rank_file
 from .placements import Placement, checkpoint_local, placements
@@ -24,9 +23,7 @@ def gather_layouts(items: list[Placement], group: Any) -> list[dict[str, Any]]:
     mine = {p.name: (p.layout.dim, [list(s) for s in p.layout.segments]) for p in items}
     if group_size(group) == 1:
         return [mine]
-    everyone: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return everyone
+    return all_gather_object(mine, group, "save_sharded's layout exchange")
 
 
 def save_sharded(wrapper: Any, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
