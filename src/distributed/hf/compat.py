@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0")
+CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0", "5.24.0")
 CHECKED_PEFT = ("0.21.2",)
 # The oldest release torchtp supports (pyproject's lower bound, run by ``make
 # compat``). Older releases ship tp plans torchtp would follow into wrong
@@ -31,7 +31,7 @@ MIN_TRANSFORMERS = "5.3.0"
 def require_supported_transformers(transformers: Any) -> None:
     """Raise unless the loaded ``transformers`` is at least :data:`MIN_TRANSFORMERS`.
 
-    Checked: transformers 5.3.0, 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
 
     Raises:
         RuntimeError: an older transformers; the message names both versions and the fix.
@@ -51,7 +51,7 @@ def require_supported_transformers(transformers: Any) -> None:
 # num_key_value_groups; GPT-2: num_heads/split_size/embed_dim; Falcon:
 # num_heads/num_kv_heads; GPT-NeoX: head_size; Phi-3: reads self.config), and in
 # hand-written models (torchtitan: n_heads/n_kv_heads/n_rep; timm: num_heads/attn_dim).
-# Checked: transformers 5.3.0, 5.23.0.
+# Checked: transformers 5.3.0, 5.23.0, 5.24.0.
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
 HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
@@ -68,7 +68,7 @@ def localize_attention(module: nn.Module, heads: int, kv_heads: int, head_dim: i
     ``kv_heads`` are the full counts, ``local_heads`` and ``local_kv`` this
     rank's (they may differ between ranks; KV heads are replicated when there
     are fewer than ranks).
-    Checked: transformers 5.3.0, 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
     """
     for attr, value in local_attention_values(module, heads, kv_heads, head_dim, local_heads,
                                               local_kv).items():
@@ -84,7 +84,7 @@ def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_di
     copy of its ``config`` (:func:`~torchtp.hf.config_view.local_config`,
     traceable by ``torch.compile``) for forwards that read
     ``self.config.num_attention_heads``; the shared config keeps the full values.
-    Checked: transformers 5.3.0, 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
     """
     local = {"heads": local_heads, "kv": local_kv}
     out: dict[str, object] = dict(_local_values(module, heads, kv_heads, head_dim, local))
@@ -104,7 +104,7 @@ def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_di
 # attention modules, and pass in by keyword: keyword -> whether dim 0 is
 # (batch * heads) (Bloom's ``alibi``, ``(B*H, 1, kv)``) or heads (MPT's
 # ``position_bias``, ``(H, 1, kv)``).
-# Checked: transformers 5.3.0, 5.23.0.
+# Checked: transformers 5.3.0, 5.23.0, 5.24.0.
 HEAD_BIAS_KWARGS = {"alibi": True, "position_bias": False}
 
 
@@ -116,7 +116,7 @@ def narrow_head_biases(module: nn.Module, heads: int, first: int, count: int
     :data:`HEAD_BIAS_KWARGS` (``None`` otherwise); a bias whose head dimension
     is not the full ``heads`` is passed unchanged, so a shape error downstream
     names the mismatch.
-    Checked: transformers 5.3.0, 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
     """
     params = inspect.signature(module.forward).parameters
     keys = {k: batched for k, batched in HEAD_BIAS_KWARGS.items() if k in params}
@@ -158,7 +158,7 @@ def _local_values(obj: object, heads: int, kv_heads: int, head_dim: int,
 def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
     """``PreTrainedModel.dummy_inputs`` (undocumented): tiny inputs the model accepts, or ``None``.
 
-    Checked: transformers 5.3.0, 5.23.0 (a property returning ``{"input_ids": ...}``).
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0 (a property returning ``{"input_ids": ...}``).
     """
     dummy = getattr(model, "dummy_inputs", None)
     return dummy if isinstance(dummy, dict) else None
@@ -174,7 +174,7 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     entries (``{"lm_head": "colwise_gather_output"}``; missing up to 5.10) and
     the base model's ``embed_tokens`` as ``"embedding_rowwise"`` when it is an
     ``nn.Embedding`` the plan does not name (added by transformers from 5.21).
-    Checked: transformers 5.3.0, 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
     """
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, dict):
@@ -193,7 +193,7 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
 def class_tp_plan(cls: type) -> dict[str, str]:
     """The plan a model class adds on top of its base model's (``cls._tp_plan``), e.g. for ``lm_head``.
 
-    Checked: transformers 5.3.0, 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
     """
     return dict(getattr(cls, "_tp_plan", None) or {})
 
@@ -201,7 +201,7 @@ def class_tp_plan(cls: type) -> dict[str, str]:
 def is_causal_lm_config(config: Any) -> bool:
     """Whether ``AutoModelForCausalLM`` has a class for ``config``'s type (its ``_model_mapping``).
 
-    Checked: transformers 5.3.0, 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
     """
     import transformers
 
@@ -214,7 +214,7 @@ def from_config(cls: Any, config: Any) -> Any:
     Auto classes have the public ``from_config``; model classes only the
     private ``_from_config`` (which also applies the attention implementation
     and dtype the config asks for); other classes are called directly.
-    Checked: transformers 5.3.0, 5.23.0.
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
     """
     if hasattr(cls, "from_config"):
         return cls.from_config(config)
@@ -225,7 +225,7 @@ def from_config(cls: Any, config: Any) -> Any:
 
 # Config attributes holding the attention / experts implementation switch;
 # ``PreTrainedModel.set_attn_implementation`` writes them on the shared config,
-# so per-module config copies read them live. Checked: transformers 5.23.0.
+# so per-module config copies read them live. Checked: transformers 5.23.0, 5.24.0.
 CONFIG_IMPLEMENTATION_ATTRS = ("_attn_implementation_internal", "_experts_implementation_internal")
 
 
@@ -276,6 +276,6 @@ def missing_trainer_hooks(trainer_cls: type) -> list[str]:
     """The :data:`TRAINER_HOOKS` ``transformers.Trainer`` does not define (yet, or any more).
 
     Checked: transformers 5.3.0 (lacks ``_sync_replicated_trainable_parameters``),
-    5.18.0 (lacks it), 5.19.0 and 5.23.0 (complete).
+    5.18.0 (lacks it), 5.19.0, 5.23.0 and 5.24.0 (complete).
     """
     return [name for name in TRAINER_HOOKS if not callable(getattr(trainer_cls, name, None))]
