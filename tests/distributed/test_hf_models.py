@@ -19,7 +19,7 @@ EXPECTED_COLLECTIVES = {
     "qwen2": {"all_reduce": 5, "all_gather": 1},
     "qwen3": {"all_reduce": 5, "all_gather": 1},
     "phi3": {"all_reduce": 5, "all_gather": 5},
-    "gpt_neox": {"all_reduce": 4, "all_gather": 1},
+    "gpt_neox": {"all_reduce": 5, "all_gather": 1},
     "gpt2": {"all_reduce": 4},
     "bert": {"all_reduce": 4},
     "opt": {"all_reduce": 4},

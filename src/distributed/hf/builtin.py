@@ -64,7 +64,9 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
         "layers.*.mlp.gate_up_proj": "packed_colwise",
         "layers.*.mlp.down_proj": "rowwise",
     },
+    # As transformers ships it from 5.24, so every supported release splits GPT-J alike.
     "gptj": {
+        "wte": "embedding_rowwise",
         "h.*.attn.q_proj": "colwise",
         "h.*.attn.k_proj": "colwise",
         "h.*.attn.v_proj": "colwise",
@@ -76,7 +78,8 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
 
 
 # Head-model outputs that the built-in plans split (their input is replicated).
-_HEADS = {"phi3": {"lm_head": "colwise_gather_output"}}
+_HEADS = {"phi3": {"lm_head": "colwise_gather_output"},
+          "gptj": {"lm_head": "colwise_gather_output"}}
 
 
 def builtin_plan(model_type: str, prefix: str) -> dict[str, str] | None:

@@ -165,15 +165,16 @@ def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
 
 
 def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
-    """The TP plan transformers assembled on the instance, completed as 5.21+ ships it, or ``None``.
+    """The TP plan transformers assembled on the instance, completed as 5.24 ships it, or ``None``.
 
     ``model.tp_plan`` (``model._tp_plan`` where the property is missing) holds
     the base model's ``config.base_model_tp_plan`` with full module names.
-    Older releases leave parts out that 5.23 includes, so the plan is
+    Older releases leave parts out that 5.24 includes, so the plan is
     completed the same way on every supported version: the class's own
-    entries (``{"lm_head": "colwise_gather_output"}``; missing up to 5.10) and
+    entries (``{"lm_head": "colwise_gather_output"}``; missing up to 5.10),
     the base model's ``embed_tokens`` as ``"embedding_rowwise"`` when it is an
-    ``nn.Embedding`` the plan does not name (added by transformers from 5.21).
+    ``nn.Embedding`` the plan does not name (added by transformers from 5.21),
+    and the entries of :data:`ADDED_IN_5_24`.
     Checked: transformers 5.3.0, 5.23.0, 5.24.0.
     """
     plan = getattr(model, "tp_plan", None)
@@ -182,12 +183,18 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     if not isinstance(plan, dict) or not plan:
         return None
     base = getattr(model, "base_model", model)
+    lead = "" if base is model else f"{model.base_model_prefix}."
     extra: dict[str, str] = {}
     if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
-        name = "embed_tokens" if base is model else f"{model.base_model_prefix}.embed_tokens"
-        if name not in plan:
-            extra[name] = "embedding_rowwise"
+        extra[f"{lead}embed_tokens"] = "embedding_rowwise"
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for name, style in ADDED_IN_5_24.get(str(model_type), {}).items():
+        extra[lead + name] = style
     return {**class_tp_plan(type(model)), **extra, **plan}
+
+
+# Base-model plan entries transformers 5.24 ships and older releases lack.
+ADDED_IN_5_24 = {"gpt_neox": {"embed_in": "embedding_rowwise"}}
 
 
 def class_tp_plan(cls: type) -> dict[str, str]:
