@@ -46,7 +46,8 @@ def test_hf_models_without_a_plan_pair_by_dataflow_and_match_unsharded(ranks, wo
 
 
 def test_hf_models_without_a_plan_say_what_stays_replicated_and_why():
-    codegen = torchtp.DistributedModelWrapper(build("codegen"), world_size=2, rank=0)
+    # CodeGen ships a plan from transformers 5.24 (test_plan_verification covers it).
+    codegen = torchtp.DistributedModelWrapper(strip_plans(build("codegen")), world_size=2, rank=0)
     text = codegen.describe_plan()
     assert "'transformer.h.0.attn' kept replicated: with ['transformer.h.0.attn.qkv_proj'] " \
            "split, the local probe does not reproduce this rank's slice" in text

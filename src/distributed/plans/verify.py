@@ -348,7 +348,8 @@ def _refusal(model: nn.Module, plan: ResolvedPlan, attention: str, members: list
              why: str, ctx: ShardContext) -> ValueError:
     info = plan.heads[attention]
     shapes = []
-    for name in members:
+    # Producers first, then the output projection, whatever the modules' registration order.
+    for name in sorted(members, key=lambda n: isinstance(plan.assignments[n], Rowwise)):
         view, style = linear_view(model.get_submodule(name)), plan.assignments[name]
         if view is not None and isinstance(style, (Colwise, Rowwise)):
             split = (f"out_features={view.out_features} (weight rows)" if isinstance(style, Colwise)
