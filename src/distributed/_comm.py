@@ -212,17 +212,21 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
     return tensor
 
 
-def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
-    """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller."""
+def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum",
+                name: str = "all_reduce") -> torch.Tensor:
+    """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller.
+
+    ``name``: the op it is recorded, counted and shape-agreed as (see :func:`all_reduce_as`).
+    """
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
-    if _RIDES and op == "sum" and tensor.dtype in _RIDE_DTYPES and not _compiling() \
-            and _health.state(group).size <= 256:
+    if _RIDES and name == "all_reduce" and op == "sum" and tensor.dtype in _RIDE_DTYPES \
+            and not _compiling() and _health.state(group).size <= 256:
         ride = _RIDES.pop(dist.group.WORLD if group is None else group, None)
         if ride is not None:
             return _all_reduce_riding(tensor, group, ride)
-    n = record("all_reduce", tensor, group)
+    n = record(name, tensor, group)
     work = dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=n is not None)
-    _finish(work, n, "all_reduce", tensor, group)
+    _finish(work, n, name, tensor, group)
     return tensor
 
 
@@ -239,11 +243,8 @@ def all_reduce_as(tensor: torch.Tensor, group: ProcessGroup | None, op: str,
     check): its own op name keeps its agreed shape apart from theirs, so neither
     forces a store round trip on every call, and counts show it separately.
     """
-    out = tensor.clone(memory_format=torch.contiguous_format)
-    n = record(f"all_reduce:{name}", out, group)
-    work = dist.all_reduce(out, op=TORCH_OPS[op], group=group, async_op=n is not None)
-    _finish(work, n, f"all_reduce:{name}", out, group)
-    return out
+    return all_reduce_(tensor.clone(memory_format=torch.contiguous_format), group, op,
+                       f"all_reduce:{name}")
 
 
 def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None,
