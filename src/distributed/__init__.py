@@ -38,6 +38,7 @@ from .rng import manual_seed
 from .runtime import (
     TensorParallelConfig,
     get_tensor_parallel_config,
+    init_parallel,
     init_tensor_parallel,
     shutdown_tensor_parallel,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "gather_from_tensor_parallel_region",
     "get_tensor_parallel_config",
     "grad_norm",
+    "init_parallel",
     "init_tensor_parallel",
     "layouts_of",
     "logger",

@@ -30,7 +30,7 @@ from torch import nn
 from . import _torch_compat
 from .layers import layouts_of
 from .layouts import ParamLayout
-from .runtime import ProcessGroup, tp_group
+from .runtime import ProcessGroup, resolve_group
 
 
 def install() -> None:
@@ -112,7 +112,7 @@ def ignored_by_ddp(module: nn.Module, ddp_group: ProcessGroup) -> list[str]:
         if not split:
             continue
         tp = getattr(mod, "group", None)
-        tp = tp if tp is not None else tp_group()
+        tp = resolve_group(tp)
         if id(tp) not in verdicts:
             verdicts[id(tp)] = _spans_tp_peers(tp, ddp_group, module, mod_name, split)
         if verdicts[id(tp)]:

@@ -15,6 +15,7 @@ import atexit
 import os
 import sys
 import threading
+from math import prod
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -161,43 +162,52 @@ def _config_from_group(local_rank: int) -> TensorParallelConfig:
     )
 
 
-def _with_mesh(base: TensorParallelConfig, tp_size: int | None) -> TensorParallelConfig:
-    """``base`` (whole world = TP) split into a ``("dp", "tp")`` mesh when ``tp_size`` is given."""
-    if tp_size is None:
+def _with_mesh(base: TensorParallelConfig, sizes: dict[str, int | None], who: str,
+               spelling: dict[str, str]) -> TensorParallelConfig:
+    """``base`` (whole world = TP) laid out as the named mesh when any size is given."""
+    if all(v is None for v in sizes.values()):
         return base
     from .mesh import build_mesh
 
-    m = build_mesh(tp_size, base.device.type)
-    dp_group = m.get_group("dp") if m.size(0) > 1 else None
+    m = build_mesh(sizes, base.device.type, who, spelling)
+    dp_group = m.get_group("dp") if m["dp"].size() > 1 else None
     tp = m.get_group("tp")
-    return replace(base, world_size=m.size(1), rank=m.get_local_rank("tp"), group=tp,
-                   dp_size=m.size(0), dp_rank=m.get_local_rank("dp"), dp_group=dp_group, mesh=m)
+    return replace(base, world_size=m["tp"].size(), rank=m.get_local_rank("tp"), group=tp,
+                   dp_size=m["dp"].size(), dp_rank=m.get_local_rank("dp"), dp_group=dp_group,
+                   mesh=m)
 
 
-def _adopt(local_rank: int, tp_size: int | None) -> TensorParallelConfig:
-    """The config of the running default group; an existing mesh of the same tp is reused."""
+def _adopt(local_rank: int, sizes: dict[str, int | None], who: str,
+           spelling: dict[str, str]) -> TensorParallelConfig:
+    """The config of the running default group; an existing mesh of the same sizes is reused."""
     if (_CONFIG is not None and _CONFIG.mesh is not None and _CONFIG.group is not None
-            and tp_size in (None, _CONFIG.tp_size)):
+            and all(v in (None, _CONFIG.mesh[n].size()) for n, v in sizes.items())):
         return _CONFIG
-    return _with_mesh(_config_from_group(local_rank), tp_size)
+    return _with_mesh(_config_from_group(local_rank), sizes, who, spelling)
 
 
-def init_tensor_parallel(
-    backend: str | None = None, timeout: float | timedelta | None = None,
-    tp_size: int | None = None,
+def init_parallel(
+    *, tp: int | None = None, dp: int | None = None, backend: str | None = None,
+    timeout: float | timedelta | None = None,
 ) -> TensorParallelConfig:
-    """Start (or adopt) the default process group and return the TP config.
+    """Start (or adopt) the default process group laid out as one named mesh.
 
     Idempotent: a second call, or a call after the user started the process
     group themselves, returns the config of the existing group.
 
-    With ``tp_size=k`` the world of ``W`` ranks becomes a ``DeviceMesh`` of
-    shape ``(W/k, k)`` with dim names ``("dp", "tp")``: TP groups are the
-    contiguous ranks ``[i*k, (i+1)*k)`` (TP stays inside a node), DP groups
-    the strided ones. Collective: every rank must call it with the same
-    ``tp_size``.
+    The world of ``W`` ranks becomes a ``DeviceMesh`` with the dimensions of
+    :data:`torchtp.mesh.MESH_DIMS` (today ``("dp", "tp")``): ``tp`` groups are
+    the contiguous ranks ``[i*tp, (i+1)*tp)`` (TP stays inside a node), ``dp``
+    groups the strided ones, and ``dp`` defaults to what ``tp`` leaves
+    (``W / tp``). With no size given the whole world is one TP group and no
+    mesh is built. Every component then asks :func:`resolve_group` for its
+    group by dimension name. Collective: every rank must call it with the
+    same sizes.
 
     Args:
+        tp: Ranks per tensor-parallel group; ``None``: the whole world (or
+            ``W / dp`` when ``dp`` is given).
+        dp: Data-parallel replicas; ``None``: what ``tp`` leaves.
         backend: ``"nccl"``, ``"gloo"`` or ``"cpu:gloo,cuda:nccl"`` (both: CPU
             tensors over Gloo, CUDA tensors over NCCL); ``None`` picks ``nccl``
             when CUDA is available and ``gloo`` otherwise. A backend with NCCL
@@ -208,6 +218,39 @@ def init_tensor_parallel(
         timeout: Collective timeout in seconds (or a ``timedelta``) of the group
             started here and of torchtp's own waits; ``None`` uses ``TP_TIMEOUT``
             or :data:`DEFAULT_TIMEOUT_S` (5 minutes).
+
+    Returns:
+        The :class:`TensorParallelConfig` for this process (``cfg.mesh`` holds
+        every named dimension).
+
+    Raises:
+        ValueError: torchrun's variables are malformed or inconsistent, or the
+            sizes do not multiply to the world size (naming the valid values),
+            on every rank before any group is created.
+    """
+    return _init({"dp": dp, "tp": tp}, backend, timeout, "init_parallel", {})
+
+
+def init_tensor_parallel(
+    backend: str | None = None, timeout: float | timedelta | None = None,
+    tp_size: int | None = None,
+) -> TensorParallelConfig:
+    """Start (or adopt) the default process group and return the TP config.
+
+    The reference guide's spelling of :func:`init_parallel`
+    (``init_tensor_parallel(tp_size=k)`` is ``init_parallel(tp=k)``).
+    Idempotent: a second call, or a call after the user started the process
+    group themselves, returns the config of the existing group.
+
+    With ``tp_size=k`` the world of ``W`` ranks becomes a ``DeviceMesh`` of
+    shape ``(W/k, k)`` with dim names ``("dp", "tp")``: TP groups are the
+    contiguous ranks ``[i*k, (i+1)*k)`` (TP stays inside a node), DP groups
+    the strided ones. Collective: every rank must call it with the same
+    ``tp_size``.
+
+    Args:
+        backend: As for :func:`init_parallel`.
+        timeout: As for :func:`init_parallel`.
         tp_size: Ranks per TP group; ``None`` makes the whole world one TP
             group (no data parallelism).
 
@@ -218,13 +261,20 @@ def init_tensor_parallel(
         ValueError: torchrun's variables are malformed or inconsistent, or the
             world size is not divisible by ``tp_size`` (naming the valid values).
     """
+    return _init({"tp": tp_size}, backend, timeout, "init_tensor_parallel", {"tp": "tp_size"})
+
+
+def _init(sizes: dict[str, int | None], backend: str | None,
+          timeout: float | timedelta | None, who: str,
+          spelling: dict[str, str]) -> TensorParallelConfig:
+    """Start or adopt the default group and lay it out as the mesh of ``sizes``."""
     global _CONFIG, _TIMEOUT_S, _STARTED
     configure_from_env()
     if timeout is not None:
         _TIMEOUT_S = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     local_rank = _env_int("LOCAL_RANK", 0)
     if dist.is_available() and dist.is_initialized():
-        _CONFIG = _adopt(local_rank, tp_size)
+        _CONFIG = _adopt(local_rank, sizes, who, spelling)
         return _CONFIG
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -232,22 +282,30 @@ def init_tensor_parallel(
         raise ValueError(f"RANK={rank} and WORLD_SIZE={world_size} are inconsistent: "
                          "need 0 <= RANK < WORLD_SIZE")
     if world_size == 1:
-        if tp_size not in (None, 1):
-            raise ValueError(f"tp_size={tp_size} needs {tp_size} ranks, but WORLD_SIZE=1; "
-                             f"launch with torchrun --nproc-per-node {tp_size} or use tp_size=1")
+        wanted = {n: v for n, v in sizes.items() if v not in (None, 1)}
+        if wanted:
+            shown = ", ".join(f"{spelling.get(n, n)}={v}" for n, v in wanted.items())
+            one = ", ".join(f"{spelling.get(n, n)}=1" for n in wanted)
+            raise ValueError(f"{shown} needs {prod(wanted.values())} ranks, but WORLD_SIZE=1; "
+                             f"launch with torchrun --nproc-per-node {prod(wanted.values())} "
+                             f"or use {one}")
         _CONFIG = TensorParallelConfig()
-        logger.debug("init_tensor_parallel: no torchrun environment, world_size=1")
+        logger.debug("%s: no torchrun environment, world_size=1", who)
         return _CONFIG
     chosen = _pick_backend(backend)
     if "nccl" in chosen:  # "nccl" or "cpu:gloo,cuda:nccl": this rank computes on its GPU
         torch.cuda.set_device(local_rank)
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=collective_timeout())}
+    if any(v is not None for v in sizes.values()):
+        from .mesh import mesh_sizes
+
+        mesh_sizes(world_size, sizes, who, spelling)  # refuse before any process waits
     dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, **kwargs)
     # We started the group, so we end it at exit (see shutdown_tensor_parallel).
     _STARTED = True
     protect_exit()
-    _CONFIG = _with_mesh(_config_from_group(local_rank), tp_size)
-    logger.debug("init_tensor_parallel: %s", _CONFIG)
+    _CONFIG = _with_mesh(_config_from_group(local_rank), sizes, who, spelling)
+    logger.debug("%s: %s", who, _CONFIG)
     return _CONFIG
 
 
@@ -374,33 +432,30 @@ def get_tensor_parallel_config() -> TensorParallelConfig:
 
 
 def tp_group() -> ProcessGroup | None:
-    """The TP group: the config's ``tp_group`` after :func:`init_tensor_parallel`,
-    else the default group when one is running, else ``None`` (one process).
-
-    The one answer to "which group is the TP group" for the wrapper, the
-    layers and the collectives.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return get_tensor_parallel_config().group
+    """The TP group: :func:`resolve_group` with no explicit group (see there)."""
+    return resolve_group()
 
 
-def resolve_group(group: ProcessGroup | None = None) -> ProcessGroup | None:
-    """Return the process group a collective should use.
+def resolve_group(group: ProcessGroup | None = None, dim: str = "tp") -> ProcessGroup | None:
+    """The process group of mesh dimension ``dim``: the one answer for every component.
 
-    ``group`` if given; else :func:`tp_group` when a group is running; else
-    ``None`` (one process).
+    ``group`` if given; else, when a process group is running, the mesh's
+    group for ``dim`` from :func:`init_parallel` (``"tp"``: the whole world
+    when no mesh was built; another dimension of size 1: ``None``); else
+    ``None``, one process. The one rule for "no group": ``None`` means a
+    single process, so nothing to communicate; wherever more ranks are
+    expected and there is no group, it raises with the fix.
 
     Raises:
         MissingProcessGroupError: torchrun's environment says WORLD_SIZE > 1 but
             no process group was started, so a collective would silently do
             nothing.
+        ValueError: ``dim`` is not a mesh dimension.
     """
     if group is not None:
         return group
-    running = tp_group()
-    if running is not None:
-        return running
+    if dist.is_available() and dist.is_initialized():
+        return _mesh_group(get_tensor_parallel_config(), dim)
     env_world = _env_int("WORLD_SIZE", 1)
     if env_world > 1:
         raise MissingProcessGroupError(
@@ -408,6 +463,18 @@ def resolve_group(group: ProcessGroup | None = None) -> ProcessGroup | None:
             + launch_hint(env_world)
         )
     return None
+
+
+def _mesh_group(cfg: TensorParallelConfig, dim: str) -> ProcessGroup | None:
+    from .mesh import MESH_DIMS
+
+    if dim not in MESH_DIMS:
+        raise ValueError(f"unknown mesh dimension {dim!r}; known: {list(MESH_DIMS)}")
+    if dim == "tp":
+        return cfg.group
+    if cfg.mesh is None or cfg.mesh[dim].size() == 1:
+        return None
+    return cfg.mesh.get_group(dim)
 
 
 def group_size(group: ProcessGroup | None) -> int:

@@ -27,7 +27,7 @@ from .layers._base import resolve_placement
 from .options import Options
 from .param_count import parameter_summary
 from .plans import PlanArg, ResolvedPlan, ShardContext, apply_plan, resolve_plan
-from .runtime import ProcessGroup, tp_group
+from .runtime import ProcessGroup, resolve_group
 
 
 class DistributedModelWrapper(nn.Module):
@@ -93,7 +93,7 @@ class DistributedModelWrapper(nn.Module):
         loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
     ) -> None:
         super().__init__()
-        group = group if group is not None else tp_group()
+        group = resolve_group(group)
         error: BaseException | None = None
         ctx, resolved, fingerprint = None, None, {"world_size": world_size}
         options = Options(loss_parallel, sequence_parallel)
@@ -259,7 +259,7 @@ class DistributedModelWrapper(nn.Module):
                 config, metadata from another model, or a tp the model cannot
                 split at (naming the saved tp, the current tp and the dimension).
         """
-        group = group if group is not None else tp_group()
+        group = resolve_group(group)
         return from_pretrained(lambda model: cls(model, plan=plan, group=group,
                                                  verify_plan=verify_plan), path, plan,
                                dtype, device, model_class, group, progress)

@@ -97,6 +97,18 @@ def dp_tp_ddp_fsdp(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         torchtp.init_tensor_parallel(tp_size=3)
     cfg = torchtp.init_tensor_parallel(tp_size=2)
     assert torchtp.init_tensor_parallel(tp_size=2) is cfg  # idempotent: the same mesh
+    # init_parallel names the same mesh: dp takes what tp leaves and the other way round.
+    assert torchtp.init_parallel(tp=2) is cfg and torchtp.init_parallel(dp=2) is cfg
+    with pytest.raises(ValueError, match=r"init_parallel: dp=3 must divide the world size 4; "
+                       r"valid dp values: \[1, 2, 4\]"):
+        torchtp.init_parallel(tp=2, dp=3)
+    with pytest.raises(ValueError, match=r"dp=1, tp=2: the product of the mesh sizes must "
+                       r"equal the world size 4"):
+        torchtp.init_parallel(tp=2, dp=1)
+    from torchtp.runtime import resolve_group
+
+    assert resolve_group() is cfg.tp_group and resolve_group(dim="tp") is cfg.tp_group
+    assert resolve_group(dim="dp") is cfg.dp_group
     out: dict[str, Any] = {"cfg": (cfg.tp_size, cfg.tp_rank, cfg.dp_size, cfg.dp_rank,
                                    cfg.world_size, cfg.rank, cfg.mesh.mesh_dim_names,
                                    torch.distributed.get_process_group_ranks(cfg.tp_group),

@@ -116,3 +116,43 @@ def test_guide_backend_nccl_falls_back_to_gloo_without_cuda(ranks):
     # The guide's Pattern 1 says init_tensor_parallel(backend="nccl").
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     assert ranks(_nccl_on_cpu, 2, init="none", env=env) == ["gloo", "gloo"]
+
+
+@pytest.mark.parametrize("world, sizes, expected", [
+    (8, {}, {"dp": 1, "tp": 8}),  # no size: the whole world is one TP group
+    (8, {"tp": 2}, {"dp": 4, "tp": 2}),  # dp takes what tp leaves
+    (8, {"dp": 2}, {"dp": 2, "tp": 4}),  # and tp what dp leaves
+    (8, {"dp": 2, "tp": 4}, {"dp": 2, "tp": 4}),
+])
+def test_mesh_sizes_fill_the_world_with_one_dimension(world, sizes, expected):
+    from torchtp.mesh import MESH_DIMS, mesh_sizes
+
+    got = mesh_sizes(world, sizes)
+    assert got == expected and tuple(got) == MESH_DIMS
+
+
+@pytest.mark.parametrize("sizes, match", [
+    ({"tp": 3}, r"init_parallel: tp=3 must divide the world size 8; valid tp values: "
+                r"\[1, 2, 4, 8\]"),
+    ({"dp": 2, "tp": 2}, r"dp=2, tp=2: the product of the mesh sizes must equal the world "
+                         r"size 8; leave one of \['tp', 'dp'\] out"),
+    ({"pp": 2}, r"unknown mesh dimension\(s\) \['pp'\]; known: \['dp', 'tp'\]"),
+    ({"tp": 0}, r"tp=0 must divide the world size 8"),
+])
+def test_mesh_sizes_refuse_with_the_valid_values(sizes, match):
+    from torchtp.mesh import mesh_sizes
+
+    with pytest.raises(ValueError, match=match):
+        mesh_sizes(8, sizes)
+
+
+def test_resolve_group_is_the_one_rule_for_no_group(monkeypatch):
+    from torchtp.runtime import resolve_group
+
+    assert resolve_group() is None and resolve_group(dim="dp") is None  # one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(torchtp.MissingProcessGroupError, match=r"WORLD_SIZE=2 but "
+                       r"torch.distributed is not initialized"):
+        resolve_group(dim="dp")
+    with pytest.raises(torchtp.MissingProcessGroupError, match=r"WORLD_SIZE=2"):
+        torchtp.DistributedModelWrapper(torch.nn.Linear(4, 4))

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..errors import MissingProcessGroupError, launch_hint
 from ..layouts import ParamLayout, replicated, split_layout, valid_sizes
-from ..runtime import ProcessGroup, tp_group
+from ..runtime import ProcessGroup, resolve_group
 
 
 def resolve_placement(
@@ -24,8 +24,7 @@ def resolve_placement(
         ValueError: an explicit ``world_size``/``rank`` contradicts the group, or
             ``rank`` is outside ``0..world_size-1``.
     """
-    if group is None:
-        group = tp_group()
+    group = resolve_group(group)
     if group is not None:
         size, me = dist.get_world_size(group), dist.get_rank(group)
         if world_size is not None and world_size != size:
