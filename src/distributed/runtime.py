@@ -15,9 +15,9 @@ import atexit
 import os
 import sys
 import threading
-from math import prod
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from math import prod
 from typing import TYPE_CHECKING, Any
 
 import torch

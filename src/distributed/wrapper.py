@@ -8,25 +8,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from . import clip, ddp_guard, forward_guard, input_check, regions, rng, step_check
+from . import checks, clip, ddp_guard, forward_guard, input_check, regions, rng, step_check, tp_step
 from ._torch_compat import registered_child
-from .agreement import agree
 from .checkpoint import shard_identity
 from .checkpoint.load import from_pretrained
 from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
 from .ddp_guard import check_fsdp
-from .devices import device_mismatch
-from .fingerprints import tensor_digest
 from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
 from .integrations.guards import guard_frameworks
-from .layers import ColumnParallelLinear, RowParallelLinear
-from .layers._base import resolve_placement
 from .options import Options
 from .param_count import parameter_summary
-from .plans import PlanArg, ResolvedPlan, ShardContext, apply_plan, resolve_plan
+from .plans import PlanArg, ResolvedPlan
 from .runtime import ProcessGroup, resolve_group
 
 
@@ -99,34 +93,29 @@ class DistributedModelWrapper(nn.Module):
         options = Options(loss_parallel, sequence_parallel)
         detached: list[Detached] = []
         try:
-            _check_not_wrapped(model)
+            checks.refuse_wrapped(model, DistributedModelWrapper)
             detached = detach_adapters(model)  # PEFT LoRA layers: planned on their base layers
-            g, size, me = resolve_placement("DistributedModelWrapper", world_size, rank, group)
-            ctx = ShardContext(size, me, g, type(model).__name__)
-            wrong_device = device_mismatch(model, g)
-            if wrong_device is not None:
-                raise wrong_device
-            resolved = resolve_plan(model, plan, ctx, example_inputs=example_inputs,
-                                    adjust=options.adjust, verify=verify_plan)
-            fingerprint = _fingerprint(model, resolved, ctx)
-            fingerprint["options"] = (loss_parallel, sequence_parallel)  # type: ignore[assignment]
-            fingerprint[f"{step_check.ENV} (optimizer-step check period)"] = \
-                step_check.period_from_env()
+            ctx = tp_step.place(model, world_size, rank, group)
+            resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan)
+            period = {f"{step_check.ENV} (optimizer-step check period)":
+                      step_check.period_from_env()} if ctx.world_size > 1 else {}
+            fingerprint = checks.before_slicing(model, resolved, ctx,
+                                                (loss_parallel, sequence_parallel), period)
         except Exception as err:
             # Any rank-local error (e.g. a plan file missing on one node), not only
-            # validation errors, must reach agree(), or the other ranks hang in it.
+            # validation errors, must reach the agreement, or the other ranks hang in it.
             error = err
         try:
             # Every rank reaches this point, so a rank-local error raises everywhere.
-            agree("DistributedModelWrapper", error, fingerprint, group)
-            rng.sync(group)
+            checks.agree(error, fingerprint, ctx, group)
             assert ctx is not None and resolved is not None
             self.base_model = model
             self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
             self._resolved = resolved
-            self._origin = shard_identity.origin(fingerprint)  # recorded in saved shards
-            self.parallelized_layers = apply_plan(model, resolved, ctx)
-            options.install(model, ctx)
+            # What the ranks agreed on, weights' digests included: saved shards record a
+            # digest of it (shard_identity.origin), computed when a state dict is taken.
+            self.__dict__["_wrap_fingerprint"] = fingerprint
+            self.parallelized_layers = tp_step.apply(model, resolved, ctx, options)
             self.loss_parallel = loss_parallel
             self.sequence_parallel = options.sequence is not None
             clip.track(model)
@@ -298,34 +287,8 @@ class DistributedModelWrapper(nn.Module):
                 f"parallelized_layers={len(self.parallelized_layers)}")
 
 
-def _check_not_wrapped(model: nn.Module) -> None:
-    if isinstance(model, DistributedModelWrapper):
-        raise ValueError("model is already a DistributedModelWrapper; wrap the original "
-                         "model once (use wrapper.base_model to reach it)")
-    if isinstance(model, DistributedDataParallel):
-        raise ValueError("model is a DistributedDataParallel: wrap the model first, then build "
-                         "DDP around the DistributedModelWrapper (see docs/training.md)")
-    for name, mod in model.named_modules():
-        if isinstance(mod, (RowParallelLinear, ColumnParallelLinear)):
-            raise ValueError(f"model is already tensor-parallel: '{name}' is a "
-                             f"{type(mod).__name__}; wrap the original model once")
-
-
 def _forget_shared_inputs(_module: nn.Module, _args: tuple, _out: Any) -> None:
     """After each forward of the wrapped model, raised or not: siblings share an
     input within one forward only (the entries would keep its graph alive)."""
     if not torch.compiler.is_compiling():
         regions.forget_shared_inputs()
-
-
-def _fingerprint(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> dict[str, Any]:
-    prints: dict[str, Any] = {"world_size": ctx.world_size, "plan": plan.rules,
-                              "attention checks": plan.checks}
-    for name, layer in plan.layers.items():
-        prints[f"layer '{name}'"] = (layer.style, layer.full)
-    # Before slicing: ranks built from different seeds or checkpoint copies would
-    # otherwise each keep a slice of a different model, silently.
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        prints[f"weights of '{name}' (sampled digest; ranks built with different seeds or "
-               "from different checkpoint copies?)"] = tensor_digest(t)
-    return prints

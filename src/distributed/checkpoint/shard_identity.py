@@ -60,7 +60,9 @@ def identity(wrapper: Any) -> dict[str, Any]:
     tensors now (equal on every rank of one model at one moment).
     """
     layout = hashlib.blake2b(digest_size=8)
-    fingerprint = hashlib.blake2b(str(wrapper.__dict__.get("_origin")).encode(), digest_size=8)
+    agreed = wrapper.__dict__.get("_wrap_fingerprint")
+    wrap_origin = None if agreed is None else origin(agreed)
+    fingerprint = hashlib.blake2b(str(wrap_origin).encode(), digest_size=8)
     for p in placements(wrapper.base_model):
         layout.update(repr((p.name, p.layout.dim, p.layout.segments,
                             tuple(p.layout.full_shape))).encode())
