@@ -8,6 +8,9 @@
   process group (``python -m torchtp.checkpoint reshard SRC DST --tp M``).
 
 See docs/checkpoints.md.
+
+Layer 6. May import: ``core``, ``comm``, ``layers``, ``plans``, ``hf``, ``guards``
+(agreement and fingerprints), ``training``.
 """
 
 from __future__ import annotations

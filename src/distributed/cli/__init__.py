@@ -4,6 +4,8 @@
 Each subcommand lives in its own module with ``register(subparsers)`` and a
 ``run(args) -> int`` set as the parser default; :data:`SUBCOMMANDS` maps names
 to modules.
+
+An entry point. May import anything in torchtp.
 """
 
 from __future__ import annotations

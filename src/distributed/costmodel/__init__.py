@@ -5,6 +5,8 @@ Answers "will TP make my model faster on this hardware" before any code runs::
     from torchtp.costmodel import ModelDims, estimate, get_hardware
     dims = ModelDims.make(hidden=4096, layers=32, heads=32, ffn=11008)
     estimate(dims, get_hardware("a100-nvlink"), tp=2, phase="decode").speedup
+
+Layer 0: pure arithmetic. May import: nothing from torchtp.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@
 wrapped, and :func:`require_transformers` says how to install it. Submodules
 are imported where they are used (``torchtp.plans`` imports this package's
 styles, so importing the planners here would be circular).
+
+Layer 4, the HuggingFace plug-in of ``plans``. May import: ``core``, ``comm``,
+``layers``, ``plans``.
 """
 
 from __future__ import annotations

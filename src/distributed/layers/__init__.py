@@ -2,6 +2,8 @@
 
 Every parallel layer owns the layouts of its parameters (which slice of the
 full tensor it holds); read them with :func:`layouts_of`.
+
+Layer 2. May import: ``core``, ``comm``.
 """
 
 from __future__ import annotations

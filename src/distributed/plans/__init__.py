@@ -1,4 +1,7 @@
-"""Plans: which module gets which parallel style (see :func:`resolve_plan`)."""
+"""Plans: which module gets which parallel style (see :func:`resolve_plan`).
+
+Layer 3, generic planning. May import: ``core``, ``comm``, ``layers``.
+"""
 
 from __future__ import annotations
 

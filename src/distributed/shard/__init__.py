@@ -4,6 +4,8 @@ Names mirror the dialect (``shard.grid`` -> :class:`Grid`, ``shard.all_gather``
 -> :func:`all_gather`, ...): the local tensor comes first, then the grid,
 then the op's attributes; ``grid_axes=None`` means every grid axis. These
 live beside, and do not replace, torchtp's top-level TP collectives.
+
+Layer 3, a seed-document core beside ``plans``. May import: ``core``, ``comm``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Use ``torchtp.signal.context(name)`` (or ``enter``/``exit``) to make the
 factories ``randn``/``zeros``/``ones`` return tensors sharded on the
 signal's workers, ``tensor(x, name)`` to copy-shard a tensor and
 ``parallelize(module)`` to replicate (and, with ``compile: true``, compile) a module.
+
+Layer 3, a seed-document core beside ``plans``. May import: ``core``, ``comm``,
+``shard``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@
 :func:`gather` and :func:`plan` are the synchronous functions under it. Cuts
 are :class:`torchtp.shard.Sharding` pieces, so slices line up with the
 shard collectives and DTensor placements.
+
+Layer 3, a seed-document core beside ``plans``. May import: ``core``, ``comm``,
+``shard``.
 """
 
 from __future__ import annotations
