@@ -15,7 +15,7 @@ a PEFT model around it, any module containing one or inside one. The first
 torchtp layer or wrap with tp > 1 calls :func:`install`, which has torch call
 :func:`_on_ddp` from inside every later ``DistributedDataParallel.__init__``
 (see ``_torch_compat.watch_ddp_construction``). A DDP built before the model
-was sharded is refused at its first forward into the model (:func:`guard`).
+was sharded is refused at its first forward into the model (:func:`check_active_ddp`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -42,20 +41,6 @@ def install() -> None:
     _torch_compat.watch_ddp_construction(_on_ddp)
 
 
-def guard(model: nn.Module) -> None:
-    """:func:`install`, and refuse a DDP built around ``model`` before it was sharded.
-
-    Such a DDP listed its parameters before the wrapper replaced the Linear
-    weights (or before PEFT added adapters): its reducer holds the old ones,
-    so the new ones would never be averaged (or DDP waits for gradients that
-    never come). A forward pre-hook on ``model`` finds it the first time that
-    DDP's forward calls into ``model``; a DDP whose module does not contain
-    ``model`` (a model merely called from its forward) is none of its business.
-    """
-    install()
-    model.register_forward_pre_hook(_check_active_ddp)
-
-
 # DDP -> the models already found consistent with it (checked once per pair).
 _CHECKED: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = \
     weakref.WeakKeyDictionary()
@@ -67,9 +52,20 @@ def _on_ddp(ddp: nn.Module, module: nn.Module) -> None:
         _torch_compat.ddp_leave_alone(ddp, module, names)
 
 
-def _check_active_ddp(model: nn.Module, _args: Any) -> None:
-    if torch.compiler.is_compiling():
-        return
+def check_active_ddp(model: nn.Module) -> None:
+    """Refuse a DDP built around ``model`` before it was sharded (before each forward).
+
+    Such a DDP listed its parameters before the wrapper replaced the Linear
+    weights (or before PEFT added adapters): its reducer holds the old ones,
+    so the new ones would never be averaged (or DDP waits for gradients that
+    never come). :mod:`torchtp.hooks` calls this before every forward of the
+    wrapped model, so it finds that DDP the first time its forward calls into
+    ``model``; a DDP whose module does not contain ``model`` (a model merely
+    called from its forward) is none of its business.
+
+    Raises:
+        ValueError: naming the DDP's module, the parameter it misses and the fix.
+    """
     ddp = _torch_compat.active_ddp()
     if ddp is None or model in _CHECKED.get(ddp, ()):
         return

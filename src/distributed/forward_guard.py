@@ -2,8 +2,8 @@
 
 An exception raised on some ranks only between two collectives of a forward
 leaves the ranks' collective sequences misaligned: if the user catches it and
-goes on, every later collective pairs with the wrong one. The wrapper puts
-:func:`guard_module`'s hooks on the model it wraps, which report it like
+goes on, every later collective pairs with the wrong one. The wrapper's per-call
+hooks (:mod:`torchtp.hooks`) run a :class:`ForwardGuard` on the model it wraps, which reports it like
 :func:`torchtp._health.fail` (the group stays usable if every rank raised at
 the same point, else it is poisoned on every rank), however the model is
 called: through the wrapper, or directly (``TensorParallelTrainer`` and
@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from . import _logging, _torch_compat
 from ._health import REPORTED, GroupState, fail, inconsistent, post, state
@@ -27,55 +26,61 @@ from .errors import InconsistentGroupError, RankMismatchError
 from .runtime import ProcessGroup
 
 
-def guard_module(group: ProcessGroup | None, module: nn.Module) -> None:
-    """Report an exception escaping ``module``'s forward (the wrapped model) to the group.
+class ForwardGuard:
+    """Report an exception escaping the wrapped model's forward to the group.
 
     However the model is called (through the wrapper, by ``TensorParallelTrainer``,
-    by HF's ``generate``), three forward hooks do it: the pre-hook reports a
-    backward through an earlier output that raised on this rank, then marks
-    the call pending; a forward hook clears the mark when the forward
-    returned (and, with gradients, watches the backward through the output);
-    a hook torch also runs when the forward raised an ``Exception``
-    (``always_call``) reports that exception if the mark is still set. Torch
-    runs no hook for a ``BaseException`` such as ``KeyboardInterrupt``: the
-    wrapper's forward reports those with :func:`report_interrupted`. Costs a
-    few microseconds per forward; nothing under ``torch.compile``.
-    """
-    pending = [False]
+    by HF's ``generate``), :mod:`torchtp.hooks` calls these three steps from its
+    hooks on the model: :meth:`before` reports a backward through an earlier
+    output that raised on this rank, then marks the call pending;
+    :meth:`returned` clears the mark when the forward returned (and, with
+    gradients, watches the backward through the output); :meth:`after`, which
+    torch also runs when the forward raised an ``Exception`` (``always_call``),
+    reports that exception if the mark is still set. Torch runs no hook for a
+    ``BaseException`` such as ``KeyboardInterrupt``: the wrapper's forward
+    reports those with :func:`report_interrupted`. Costs a few microseconds
+    per forward; the hooks skip it under ``torch.compile``.
 
-    def active() -> GroupState | None:
-        if torch.compiler.is_compiling() or not dist.is_initialized():
+    Args:
+        group: The TP group (more than one rank).
+    """
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+        self.pending = False
+
+    def _active(self) -> GroupState | None:
+        if not dist.is_initialized():
             return None
-        st = state(group)
+        st = state(self.group)
         return None if st.size == 1 else st
 
-    def before(_module: nn.Module, _args: tuple) -> None:
-        st = active()
+    def before(self) -> None:
+        """Before the forward: report an abandoned backward, mark the call pending."""
+        st = self._active()
         if st is None:
             return
-        pending[0] = False
+        self.pending = False
         if st.backward_open and not _torch_compat.in_backward():
             _report_failed_backward(st)
-        pending[0] = True
+        self.pending = True
 
-    def returned(_module: nn.Module, _args: tuple, out: Any) -> None:
-        st = active()
-        if st is not None and pending[0]:
-            pending[0] = False
-            if torch.is_grad_enabled():
+    def returned(self, out: Any) -> None:
+        """The forward returned ``out``: clear the mark, watch the backward through it."""
+        if self.pending:
+            self.pending = False
+            st = self._active()
+            if st is not None and torch.is_grad_enabled():
                 _watch_backward(st, out)
 
-    def after(_module: nn.Module, _args: tuple, _out: Any) -> None:
-        st = active()
-        if st is not None and pending[0]:  # the forward raised: "returned" did not run
-            pending[0] = False
+    def after(self) -> None:
+        """After the forward, raised or not: report an exception that escaped it."""
+        if self.pending:  # the forward raised: "returned" did not run
+            self.pending = False
+            st = self._active()
             err = sys.exc_info()[1]  # torch calls always_call hooks inside its except
-            if err is not None:
+            if st is not None and err is not None:
                 _report_escaped(st, err)
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(returned)
-    module.register_forward_hook(after, always_call=True)
 
 
 def report_interrupted(group: ProcessGroup | None, err: BaseException) -> None:

@@ -61,9 +61,11 @@ class _Forward:
     ride: _comm.Ride
 
 
-def guard_inputs(module: nn.Module, group: ProcessGroup | None,
-                 shard_width: int | None) -> None:
-    """Check ``module``'s inputs on every forward (see the module docstring).
+class InputCheck:
+    """Check the wrapped model's inputs on every forward (see the module docstring).
+
+    :mod:`torchtp.hooks` calls :meth:`before` from its pre-hook, :meth:`returned`
+    when the forward returned and :meth:`cleanup` after it, raised or not.
 
     Args:
         module: The wrapped model.
@@ -71,34 +73,36 @@ def guard_inputs(module: nn.Module, group: ProcessGroup | None,
         shard_width: This rank's share of ``in_features`` when the model's first
             parallel layer takes input shards; ``None`` otherwise.
     """
-    pending: list[_Forward] = []
 
-    def before(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if torch.compiler.is_compiling() or not _logging.CHECK_INPUTS \
-                or not dist.is_initialized():
+    def __init__(self, module: nn.Module, group: ProcessGroup | None,
+                 shard_width: int | None) -> None:
+        self.module, self.group, self.shard_width = module, group, shard_width
+        self.pending: _Forward | None = None
+
+    def before(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Hash the inputs; the hash rides the forward's first all-reduce."""
+        if not _logging.CHECK_INPUTS or not dist.is_initialized():
             return
-        pending.clear()
+        self.pending = None
         # Every rank rides, with or without tensor arguments: the riding all-reduce
         # must carry the same number of values on every rank.
-        values, device = _encoded(args, kwargs, shard_width)
+        values, device = _encoded(args, kwargs, self.shard_width)
         if device is None:
-            device = next(module.parameters(), torch.empty(0)).device
-        pending.append(_Forward(args, kwargs, _comm.ride_next_all_reduce(group, values, device)))
+            device = next(self.module.parameters(), torch.empty(0)).device
+        self.pending = _Forward(args, kwargs,
+                                _comm.ride_next_all_reduce(self.group, values, device))
 
-    def returned(_module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any],
-                 _out: Any) -> None:
-        if pending:
-            fwd = pending.pop()
-            _verdict(fwd, group, shard_width)
+    def returned(self) -> None:
+        """The forward returned: every rank reads the summed hash bits, the same verdict."""
+        fwd, self.pending = self.pending, None
+        if fwd is not None:
+            _verdict(fwd, self.group, self.shard_width)
 
-    def cleanup(_module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any],
-                _out: Any) -> None:
-        if pending:  # the forward raised: its digest must not ride a later all-reduce
-            _comm.cancel_ride(group, pending.pop().ride)
-
-    module.register_forward_pre_hook(before, with_kwargs=True)
-    module.register_forward_hook(returned, with_kwargs=True)
-    module.register_forward_hook(cleanup, with_kwargs=True, always_call=True)
+    def cleanup(self) -> None:
+        """After the forward: a forward that raised must not leave its hash riding."""
+        fwd, self.pending = self.pending, None
+        if fwd is not None:
+            _comm.cancel_ride(self.group, fwd.ride)
 
 
 def first_layer_shard_width(model: nn.Module, layer_names: list[str]) -> int | None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checks, clip, ddp_guard, forward_guard, input_check, regions, rng, step_check, tp_step
+from . import checks, forward_guard, hooks, rng, step_check, tp_step
 from ._torch_compat import registered_child
 from .checkpoint import shard_identity
 from .checkpoint.load import from_pretrained
@@ -17,7 +17,6 @@ from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
 from .ddp_guard import check_fsdp
 from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
-from .integrations.guards import guard_frameworks
 from .options import Options
 from .param_count import parameter_summary
 from .plans import PlanArg, ResolvedPlan
@@ -118,17 +117,8 @@ class DistributedModelWrapper(nn.Module):
             self.parallelized_layers = tp_step.apply(model, resolved, ctx, options)
             self.loss_parallel = loss_parallel
             self.sequence_parallel = options.sequence is not None
-            clip.track(model)
-            step_check.track(model, ctx.group)
-            rng.install(model)
+            hooks.install(self, model, ctx, self.parallelized_layers)
             self.train(model.training)  # records where dropout would draw (see train)
-            guard_frameworks(self)
-            if ctx.world_size > 1:  # direct calls of the model (TensorParallelTrainer's) too
-                ddp_guard.guard(model)  # later DDPs leave shards alone; an earlier one raises
-                forward_guard.guard_module(ctx.group, model)
-                input_check.guard_inputs(model, ctx.group, input_check.first_layer_shard_width(
-                    model, self.parallelized_layers))
-                model.register_forward_hook(_forget_shared_inputs, always_call=True)
         finally:
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
 
@@ -285,10 +275,3 @@ class DistributedModelWrapper(nn.Module):
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, "
                 f"parallelized_layers={len(self.parallelized_layers)}")
-
-
-def _forget_shared_inputs(_module: nn.Module, _args: tuple, _out: Any) -> None:
-    """After each forward of the wrapped model, raised or not: siblings share an
-    input within one forward only (the entries would keep its graph alive)."""
-    if not torch.compiler.is_compiling():
-        regions.forget_shared_inputs()
