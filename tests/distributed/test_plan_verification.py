@@ -136,12 +136,12 @@ def test_unverifiable_split_from_a_builtin_plan_stays_whole_with_its_sibling_out
 
 
 def test_verdicts_are_part_of_the_fingerprint_the_ranks_agree_on():
+    from torchtp import checks
     from torchtp.plans import ShardContext
-    from torchtp.wrapper import _fingerprint
 
     wrapped = torchtp.DistributedModelWrapper(_codegen_with_hf_plan(), world_size=2, rank=1)
     ctx = ShardContext(2, 1, None, "CodeGenForCausalLM")
-    prints = _fingerprint(wrapped.base_model, wrapped.resolved_plan, ctx)
+    prints = checks.before_slicing(wrapped.base_model, wrapped.resolved_plan, ctx, (), {})
     assert prints["attention checks"] == wrapped.resolved_plan.checks
     assert prints["attention checks"]["transformer.h.0.attn"].startswith("kept replicated")
 
