@@ -5,13 +5,6 @@ Layer 3, generic planning. May import: ``core``, ``comm``, ``layers``.
 
 from __future__ import annotations
 
-from ..hf.styles import (
-    EmbeddingColwise,
-    EmbeddingRowwise,
-    HeadSplit,
-    Part,
-    ReplicatedWithGradAllreduce,
-)
 from .apply import apply_plan
 from .constraints import Constraint, check, valid_tp_sizes
 from .files import load_plan_file
@@ -23,10 +16,13 @@ from .styles import (
     LayerPlan,
     ParallelStyle,
     Replicate,
+    ReplicatedWithGradAllreduce,
     Rowwise,
     ShardContext,
     Unsupported,
 )
+from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
+from .styles_heads import HeadSplit, Part
 
 __all__ = [
     "STYLES",

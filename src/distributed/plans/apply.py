@@ -6,8 +6,8 @@ from torch import nn
 
 from .. import grad_sync
 from .._logging import logger
-from ..hf.attention import localize_attention
 from ..tying import retie, tied_groups
+from .attention_local import localize_attention
 from .resolved import ResolvedPlan
 from .styles import ShardContext
 

@@ -8,6 +8,7 @@ either one the same way and record that the local weight is transposed.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import cast
 
@@ -47,11 +48,14 @@ class LinearView:
 
 
 def _conv1d_type() -> type | None:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is optional; without it there is no Conv1D
-        return None
-    return Conv1D
+    """transformers' ``Conv1D`` class if its module is loaded (no instance exists otherwise).
+
+    Looked up, never imported: planning a model without transformers must not
+    import it (transformers is optional, and its import is slow).
+    """
+    loaded = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(loaded, "Conv1D", None) if loaded is not None else None
+    return conv1d if isinstance(conv1d, type) else None
 
 
 def linear_view(module: nn.Module) -> LinearView | None:
