@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from torchtp import DistributedModelWrapper
-from torchtp.hf.styles import HeadColumns
+from torchtp.plans.styles_heads import HeadColumns
 from torchtp.layouts import head_share
 from torchtp.plans import Rowwise
 
