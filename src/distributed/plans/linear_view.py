@@ -47,7 +47,7 @@ class LinearView:
         return out
 
 
-def _conv1d_type() -> type | None:
+def conv1d_type() -> type | None:
     """transformers' ``Conv1D`` class if its module is loaded (no instance exists otherwise).
 
     Looked up, never imported: planning a model without transformers must not
@@ -63,7 +63,7 @@ def linear_view(module: nn.Module) -> LinearView | None:
     if isinstance(module, nn.Linear):
         return LinearView(module.in_features, module.out_features, module.weight,
                           module.bias, transposed=False)
-    conv1d = _conv1d_type()
+    conv1d = conv1d_type()
     if conv1d is not None and isinstance(module, conv1d):
         weight = cast(torch.Tensor, module.weight)
         bias = cast("torch.Tensor | None", module.bias)
