@@ -162,6 +162,19 @@ def test_no_import_circles():
         "\n".join(_shown(c, graph) for c in circles)
 
 
+def test_every_relative_import_names_a_module():
+    # An import of a module that moved would otherwise resolve to its package above.
+    modules = _modules()
+    missing = []
+    for module, (path, is_pkg) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = _resolve(module, is_pkg, node.level, node.module)
+                if base not in modules:
+                    missing.append(f"{path.relative_to(SRC)}:{node.lineno}: {base}")
+    assert not missing, "relative imports of modules that do not exist:\n" + "\n".join(missing)
+
+
 def test_the_circle_finder_finds_a_circle_and_its_members():
     # Mutation check of the test above: a circle of three and a self-contained module.
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
