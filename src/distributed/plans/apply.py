@@ -33,6 +33,7 @@ def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) -> l
         swapped.append(name)
         logger.debug("swapped %s: %s -> %s", name, type(old).__name__, new)
     retie(model, ties)
-    localize_attention(model, resolved.heads, ctx)
+    if resolved.heads:
+        localize_attention(model, resolved.heads, ctx)
     grad_sync.install(model)
     return swapped

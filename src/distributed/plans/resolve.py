@@ -91,10 +91,11 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             resolved.layers[name] = style.plan(modules[name], name, ctx)
         except (TypeError, ValueError) as err:
             resolved.problems.append(err)
-    try:  # every rank reaches the same verdict from the plan alone
-        check_head_boundaries(resolved.heads, resolved.assignments, modules, ctx)
-    except ValueError as err:  # first: it names the boundaries, the probe only a shape
-        resolved.problems.insert(0, err)
+    if resolved.heads:  # every rank reaches the same verdict from the plan alone
+        try:
+            check_head_boundaries(resolved.heads, resolved.assignments, modules, ctx)
+        except ValueError as err:  # first: it names the boundaries, the probe only a shape
+            resolved.problems.insert(0, err)
     if strict:
         if resolved.problems:
             raise resolved.problems[0]
