@@ -30,7 +30,7 @@ def _plain(module: nn.Module) -> bool:
     if forward in _PLAIN_FORWARDS:
         return True
     conv1d = conv1d_type()
-    return conv1d is not None and forward is conv1d.forward
+    return conv1d is not None and forward is getattr(conv1d, "forward", None)
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -123,7 +123,7 @@ def attention_overrides(module: nn.Module, heads: int, kv_heads: int, head_dim: 
 def _load_for(obj: nn.Module) -> None:
     """Import the HuggingFace plug-in the first time ``obj`` may be one of its models."""
     global _HF_LOADED
-    if _HF_LOADED:
+    if _HF_LOADED or HUGGINGFACE in _FAMILIES:  # loaded, or registered by an import of hf
         return
     if getattr(obj, "config", None) is not None or any(
             c.__module__.partition(".")[0] in _LIBRARIES for c in type(obj).__mro__):
