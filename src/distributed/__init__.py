@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._comm import CollectiveCounter, count_collectives
 from ._logging import configure_from_env, logger
+from ._version import __version__
 from .clip import clip_grad_norm_, grad_norm
 from .collectives import (
     all_gather,
@@ -43,8 +44,6 @@ from .runtime import (
     shutdown_tensor_parallel,
 )
 from .wrapper import DistributedModelWrapper
-
-__version__ = "0.1.0"
 
 configure_from_env()
 

@@ -29,8 +29,9 @@ disagree:
   this rank, at the model's next forward. A user who catches it and goes on
   with the next batch then gets :class:`InconsistentGroupError` on every rank
   instead of outputs computed on misaligned collectives.
-* **Deaths.** A rank dying on an exception posts it (see
-  :mod:`torchtp.runtime`), so the others' error names it.
+* **Deaths and exits.** A rank dying on an exception posts it (the
+  ``sys.excepthook`` of :func:`protect_exit`), so the others' error names it;
+  at exit torchtp lets the backend release its collectives first.
 
 Store keys are per collective index ``n`` (the count of torchtp collectives
 issued on the group, identical on every rank that is in step).
@@ -38,8 +39,12 @@ issued on the group, identical on every rank that is in step).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -48,8 +53,10 @@ import torch
 import torch.distributed as dist
 
 from . import _logging, _torch_compat
+from ._timeout import collective_timeout
 from .errors import InconsistentGroupError, RankMismatchError
-from .runtime import ProcessGroup, collective_timeout, protect_exit
+
+ProcessGroup = dist.ProcessGroup
 
 # How long a blocked collective waits before it looks at the store. Only a
 # collective that is already slow pays the store round trip.
@@ -547,3 +554,96 @@ def _gone(st: GroupState, key: str) -> str | None:
             return (f"(rank {rank} reached the end of its program)" if kind == "exit"
                     else f"(rank {rank} {'exited with' if kind == 'died' else 'raised'} {msg})")
     return None
+
+
+# Exit protection (docs/decisions.md row 76): installed at torchtp's first use
+# of any group (:func:`state`) or by ``init_tensor_parallel``, never at import.
+SETTLE_S = 5.0  # at most this long at exit for the backend to release finished collectives
+_EXIT_PROTECTED = False  # _at_exit and the excepthook are installed
+_DYING: str | None = None  # "ExcType: message" once the process exits on an exception
+_END: Callable[[], None] | None = None  # ends the group torchtp started (at exit)
+
+
+def protect_exit() -> None:
+    """Install torchtp's exit handling in this process, once.
+
+    Called on torchtp's first use of any process group (its first collective
+    or agreement) and by ``init_tensor_parallel``, so groups started with
+    ``dist.init_process_group`` (Trainer, accelerate, Lightning) are covered
+    too. Process-wide, installed at first use, never at import: an ``atexit``
+    handler (:func:`_at_exit`) and a ``sys.excepthook`` that chains to the
+    previous one and tells the other ranks when this one dies on an exception.
+    """
+    global _EXIT_PROTECTED
+    if _EXIT_PROTECTED:
+        return
+    _EXIT_PROTECTED = True
+    atexit.register(_at_exit)
+    _install_excepthook()
+
+
+def end_at_exit(end: Callable[[], None]) -> None:
+    """torchtp started the default group: at exit call ``end`` (which ends it), then protect."""
+    global _END
+    _END = end
+    protect_exit()
+
+
+def dying() -> str | None:
+    """``"ExcType: message"`` once this process exits on an exception, else ``None``."""
+    return _DYING
+
+
+def _at_exit() -> None:
+    """Before the interpreter shuts down: let the backend release torchtp's collectives.
+
+    A group torchtp started is ended by the function given to
+    :func:`end_at_exit` (``shutdown_tensor_parallel``). For a group the user
+    started (and maybe destroyed) torchtp only waits until Gloo's workers
+    released every collective torchtp ran (bounded; see :func:`_hold`) and then
+    drops its references to the groups, so a destroyed group's threads are
+    joined while the interpreter is still whole.
+    """
+    if _END is not None:
+        _END()
+    else:
+        release_collectives()
+
+
+def release_collectives() -> None:
+    """Wait (bounded) until the backend let go of torchtp's collectives, then forget the groups."""
+    failing = _DYING is not None or bool(poisoned_groups())
+    # A collective left in flight by a failure may never be released: wait briefly
+    # (the exit code is non-zero either way).
+    if settle(0.5 if failing else SETTLE_S, warn=not failing):
+        forget_all()
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_torchtp", False):
+        return
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        global _DYING
+        _DYING = f"{exc_type.__name__}: {exc}"
+        _announce_death(_DYING)
+        previous(exc_type, exc, tb)
+
+    hook._torchtp = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _announce_death(message: str) -> None:
+    """Post ``message`` for the other ranks, giving up after 2 s (the store may be gone)."""
+
+    def post_all() -> None:
+        try:
+            for st in known_groups():
+                post(st, st.seq, "died", message.replace("|", "/"))
+        except Exception:  # the store died with its host rank: nobody is left to tell
+            _logging.logger.debug("could not post this rank's failure", exc_info=True)
+
+    thread = threading.Thread(target=post_all, daemon=True)
+    thread.start()
+    thread.join(2.0)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _torch_compat
-from .layers import layouts_of
+from .layers.owned import layouts_of
 from .layouts import ParamLayout
 from .runtime import ProcessGroup, resolve_group
 

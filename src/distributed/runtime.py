@@ -11,10 +11,7 @@ the one place that answers "which group is the TP group".
 
 from __future__ import annotations
 
-import atexit
 import os
-import sys
-import threading
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from math import prod
@@ -23,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from . import _health
 from ._logging import configure_from_env, logger
+from ._timeout import collective_timeout, set_collective_timeout
 from .errors import MissingProcessGroupError, launch_hint
 
 if TYPE_CHECKING:
@@ -84,45 +83,7 @@ class TensorParallelConfig:
 
 _CONFIG: TensorParallelConfig | None = None
 
-DEFAULT_TIMEOUT_S = 300.0
-"""Collective timeout of the groups torchtp starts, in seconds (5 minutes).
-
-Long enough for ranks that load large checkpoints at different speeds, short
-enough that a rank stuck or gone is reported in minutes rather than after
-torch's 30. Change it with ``init_tensor_parallel(timeout=...)`` or the
-``TP_TIMEOUT`` environment variable (seconds); the explicit argument wins.
-"""
-
-SETTLE_S = 5.0  # at most this long at exit for the backend to release finished collectives
 EXIT_WAIT_S = 60.0  # at most this long (or TP_TIMEOUT if shorter) at exit for the other ranks
-_TIMEOUT_S: float | None = None  # set by init_tensor_parallel(timeout=...)
-_DYING: str | None = None  # "ExcType: message" once the process exits on an exception
-_STARTED = False  # init_tensor_parallel started the default group (so torchtp ends it)
-_EXIT_PROTECTED = False  # _at_exit and the excepthook are installed
-
-
-def collective_timeout() -> float:
-    """Seconds torchtp waits for other ranks before it reports them stuck.
-
-    The ``timeout`` given to :func:`init_tensor_parallel`, else ``TP_TIMEOUT``,
-    else :data:`DEFAULT_TIMEOUT_S`. It is also the process-group timeout of the
-    groups torchtp starts.
-
-    Raises:
-        ValueError: ``TP_TIMEOUT`` is not a positive number.
-    """
-    if _TIMEOUT_S is not None:
-        return _TIMEOUT_S
-    value = os.environ.get("TP_TIMEOUT", "").strip()
-    if not value:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise ValueError(f"TP_TIMEOUT={value!r} must be a positive number of seconds")
-    return seconds
 
 
 def _env_int(name: str, default: int) -> int:
@@ -217,7 +178,7 @@ def init_parallel(
             put tensors there.
         timeout: Collective timeout in seconds (or a ``timedelta``) of the group
             started here and of torchtp's own waits; ``None`` uses ``TP_TIMEOUT``
-            or :data:`DEFAULT_TIMEOUT_S` (5 minutes).
+            or :data:`torchtp._timeout.DEFAULT_TIMEOUT_S` (5 minutes).
 
     Returns:
         The :class:`TensorParallelConfig` for this process (``cfg.mesh`` holds
@@ -268,10 +229,11 @@ def _init(sizes: dict[str, int | None], backend: str | None,
           timeout: float | timedelta | None, who: str,
           spelling: dict[str, str]) -> TensorParallelConfig:
     """Start or adopt the default group and lay it out as the mesh of ``sizes``."""
-    global _CONFIG, _TIMEOUT_S, _STARTED
+    global _CONFIG
     configure_from_env()
     if timeout is not None:
-        _TIMEOUT_S = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        set_collective_timeout(timeout.total_seconds() if isinstance(timeout, timedelta)
+                               else float(timeout))
     local_rank = _env_int("LOCAL_RANK", 0)
     if dist.is_available() and dist.is_initialized():
         _CONFIG = _adopt(local_rank, sizes, who, spelling)
@@ -302,86 +264,10 @@ def _init(sizes: dict[str, int | None], backend: str | None,
         mesh_sizes(world_size, sizes, who, spelling)  # refuse before any process waits
     dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, **kwargs)
     # We started the group, so we end it at exit (see shutdown_tensor_parallel).
-    _STARTED = True
-    protect_exit()
+    _health.end_at_exit(shutdown_tensor_parallel)
     _CONFIG = _with_mesh(_config_from_group(local_rank), sizes, who, spelling)
     logger.debug("%s: %s", who, _CONFIG)
     return _CONFIG
-
-
-def protect_exit() -> None:
-    """Install torchtp's exit handling in this process, once.
-
-    Called by :func:`init_tensor_parallel` and on torchtp's first use of any
-    process group (its first collective or agreement), so groups started with
-    ``dist.init_process_group`` (Trainer, accelerate, Lightning) are covered
-    too. Process-wide, installed at first use, never at import: an ``atexit``
-    handler (:func:`_at_exit`) and a ``sys.excepthook`` that chains to the
-    previous one and tells the other ranks when this one dies on an exception.
-    """
-    global _EXIT_PROTECTED
-    if _EXIT_PROTECTED:
-        return
-    _EXIT_PROTECTED = True
-    atexit.register(_at_exit)
-    _install_excepthook()
-
-
-def _at_exit() -> None:
-    """Before the interpreter shuts down: let the backend release torchtp's collectives.
-
-    A group torchtp started is ended by :func:`shutdown_tensor_parallel`. For a
-    group the user started (and maybe destroyed) torchtp only waits until
-    Gloo's workers released every collective torchtp ran (bounded; see
-    ``_health._hold``) and then drops its references to the groups, so a
-    destroyed group's threads are joined while the interpreter is still whole.
-    """
-    if _STARTED:
-        shutdown_tensor_parallel()
-    else:
-        _release_collectives()
-
-
-def _release_collectives() -> None:
-    """Wait (bounded) until the backend let go of torchtp's collectives, then forget the groups."""
-    from . import _health
-
-    failing = _DYING is not None or bool(_health.poisoned_groups())
-    # A collective left in flight by a failure may never be released: wait briefly
-    # (the exit code is non-zero either way).
-    if _health.settle(0.5 if failing else SETTLE_S, warn=not failing):
-        _health.forget_all()
-
-
-def _install_excepthook() -> None:
-    previous = sys.excepthook
-    if getattr(previous, "_torchtp", False):
-        return
-
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        global _DYING
-        _DYING = f"{exc_type.__name__}: {exc}"
-        _announce_death(_DYING)
-        previous(exc_type, exc, tb)
-
-    hook._torchtp = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
-def _announce_death(message: str) -> None:
-    """Post ``message`` for the other ranks, giving up after 2 s (the store may be gone)."""
-    from . import _health
-
-    def post() -> None:
-        try:
-            for st in _health.known_groups():
-                _health.post(st, st.seq, "died", message.replace("|", "/"))
-        except Exception:  # the store died with its host rank: nobody is left to tell
-            logger.debug("could not post this rank's failure", exc_info=True)
-
-    thread = threading.Thread(target=post, daemon=True)
-    thread.start()
-    thread.join(2.0)
 
 
 def shutdown_tensor_parallel() -> None:
@@ -399,20 +285,18 @@ def shutdown_tensor_parallel() -> None:
     connection, and ``torchrun`` ends the job at once.
     """
     global _CONFIG
-    from . import _health
-
     running = dist.is_available() and dist.is_initialized()
-    if running and _DYING is None and not _health.poisoned_groups():
+    if running and _health.dying() is None and not _health.poisoned_groups():
         _health.exit_barrier(dist.group.WORLD, min(EXIT_WAIT_S, collective_timeout()))
         # Before the interpreter shuts down: a Gloo worker freeing a finished
         # collective after that point aborts the process (see _health._hold).
-        _health.settle(SETTLE_S)
+        _health.settle(_health.SETTLE_S)
         dist.destroy_process_group()
         _health.forget_all()
     else:
         # Exiting on an error, or the user destroyed the group already (its
         # worker may still hold torchtp's tensors).
-        _release_collectives()
+        _health.release_collectives()
     _CONFIG = None
 
 

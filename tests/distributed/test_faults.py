@@ -381,7 +381,7 @@ def test_a_backward_that_raises_on_one_rank_poisons_the_group(ranks, direct):
 
 def _exit_protection(rank: int, world: int) -> dict[str, object]:
     """On a group the harness started (not torchtp): a handled input mismatch, then exit waits."""
-    from torchtp import _health, runtime
+    from torchtp import _health
 
     tp, _ = _wrapped()
     tp.train()
@@ -390,7 +390,7 @@ def _exit_protection(rank: int, world: int) -> dict[str, object]:
     # The input check's object gather: its byte tensors stay held until Gloo's
     # worker lets go (torch's all_gather_object would drop them at once).
     held_bytes = any(t.dtype == torch.uint8 for ts, _ in st.held for t in ts)
-    protected = getattr(runtime, "_EXIT_PROTECTED", False) \
+    protected = getattr(_health, "_EXIT_PROTECTED", False) \
         and getattr(sys.excepthook, "_torchtp", False)
     waited = None
     if rank == 0:  # gives up first, telling the others

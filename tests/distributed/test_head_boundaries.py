@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 
 from torchtp import DistributedModelWrapper
-from torchtp.hf.styles import HeadColumns
 from torchtp.layouts import head_share
 from torchtp.plans import Rowwise
+from torchtp.plans.styles_heads import HeadColumns
 
 from ._hf_checks import check_arch
 from ._hf_models import build

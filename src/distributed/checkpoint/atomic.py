@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from .. import _health
 from .._objects import all_gather_object
+from .._timeout import collective_timeout
 from ..agreement import agree
-from ..runtime import collective_timeout
 
 TMP_SUFFIX = ".tmp-torchtp"
 OLD_SUFFIX = ".old-torchtp"

@@ -1,4 +1,8 @@
-"""Build an HF model from a checkpoint's config with its parameters on the meta device."""
+"""Build an HF model from a checkpoint's config with its parameters on the meta device.
+
+``torchtp.hf`` is imported where a model is built (``from_pretrained``), so
+importing torchtp loads nothing from it.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,6 @@ import os
 from typing import Any
 
 from torch import nn
-
-from ..hf.compat import from_config, is_causal_lm_config
 
 
 def load_config(path: str) -> Any:
@@ -31,6 +33,8 @@ def model_class_for(config: Any, model_class: type | None) -> Any:
     """The class to build: ``model_class``, the config's architecture, else an Auto class."""
     import transformers
 
+    from ..hf.compat import is_causal_lm_config
+
     if model_class is not None:
         return model_class
     for arch in getattr(config, "architectures", None) or ():
@@ -50,6 +54,8 @@ def build_on_meta(config: Any, model_class: type | None) -> nn.Module:
     checkpoint); they are small, unlike the parameters.
     """
     from accelerate import init_empty_weights
+
+    from ..hf.compat import from_config
 
     cls = model_class_for(config, model_class)
     with init_empty_weights(include_buffers=False):

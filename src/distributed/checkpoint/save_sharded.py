@@ -9,6 +9,7 @@ from typing import Any
 
 from .._logging import logger
 from .._objects import all_gather_object
+from .._version import __version__
 from .atomic import group_size, make_tmp, publish_agreed, step, validate
 from .fmt import FORMAT, FORMAT_VERSION, METADATA_FILE, rank_file
 from .placements import Placement, checkpoint_local, placements
@@ -71,8 +72,6 @@ def _holders(name: str, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _write_metadata(tmp: str, wrapper: Any, items: list[Placement],
                     layouts: list[dict[str, Any]], write_config: bool = True,
                     fingerprint: str | None = None) -> None:
-    from .. import __version__
-
     model = wrapper.base_model
     config = getattr(model, "config", None)
     tensors, aliases = {}, {}

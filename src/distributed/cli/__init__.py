@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full argument parser with every subcommand registered."""
     parser = argparse.ArgumentParser(prog="torchtp", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    from .. import __version__
+    from .._version import __version__
 
     parser.add_argument("--version", action="version", version=f"torchtp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

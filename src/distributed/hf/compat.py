@@ -12,12 +12,9 @@ compat`` runs them); ``CHECKED_TRANSFORMERS`` is that list.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0", "5.24.0")
 CHECKED_PEFT = ("0.21.2",)
@@ -45,114 +42,6 @@ def require_supported_transformers(transformers: Any) -> None:
             f"found {found}: older releases ship tp plans that give wrong gradients under "
             f"tensor parallelism (e.g. Qwen3's per-head norms); pip install "
             f"'transformers>={MIN_TRANSFORMERS}'")
-
-# Attribute families attention modules read in their forward, across model
-# families (Llama/Mistral/Qwen2: num_heads or config-only + head_dim and
-# num_key_value_groups; GPT-2: num_heads/split_size/embed_dim; Falcon:
-# num_heads/num_kv_heads; GPT-NeoX: head_size; Phi-3: reads self.config), and in
-# hand-written models (torchtitan: n_heads/n_kv_heads/n_rep; timm: num_heads/attn_dim).
-# Checked: transformers 5.3.0, 5.23.0, 5.24.0.
-HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
-KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
-HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
-WIDTH_ATTRS = ("all_head_size", "split_size", "embed_dim", "inner_dim", "hidden_size",
-               "hidden_size_per_partition", "inner_size", "n_embd", "attn_dim")
-GROUP_ATTRS = ("num_key_value_groups", "n_rep")  # query heads per KV head
-
-
-def localize_attention(module: nn.Module, heads: int, kv_heads: int, head_dim: int,
-                       local_heads: int, local_kv: int) -> None:
-    """Rewrite the head counts and widths ``module``'s forward reads to one rank's values.
-
-    Sets every attribute :func:`local_attention_values` names. ``heads`` and
-    ``kv_heads`` are the full counts, ``local_heads`` and ``local_kv`` this
-    rank's (they may differ between ranks; KV heads are replicated when there
-    are fewer than ranks).
-    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
-    """
-    for attr, value in local_attention_values(module, heads, kv_heads, head_dim, local_heads,
-                                              local_kv).items():
-        setattr(module, attr, value)
-
-
-def local_attention_values(module: nn.Module, heads: int, kv_heads: int, head_dim: int,
-                           local_heads: int, local_kv: int) -> dict[str, object]:
-    """The attributes ``module``'s forward reads, with one rank's values.
-
-    Every attribute of the families above that holds the full value, the query
-    heads per KV head (``num_key_value_groups``, ``n_rep``), and a per-module
-    copy of its ``config`` (:func:`~torchtp.hf.config_view.local_config`,
-    traceable by ``torch.compile``) for forwards that read
-    ``self.config.num_attention_heads``; the shared config keeps the full values.
-    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
-    """
-    local = {"heads": local_heads, "kv": local_kv}
-    out: dict[str, object] = dict(_local_values(module, heads, kv_heads, head_dim, local))
-    for attr in GROUP_ATTRS:
-        if getattr(module, attr, None) == heads // kv_heads:
-            out[attr] = local_heads // local_kv
-    from .config_view import is_local_config, local_config  # it imports this module
-
-    config = getattr(module, "config", None)
-    if config is not None and not is_local_config(config):
-        out["config"] = local_config(config, _local_values(config, heads, kv_heads, head_dim,
-                                                           local))
-    return out
-
-
-# Per-head attention biases (ALiBi) that some models compute once, outside their
-# attention modules, and pass in by keyword: keyword -> whether dim 0 is
-# (batch * heads) (Bloom's ``alibi``, ``(B*H, 1, kv)``) or heads (MPT's
-# ``position_bias``, ``(H, 1, kv)``).
-# Checked: transformers 5.3.0, 5.23.0, 5.24.0.
-HEAD_BIAS_KWARGS = {"alibi": True, "position_bias": False}
-
-
-def narrow_head_biases(module: nn.Module, heads: int, first: int, count: int
-                       ) -> RemovableHandle | None:
-    """Pass ``module`` only heads ``first .. first+count-1`` of the per-head biases it reads.
-
-    Installs a forward pre-hook when ``module.forward`` takes one of
-    :data:`HEAD_BIAS_KWARGS` (``None`` otherwise); a bias whose head dimension
-    is not the full ``heads`` is passed unchanged, so a shape error downstream
-    names the mismatch.
-    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
-    """
-    params = inspect.signature(module.forward).parameters
-    keys = {k: batched for k, batched in HEAD_BIAS_KWARGS.items() if k in params}
-    if not keys:
-        return None
-
-    def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        for key, batched in keys.items():
-            bias = kwargs.get(key)
-            if not isinstance(bias, torch.Tensor) or bias.dim() != 3:
-                continue
-            if batched and bias.shape[0] % heads == 0:  # (B*H, 1, kv) -> (B*count, 1, kv)
-                kwargs[key] = bias.unflatten(0, (-1, heads)).narrow(1, first, count).flatten(0, 1)
-            elif not batched and bias.shape[0] == heads:  # (H, 1, kv) -> (count, 1, kv)
-                kwargs[key] = bias.narrow(0, first, count)
-        return args, kwargs
-
-    return module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _local_values(obj: object, heads: int, kv_heads: int, head_dim: int,
-                  local: dict[str, int]) -> dict[str, int]:
-    """Attributes of ``obj`` holding full head counts/widths -> this rank's values."""
-    width = heads * head_dim
-    out: dict[str, int] = {}
-    for attr in HEAD_ATTRS:
-        if getattr(obj, attr, None) == heads:
-            out[attr] = local["heads"]
-    for attr in KV_ATTRS:
-        if getattr(obj, attr, None) == kv_heads:
-            out[attr] = local["kv"]
-    for attr in WIDTH_ATTRS:
-        if getattr(obj, attr, None) == width:
-            out[attr] = local["heads"] * head_dim
-    return out
 
 
 def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:

@@ -30,8 +30,8 @@ from ..loss import vocab_parallel_cross_entropy
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.registry import STYLES
 from ..plans.styles import Colwise
+from ..plans.styles_embedding import EmbeddingRowwise
 from .detect import is_hf_model
-from .styles import EmbeddingRowwise
 
 WHO = "DistributedModelWrapper(loss_parallel=True)"
 

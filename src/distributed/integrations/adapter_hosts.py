@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from ..hf.detect import is_hf_model
+from ..plans.sources import HUGGINGFACE, is_family
 
 
 @dataclass
@@ -42,7 +42,7 @@ def prepare_peft(model: nn.Module) -> bool:
     A wrapped HF model is what users hand to ``get_peft_model`` next, so
     PEFT is imported now when it is installed (not merely when it is loaded).
     """
-    if "peft" not in sys.modules and is_hf_model(model) and importlib.util.find_spec("peft"):
+    if "peft" not in sys.modules and is_family(model, HUGGINGFACE) and importlib.util.find_spec("peft"):
         importlib.import_module("peft")
     return peft_loaded()
 
@@ -79,20 +79,3 @@ def attach_adapters(detached: list[Detached]) -> None:
         setattr(item.parent, item.leaf, item.layer)
         if isinstance(base, PARALLEL_LINEARS):
             convert(item.layer)
-
-
-def hf_model_inside(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """``(name, HF model)`` inside a PEFT model (``PeftModel``/``LoraModel``), else ``None``."""
-    if is_hf_model(model) or not peft_loaded():
-        return None
-    from peft import PeftModel
-    from peft.tuners.tuners_utils import BaseTuner
-
-    if isinstance(model, PeftModel):
-        inner = model.get_base_model()
-    elif isinstance(model, BaseTuner):
-        inner = model.model
-    else:
-        return None
-    name = next((n for n, m in model.named_modules() if m is inner), None)
-    return (name, inner) if name and is_hf_model(inner) else None

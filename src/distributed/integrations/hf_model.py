@@ -18,8 +18,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ..agreement import agree
-from ..hf.detect import is_hf_model
 from ..layers import layouts_of
+from ..plans.sources import HUGGINGFACE, is_family
 from ..runtime import get_tensor_parallel_config
 
 # HF save_pretrained arguments the consolidated save honours (or may ignore:
@@ -30,7 +30,7 @@ _ACCEPTED = {"is_main_process", "max_shard_size", "safe_serialization"}
 def guard_hf_model(wrapper: Any) -> None:
     """Replace ``save_pretrained``/``push_to_hub``/``resize_token_embeddings`` on the wrapped HF model."""
     model = wrapper.base_model
-    if not is_hf_model(model):
+    if not is_family(model, HUGGINGFACE):
         return
     # A namespace, not the wrapper: the model must not own its owner.
     owner = SimpleNamespace(base_model=model, group=wrapper.group, rank=wrapper.rank,

@@ -47,8 +47,9 @@ from ..checkpoint.save_sharded import gather_layouts
 from ..grad_sync import GradSync
 from ..hf import compat
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..layers._base import ShardedModule, layouts_of, require_group
+from ..layers._base import require_group
 from ..layers._shape import input_mismatch
+from ..layers.owned import ShardedModule, layouts_of
 from ..layouts import ParamLayout
 from ..regions import (
     copy_to_tensor_parallel_region,

@@ -8,9 +8,9 @@ Layer 2. May import: ``core``, ``comm``.
 
 from __future__ import annotations
 
-from ._base import ShardedModule, layouts_of
 from .column import ColumnParallelLinear
 from .embedding import FeatureParallelEmbedding, VocabParallelEmbedding, VocabSplit
+from .owned import ShardedModule, layouts_of
 from .parallel_linear import ParallelLinear
 from .row import RowParallelLinear
 

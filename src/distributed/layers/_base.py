@@ -88,29 +88,6 @@ def full_linear(
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
 
 
-class ShardedModule:
-    """Mixin of every module that holds a slice of its full parameters.
-
-    ``tp_layouts`` maps each split parameter's name to its
-    :class:`~torchtp.layouts.ParamLayout`; parameters not listed are
-    replicated. The module sets it when it is built and owns it from then on;
-    everyone else reads it through :func:`layouts_of`.
-    """
-
-    tp_layouts: dict[str, ParamLayout]
-
-
-def layouts_of(module: nn.Module) -> dict[str, ParamLayout]:
-    """Which slice of the full tensor each of ``module``'s own parameters holds.
-
-    Returns:
-        ``{parameter name: ParamLayout}`` for the split parameters of a parallel
-        layer (empty for any other module: its parameters are replicated).
-    """
-    # The layer's own dict (not a copy): callers may cache by identity; never mutate it.
-    return module.tp_layouts if isinstance(module, ShardedModule) else {}
-
-
 def linear_layouts(in_features: int, out_features: int, bias: bool, dim: int, world_size: int,
                    rank: int) -> dict[str, ParamLayout]:
     """Layouts of rank ``rank``'s balanced share of a ``(out, in)`` Linear split along ``dim``.

@@ -22,7 +22,8 @@ from ..regions import (
     reduce_from_tensor_parallel_region,
 )
 from ..runtime import ProcessGroup
-from ._base import ShardedModule, check_splittable, require_group, resolve_placement
+from ._base import check_splittable, require_group, resolve_placement
+from .owned import ShardedModule
 
 
 def check_ids(who: str, ids: torch.Tensor, num_embeddings: int, world_size: int,

@@ -17,12 +17,12 @@ from ..devices import default_device
 from ..layouts import ParamLayout, shard_range
 from ..runtime import ProcessGroup
 from ._base import (
-    ShardedModule,
     check_splittable,
     full_linear,
     linear_layouts,
     resolve_placement,
 )
+from .owned import ShardedModule
 
 L = TypeVar("L", bound="ParallelLinear")
 

@@ -1,17 +1,13 @@
 """Plans: which module gets which parallel style (see :func:`resolve_plan`).
 
-Layer 3, generic planning. May import: ``core``, ``comm``, ``layers``.
+Layer 3, generic planning. May import: ``core``, ``comm``, ``layers``. Never
+``hf``: model families (HuggingFace) plug in through :mod:`.sources`, which
+loads the HuggingFace plug-in by name the first time a model that may be one
+is planned (``tests/distributed/test_architecture.py`` checks both).
 """
 
 from __future__ import annotations
 
-from ..hf.styles import (
-    EmbeddingColwise,
-    EmbeddingRowwise,
-    HeadSplit,
-    Part,
-    ReplicatedWithGradAllreduce,
-)
 from .apply import apply_plan
 from .constraints import Constraint, check, valid_tp_sizes
 from .files import load_plan_file
@@ -23,10 +19,13 @@ from .styles import (
     LayerPlan,
     ParallelStyle,
     Replicate,
+    ReplicatedWithGradAllreduce,
     Rowwise,
     ShardContext,
     Unsupported,
 )
+from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
+from .styles_heads import HeadSplit, Part
 
 __all__ = [
     "STYLES",

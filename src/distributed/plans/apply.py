@@ -6,8 +6,8 @@ from torch import nn
 
 from .. import grad_sync
 from .._logging import logger
-from ..hf.attention import localize_attention
 from ..tying import retie, tied_groups
+from .attention_local import localize_attention
 from .resolved import ResolvedPlan
 from .styles import ShardContext
 
@@ -33,6 +33,7 @@ def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) -> l
         swapped.append(name)
         logger.debug("swapped %s: %s -> %s", name, type(old).__name__, new)
     retie(model, ties)
-    localize_attention(model, resolved.heads, ctx)
+    if resolved.heads:
+        localize_attention(model, resolved.heads, ctx)
     grad_sync.install(model)
     return swapped

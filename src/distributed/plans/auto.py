@@ -19,10 +19,11 @@ pair at all (e.g. per-head norms on the way): it is never gathered
 projection by projection.
 
 HuggingFace models without a plan of their own are planned here too
-(:func:`torchtp.plans.resolve.pick_rules` passes their dummy inputs and text
-config, where head counts live); what stays HF-specific is in
-:mod:`torchtp.hf.attention` and :mod:`torchtp.hf.compat` (attribute and config
-rewrites, per-head ALiBi biases narrowed to the rank's heads).
+(:func:`torchtp.plans.resolve.pick_rules` passes the inputs and the config
+where head counts live that their family gives, :mod:`torchtp.plans.sources`);
+the attention attributes rewritten to local values and per-head ALiBi biases
+narrowed to the rank's heads are in :mod:`torchtp.plans.attention_local`, the
+per-module config copy is HuggingFace's (``torchtp.hf``).
 
 Cost guard: a unit is split only when the bytes it communicates per forward
 (on the probe's inputs) are at most the weight bytes each rank saves by not
@@ -42,20 +43,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..hf.attention import (
-    HeadInfo,
-    _is_attention,
-    _parts,
-    head_info,
-    local_overrides,
-    narrow_head_biases,
-    query_part,
-)
-from ..hf.styles import HeadColumns, HeadSplit, ReplicatedWithGradAllreduce
+from .attention_local import local_overrides, narrow_head_biases
 from .dataflow import Inputs, Region, Trace, probe_mode, record
+from .heads import HeadInfo, head_info, head_parts, is_attention, query_part
 from .linear_view import linear_view
 from .resolved import Rules
-from .styles import Colwise, ParallelStyle, Rowwise, ShardContext
+from .styles import Colwise, ParallelStyle, ReplicatedWithGradAllreduce, Rowwise, ShardContext
+from .styles_heads import HeadColumns, HeadSplit
 
 SOURCE = "auto: dataflow pairs (any model)"
 EXAMPLE_TOKENS = (2, 4)  # (batch, sequence) of inputs derived from the model
@@ -361,7 +355,7 @@ def _head_pair(b: str, producers: list[str], views: dict[str, Any], info: HeadIn
         return None
     styles: dict[str, ParallelStyle] = {}
     for p in producers:
-        parts = _parts(views[p].out_features, layout, info)
+        parts = head_parts(views[p].out_features, layout, info)
         if parts is None:
             return None
         styles[p] = HeadSplit(parts, layout if len(parts) > 1 else "colwise")
@@ -383,7 +377,7 @@ def _attention_owner(model: nn.Module, producers: list[str], b: str) -> str | No
     stop = len(outer.split(".")) if outer else 0
     for depth in range(len(path), stop - 1, -1):
         name = ".".join(path[:depth])
-        if _is_attention(model.get_submodule(name) if name else model):
+        if is_attention(model.get_submodule(name) if name else model):
             return name
     return None
 

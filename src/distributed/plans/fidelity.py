@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._torch_compat import shallow_copy_module
-from .linear_view import linear_view
+from .linear_view import conv1d_type, linear_view
 
 _PLAIN_FORWARDS = {nn.Linear.forward, nn.Embedding.forward}
 
@@ -29,11 +29,8 @@ def _plain(module: nn.Module) -> bool:
     forward = type(module).forward
     if forward in _PLAIN_FORWARDS:
         return True
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:
-        return False
-    return forward is Conv1D.forward
+    conv1d = conv1d_type()
+    return conv1d is not None and forward is getattr(conv1d, "forward", None)
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -8,6 +8,7 @@ either one the same way and record that the local weight is transposed.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import cast
 
@@ -46,12 +47,15 @@ class LinearView:
         return out
 
 
-def _conv1d_type() -> type | None:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is optional; without it there is no Conv1D
-        return None
-    return Conv1D
+def conv1d_type() -> type | None:
+    """transformers' ``Conv1D`` class if its module is loaded (no instance exists otherwise).
+
+    Looked up, never imported: planning a model without transformers must not
+    import it (transformers is optional, and its import is slow).
+    """
+    loaded = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(loaded, "Conv1D", None) if loaded is not None else None
+    return conv1d if isinstance(conv1d, type) else None
 
 
 def linear_view(module: nn.Module) -> LinearView | None:
@@ -59,7 +63,7 @@ def linear_view(module: nn.Module) -> LinearView | None:
     if isinstance(module, nn.Linear):
         return LinearView(module.in_features, module.out_features, module.weight,
                           module.bias, transposed=False)
-    conv1d = _conv1d_type()
+    conv1d = conv1d_type()
     if conv1d is not None and isinstance(module, conv1d):
         weight = cast(torch.Tensor, module.weight)
         bias = cast("torch.Tensor | None", module.bias)

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from ..hf.styles import (
-    EmbeddingColwise,
-    EmbeddingRowwise,
-    HeadSplit,
-    ReplicatedWithGradAllreduce,
-)
-from .styles import Colwise, ParallelStyle, Replicate, Rowwise, Unsupported
+from .styles import Colwise, ParallelStyle, Replicate, ReplicatedWithGradAllreduce, Rowwise, Unsupported
+from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
+from .styles_heads import HeadSplit
 from .styles_sp import SequenceParallel
 
 _MOE = "mixture-of-experts layers need expert parallelism, which torchtp does not implement yet"

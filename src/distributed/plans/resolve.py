@@ -3,11 +3,12 @@
 :func:`resolve_plan` runs four steps, each visible in ``describe_plan()``:
 
 1. pick the source of the rules: the ``plan`` argument (a dict, a YAML/JSON
-   file, or ``"builtin"``); else, for HuggingFace models, the model's own
-   plan, then torchtp's built-in plan for its architecture; else (any other
-   model, and HuggingFace models without a plan) the automatic plan, which
-   pairs Linears by the dataflow of one probe forward and splits attention by
-   whole heads (:mod:`torchtp.plans.auto`);
+   file, or ``"builtin"``); else, for a model of a registered family
+   (:mod:`torchtp.plans.sources`; HuggingFace models, registered by
+   ``torchtp.hf``), the model's own plan, then torchtp's built-in plan for its
+   architecture; else (any other model, and HuggingFace models without a plan)
+   the automatic plan, which pairs Linears by the dataflow of one probe
+   forward and splits attention by whole heads (:mod:`torchtp.plans.auto`);
 2. match the rules' ``fnmatch`` patterns against module names;
 3. upgrade sharded attention projections to whole-head splits, the output
    projection's input columns included wherever it lives, and confirm each
@@ -25,24 +26,20 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 from torch import nn
 
 from .._logging import logger
-from ..hf.attention import split_whole_heads
-from ..hf.builtin import BUILTIN_PLANS, builtin_plan
-from ..hf.detect import is_hf_model, text_config
-from ..hf.head_pairs import check_head_boundaries
-from ..hf.plan_source import hf_plan
-from ..hf.probe_inputs import probe_inputs
-from ..integrations.adapter_hosts import hf_model_inside
 from ..tying import check_ties
 from .auto import auto_plan
 from .constraints import check
 from .files import load_plan_file
+from .head_boundaries import check_head_boundaries
+from .head_split import split_whole_heads
 from .registry import get_style
 from .resolved import Plan, ResolvedPlan, Rules
+from .sources import family_of, inner_model
 from .styles import ShardContext
 from .verify import verify_heads
 
@@ -94,10 +91,11 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             resolved.layers[name] = style.plan(modules[name], name, ctx)
         except (TypeError, ValueError) as err:
             resolved.problems.append(err)
-    try:  # every rank reaches the same verdict from the plan alone
-        check_head_boundaries(resolved.heads, resolved.assignments, modules, ctx)
-    except ValueError as err:  # first: it names the boundaries, the probe only a shape
-        resolved.problems.insert(0, err)
+    if resolved.heads:  # every rank reaches the same verdict from the plan alone
+        try:
+            check_head_boundaries(resolved.heads, resolved.assignments, modules, ctx)
+        except ValueError as err:  # first: it names the boundaries, the probe only a shape
+            resolved.problems.insert(0, err)
     if strict:
         if resolved.problems:
             raise resolved.problems[0]
@@ -115,26 +113,27 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
     if plan in AUTO:
         plan = None
     if plan == "builtin":
-        return _builtin(model) or _no_builtin(model)
+        return _builtin(model)
     if isinstance(plan, (str, os.PathLike)):
         return Rules(f"file {os.fspath(plan)}", load_plan_file(plan))
     if plan is not None:
         return Rules("argument", plan)
-    if not is_hf_model(model):
-        inner = hf_model_inside(model)
+    family = family_of(model)
+    if family is None:
+        inner = inner_model(model)
         if inner is not None:
             return _inside(*inner, ctx)
         return auto_plan(model, ctx, example_inputs, memory)
-    own = hf_plan(model)
+    own = family.own_rules(model)
     if own:
-        return Rules("HF plan (config.base_model_tp_plan + _tp_plan)", own)
-    return _builtin(model) or auto_plan(
-        model, ctx, probe_inputs(model) if example_inputs is None else example_inputs, memory,
-        text_config(model))
+        return own
+    return family.builtin_rules(model) or auto_plan(
+        model, ctx, family.probe_inputs(model) if example_inputs is None else example_inputs,
+        memory, family.head_config(model))
 
 
 def _inside(prefix: str, inner: nn.Module, ctx: ShardContext) -> Rules:
-    """The rules of the HF model inside a PEFT model, under PEFT's module names."""
+    """The rules of the model inside a host (a PEFT model), under the host's module names."""
     own = pick_rules(inner, None, ctx)
     return Rules(f"{own.source}, under '{prefix}'",
                  {f"{prefix}.{pattern}": style for pattern, style in own.rules.items()},
@@ -142,23 +141,20 @@ def _inside(prefix: str, inner: nn.Module, ctx: ShardContext) -> Rules:
                  None if own.heads is None else {f"{prefix}.{k}": v for k, v in own.heads.items()})
 
 
-def _builtin(model: nn.Module) -> Rules | None:
-    """torchtp's plan for the model's architecture, if it has one."""
-    if not is_hf_model(model):
-        return None
-    prefix = cast(str, model.base_model_prefix) if model.base_model is not model else ""
-    model_type = getattr(model.config, "model_type", "")
-    rules = builtin_plan(model_type, prefix)
-    return None if rules is None else Rules(f"torchtp built-in plan for {model_type!r}", rules)
+def _builtin(model: nn.Module) -> Rules:
+    """torchtp's plan for the model's architecture (``plan="builtin"``).
 
-
-def _no_builtin(model: nn.Module) -> Rules:
-    """Raise why ``plan="builtin"`` cannot be honoured for ``model``."""
-    if not is_hf_model(model):
+    Raises:
+        ValueError: the model belongs to no family, or its family has no
+            built-in plan for it.
+    """
+    family = family_of(model)
+    if family is None:
         raise ValueError("plan='builtin' needs a HuggingFace model; pass a dict plan")
-    model_type = getattr(model.config, "model_type", "")
-    raise ValueError(f"plan='builtin': torchtp has no built-in plan for "
-                     f"model_type={model_type!r}; built-in plans exist for {sorted(BUILTIN_PLANS)}")
+    rules = family.builtin_rules(model)
+    if rules is None:
+        raise family.no_builtin(model)
+    return rules
 
 
 def match_rules(model: nn.Module, rules: Rules) -> ResolvedPlan:

@@ -12,7 +12,7 @@ from .constraints import Constraint, valid_tp_sizes
 from .styles import LayerPlan, ParallelStyle
 
 if TYPE_CHECKING:
-    from ..hf.attention import HeadInfo
+    from .heads import HeadInfo
 
 Plan = Mapping[str, "str | ParallelStyle"]
 

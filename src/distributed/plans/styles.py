@@ -22,8 +22,9 @@ style                       splits                              becomes
 ``replicate``               nothing                             unchanged
 ==========================  ==================================  ========================
 
-HuggingFace styles (whole-head splits, embeddings, replicated per-head norms)
-live in :mod:`torchtp.hf.styles`.
+Whole-head splits live in :mod:`torchtp.plans.styles_heads`, embeddings in
+:mod:`torchtp.plans.styles_embedding`, the sequence-parallel norm style in
+:mod:`torchtp.plans.styles_sp`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..grad_sync import GradSync, mark
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..layouts import ParamLayout, shard_range
 from ..runtime import ProcessGroup
@@ -236,6 +238,22 @@ class Replicate(ParallelStyle):
     """Keep the module whole on every rank."""
 
     name = "replicate"
+
+
+class ReplicatedWithGradAllreduce(ParallelStyle):
+    """Keep the module whole; sum its parameter gradients over the TP group.
+
+    For modules applied to this rank's heads only (Qwen3's ``q_norm``/``k_norm``):
+    the forward needs nothing, but each rank's gradient covers only its heads.
+    """
+
+    name = "replicated_with_grad_allreduce"
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size > 1:
+            for name, _ in module.named_parameters(recurse=False):
+                mark(module, name, (GradSync(ctx.group),))
+        return module
 
 
 class Unsupported(ParallelStyle):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..hf.styles import ReplicatedWithGradAllreduce
+from .styles import ReplicatedWithGradAllreduce
 
 
 class SequenceParallel(ReplicatedWithGradAllreduce):

@@ -30,29 +30,23 @@ control; a plan the user passed is refused with the reason, unless
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
 
-import torch
 from torch import nn
 
-from ..hf.attention import HeadInfo
-from ..hf.detect import is_hf_model
-from ..hf.probe_inputs import probe_inputs
 from .auto import Pair, _as_inputs, _derive, _simulate
 from .dataflow import Trace, record
+from .heads import HeadInfo
 from .linear_view import linear_view
 from .resolved import ResolvedPlan
+from .sources import family_of
 from .styles import Colwise, ParallelStyle, Replicate, Rowwise, ShardContext
 
 CONFIRMED = "whole heads confirmed by the local probe"
 OPT_OUT = "verify_plan=False"
 UNVERIFIABLE = "could not be verified"
-SMALL_VOCAB = 256  # the one-layer copy's vocabulary (above every special token id)
-_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 CACHE_SIZE = 32  # verdicts of distinct (model class, config, plan, tp) kept per process
 _CACHE: dict[Hashable, dict[str, tuple[str | None, str | None, str]]] = {}
 
@@ -68,7 +62,7 @@ def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
 
     Args:
         model: The model being planned (may live on the meta device).
-        plan: The matched plan after :func:`~torchtp.hf.attention.split_whole_heads`;
+        plan: The matched plan after :func:`~torchtp.plans.head_split.split_whole_heads`;
             ``plan.checks`` gets one verdict per attention module, and
             unconfirmed splits are reverted to ``replicate`` unless the plan is
             the user's.
@@ -198,12 +192,10 @@ def _probe_patterns(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadI
 
 def _cache_key(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadInfo],
                ctx: ShardContext) -> Hashable | None:
-    """What a one-layer copy's verdicts depend on, or ``None`` (not an HF model)."""
-    if not is_hf_model(model):
-        return None
-    try:
-        config = cast(Any, model).config.to_json_string()
-    except Exception:  # a config that does not serialize: no caching
+    """What a one-layer copy's verdicts depend on, or ``None`` (no family's model, or no key)."""
+    family = family_of(model)
+    config = family.copy_key(model) if family is not None else None
+    if config is None:
         return None
     types = frozenset((_stars(n), type(m)) for n, m in model.named_modules())
     styles = frozenset((_stars(n), type(s), s.name, getattr(s, "parts", None),
@@ -228,24 +220,27 @@ def _probe_model(model: nn.Module, example_inputs: object
                  ) -> Iterator[tuple[nn.Module | None, Trace | None, str]]:
     """The model to probe and its trace.
 
-    An HF model is probed on a one-layer CPU copy (a few layers' worth of work
-    instead of ``tp + 1`` forwards of the whole model) when every module of the
-    copy has the type of the model's module of the same name; the model
-    itself otherwise, or when ``example_inputs`` are given. A meta model
+    A model of a registered family (HuggingFace) is probed on its family's
+    one-layer CPU copy (a few layers' worth of work instead of ``tp + 1``
+    forwards of the whole model) when every module of the copy has the type of
+    the model's module of the same name; the model itself otherwise, or when
+    ``example_inputs`` are given. A meta model
     cannot run: the copy or nothing.
     """
     probe = model
     meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    if meta or (example_inputs is None and is_hf_model(model)):
-        small = _small_copy(model)
+    family = family_of(model)
+    if meta or (example_inputs is None and family is not None):
+        small = family.probe_copy(model) if family is not None else None
         if small is not None and (meta or _same_types(small, model)):
             probe, example_inputs = small, None
         elif meta:
             yield None, None, ("the model is on the meta device and no copy can be built from a "
                                "HuggingFace config")
             return
-    if example_inputs is None and is_hf_model(probe):
-        example_inputs = probe_inputs(probe)
+    probe_family = family_of(probe)
+    if example_inputs is None and probe_family is not None:
+        example_inputs = probe_family.probe_inputs(probe)
     inputs = _as_inputs(example_inputs) if example_inputs is not None else _derive(probe)
     if inputs is None:
         yield None, None, "no example inputs could be derived (pass example_inputs=)"
@@ -262,31 +257,6 @@ def _same_types(small: nn.Module, model: nn.Module) -> bool:
     """Every module of ``small`` has the type of ``model``'s module of the same name."""
     modules = dict(model.named_modules())
     return all(type(modules.get(name)) is type(m) for name, m in small.named_modules())
-
-
-def _small_copy(model: nn.Module) -> nn.Module | None:
-    """A one-layer CPU copy of an HF model from its config, random weights under seed 0."""
-    if not is_hf_model(model):
-        return None
-    config: Any = copy.deepcopy(model.config)
-    for cfg in {id(c): c for c in (config, getattr(config, "text_config", None))
-                if c is not None}.values():
-        if isinstance(getattr(cfg, "num_hidden_layers", None), int):
-            cfg.num_hidden_layers = 1
-        if isinstance(getattr(cfg, "layer_types", None), list):
-            cfg.layer_types = cfg.layer_types[:1]
-        vocab = getattr(cfg, "vocab_size", None)
-        if isinstance(vocab, int):  # the embedding and LM head dominate the copy's build time
-            ids = [getattr(cfg, k, None) for k in _TOKEN_IDS]
-            cfg.vocab_size = min(vocab, max([SMALL_VOCAB] + [i + 1 for i in ids
-                                                             if isinstance(i, int)]))
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-            torch.manual_seed(0)  # every rank builds the same copy
-            small = type(model)(config)
-    except Exception:  # a config that cannot be shrunk or rebuilt: unverifiable
-        return None
-    return small.float().eval()
 
 
 def _names_by_pattern(model: nn.Module) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Which layer reads a head-split attention's output, and a wrap-time check that it cuts the same heads.
 
 An attention whose query/key/value projections split their output rows
-(weight rows) by whole heads (:class:`~torchtp.hf.styles.HeadSplit`) hands
+(weight rows) by whole heads (:class:`~torchtp.plans.styles_heads.HeadSplit`) hands
 each rank ``local heads * head_dim`` features. The layer that reads them, the
 output projection, must split its input columns (weight columns) at the same
 head boundaries (:func:`torchtp.layouts.head_share`). That layer is not always
@@ -19,16 +19,13 @@ verdict without communicating, and refuses a disagreement at wrap time.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..plans.linear_view import LinearView, linear_view
-from ..plans.styles import ParallelStyle, Rowwise, ShardContext
-from .styles import HeadSplit, Part
-
-if TYPE_CHECKING:
-    from .attention import HeadInfo
+from .heads import HeadInfo
+from .linear_view import LinearView, linear_view
+from .styles import ParallelStyle, Rowwise, ShardContext
+from .styles_heads import HeadSplit, Part
 
 Segments = tuple[tuple[int, int], ...]
 

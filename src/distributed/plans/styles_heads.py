@@ -1,32 +1,28 @@
-"""HuggingFace plan styles beyond plain colwise/rowwise.
+"""Styles that split a projection by whole attention heads, or part by part.
 
 * :class:`HeadSplit` - a projection whose output rows are made of parts
   (q/k/v heads, a fused ``qkv``/``gate_up``): each part is split on its own, so
   every rank gets matching slices; a part with fewer heads than ranks is
   replicated head by head on the ranks that use it (GQA with tp > KV heads).
-* :class:`ReplicatedWithGradAllreduce` - a replicated module whose gradient is
-  partial on each rank (Qwen3's per-head ``q_norm``/``k_norm``).
-* :class:`EmbeddingRowwise` / :class:`EmbeddingColwise` - vocab- or
-  feature-split embeddings.
+* :class:`HeadColumns` - an attention output projection whose input columns
+  follow the same whole query heads.
 
-Each follows the style contract of :mod:`torchtp.plans.styles`: ``plan`` once,
-then ``apply``.
+Nothing here is specific to one model family: HuggingFace's ``packed_colwise``
+and the automatic plan's head splits of any model both use these. Each follows
+the style contract of :mod:`torchtp.plans.styles`: ``plan`` once, then ``apply``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
 
 from torch import nn
 
 from ..grad_sync import GradSync, mark
-from ..layers import FeatureParallelEmbedding, VocabParallelEmbedding
-from ..layouts import head_share, shard_range, split_layout
-from ..plans.constraints import Constraint
-from ..plans.fidelity import embedding_splits_exactly
-from ..plans.linear_view import LinearView
-from ..plans.styles import Colwise, LayerPlan, ParallelStyle, Rowwise, ShardContext
+from ..layouts import head_share, shard_range
+from .constraints import Constraint
+from .linear_view import LinearView
+from .styles import Colwise, LayerPlan, Rowwise, ShardContext
 from .subgroups import sharing_subgroup
 
 
@@ -163,88 +159,3 @@ class HeadColumns(Rowwise):
 
     def detail(self, view: LinearView) -> str:
         return f"input columns split by whole heads: {self.heads.units} {self.heads.name}"
-
-
-class ReplicatedWithGradAllreduce(ParallelStyle):
-    """Keep the module whole; sum its parameter gradients over the TP group.
-
-    For modules applied to this rank's heads only (Qwen3's ``q_norm``/``k_norm``):
-    the forward needs nothing, but each rank's gradient covers only its heads.
-    """
-
-    name = "replicated_with_grad_allreduce"
-
-    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
-        if ctx.world_size > 1:
-            for name, _ in module.named_parameters(recurse=False):
-                mark(module, name, (GradSync(ctx.group),))
-        return module
-
-
-def _require_embedding(style: str, module: nn.Module, fqn: str) -> nn.Embedding:
-    if not isinstance(module, nn.Embedding):
-        raise TypeError(f"plan style {style!r} for module '{fqn}' needs an nn.Embedding, got "
-                        f"{type(module).__name__}")
-    if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
-        raise ValueError(f"plan style {style!r} for module '{fqn}': max_norm, sparse and "
-                         "scale_grad_by_freq embeddings are not supported; use 'replicate'")
-    return module
-
-
-def _embedding_plan(style: str, emb: nn.Embedding, fqn: str, ctx: ShardContext, dim: int,
-                    collective: str) -> LayerPlan:
-    """Plan an embedding split along ``dim`` of its ``(num_embeddings, embedding_dim)`` weight.
-
-    ``dim`` 0 splits the vocabulary (weight rows), 1 the features (weight
-    columns); fewer units than ranks leaves the plan with a constraint to report.
-    """
-    full = tuple(emb.weight.shape)
-    what = ("num_embeddings (weight rows)", "embedding_dim (weight columns)")[dim]
-    constraints = (Constraint(f"module '{fqn}' (style {style!r})", what, full[dim]),)
-    if full[dim] < ctx.world_size:
-        return LayerPlan(fqn, style, constraints, full, collectives=(collective,))
-    layout = split_layout(full, dim, ctx.world_size, ctx.rank)
-    return LayerPlan(fqn, style, constraints, full, layout.local_shape, {"weight": layout},
-                     (collective,))
-
-
-class EmbeddingRowwise(ParallelStyle):
-    """Split the embedding's rows (the vocabulary): -> :class:`VocabParallelEmbedding`.
-
-    Uneven vocabularies are fine (rank shares differ by at most one row).
-    """
-
-    name = "embedding_rowwise"
-
-    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
-        emb = _require_embedding(self.name, module, fqn)
-        if type(emb).forward is not nn.Embedding.forward and \
-                embedding_splits_exactly(emb, 2) is False:
-            raise ValueError(
-                f"style {self.name!r} for module '{fqn}' ({type(emb).__name__}): its forward "
-                "adds work that does not commute with splitting the vocabulary (partial "
-                "lookups would not sum to its output); mark it 'replicate'")
-        return _embedding_plan(self.name, emb, fqn, ctx, 0, "all_reduce")
-
-    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
-        # Subclasses (Gemma's scaled embedding) keep their own forward around the split.
-        return VocabParallelEmbedding.from_embedding(cast(nn.Embedding, module), ctx.world_size,
-                                                     ctx.rank, ctx.group)
-
-
-class EmbeddingColwise(ParallelStyle):
-    """Split the embedding's columns (embedding_dim): -> :class:`FeatureParallelEmbedding`."""
-
-    name = "embedding_colwise"
-
-    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
-        emb = _require_embedding(self.name, module, fqn)
-        if type(emb).forward is not nn.Embedding.forward:
-            raise ValueError(f"style {self.name!r} for module '{fqn}' ({type(emb).__name__}): "
-                             "embedding subclasses with their own forward can only be split "
-                             "with 'embedding_rowwise' (or kept 'replicate')")
-        return _embedding_plan(self.name, emb, fqn, ctx, 1, "all_gather")
-
-    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
-        return FeatureParallelEmbedding.from_embedding(cast(nn.Embedding, module), ctx.world_size,
-                                                       ctx.rank, ctx.group)

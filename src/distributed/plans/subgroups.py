@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..layouts import group_ranks
-from ..plans.styles import ShardContext
 from ..runtime import get_tensor_parallel_config
+from .styles import ShardContext
 
 # Keyed by the TP group object too: a group destroyed and started again in the
 # same process gets fresh sub-groups instead of dead ones.

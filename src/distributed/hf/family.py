@@ -1,0 +1,89 @@
+"""HuggingFace as a model family of :mod:`torchtp.plans.sources` (registered by ``torchtp.hf``).
+
+For a ``transformers.PreTrainedModel`` the plan comes from the model's own
+``tp_plan`` (:mod:`~torchtp.hf.plan_source`), then torchtp's built-in plan for
+its ``model_type`` (:mod:`~torchtp.hf.builtin`), then the automatic plan on the
+model's dummy inputs (:mod:`~torchtp.hf.probe_inputs`) with head counts from
+its text config. Attention modules that read ``self.config`` get a per-module
+copy with their local head counts (:mod:`~torchtp.hf.config_view`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from torch import nn
+
+from ..plans.attention_local import local_values
+from ..plans.resolved import Rules
+from ..plans.sources import HUGGINGFACE
+from .builtin import BUILTIN_PLANS, builtin_plan
+from .config_view import is_local_config, local_config
+from .detect import is_hf_model, text_config
+from .peft_host import hf_model_inside
+from .plan_source import hf_plan
+from .probe_copy import copy_key, small_copy
+from .probe_inputs import probe_inputs
+
+
+class HuggingFace:
+    """The HuggingFace transformers family (see the module docstring)."""
+
+    name = HUGGINGFACE
+
+    def claims(self, model: nn.Module) -> bool:
+        """A ``transformers.PreTrainedModel`` (raises for a transformers too old)."""
+        return is_hf_model(model)
+
+    def own_rules(self, model: nn.Module) -> Rules | None:
+        """The model's own plan: ``config.base_model_tp_plan`` + the class's ``_tp_plan``."""
+        own = hf_plan(model)
+        return Rules("HF plan (config.base_model_tp_plan + _tp_plan)", own) if own else None
+
+    def builtin_rules(self, model: nn.Module) -> Rules | None:
+        """torchtp's plan for the model's ``config.model_type``, if it has one."""
+        hf: Any = model
+        prefix = cast(str, hf.base_model_prefix) if hf.base_model is not model else ""
+        model_type = getattr(hf.config, "model_type", "")
+        rules = builtin_plan(model_type, prefix)
+        return None if rules is None else Rules(f"torchtp built-in plan for {model_type!r}", rules)
+
+    def no_builtin(self, model: nn.Module) -> ValueError:
+        """Why ``plan="builtin"`` cannot be honoured, listing the architectures that have one."""
+        model_type = getattr(cast(Any, model).config, "model_type", "")
+        return ValueError(f"plan='builtin': torchtp has no built-in plan for "
+                          f"model_type={model_type!r}; built-in plans exist for "
+                          f"{sorted(BUILTIN_PLANS)}")
+
+    def inner_model(self, model: nn.Module) -> tuple[str, nn.Module] | None:
+        """The HF model inside a PEFT model."""
+        return hf_model_inside(model)
+
+    def probe_inputs(self, model: nn.Module) -> dict[str, Any] | None:
+        """``model.dummy_inputs`` with token ids below the vocabulary size."""
+        return probe_inputs(model)
+
+    def head_config(self, model: nn.Module) -> object:
+        """The text config of any model with a ``config`` (multimodal models nest it)."""
+        return text_config(model) if hasattr(model, "config") else None
+
+    def probe_copy(self, model: nn.Module) -> nn.Module | None:
+        """A one-layer CPU copy built from the config."""
+        return small_copy(model)
+
+    def copy_key(self, model: nn.Module) -> str | None:
+        """The config as JSON."""
+        return copy_key(model)
+
+    def attention_overrides(self, module: nn.Module, heads: int, kv_heads: int, head_dim: int,
+                            local_heads: int, local_kv: int) -> dict[str, object]:
+        """A per-module copy of the module's ``config`` with its local head counts and widths.
+
+        For forwards that read ``self.config.num_attention_heads`` (Phi-3); the
+        shared config keeps the full values.
+        """
+        config = getattr(module, "config", None)
+        if config is None or is_local_config(config):
+            return {}
+        return {"config": local_config(config, local_values(config, heads, kv_heads, head_dim,
+                                                            local_heads, local_kv))}

@@ -1,0 +1,35 @@
+"""Which slice of its full parameters a parallel layer holds: the layouts it owns.
+
+Below the layers and the checks alike: :mod:`torchtp.ddp_guard` reads the
+layouts of whatever module DDP is given, while the layers call
+:func:`torchtp.ddp_guard.install` when they are first built over a group.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..layouts import ParamLayout
+
+
+class ShardedModule:
+    """Mixin of every module that holds a slice of its full parameters.
+
+    ``tp_layouts`` maps each split parameter's name to its
+    :class:`~torchtp.layouts.ParamLayout`; parameters not listed are
+    replicated. The module sets it when it is built and owns it from then on;
+    everyone else reads it through :func:`layouts_of`.
+    """
+
+    tp_layouts: dict[str, ParamLayout]
+
+
+def layouts_of(module: nn.Module) -> dict[str, ParamLayout]:
+    """Which slice of the full tensor each of ``module``'s own parameters holds.
+
+    Returns:
+        ``{parameter name: ParamLayout}`` for the split parameters of a parallel
+        layer (empty for any other module: its parameters are replicated).
+    """
+    # The layer's own dict (not a copy): callers may cache by identity; never mutate it.
+    return module.tp_layouts if isinstance(module, ShardedModule) else {}

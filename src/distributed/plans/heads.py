@@ -1,0 +1,88 @@
+"""Attention head geometry: which modules are attention, and how their projections map to heads.
+
+Head counts are read from the module's own attributes (the families below,
+across HuggingFace, torchtitan and timm naming; the HuggingFace ones checked
+against transformers 5.3.0, 5.23.0, 5.24.0), then from a config object (a
+HuggingFace model's text config, handed in by its model family, see
+:mod:`torchtp.plans.sources`). Nothing here reads a weight or depends on one
+model family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .styles_heads import Part
+
+# Attribute families attention modules read in their forward, across model
+# families (Llama/Mistral/Qwen2: num_heads or config-only + head_dim and
+# num_key_value_groups; GPT-2: num_heads/split_size/embed_dim; Falcon:
+# num_heads/num_kv_heads; GPT-NeoX: head_size; Phi-3: reads self.config), and in
+# hand-written models (torchtitan: n_heads/n_kv_heads/n_rep; timm: num_heads/attn_dim).
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
+HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    """Head geometry of one attention module."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _first_int(obj: object, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def head_info(module: nn.Module, config: object) -> HeadInfo | None:
+    """Heads, KV heads and head size of ``module`` (its own attributes first, then config)."""
+    heads = _first_int(module, HEAD_ATTRS) or _first_int(config, ("num_attention_heads", "n_head"))
+    if heads is None:
+        return None
+    kv = _first_int(module, KV_ATTRS) or _first_int(config, ("num_key_value_heads", "num_kv_heads",
+                                                             "n_head_kv"))
+    if kv is None:
+        kv = 1 if getattr(config, "multi_query", False) else heads
+    hidden = _first_int(config, ("hidden_size", "n_embd", "d_model"))
+    head_dim = (_first_int(module, HEAD_DIM_ATTRS) or _first_int(config, ("head_dim",))
+                or (hidden // heads if hidden else None))
+    return HeadInfo(heads, kv, head_dim) if head_dim else None
+
+
+def is_attention(module: nn.Module) -> bool:
+    """Whether ``module`` looks like an attention module (head attributes, or its class name)."""
+    if any(hasattr(module, a) for a in HEAD_ATTRS + KV_ATTRS + HEAD_DIM_ATTRS):
+        return True
+    return "attention" in type(module).__name__.lower() or "attn" in type(module).__name__.lower()
+
+
+def query_part(info: HeadInfo) -> Part:
+    """The query heads as a part split by whole heads, keeping KV groups together."""
+    return Part(info.heads * info.head_dim, info.heads, "num_attention_heads (query heads)",
+                kv_groups=info.kv_heads)
+
+
+def head_parts(rows: int, style_name: str, info: HeadInfo) -> tuple[Part, ...] | None:
+    """How a projection's output rows map to heads, or None if they do not."""
+    h, k, d = info.heads, info.kv_heads, info.head_dim
+    q = query_part(info)
+    kv = Part(k * d, k, "num_key_value_heads (key/value heads)", kv_groups=k, is_kv=True)
+    if rows == h * d:
+        return (q,)
+    if rows == k * d:
+        return (kv,)
+    if rows == (h + 2 * k) * d:
+        if style_name == "packed_colwise":  # [q | k | v] stacked
+            return (q, kv, kv)
+        if k == h:  # per-head interleaved [q k v] groups (GPT-NeoX): whole heads stay together
+            return (Part(rows, h, "num_attention_heads (fused q/k/v heads)"),)
+    return None
