@@ -4,16 +4,16 @@ Issue 21's measure: a small-batch forward (``--batch`` x ``--tokens``, no KV
 cache, ``torch.no_grad``) of benchmarks/_llama.py's small Llama at tp 2 on
 Gloo (one thread per rank), in one run, interleaved: the hand-written
 plain-tensor floor (sliced weights, one ``dist.all_reduce`` per weight-column
-split), torchtp with every default guard, torchtp with one per-call guard
-left out at a time, and PyTorch DTensor TP with the same plan. Every round
-times each variant once (order rotated; a barrier before every call; the
-slowest rank's time); the table gives the median over rounds, the ratio to
-the floor and to DTensor, and what each guard costs (torchtp minus torchtp
-without it) in microseconds and percent of torchtp's forward.
+split), torchtp with every default guard, and PyTorch DTensor TP with the
+same plan. Every round times each variant (order rotated, a barrier before
+every call, the slowest rank's time); the table gives medians over rounds
+and the ratios to the floor and to DTensor.
 
-A guard is left out by building a wrapper with its per-call part not
-installed (``hooks.PER_CALL`` lists them); nothing else changes, so the
-difference is the guard's own per-call work.
+End-to-end differences of a few percent drown in this machine's noise, so
+each per-call guard's own work is timed alone, in the same processes, on the
+same inputs (median of many calls): its steps in :mod:`torchtp.hooks`, and
+the dispatch of the three hooks themselves (a forward of an identity module
+with and without them). Their sum is what the guards add to every forward.
 
     .venv/bin/python benchmarks/percall_guards.py [--rounds 15] [--batch 2] [--tokens 16]
 """
@@ -27,6 +27,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,32 +38,66 @@ from _variants import dtensor_model, floor_model
 from torchtp.cli._launch import launch
 
 
-def _without(guard: str) -> torch.nn.Module:
-    """torchtp's wrapper with the per-call part of ``guard`` not installed."""
-    import torchtp
-    from torchtp import hooks
-
-    skip = set(hooks.PER_CALL) if guard == "all" else {guard}
-    with hooks.leaving_out(skip):
-        return torchtp.DistributedModelWrapper(build_llama(), plan=HF_PLAN)
-
-
 def _models(world: int) -> dict[str, torch.nn.Module]:
     import torchtp
-    from torchtp import hooks
 
     models: dict[str, torch.nn.Module] = {
         "floor": floor_model(dist.get_rank(), world),
         "torchtp": torchtp.DistributedModelWrapper(build_llama(), plan=HF_PLAN),
+        "dtensor": dtensor_model(world),
     }
-    for guard in hooks.PER_CALL:
-        models[f"torchtp without {guard}"] = _without(guard)
-    models["torchtp without any per-call guard"] = _without("all")
-    models["dtensor"] = dtensor_model(world)
     return {n: m.eval() for n, m in models.items()}
 
 
-def _rank(rank: int, world: int, rounds: int, batch: int, tokens: int) -> dict[str, list[float]]:
+def _alone(fn: Any, n: int = 2000) -> float:
+    """Median microseconds of ``fn()`` over ``n`` calls (in blocks of 20)."""
+    samples = []
+    for _ in range(n // 20):
+        start = time.perf_counter()
+        for _ in range(20):
+            fn()
+        samples.append((time.perf_counter() - start) / 20)
+    return statistics.median(samples) * 1e6
+
+
+def _guards_alone(wrapped: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[str, float]:
+    """Each per-call guard's own work per forward, microseconds, timed alone."""
+    from torchtp import _comm, ddp_guard, regions
+    from torchtp.forward_guard import ForwardGuard
+    from torchtp.input_check import InputCheck
+
+    model = wrapped.base_model
+    kwargs = {"input_ids": ids, "use_cache": False}
+    inputs, faults = InputCheck(model, group, None), ForwardGuard(group)
+
+    def input_check() -> None:
+        inputs.before((), kwargs)  # hash + join the next all-reduce
+        ride = inputs.pending.ride  # type: ignore[union-attr]
+        ride.result = [0.0] * 64  # as if the model's all-reduce carried it
+        inputs.returned()  # the verdict
+        _comm.cancel_ride(group, ride)
+
+    def fault_report() -> None:
+        faults.before()
+        faults.returned(None)
+        faults.after()
+
+    probe = torch.nn.Identity()
+    bare = _alone(lambda: probe(ids))
+    from torchtp import hooks
+
+    hooks._register(probe, (lambda m, a, k: None,), (lambda o: None,), (lambda: None,))
+    return {
+        "input check": _alone(input_check),
+        "fault report": _alone(fault_report),
+        "stale DDP check": _alone(lambda: ddp_guard.check_active_ddp(model)),
+        "shared-input release": _alone(regions.forget_shared_inputs),
+        "three hooks' dispatch": _alone(lambda: probe(ids)) - bare,
+    }
+
+
+def _rank(rank: int, world: int, rounds: int, batch: int,
+          tokens: int) -> tuple[dict[str, list[float]], dict[str, float]]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     models = _models(world)
@@ -82,21 +117,24 @@ def _rank(rank: int, world: int, rounds: int, batch: int, tokens: int) -> dict[s
                     start = time.perf_counter()
                     m(ids, use_cache=False)
                     times[name].append(time.perf_counter() - start)
-    return times
+        alone = _guards_alone(models["torchtp"], ids, models["torchtp"].group)
+    return times, alone
 
 
-def _table(per_rank: list[dict[str, list[float]]], load: tuple[float, float]) -> str:
-    med = {n: statistics.median(max(ts) for ts in zip(*(r[n] for r in per_rank), strict=True))
-           * 1e3 for n in per_rank[0]}
-    full = med["torchtp"]
+def _table(per_rank: list[tuple[dict[str, list[float]], dict[str, float]]],
+           load: tuple[float, float]) -> str:
+    times = [t for t, _ in per_rank]
+    med = {n: statistics.median(max(ts) for ts in zip(*(r[n] for r in times), strict=True))
+           * 1e3 for n in times[0]}
     lines = [f"load average before -> after: {load[0]:.1f} -> {load[1]:.1f}", "",
-             "| variant | ms | x floor | x DTensor | guard's cost |", "|---|---:|---:|---:|---:|"]
+             "| variant | ms | x floor | x DTensor |", "|---|---:|---:|---:|"]
     for name, ms in med.items():
-        cost = ""
-        if name.startswith("torchtp without"):
-            cost = f"{(full - ms) * 1e3:+.0f} us ({100 * (full - ms) / full:+.1f}%)"
-        lines.append(f"| {name} | {ms:.3f} | {ms / med['floor']:.3f} | {ms / med['dtensor']:.3f} "
-                     f"| {cost} |")
+        lines.append(f"| {name} | {ms:.3f} | {ms / med['floor']:.3f} | {ms / med['dtensor']:.3f} |")
+    alone = per_rank[0][1]
+    lines += ["", "| per-call guard (rank 0, timed alone) | us per forward | % of torchtp's |",
+              "|---|---:|---:|"]
+    for name, us in [*alone.items(), ("all of them", sum(alone.values()))]:
+        lines.append(f"| {name} | {us:.1f} | {100 * us / (med['torchtp'] * 1e3):.2f}% |")
     return "\n".join(lines)
 
 

@@ -85,7 +85,8 @@ def agree(error: BaseException | None, fingerprint: dict[str, Any],
           ctx: ShardContext | None, group: Any) -> None:
     """The pipeline's agree step: one verdict on every rank, then shared RNG streams.
 
-    At tp 1 there is nobody to agree with: a local error raises as it is.
+    At tp 1 there is nobody to agree with: a local error raises as it is, and
+    the model keeps drawing from the caller's generator.
 
     Raises:
         The first failing rank's error, or :class:`~torchtp.RankMismatchError`
@@ -96,4 +97,5 @@ def agree(error: BaseException | None, fingerprint: dict[str, Any],
         agree_across(WHO, error, fingerprint, group)
     elif error is not None:
         raise error
-    rng.sync(group)
+    if size != 1:
+        rng.sync(group)

@@ -1,9 +1,9 @@
 """What runs per call of a wrapped model, installed once: the pipeline's last step.
 
 The wrapper's pipeline is resolve → agree → apply → hooks. :func:`install`
-records the model for the training features that look it up later (clipping,
-the optimizer-step check, RNG streams, the framework guards) and, at tp > 1,
-puts three hooks on the wrapped model (``base_model``), so they run however
+sets up the framework guards and, at tp > 1, records the model for the
+training features that look it up later (clipping, the optimizer-step check,
+RNG streams) and puts three hooks on the wrapped model (``base_model``), so they run however
 it is called (through the wrapper, ``TensorParallelTrainer``, ``generate``, a
 PEFT model around it):
 
@@ -18,7 +18,8 @@ PEFT model around it):
   by sibling layers within the forward.
 
 Nothing runs under ``torch.compile``. At tp 1 nothing cross-rank needs
-checking and no hook is installed. ``benchmarks/percall_guards.py`` measures
+checking: no hook is installed, and the model draws dropout masks from the
+caller's generator, exactly as the unwrapped model does. ``benchmarks/percall_guards.py`` measures
 each guard's per-call cost (:data:`PER_CALL`, :func:`leaving_out`).
 """
 
@@ -69,12 +70,12 @@ def install(wrapper: nn.Module, model: nn.Module, ctx: ShardContext,
         ctx: Where the shards went.
         layer_names: The swapped layers, in module order.
     """
+    guard_frameworks(wrapper)
+    if ctx.world_size == 1:  # one rank holds everything: nothing to agree on or look up
+        return
     clip.track(model)
     step_check.track(model, ctx.group)
     rng.install(model)
-    guard_frameworks(wrapper)
-    if ctx.world_size == 1:
-        return
     ddp_guard.install()  # later DDPs leave the shards alone
     before: list[Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]] = []
     returned: list[Callable[[Any], None]] = []

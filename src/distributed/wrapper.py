@@ -140,7 +140,7 @@ class DistributedModelWrapper(nn.Module):
             if first is not None and id(first) != self.__dict__.get("_checked_param"):
                 check_fsdp(self.base_model, self.group)
                 self.__dict__["_checked_param"] = id(first)
-            if self.training:
+            if self.training and self.world_size > 1:
                 # Replicated regions draw from the TP group's shared stream (see rng.py).
                 rng.enter_model()
                 try:

@@ -215,3 +215,18 @@ def test_auto_plan_replicates_shared_modules_and_never_pairs_them(ranks):
     # neighbour alone would feed sharded activations into a replicated layer.
     got = ranks(_shared_parity, 2, timeout=120)
     assert got[0] == [["a.2", "b.2"], ["seq.0", "seq.4"]]
+
+
+def test_tp1_training_with_dropout_equals_the_unwrapped_model():
+    # One rank holds everything: no RNG streams, the caller's generator draws the masks.
+    ref, wrapped = deep_mlp().train(), DistributedModelWrapper(deep_mlp().train())
+    x = seeded(4, 16, seed=3)
+    torch.manual_seed(7)
+    want = ref(x)
+    torch.manual_seed(7)
+    got = wrapped(x)
+    after = torch.rand(1)  # and the caller's generator moved on as the unwrapped run's did
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # same ops, same masks: bitwise
+    torch.manual_seed(7)
+    ref(x)
+    assert torch.equal(torch.rand(1), after)
