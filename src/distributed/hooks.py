@@ -1,11 +1,10 @@
 """What runs per call of a wrapped model, installed once: the pipeline's last step.
 
-The wrapper's pipeline is resolve → agree → apply → hooks. :func:`install`
-sets up the framework guards and, at tp > 1, records the model for the
-training features that look it up later (clipping, the optimizer-step check,
-RNG streams) and puts three hooks on the wrapped model (``base_model``), so they run however
-it is called (through the wrapper, ``TensorParallelTrainer``, ``generate``, a
-PEFT model around it):
+The wrapper's pipeline is resolve → agree → apply → hooks. At tp > 1,
+:func:`install` records the model for the training features that look it up
+later (clipping, the optimizer-step check, RNG streams) and puts three hooks on
+the wrapped model (``base_model``), so they run however it is called (through
+the wrapper, ``TensorParallelTrainer``, ``generate``, a PEFT model around it):
 
 * one forward pre-hook: refuse a DDP built before the model was sharded
   (:func:`torchtp.ddp_guard.check_active_ddp`), mark the forward pending for
@@ -35,7 +34,6 @@ from torch import nn
 from . import clip, ddp_guard, regions, rng, step_check
 from .forward_guard import ForwardGuard
 from .input_check import InputCheck, first_layer_shard_width
-from .integrations.guards import guard_frameworks
 from .plans import ShardContext
 
 PER_CALL = ("input check", "fault report", "stale DDP check", "shared-input release")
@@ -60,17 +58,14 @@ def leaving_out(names: set[str]) -> Iterator[None]:
         _LEFT_OUT.difference_update(names)
 
 
-def install(wrapper: nn.Module, model: nn.Module, ctx: ShardContext,
-            layer_names: list[str]) -> None:
-    """Record ``model`` for the training features and, at tp > 1, hook its forward.
+def install(model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None:
+    """At tp > 1: record ``model`` for the training features and hook its forward.
 
     Args:
-        wrapper: The :class:`~torchtp.DistributedModelWrapper` (framework guards).
         model: The wrapped model (``wrapper.base_model``), already sliced.
         ctx: Where the shards went.
         layer_names: The swapped layers, in module order.
     """
-    guard_frameworks(wrapper)
     if ctx.world_size == 1:  # one rank holds everything: nothing to agree on or look up
         return
     clip.track(model)

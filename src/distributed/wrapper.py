@@ -17,6 +17,7 @@ from .checkpoint.save_pretrained import save_pretrained
 from .checkpoint.save_sharded import save_sharded
 from .ddp_guard import check_fsdp
 from .integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
+from .integrations.guards import guard_frameworks
 from .options import Options
 from .param_count import parameter_summary
 from .plans import PlanArg, ResolvedPlan
@@ -117,7 +118,8 @@ class DistributedModelWrapper(nn.Module):
             self.parallelized_layers = tp_step.apply(model, resolved, ctx, options)
             self.loss_parallel = loss_parallel
             self.sequence_parallel = options.sequence is not None
-            hooks.install(self, model, ctx, self.parallelized_layers)
+            guard_frameworks(self)  # HF model methods; accelerate's and Lightning's DDP
+            hooks.install(model, ctx, self.parallelized_layers)
             self.train(model.training)  # records where dropout would draw (see train)
         finally:
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
