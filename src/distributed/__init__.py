@@ -8,18 +8,31 @@ PyTorch/HF plans), :class:`ColumnParallelLinear` splits weight columns
 
 from __future__ import annotations
 
-from ._comm import CollectiveCounter, count_collectives
-from ._logging import configure_from_env, logger
 from ._version import __version__
-from .clip import clip_grad_norm_, grad_norm
-from .collectives import (
+from .comm.collectives import (
     all_gather,
     all_reduce_sum,
     broadcast_tensor,
     reduce_scatter,
     synchronize_across_ranks,
 )
-from .errors import InconsistentGroupError, MissingProcessGroupError, RankMismatchError
+from .comm.ops import CollectiveCounter, count_collectives
+from .comm.regions import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from .comm.runtime import (
+    TensorParallelConfig,
+    get_tensor_parallel_config,
+    init_parallel,
+    init_tensor_parallel,
+    shutdown_tensor_parallel,
+)
+from .core.errors import InconsistentGroupError, MissingProcessGroupError, RankMismatchError
+from .core.log import configure_from_env, logger
 from .layers import (
     ColumnParallelLinear,
     FeatureParallelEmbedding,
@@ -27,23 +40,10 @@ from .layers import (
     VocabParallelEmbedding,
     layouts_of,
 )
-from .loss import vocab_parallel_cross_entropy
-from .regions import (
-    copy_to_tensor_parallel_region,
-    gather_from_tensor_parallel_region,
-    reduce_from_tensor_parallel_region,
-    reduce_scatter_to_tensor_parallel_region,
-    scatter_to_tensor_parallel_region,
-)
-from .rng import manual_seed
-from .runtime import (
-    TensorParallelConfig,
-    get_tensor_parallel_config,
-    init_parallel,
-    init_tensor_parallel,
-    shutdown_tensor_parallel,
-)
-from .wrapper import DistributedModelWrapper
+from .layers.loss import vocab_parallel_cross_entropy
+from .training.clip import clip_grad_norm_, grad_norm
+from .training.rng import manual_seed
+from .wrap.wrapper import DistributedModelWrapper
 
 configure_from_env()
 

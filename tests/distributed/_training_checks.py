@@ -105,7 +105,7 @@ def dp_tp_ddp_fsdp(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     with pytest.raises(ValueError, match=r"dp=1, tp=2: the product of the mesh sizes must "
                        r"equal the world size 4"):
         torchtp.init_parallel(tp=2, dp=1)
-    from torchtp.runtime import resolve_group
+    from torchtp.comm.runtime import resolve_group
 
     assert resolve_group() is cfg.tp_group and resolve_group(dim="tp") is cfg.tp_group
     assert resolve_group(dim="dp") is cfg.dp_group
@@ -316,7 +316,7 @@ def _logits(out: Any) -> torch.Tensor:
 
 def rng_streams(rank: int, world_size: int) -> list[bool]:
     """Dropout everywhere (GPT-2: embedding, attention probs, residual), different RNG states."""
-    from torchtp import rng
+    from torchtp.training import rng
 
     from ._models import deep_mlp
 

@@ -1,6 +1,6 @@
 """Private torch/transformers names are used only in the two compatibility modules.
 
-An AST scan of ``src/distributed``: outside ``_torch_compat.py`` and
+An AST scan of ``src/distributed``: outside ``core/torch_compat.py`` and
 ``hf/compat.py`` no code may read or write a private attribute of torch or
 transformers (``m._parameters``, ``getattr(model, "_tp_plan")``), import a
 private torch/transformers module, or touch the undocumented internals listed
@@ -19,11 +19,11 @@ import torch
 import transformers
 from torch import nn
 
-from torchtp import _torch_compat
+from torchtp.core import torch_compat as _torch_compat
 from torchtp.hf import compat as hf_compat
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "distributed"
-FENCE = {SRC / "_torch_compat.py", SRC / "hf" / "compat.py"}
+FENCE = {SRC / "core/torch_compat.py", SRC / "hf" / "compat.py"}
 FOREIGN_ROOTS = {"torch", "transformers", "accelerate", "safetensors", "huggingface_hub"}
 # Undocumented internals without a leading underscore.
 INTERNALS = {"dummy_inputs", "num_key_value_groups", "next_functions", "metadata", "tp_plan"}
@@ -131,7 +131,7 @@ def test_no_private_torch_or_transformers_name_outside_the_compat_modules() -> N
     own = _own_private_names(trees, files)
     report = {str(p.relative_to(SRC)): v for p in files if p not in FENCE
               for v in [violations(p.read_text(), own)] if v}
-    assert not report, ("private torch/transformers names used outside _torch_compat.py and "
+    assert not report, ("private torch/transformers names used outside core/torch_compat.py and "
                         f"hf/compat.py; add a function there instead: {report}")
 
 

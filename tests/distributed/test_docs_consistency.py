@@ -22,15 +22,15 @@ import pytest
 import torch
 
 import torchtp
-import torchtp.regions
-import torchtp.runtime
+import torchtp.comm.regions
+import torchtp.comm.runtime
 import torchtp.shard
 import torchtp.signal
 import torchtp.slicing
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NAMESPACES = [torchtp, torchtp.regions, torchtp.shard, torchtp.signal, torchtp.slicing]
+NAMESPACES = [torchtp, torchtp.comm.regions, torchtp.shard, torchtp.signal, torchtp.slicing]
 # Where the docs state a signature (not an example call): a heading, a table's
 # first cell, or a plain (language-less) code block holding only the signature.
 _CALL = r"(?P<name>[A-Za-z_][\w.]*)\((?P<args>[^()`]*(?:\([^()`]*\)[^()`]*)*)\)(?: -> [^`\n]*)?"
@@ -144,10 +144,10 @@ def test_nccl_without_cuda_falls_back_to_gloo_as_documented(monkeypatch, caplog)
     assert '`"nccl"` without CUDA falls back to `"gloo"`' in api
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="torchtp"):
-        assert torchtp.runtime._pick_backend("nccl") == "gloo"
+        assert torchtp.comm.runtime._pick_backend("nccl") == "gloo"
     assert "CUDA is not available: using 'gloo'" in caplog.text
     with pytest.raises(ValueError, match="unknown backend 'ncc'"):
-        torchtp.runtime._pick_backend("ncc")
+        torchtp.comm.runtime._pick_backend("ncc")
 
 
 # `name>=1.2` written in prose or a table: the bounds pyproject.toml declares.

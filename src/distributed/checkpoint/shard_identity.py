@@ -30,9 +30,9 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from ..agreement import agree
-from ..fingerprints import tensor_digest
-from ..runtime import group_size
+from ..comm.runtime import group_size
+from ..guards.agreement import agree
+from ..guards.fingerprints import tensor_digest
 from .atomic import enter
 from .placements import placements
 

@@ -4,7 +4,7 @@ transformers reorganises attention modules and model internals between
 releases; code elsewhere in torchtp calls these functions, so such a change
 breaks one function here (and ``make compat`` says which).
 ``tests/distributed/test_compat_fence.py`` fails when a transformers private
-name is used outside this module and ``_torch_compat.py``.
+name is used outside this module and ``core/torch_compat.py``.
 
 Each entry names the transformers releases it was checked against (``make
 compat`` runs them); ``CHECKED_TRANSFORMERS`` is that list.

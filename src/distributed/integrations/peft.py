@@ -38,26 +38,25 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from .. import grad_sync
-from ..agreement import agree
 from ..checkpoint.atomic import enter
 from ..checkpoint.placements import placements
 from ..checkpoint.save_pretrained import gather_full
 from ..checkpoint.save_sharded import gather_layouts
-from ..grad_sync import GradSync
-from ..hf import compat
-from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..layers._base import require_group
-from ..layers._shape import input_mismatch
-from ..layers.owned import ShardedModule, layouts_of
-from ..layouts import ParamLayout
-from ..regions import (
+from ..comm.regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     rank_local_error,
     reduce_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from ..core.layouts import ParamLayout
+from ..guards.agreement import agree
+from ..hf import compat
+from ..layers import ColumnParallelLinear, RowParallelLinear, grad_sync
+from ..layers._base import require_group
+from ..layers._shape import input_mismatch
+from ..layers.grad_sync import GradSync
+from ..layers.owned import ShardedModule, layouts_of
 
 PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
 # Initialisations PEFT draws without reading the base weight (PiSSA, OLoRA,

@@ -32,12 +32,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import Trainer
 
-from .. import clip
-from ..agreement import agree
 from ..checkpoint.placements import placements
+from ..comm.runtime import get_tensor_parallel_config
+from ..guards.agreement import agree
 from ..hf import compat
-from ..runtime import get_tensor_parallel_config
-from ..wrapper import DistributedModelWrapper
+from ..training import clip
+from ..wrap.wrapper import DistributedModelWrapper
 from .ddp_refusal import tensor_parallel_size
 
 _SCHEDULER = "scheduler.pt"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import _comm
+from ..comm import ops as _comm
 from . import _common as c
 from .grid import Grid
 

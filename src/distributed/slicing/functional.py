@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ..reductions import reduce_stack
+from ..comm.reductions import reduce_stack
 from ..shard import Sharding, shard_bounds
 from .types import ReduceOperation, SliceSpec, SlicingStrategy, TensorPartition
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..reductions import Reduction
+from ..comm.reductions import Reduction
 from ..shard import Sharding
 
 
@@ -28,7 +28,7 @@ class SlicingStrategy(str, enum.Enum):
 class ReduceOperation(str, enum.Enum):
     """How a partition's slices are combined by a gather: put back in place, or reduced.
 
-    The element-wise members name a :class:`~torchtp.reductions.Reduction`
+    The element-wise members name a :class:`~torchtp.comm.reductions.Reduction`
     (``MEAN`` is its ``AVERAGE``), torchtp's one reduction enum.
     """
 
