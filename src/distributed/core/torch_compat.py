@@ -253,3 +253,12 @@ def foreach_norm(tensors: list[torch.Tensor], p: float, dtype: torch.dtype) -> l
     Checked: torch 2.13.0.
     """
     return list(torch._foreach_norm(tensors, p, dtype=dtype))
+
+
+def state_dict_metadata(state_dict: Any) -> dict[str, Any] | None:
+    """The ``_metadata`` dict ``nn.Module.state_dict()`` attaches (kept by ``torch.save``).
+
+    ``None`` for a plain mapping. Checked: torch 2.13.0, 2.14.1.
+    """
+    meta = getattr(state_dict, "_metadata", None)
+    return meta if isinstance(meta, dict) else None

@@ -113,7 +113,7 @@ class TensorParallelLoraLinear(LoraLinear):
                              "set_adapter(...)")
         if self.disable_adapters or self.merged or not active or base.world_size == 1:
             return super().forward(x, *args, **kwargs)
-        self._check_forward_args(x, *args, **kwargs)
+        compat.peft_check_forward_args(self, x, *args, **kwargs)
         if base.sequence_dim is not None:
             # The LoRA terms would need the sequence-parallel regions of the base
             # (no input all-reduce, a reduce-scatter out); refuse rather than guess.
@@ -131,7 +131,7 @@ class TensorParallelLoraLinear(LoraLinear):
         for name in active:
             a: Any = self.lora_A[name]
             b: Any = self.lora_B[name]
-            xa = self._cast_input_dtype(x, a.weight.dtype)
+            xa = compat.peft_cast_input_dtype(self, x, a.weight.dtype)
             h = copy_to_tensor_parallel_region(a(self.lora_dropout[name](xa)), group)  # (..., r)
             delta = b(h) * self.scaling[name]  # (..., out/tp)
             if base.gather_output:
@@ -153,7 +153,7 @@ class TensorParallelLoraLinear(LoraLinear):
         for name in active:
             a: Any = self.lora_A[name]
             b: Any = self.lora_B[name]
-            xa = self._cast_input_dtype(x, a.weight.dtype)
+            xa = compat.peft_cast_input_dtype(self, x, a.weight.dtype)
             lora = b(a(self.lora_dropout[name](xa))) * self.scaling[name]  # (..., out) partial
             partial = partial + lora.to(partial.dtype)
         y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
