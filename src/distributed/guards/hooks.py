@@ -7,7 +7,8 @@ the wrapped model (``base_model``), so they run however it is called (through
 the wrapper, ``TensorParallelTrainer``, ``generate``, a PEFT model around it):
 
 * one forward pre-hook: refuse a DDP built before the model was sharded
-  (:func:`torchtp.layers.ddp_guard.check_active_ddp`), mark the forward pending for
+  (:func:`torchtp.layers.ddp_guard.check_active_ddp`) and PEFT adapters built
+  without torchtp's PEFT support (a check the wrapper passes in), mark the forward pending for
   the fault report (:class:`torchtp.guards.forward_guard.ForwardGuard`), hash the
   inputs to ride the first all-reduce (:class:`torchtp.guards.input_check.InputCheck`);
 * one forward hook when the forward returned: watch its backward, read the
@@ -61,13 +62,16 @@ def leaving_out(names: set[str]) -> Iterator[None]:
         _LEFT_OUT.difference_update(names)
 
 
-def install(model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None:
+def install(model: nn.Module, ctx: ShardContext, layer_names: list[str],
+            framework_checks: tuple[Callable[[nn.Module], None], ...] = ()) -> None:
     """At tp > 1: record ``model`` for the training features and hook its forward.
 
     Args:
         model: The wrapped model (``wrapper.base_model``), already sliced.
         ctx: Where the shards went.
         layer_names: The swapped layers, in module order.
+        framework_checks: Checks of the integrations layer to run before each
+            forward (given by the wrapper: this layer may not import them).
     """
     if ctx.world_size == 1:  # one rank holds everything: nothing to agree on or look up
         return
@@ -80,6 +84,7 @@ def install(model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None
     always: list[Callable[[], None]] = []
     if "stale DDP check" not in _LEFT_OUT:
         before.append(lambda m, _a, _k: ddp_guard.check_active_ddp(m))
+    before += [_model_step(check) for check in framework_checks]
     if "fault report" not in _LEFT_OUT:
         faults = ForwardGuard(ctx.group)
         before.append(lambda _m, _a, _k: faults.before())
@@ -93,6 +98,13 @@ def install(model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None
     if "shared-input release" not in _LEFT_OUT:
         always.append(regions.forget_shared_inputs)
     _register(model, tuple(before), tuple(returned), tuple(always))
+
+
+def _model_step(check: Callable[[nn.Module], None]) -> Callable[
+        [nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+    def step(module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
+        check(module)
+    return step
 
 
 def _register(model: nn.Module,

@@ -350,7 +350,11 @@ def _include_all_linear(original: Any) -> Any:
 
 
 def install() -> None:
-    """Teach PEFT torchtp's layers (idempotent; done on import of this module).
+    """Teach PEFT torchtp's layers (idempotent).
+
+    Called when torchtp meets PEFT in use: a wrap while PEFT is imported, a
+    wrapped model holding LoRA layers, or the first forward after PEFT was
+    imported (see ``integrations/adapter_hosts.py``); never on import.
 
     Three hooks: LoRA targets whose base is a torchtp layer register
     :class:`TensorParallelLoraLinear` on their ``LoraConfig`` (PEFT's
@@ -365,6 +369,3 @@ def install() -> None:
         setattr(module, fname, _include_all_linear(getattr(module, fname)))
     if not getattr(PeftModel.save_pretrained, "_torchtp", False):
         PeftModel.save_pretrained = _save_pretrained(PeftModel.save_pretrained)  # type: ignore[method-assign]
-
-
-install()

@@ -17,7 +17,12 @@ from ..checkpoint.save_sharded import save_sharded
 from ..comm.runtime import ProcessGroup, resolve_group
 from ..core.torch_compat import registered_child
 from ..guards import checks, forward_guard, hooks, step_check
-from ..integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
+from ..integrations.adapter_hosts import (
+    Detached,
+    attach_adapters,
+    check_late_peft,
+    detach_adapters,
+)
 from ..integrations.guards import guard_frameworks
 from ..layers.ddp_guard import check_fsdp
 from ..plans import PlanArg, ResolvedPlan
@@ -121,7 +126,7 @@ class DistributedModelWrapper(nn.Module):
             self.loss_parallel = loss_parallel
             self.sequence_parallel = options.sequence is not None
             guard_frameworks(self)  # HF model methods; accelerate's and Lightning's DDP
-            hooks.install(model, ctx, self.parallelized_layers)
+            hooks.install(model, ctx, self.parallelized_layers, (check_late_peft,))
             self.train(model.training)  # records where dropout would draw (see train)
         finally:
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
