@@ -14,13 +14,10 @@ from .owned import ShardedModule, layouts_of
 from .parallel_linear import ParallelLinear
 from .row import RowParallelLinear
 
+# The layers and layouts_of are exported by ``torchtp`` itself (docs/api.md lists
+# each name once); they stay importable from here, where they are defined.
 __all__ = [
-    "ColumnParallelLinear",
-    "FeatureParallelEmbedding",
     "ParallelLinear",
-    "RowParallelLinear",
     "ShardedModule",
-    "VocabParallelEmbedding",
     "VocabSplit",
-    "layouts_of",
 ]

@@ -20,7 +20,8 @@ from ..guards import checks, forward_guard, hooks, step_check
 from ..integrations.adapter_hosts import Detached, attach_adapters, detach_adapters
 from ..integrations.guards import guard_frameworks
 from ..layers.ddp_guard import check_fsdp
-from ..plans import PlanArg, ResolvedPlan
+from ..plans import ResolvedPlan
+from ..plans.resolve import PlanArg
 from ..training import rng
 from ..training.options import Options
 from . import tp as tp_step
