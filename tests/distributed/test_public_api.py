@@ -132,10 +132,10 @@ def test_deprecated_names_warn_naming_the_replacement_and_still_work(
     assert old not in module.__all__ and old not in vars(module)
     with pytest.warns(DeprecationWarning, match=re.escape(replacement)):
         value = getattr(module, old)
-    kept = {"reduce_from_tensor_parallel_region": torchtp.regions.reduce_from_tensor_parallel_region,
-            "gather_from_tensor_parallel_region": torchtp.regions.gather_from_tensor_parallel_region,
+    kept = {"reduce_from_tensor_parallel_region": torchtp.comm.regions.reduce_from_tensor_parallel_region,
+            "gather_from_tensor_parallel_region": torchtp.comm.regions.gather_from_tensor_parallel_region,
             "reduce_scatter_to_tensor_parallel_region":
-                torchtp.regions.reduce_scatter_to_tensor_parallel_region}
+                torchtp.comm.regions.reduce_scatter_to_tensor_parallel_region}
     if package == "torchtp":
         assert value is kept[old]
     else:
