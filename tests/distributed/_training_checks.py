@@ -107,11 +107,11 @@ def dp_tp_ddp_fsdp(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         torchtp.init_parallel(tp=2, dp=1)
     from torchtp.comm.runtime import resolve_group
 
-    assert resolve_group() is cfg.tp_group and resolve_group(dim="tp") is cfg.tp_group
+    assert resolve_group() is cfg.group and resolve_group(dim="tp") is cfg.group
     assert resolve_group(dim="dp") is cfg.dp_group
-    out: dict[str, Any] = {"cfg": (cfg.tp_size, cfg.tp_rank, cfg.dp_size, cfg.dp_rank,
+    out: dict[str, Any] = {"cfg": (cfg.world_size, cfg.rank, cfg.dp_size, cfg.dp_rank,
                                    cfg.world_size, cfg.rank, cfg.mesh.mesh_dim_names,
-                                   torch.distributed.get_process_group_ranks(cfg.tp_group),
+                                   torch.distributed.get_process_group_ranks(cfg.group),
                                    torch.distributed.get_process_group_ranks(cfg.dp_group))}
     mine = _batch()[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]  # this DP rank's slice
     out["misuse"] = _misuse()

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import torchtp
-from torchtp.plans import Colwise, LayerPlan, ShardContext, resolve_plan
+from torchtp.plans import Colwise, ShardContext, resolve_plan
+from torchtp.plans.styles import LayerPlan
 
 from ._hf_models import build
 

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..comm.runtime import ProcessGroup
 from ..layers._base import resolve_placement
-from ..plans import PlanArg, ResolvedPlan, ShardContext, apply_plan, resolve_plan
+from ..plans import ResolvedPlan, ShardContext, apply_plan, resolve_plan
+from ..plans.resolve import PlanArg
 from ..training.options import Options
 
 DIM = "tp"

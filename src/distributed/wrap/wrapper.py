@@ -25,7 +25,8 @@ from ..integrations.adapter_hosts import (
 )
 from ..integrations.guards import guard_frameworks
 from ..layers.ddp_guard import check_fsdp
-from ..plans import PlanArg, ResolvedPlan
+from ..plans import ResolvedPlan
+from ..plans.resolve import PlanArg
 from ..training import rng
 from ..training.options import Options
 from . import tp as tp_step
