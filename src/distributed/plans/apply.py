@@ -35,5 +35,6 @@ def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) -> l
     retie(model, ties)
     if resolved.heads:
         localize_attention(model, resolved.heads, ctx)
-    grad_sync.install(model)
+    if ctx.world_size > 1:  # a sum over one rank is the gradient itself
+        grad_sync.install(model)
     return swapped

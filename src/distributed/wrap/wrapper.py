@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -102,7 +103,8 @@ class DistributedModelWrapper(nn.Module):
         detached: list[Detached] = []
         try:
             checks.refuse_wrapped(model, DistributedModelWrapper)
-            detached = detach_adapters(model)  # PEFT LoRA layers: planned on their base layers
+            if "peft" in sys.modules:  # PEFT LoRA layers: planned on their base layers
+                detached = detach_adapters(model)
             ctx = tp_step.place(model, world_size, rank, group)
             resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan)
             period = {f"{step_check.ENV} (optimizer-step check period)":
@@ -147,7 +149,9 @@ class DistributedModelWrapper(nn.Module):
         # sharded DTensor parameters that the composition check looks at.
         if not torch.compiler.is_compiling():
             first = next(self.base_model.parameters(), None)
-            if first is not None and id(first) != self.__dict__.get("_checked_param"):
+            if self.world_size > 1 and first is not None \
+                    and id(first) != self.__dict__.get("_checked_param"):
+                # FSDP2 over TP peers; one rank has no peers to mix up
                 check_fsdp(self.base_model, self.group)
                 self.__dict__["_checked_param"] = id(first)
             if self.training and self.world_size > 1:
