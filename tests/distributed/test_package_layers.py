@@ -109,3 +109,20 @@ def test_the_check_fails_on_an_upward_import():
 def test_every_folder_says_its_job_and_what_it_may_import(package):
     doc = ast.get_docstring(ast.parse((SRC / package / "__init__.py").read_text())) or ""
     assert "May import" in doc, f"src/distributed/{package}/__init__.py must say what it may import"
+
+
+# What one wrap + one forward at world size 1 runs, in files (benchmarks/wrap_files.py).
+# A ratchet: lower these when work leaves the path; issue 21 aims at 12 and 16.
+MOST_FILES = {"mlp": 29, "hf-llama": 40}
+
+
+def test_a_wrap_at_world_size_1_does_not_travel_further():
+    import subprocess
+    import sys
+
+    script = SRC.parents[1] / "benchmarks" / "wrap_files.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    counts = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()[1:] if line}
+    assert counts.keys() == MOST_FILES.keys()
+    assert all(counts[k] <= MOST_FILES[k] for k in counts), (counts, MOST_FILES)
