@@ -8,8 +8,8 @@ the wrapper, ``TensorParallelTrainer``, ``generate``, a PEFT model around it):
 
 * one forward pre-hook: refuse a DDP built before the model was sharded
   (:func:`torchtp.layers.ddp_guard.check_active_ddp`) and PEFT adapters built
-  without torchtp's PEFT support (a check the wrapper passes in), mark the forward pending for
-  the fault report (:class:`torchtp.guards.forward_guard.ForwardGuard`), hash the
+  without torchtp's PEFT support (a check the wrapper passes in), mark the
+  forward pending for the fault report (:class:`torchtp.guards.forward_guard.ForwardGuard`), hash the
   inputs to ride the first all-reduce (:class:`torchtp.guards.input_check.InputCheck`);
 * one forward hook when the forward returned: watch its backward, read the
   input verdict;
@@ -19,14 +19,13 @@ the wrapper, ``TensorParallelTrainer``, ``generate``, a PEFT model around it):
 
 Nothing runs under ``torch.compile``. At tp 1 nothing cross-rank needs
 checking: no hook is installed, and the model draws dropout masks from the
-caller's generator, exactly as the unwrapped model does. ``benchmarks/percall_guards.py`` measures
-each guard's per-call cost (:data:`PER_CALL`, :func:`leaving_out`).
+caller's generator, exactly as the unwrapped model does.
+``benchmarks/percall_guards.py`` measures each guard's per-call cost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,27 +38,6 @@ from ..training import clip, rng
 from . import step_check
 from .forward_guard import ForwardGuard
 from .input_check import InputCheck, first_layer_shard_width
-
-PER_CALL = ("input check", "fault report", "stale DDP check", "shared-input release")
-"""The per-call guards, by the name ``benchmarks/percall_guards.py`` prints."""
-
-_LEFT_OUT: set[str] = set()  # only while leaving_out() runs
-
-
-@contextmanager
-def leaving_out(names: set[str]) -> Iterator[None]:
-    """Build wrappers without the per-call guards ``names`` (to measure what each costs).
-
-    Only for benchmarks: a guard left out no longer protects that wrapper.
-    """
-    unknown = names - set(PER_CALL)
-    if unknown:
-        raise ValueError(f"unknown per-call guards {sorted(unknown)}; known: {list(PER_CALL)}")
-    _LEFT_OUT.update(names)
-    try:
-        yield
-    finally:
-        _LEFT_OUT.difference_update(names)
 
 
 def install(model: nn.Module, ctx: ShardContext, layer_names: list[str],
@@ -79,24 +57,17 @@ def install(model: nn.Module, ctx: ShardContext, layer_names: list[str],
     step_check.track(model, ctx.group)
     rng.install(model)
     ddp_guard.install()  # later DDPs leave the shards alone
-    before: list[Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]] = []
-    returned: list[Callable[[Any], None]] = []
-    always: list[Callable[[], None]] = []
-    if "stale DDP check" not in _LEFT_OUT:
-        before.append(lambda m, _a, _k: ddp_guard.check_active_ddp(m))
-    before += [_model_step(check) for check in framework_checks]
-    if "fault report" not in _LEFT_OUT:
-        faults = ForwardGuard(ctx.group)
-        before.append(lambda _m, _a, _k: faults.before())
-        returned.append(faults.returned)
-        always.append(faults.after)
-    if "input check" not in _LEFT_OUT:
-        inputs = InputCheck(model, ctx.group, first_layer_shard_width(model, layer_names))
-        before.append(lambda _m, a, k: inputs.before(a, k))
-        returned.append(lambda _out: inputs.returned())
-        always.append(inputs.cleanup)
-    if "shared-input release" not in _LEFT_OUT:
-        always.append(regions.forget_shared_inputs)
+    faults = ForwardGuard(ctx.group)
+    inputs = InputCheck(model, ctx.group, first_layer_shard_width(model, layer_names))
+    before: list[Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]] = [
+        lambda m, _a, _k: ddp_guard.check_active_ddp(m),
+        *(_model_step(check) for check in framework_checks),
+        lambda _m, _a, _k: faults.before(),
+        lambda _m, a, k: inputs.before(a, k),
+    ]
+    returned: list[Callable[[Any], None]] = [faults.returned, lambda _out: inputs.returned()]
+    always: list[Callable[[], None]] = [faults.after, inputs.cleanup,
+                                        regions.forget_shared_inputs]
     _register(model, tuple(before), tuple(returned), tuple(always))
 
 

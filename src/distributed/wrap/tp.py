@@ -21,8 +21,6 @@ from ..plans import ResolvedPlan, ShardContext, apply_plan, resolve_plan
 from ..plans.resolve import PlanArg
 from ..training.options import Options
 
-DIM = "tp"
-
 
 def place(model: nn.Module, world_size: int | None, rank: int | None,
           group: ProcessGroup | None) -> ShardContext:
