@@ -1,0 +1,112 @@
+"""Importing torchtp changes no other library; a model without PEFT never imports PEFT.
+
+Each check runs in a fresh interpreter (``python -c``): what a library looks
+like before torchtp is imported is only observable in a process that has not
+imported torchtp yet.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Every attribute torchtp's integrations replace when the user calls them
+# (integrations/peft.py, integrations/ddp_refusal.py, integrations/lightning.py).
+_PATCHED = """
+import peft.tuners.tuners_utils as tu, peft.tuners.lora as lora
+from peft import PeftModel
+from accelerate import Accelerator
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.ddp import DDPStrategy as FabricDDP
+from lightning.pytorch.strategies.ddp import DDPStrategy as TrainerDDP
+
+def patched():
+    return {
+        "PeftModel.save_pretrained": PeftModel.save_pretrained,
+        "LoraModel._create_new_module": lora.LoraModel.__dict__["_create_new_module"],
+        "tuners_utils._maybe_include_all_linear_layers": tu._maybe_include_all_linear_layers,
+        "Accelerator.prepare_model": Accelerator.prepare_model,
+        "ModelParallelStrategy.clip_gradients_norm": ModelParallelStrategy.clip_gradients_norm,
+        "FabricDDP.setup_module": FabricDDP.setup_module,
+        "TrainerDDP._setup_model": TrainerDDP.__dict__["_setup_model"],
+    }
+"""
+
+
+def _run(code: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+def test_importing_torchtp_and_its_integrations_patches_nothing() -> None:
+    code = _PATCHED + """
+import sys
+hook = sys.excepthook
+before = patched()
+import torchtp, torchtp.integrations
+import torchtp.integrations.peft, torchtp.integrations.lightning
+import torchtp.integrations.transformers, torchtp.integrations.ddp_refusal
+import torchtp.integrations.guards, torchtp.integrations.adapter_hosts
+after = patched()
+print(sys.excepthook is hook)
+print(sorted(k for k in before if before[k] is not after[k]))
+"""
+    same_hook, changed = _run(code)[-2:]
+    assert same_hook == "True", "importing torchtp replaced sys.excepthook"
+    assert changed == "[]", f"importing torchtp patched {changed}"
+
+
+def test_the_probe_sees_a_patch() -> None:
+    """The check above can fail: a patch installed by the user's call is seen."""
+    code = _PATCHED + """
+before = patched()
+import torchtp.integrations.peft, torchtp.integrations.ddp_refusal
+torchtp.integrations.peft.install()
+torchtp.integrations.ddp_refusal.install()
+torchtp.integrations.ddp_refusal.install_lightning()
+once = patched()
+torchtp.integrations.peft.install()
+torchtp.integrations.ddp_refusal.install()
+torchtp.integrations.ddp_refusal.install_lightning()
+print(sorted(k for k in before if before[k] is not once[k]))
+print(sorted(k for k in once if once[k] is not patched()[k]))
+"""
+    changed, changed_again = _run(code)[-2:]
+    assert changed == str(sorted(["PeftModel.save_pretrained", "LoraModel._create_new_module",
+                                  "tuners_utils._maybe_include_all_linear_layers",
+                                  "Accelerator.prepare_model", "FabricDDP.setup_module",
+                                  "TrainerDDP._setup_model"])), changed
+    assert changed_again == "[]", f"a second install patched again: {changed_again}"
+
+
+def test_importing_torchtp_loads_no_framework() -> None:
+    code = """
+import sys
+hook = sys.excepthook
+import torchtp, torchtp.integrations
+print(sys.excepthook is hook)
+print(sorted({m.partition('.')[0] for m in sys.modules} & {'peft', 'accelerate', 'lightning',
+                                                          'pytorch_lightning'}))
+"""
+    same_hook, loaded = _run(code)[-2:]
+    assert same_hook == "True", "importing torchtp replaced sys.excepthook"
+    assert loaded == "[]", f"importing torchtp imported {loaded}"
+
+
+def test_wrapping_a_plain_model_imports_no_peft() -> None:
+    code = """
+import sys
+import torch
+import torchtp, torchtp.integrations
+
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+wrapped = torchtp.DistributedModelWrapper(model, world_size=1, rank=0)
+wrapped(torch.randn(2, 8)).sum().backward()
+print("peft" in sys.modules)
+"""
+    assert _run(code)[-1] == "False", "wrapping a model without PEFT layers imported peft"
