@@ -13,9 +13,11 @@ allowlist: a private name nobody listed fails, whichever library it is from.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -216,6 +218,77 @@ def test_an_unlisted_private_name_of_any_library_fails() -> None:
                     "getattr(m, '_tp_plan')", "model._modules",
                     "import torch.distributed as dist\ndist._apply = 1"]:
         assert violations(snippet, own), snippet
+
+
+def _fence_declared() -> set[str]:
+    """Private names a fence module declares (string constants such as ``TRAINER_HOOKS``)."""
+    return {node.value for path in FENCE for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and _is_private(node.value)}
+
+
+def _foreign_bases(tree: ast.Module, node: ast.ClassDef) -> list[type]:
+    """The classes of other libraries ``node`` subclasses (resolved by importing them)."""
+    bound: dict[str, tuple[str, str | None]] = {}
+    for imp in ast.walk(tree):
+        if isinstance(imp, ast.Import):
+            for a in imp.names:
+                bound[a.asname or a.name.split(".")[0]] = (a.name if a.asname else
+                                                         a.name.split(".")[0], None)
+        elif isinstance(imp, ast.ImportFrom) and not imp.level and imp.module:
+            for a in imp.names:
+                bound[a.asname or a.name] = (imp.module, a.name)
+    found = []
+    for base in node.bases:
+        chain = []
+        while isinstance(base, ast.Attribute):
+            chain.insert(0, base.attr)
+            base = base.value
+        if not isinstance(base, ast.Name) or base.id not in bound or \
+                bound[base.id][0].split(".")[0] not in FOREIGN_ROOTS:
+            continue
+        module, attr = bound[base.id]
+        obj: object = importlib.import_module(module)
+        for part in ([attr] if attr else []) + chain:
+            nxt = getattr(obj, part, None)
+            if nxt is None and isinstance(obj, ModuleType):  # a submodule not yet imported
+                nxt = importlib.import_module(f"{obj.__name__}.{part}")
+            obj = nxt
+        if isinstance(obj, type):
+            found.append(obj)
+    return found
+
+
+def overrides(source: str, declared: set[str]) -> list[str]:
+    """Private methods of other libraries' classes that ``source`` overrides undeclared.
+
+    A subclass method named like its foreign base's private method depends on
+    that internal as much as a call does: the fence must list it (next to the
+    check that the installed version still has it).
+    """
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        bases = _foreign_bases(tree, node)
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and \
+                    _is_private(item.name) and item.name not in declared and \
+                    any(hasattr(b, item.name) for b in bases):
+                found.append(f"{item.lineno}: {node.name}.{item.name} overrides a private method")
+    return found
+
+
+def test_overridden_private_methods_of_other_libraries_are_declared_in_the_fence() -> None:
+    declared = _fence_declared()
+    report = {str(p.relative_to(SRC)): v for p in sorted(SRC.rglob("*.py")) if p not in FENCE
+              for v in [overrides(p.read_text(), declared)] if v}
+    assert not report, f"declare these in hf/compat.py with the versions checked: {report}"
+    probe = "from torch import nn\nclass M(nn.Module):\n    def _apply(self, fn): return fn\n"
+    assert overrides(probe, declared) == ["3: M._apply overrides a private method"]
+    assert not overrides(probe.replace("_apply", "_own_helper"), declared)
+    assert hf_compat.missing_lora_layer_hooks(__import__("peft").tuners.lora.Linear) == []
 
 
 def _line_of(source: str, text: str) -> int:

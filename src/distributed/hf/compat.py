@@ -156,6 +156,19 @@ def peft_all_linear_owner() -> tuple[Any, str]:
     return tuners_utils, "_maybe_include_all_linear_layers"
 
 
+# PEFT LoRA layer methods TensorParallelLoraLinear overrides: the full
+# (unsplit) sizes PEFT sizes A and B from. Checked: peft 0.21.2.
+LORA_LAYER_HOOKS = ("_get_in_out_features",)
+
+
+def missing_lora_layer_hooks(layer_cls: type) -> list[str]:
+    """The :data:`LORA_LAYER_HOOKS` PEFT's LoRA ``Linear`` does not define (yet, or any more).
+
+    Checked: peft 0.21.2 (complete).
+    """
+    return [name for name in LORA_LAYER_HOOKS if not callable(getattr(layer_cls, name, None))]
+
+
 def peft_check_forward_args(layer: Any, x: Any, *args: Any, **kwargs: Any) -> None:
     """Run a PEFT LoRA layer's own argument checks (adapter names, merged state).
 

@@ -361,6 +361,12 @@ def install() -> None:
     custom-module mechanism); ``target_modules="all-linear"`` includes torchtp
     layers; ``PeftModel.save_pretrained`` gathers sharded adapters first.
     """
+    missing = compat.missing_lora_layer_hooks(LoraLinear)
+    if missing:
+        raise RuntimeError(
+            f"torchtp's LoRA layer overrides {missing} of peft's LoRA Linear, which this peft "
+            f"does not define: install a checked peft ({', '.join(compat.CHECKED_PEFT)}), e.g. "
+            f"pip install 'peft=={compat.CHECKED_PEFT[-1]}'")
     owner, name = compat.peft_lora_dispatch_owner()
     if not getattr(getattr(owner, name), "_torchtp", False):
         setattr(owner, name, _create_new_module(getattr(owner, name)))
