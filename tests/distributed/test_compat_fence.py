@@ -137,7 +137,8 @@ def violations(source: str, own: set[str]) -> list[str]:
         elif isinstance(node, ast.Call) and _call_name(node) in ("getattr", "hasattr", "setattr",
                                                                    "delattr") and \
                 len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and \
-                isinstance(node.args[1].value, str) and bad(node.args[1].value):
+                isinstance(node.args[1].value, str) and (bad(node.args[1].value) or (
+                    _is_private(node.args[1].value) and _root(node.args[0]) in aliases)):
             found.append(f"{line}: {_call_name(node)}(..., {node.args[1].value!r})")
         elif isinstance(node, ast.Import | ast.ImportFrom):
             module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
@@ -216,7 +217,9 @@ def test_an_unlisted_private_name_of_any_library_fails() -> None:
                     "trainer._is_accelerate_prepared", "layer._cast_input_dtype(x, dtype)",
                     "torch._dynamo.config.x = 1", "from torch.distributed._tensor import X",
                     "getattr(m, '_tp_plan')", "model._modules",
-                    "import torch.distributed as dist\ndist._apply = 1"]:
+                    "import torch.distributed as dist\ndist._apply = 1",
+                    "import torch.distributed as dist\ngetattr(dist, '_apply')",
+                    "from torch import nn\nsetattr(nn.Module, '_apply', f)"]:
         assert violations(snippet, own), snippet
 
 
