@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._torch_compat import shallow_copy_module
+from ..layouts import shard_range
 from .linear_view import conv1d_type, linear_view
 
 _PLAIN_FORWARDS = {nn.Linear.forward, nn.Embedding.forward}
@@ -80,9 +81,10 @@ def embedding_splits_exactly(emb: nn.Embedding, world_size: int) -> bool | None:
     probe.padding_idx = None
     want = _lookup(probe, full, ids)
     total = torch.zeros_like(want)
-    for rows_of_rank in torch.arange(rows).chunk(world_size):
+    for rank in range(world_size):
+        start, count = shard_range(rows, world_size, rank)
         masked = torch.zeros_like(full)
-        masked[rows_of_rank] = full[rows_of_rank]  # a rank sees only its vocab rows
+        masked[start:start + count] = full[start:start + count]  # a rank sees only its vocab rows
         total += _lookup(probe, masked, ids)
     return bool(torch.allclose(total, want, rtol=1e-4, atol=1e-6))
 
