@@ -456,7 +456,8 @@ def _cut(full: torch.Tensor, style: ParallelStyle, model: nn.Module, name: str,
     layout = style.plan(model.get_submodule(name), name, ctx).layouts["weight"]
     split = layout.dim if not layout.transposed or layout.dim is None else 1 - layout.dim
     assert split == dim, f"'{name}': expected a split of weight dim {dim}, got {split}"
-    return cut(full, -1, layout.segments)
+    # A fresh contiguous tensor, as the stubs hand it on to modules that may write to it.
+    return cut(full, -1, layout.segments).clone(memory_format=torch.contiguous_format)
 
 
 @contextlib.contextmanager
