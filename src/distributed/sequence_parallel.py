@@ -44,13 +44,14 @@ from torch.autograd.function import once_differentiable
 
 from . import _comm, _torch_compat
 from ._torch_compat import is_view
+from .layouts import shard_range
 from .runtime import ProcessGroup, group_rank, group_size
 from .tensor_memo import TensorMemo
 
 
 def shard_length(length: int, world_size: int) -> int:
-    """Tokens per sequence shard: ``ceil(length / world_size)``."""
-    return -(-length // world_size)
+    """Tokens per sequence shard: ``ceil(length / world_size)`` (the split rule's ``"ceil"``)."""
+    return shard_range(length, world_size, 0, rule="ceil")[1]
 
 
 def pad_sequence(x: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:
