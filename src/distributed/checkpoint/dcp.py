@@ -136,7 +136,8 @@ def _expressible(layout: ParamLayout, group: ProcessGroup | None) -> bool:
         return False
     full, size = layout.full_shape[layout.dim], group_size(group)
     # Even splits only: there torchtp's rule and DTensor's ``torch.chunk`` agree.
-    return full % size == 0 and layout.segments[0] == shard_range(full, size, group_rank(group))
+    share = shard_range(full, size, group_rank(group))
+    return full % size == 0 and tuple(layout.segments[0]) == share
 
 
 def _tp_local(t: torch.Tensor, for_load: bool) -> torch.Tensor:
