@@ -29,7 +29,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from torchtp import _torch_compat, ddp_guard
+from torchtp.core import torch_compat as _torch_compat
+from torchtp.layers import ddp_guard
 
 REPEATS = 15
 

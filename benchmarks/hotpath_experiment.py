@@ -25,8 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _llama import SMALL
 from _variants import floor_model, torchtp_model
-from torchtp import _comm
 from torchtp.cli._launch import launch
+from torchtp.comm import ops as _comm
 from torchtp.layers import ColumnParallelLinear, RowParallelLinear
 
 REPS = 40

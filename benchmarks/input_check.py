@@ -1,4 +1,4 @@
-"""Cost of checking every forward's inputs across TP ranks (torchtp.input_check).
+"""Cost of checking every forward's inputs across TP ranks (torchtp.guards.input_check).
 
 Two Gloo processes on this machine (tp 2), a Llama at small batches, eval
 (``torch.no_grad()``) and training-mode forwards with gradients. Each
@@ -58,7 +58,7 @@ def _check_work_ms(ids: torch.Tensor, hidden: int, reps: int) -> float:
     """Median ms of the check's own work in one forward, timed alone (robust under load):
     hashing the inputs, appending 64 values to the first all-reduce's buffer
     ``(batch * tokens * hidden,)`` and copying it back, and the verdict."""
-    from torchtp import input_check
+    from torchtp.guards import input_check
 
     act = torch.randn(ids.numel() * hidden)
     samples = []
@@ -75,7 +75,8 @@ def _check_work_ms(ids: torch.Tensor, hidden: int, reps: int) -> float:
 
 def _rank(rank: int, world: int, store: str, reps: int, out: str, only: list[int]) -> None:
     import torchtp
-    from torchtp import _comm, _logging
+    from torchtp.comm import ops as _comm
+    from torchtp.core import log as _logging
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

@@ -11,7 +11,7 @@ and the ratios to the floor and to DTensor.
 
 End-to-end differences of a few percent drown in this machine's noise, so
 each per-call guard's own work is timed alone, in the same processes, on the
-same inputs (median of many calls): its steps in :mod:`torchtp.hooks`, and
+same inputs (median of many calls): its steps in :mod:`torchtp.guards.hooks`, and
 the dispatch of the three hooks themselves (a forward of an identity module
 with and without them). Their sum is what the guards add to every forward.
 
@@ -62,9 +62,11 @@ def _alone(fn: Any, n: int = 2000) -> float:
 
 def _guards_alone(wrapped: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[str, float]:
     """Each per-call guard's own work per forward, microseconds, timed alone."""
-    from torchtp import _comm, ddp_guard, regions
-    from torchtp.forward_guard import ForwardGuard
-    from torchtp.input_check import InputCheck
+    from torchtp.comm import ops as _comm
+    from torchtp.comm import regions
+    from torchtp.guards.forward_guard import ForwardGuard
+    from torchtp.guards.input_check import InputCheck
+    from torchtp.layers import ddp_guard
 
     model = wrapped.base_model
     kwargs = {"input_ids": ids, "use_cache": False}
@@ -84,7 +86,7 @@ def _guards_alone(wrapped: torch.nn.Module, ids: torch.Tensor, group: Any) -> di
 
     probe = torch.nn.Identity()
     bare = _alone(lambda: probe(ids))
-    from torchtp import hooks
+    from torchtp.guards import hooks
 
     hooks._register(probe, (lambda m, a, k: None,), (lambda o: None,), (lambda: None,))
     return {

@@ -65,7 +65,7 @@ def _stepper(check: bool, plan: Any) -> tuple[Any, Any, torch.optim.Optimizer]:
 
 def _direct(opt: torch.optim.Optimizer, weights: bool, reps: int = 50) -> float:
     """Median seconds of one check of ``opt``'s plan (barrier before each)."""
-    from torchtp import step_check
+    from torchtp.guards import step_check
 
     (plan,) = step_check._plans(opt)
     times = []
@@ -80,7 +80,7 @@ def _direct(opt: torch.optim.Optimizer, weights: bool, reps: int = 50) -> float:
 
 def _rank(rank: int, world: int, reps: int, plan: Any) -> dict[str, Any]:
     import torchtp
-    from torchtp import step_check
+    from torchtp.guards import step_check
 
     warnings.filterwarnings("ignore")
     torchtp.init_tensor_parallel(tp_size=2)

@@ -5,21 +5,21 @@ Also importable from a checkout as ``src.distributed.tensor_parallel``.
 
 from __future__ import annotations
 
-from .collectives import (
+from .comm.collectives import (
     all_gather,
     all_reduce_sum,
     broadcast_tensor,
     reduce_scatter,
     synchronize_across_ranks,
 )
-from .layers import ColumnParallelLinear, RowParallelLinear
-from .runtime import (
+from .comm.runtime import (
     TensorParallelConfig,
     get_tensor_parallel_config,
     init_tensor_parallel,
     shutdown_tensor_parallel,
 )
-from .wrapper import DistributedModelWrapper
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .wrap.wrapper import DistributedModelWrapper
 
 __all__ = [
     "ColumnParallelLinear",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchtp
-from torchtp.tying import tied_groups
+from torchtp.plans.tying import tied_groups
 
 from ._hf_checks import LOGITS, compare_params, expected_local, inputs, loss_of
 from ._hf_models import build
@@ -56,7 +56,7 @@ def check_arch(arch: str, hf_dir: str, sharded_in: str | None, out: str) -> dict
         for model in (ref, w):
             loss_of(model, batch).backward()
         result["grads"] = compare_params(w, ref, grads=True)
-        result["hooks_missing"] = torchtp.grad_sync.install(w.base_model)
+        result["hooks_missing"] = torchtp.layers.grad_sync.install(w.base_model)
     return result
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import torchtp
-from torchtp import sequence_parallel as sp_module
+from torchtp.comm import sequence_parallel as sp_module
 
 from ._hf_checks import LOGITS, compare_params
 from ._hf_models import VOCAB, build
@@ -130,7 +130,7 @@ def check_num_items(rank: int, world_size: int) -> None:
 
 def cross_entropy_cases(rank: int, world_size: int, vocab: int) -> dict:
     """vocab_parallel_cross_entropy on this rank's balanced slice vs F.cross_entropy."""
-    from torchtp.layouts import shard_range
+    from torchtp.core.layouts import shard_range
 
     start, n = shard_range(vocab, world_size, rank)
     gen = torch.Generator().manual_seed(0)
@@ -261,9 +261,9 @@ def dp2_tp2_ddp(rank: int, world_size: int) -> list[float]:
 def _siblings(x_shard: torch.Tensor, weights: list[torch.Tensor],
               biases: list[torch.Tensor | None], length: int) -> torch.Tensor:
     """Three sibling projections on one gathered input, as q/k/v are fed."""
-    from torchtp.runtime import tp_group
-    from torchtp.sequence_linear import linear_on_gathered
-    from torchtp.sequence_parallel import gather_for_tensor_parallel
+    from torchtp.comm.runtime import tp_group
+    from torchtp.comm.sequence_parallel import gather_for_tensor_parallel
+    from torchtp.layers.sequence_linear import linear_on_gathered
 
     full = gather_for_tensor_parallel(x_shard, tp_group(), 1, length)  # (B, T, d)
     outs = [linear_on_gathered(full, w, b) for w, b in zip(weights, biases, strict=True)]
@@ -277,7 +277,7 @@ def check_linear_on_gathered(rank: int, world_size: int) -> dict:
     the same seeded tensors (the weights stand for one rank's rows: the sum
     of every rank's input gradient is what the gather's backward returns).
     """
-    from torchtp.sequence_parallel import shard_length
+    from torchtp.comm.sequence_parallel import shard_length
 
     gen = torch.Generator().manual_seed(0)
     length, d = 7, 6  # 7 tokens over world_size ranks: the last shard is padded
@@ -337,9 +337,9 @@ def _gathered_edge_cases(shard: torch.Tensor, weight: torch.Tensor, length: int)
     """Each use that must not save the shard, or must let go of the re-gathered input."""
     from torch.utils.checkpoint import checkpoint
 
-    from torchtp.runtime import tp_group
-    from torchtp.sequence_linear import linear_on_gathered
-    from torchtp.sequence_parallel import gather_for_tensor_parallel, gathered_source
+    from torchtp.comm.runtime import tp_group
+    from torchtp.comm.sequence_parallel import gather_for_tensor_parallel, gathered_source
+    from torchtp.layers.sequence_linear import linear_on_gathered
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         return gather_for_tensor_parallel(x, tp_group(), 1, length)  # (B, T, d)

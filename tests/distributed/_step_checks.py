@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import torchtp
-from torchtp import step_check
+from torchtp.guards import step_check
 
 from ._models import deep_mlp
 

@@ -105,13 +105,13 @@ def dp_tp_ddp_fsdp(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     with pytest.raises(ValueError, match=r"dp=1, tp=2: the product of the mesh sizes must "
                        r"equal the world size 4"):
         torchtp.init_parallel(tp=2, dp=1)
-    from torchtp.runtime import resolve_group
+    from torchtp.comm.runtime import resolve_group
 
-    assert resolve_group() is cfg.tp_group and resolve_group(dim="tp") is cfg.tp_group
+    assert resolve_group() is cfg.group and resolve_group(dim="tp") is cfg.group
     assert resolve_group(dim="dp") is cfg.dp_group
-    out: dict[str, Any] = {"cfg": (cfg.tp_size, cfg.tp_rank, cfg.dp_size, cfg.dp_rank,
+    out: dict[str, Any] = {"cfg": (cfg.world_size, cfg.rank, cfg.dp_size, cfg.dp_rank,
                                    cfg.world_size, cfg.rank, cfg.mesh.mesh_dim_names,
-                                   torch.distributed.get_process_group_ranks(cfg.tp_group),
+                                   torch.distributed.get_process_group_ranks(cfg.group),
                                    torch.distributed.get_process_group_ranks(cfg.dp_group))}
     mine = _batch()[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]  # this DP rank's slice
     out["misuse"] = _misuse()
@@ -316,7 +316,7 @@ def _logits(out: Any) -> torch.Tensor:
 
 def rng_streams(rank: int, world_size: int) -> list[bool]:
     """Dropout everywhere (GPT-2: embedding, attention probs, residual), different RNG states."""
-    from torchtp import rng
+    from torchtp.training import rng
 
     from ._models import deep_mlp
 

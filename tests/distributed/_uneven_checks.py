@@ -79,7 +79,8 @@ def _reduce_scatter(rank: int, world_size: int) -> None:
     # Each rank's partial (2, 10, 3) differs; the sum's balanced share along dim 1 comes back.
     parts = [seeded(2, IN, 3, seed=10 + r) for r in range(world_size)]
     x = parts[rank].clone().requires_grad_()
-    y = torchtp.reduce_scatter_to_tensor_parallel_region(x, torchtp.get_tensor_parallel_config().group, 1)
+    group = torchtp.get_tensor_parallel_config().group
+    y = torchtp.comm.regions.reduce_scatter_to_tensor_parallel_region(x, group, 1)
     torch.testing.assert_close(y, share(sum(parts), 1, rank, world_size), **FP32)
     g = seeded(2, IN, 3, seed=99)
     (y * share(g, 1, rank, world_size)).sum().backward()

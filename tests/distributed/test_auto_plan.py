@@ -76,7 +76,7 @@ def test_handwritten_models_match_unsharded_and_megatron_counts(ranks, world_siz
             r = got[kind]
             assert r["source"] == "auto: dataflow pairs (any model)", kind
             # Uneven heads at tp 3 (4 heads: 2/1/1) split like even ones: the output
-            # projection's columns follow the same heads (torchtp.layouts.head_share).
+            # projection's columns follow the same heads (torchtp.core.layouts.head_share).
             assert r["fwd"] == r["hand_fwd"] == r["planned"] == MEGATRON[kind], (kind, r)
             assert r["bwd"] == r["hand_bwd"], (kind, r)
 

@@ -55,7 +55,7 @@ def _count(rank: int, world_size: int) -> list[dict[str, int]]:
 
 def _training_counts(world_size: int) -> tuple[dict[str, int], dict[str, int]]:
     import torchtp
-    from torchtp import regions
+    from torchtp.comm import regions
 
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
     ref, model = _llama().train(), torchtp.DistributedModelWrapper(_llama().train(), plan=PLAN)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import torchtp
-from torchtp import regions
+from torchtp.comm import regions
 
 from ._reference import chunk, seeded
 

@@ -1,10 +1,13 @@
-"""Private torch/transformers names are used only in the two compatibility modules.
+"""Private names of other libraries are used only in the compatibility modules (an allowlist).
 
-An AST scan of ``src/distributed``: outside ``_torch_compat.py`` and
-``hf/compat.py`` no code may read or write a private attribute of torch or
-transformers (``m._parameters``, ``getattr(model, "_tp_plan")``), import a
-private torch/transformers module, or touch the undocumented internals listed
-in ``INTERNALS``. Private names torchtp defines itself are allowed.
+An AST scan of ``src/distributed``: outside ``core/torch_compat.py`` and
+``hf/compat.py`` (the fence) no code may read or write an attribute whose
+name starts with one underscore unless torchtp itself defines that name,
+import a private module of another library, or touch the undocumented
+internals listed in ``INTERNALS``. On a name bound from another library
+(``import torch.distributed as dist``, ``from torch import nn``), a private
+attribute is flagged even where torchtp has a name alike. This is an
+allowlist: a private name nobody listed fails, whichever library it is from.
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ import torch
 import transformers
 from torch import nn
 
-from torchtp import _torch_compat
+from torchtp.core import torch_compat as _torch_compat
 from torchtp.hf import compat as hf_compat
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "distributed"
-FENCE = {SRC / "_torch_compat.py", SRC / "hf" / "compat.py"}
-FOREIGN_ROOTS = {"torch", "transformers", "accelerate", "safetensors", "huggingface_hub"}
+FENCE = {SRC / "core/torch_compat.py", SRC / "hf" / "compat.py"}
+FOREIGN_ROOTS = {"torch", "transformers", "accelerate", "safetensors", "huggingface_hub", "peft",
+                 "lightning", "pytorch_lightning", "numpy", "yaml", "tqdm"}
 # Undocumented internals without a leading underscore.
 INTERNALS = {"dummy_inputs", "num_key_value_groups", "next_functions", "metadata", "tp_plan"}
+# Public API that starts with an underscore (``os._exit``, namedtuple's methods).
+PUBLIC_UNDERSCORE = {"_exit", "_asdict", "_replace", "_fields", "_make"}
 _PRIVATE = re.compile(r"^_[A-Za-z]\w*$")
 
 
@@ -87,16 +93,41 @@ def _call_name(node: ast.Call) -> str | None:
     return func.attr if isinstance(func, ast.Attribute) else None
 
 
+def _foreign_aliases(tree: ast.Module) -> set[str]:
+    """Names a module binds to another library's modules or objects (``dist``, ``nn``, ``F``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in FOREIGN_ROOTS:
+                    names.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module and \
+                node.module.split(".")[0] in FOREIGN_ROOTS:
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _root(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute | ast.Call | ast.Subscript):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def violations(source: str, own: set[str]) -> list[str]:
-    """Uses of foreign private names or internals in ``source`` (one line each)."""
+    """Uses of other libraries' private names or internals in ``source`` (one line each)."""
     found: list[str] = []
+    tree = ast.parse(source)
+    aliases = _foreign_aliases(tree)
 
     def bad(name: str) -> bool:
-        return name in INTERNALS or name in MODULE_PRIVATE or (name in FOREIGN and name not in own)
+        return name in INTERNALS or name in MODULE_PRIVATE or (
+            _is_private(name) and name not in own and name not in PUBLIC_UNDERSCORE)
 
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         line = getattr(node, "lineno", 0)
-        if isinstance(node, ast.Attribute) and bad(node.attr):
+        if isinstance(node, ast.Attribute) and (bad(node.attr) or (
+                _is_private(node.attr) and node.attr not in PUBLIC_UNDERSCORE
+                and _root(node.value) in aliases)):
             found.append(f"{line}: attribute .{node.attr}")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
                 node.value in MODULE_PRIVATE:
@@ -131,7 +162,7 @@ def test_no_private_torch_or_transformers_name_outside_the_compat_modules() -> N
     own = _own_private_names(trees, files)
     report = {str(p.relative_to(SRC)): v for p in files if p not in FENCE
               for v in [violations(p.read_text(), own)] if v}
-    assert not report, ("private torch/transformers names used outside _torch_compat.py and "
+    assert not report, ("private torch/transformers names used outside core/torch_compat.py and "
                         f"hf/compat.py; add a function there instead: {report}")
 
 
@@ -158,13 +189,37 @@ def test_the_scan_finds_each_kind_of_use() -> None:
     ]:
         assert violations(snippet, own), snippet
     # torchtp's own private names and public torch API pass.
-    for snippet in ["from ._comm import split", "layer._set_shape(1, 2, 3, True)",
+    for snippet in ["from ._comm import split", "health._hold(st, ())", "os._exit(1)",
                     "self._name()", "from torch.distributed.tensor import DTensor",
                     "m.register_buffer('b', t, persistent=False)"]:
         assert not violations(snippet, own), snippet
     # The fenced modules themselves would fail the scan anywhere else.
     for path in FENCE:
         assert violations(path.read_text(), own), path
+
+
+def test_an_unlisted_private_name_of_any_library_fails() -> None:
+    """Allowlist, not denylist: private names nobody sampled or listed are caught too."""
+    files, trees = _sources()
+    own = _own_private_names(trees, files)
+    runtime = (SRC / "comm" / "runtime.py").read_text()
+    probe = runtime.replace(
+        "def tp_group() -> ProcessGroup | None:\n",
+        "def tp_group() -> ProcessGroup | None:\n    dist.distributed_c10d._get_default_group()\n")
+    assert probe != runtime
+    assert violations(probe, own) == [f"{_line_of(probe, '_get_default_group')}: "
+                                      "attribute ._get_default_group"]
+    assert not violations(runtime, own)
+    for snippet in ["acc._dataloaders.append(dl)", "getattr(dl, '_is_accelerate_prepared', False)",
+                    "trainer._is_accelerate_prepared", "layer._cast_input_dtype(x, dtype)",
+                    "torch._dynamo.config.x = 1", "from torch.distributed._tensor import X",
+                    "getattr(m, '_tp_plan')", "model._modules",
+                    "import torch.distributed as dist\ndist._apply = 1"]:
+        assert violations(snippet, own), snippet
+
+
+def _line_of(source: str, text: str) -> int:
+    return next(i for i, line in enumerate(source.splitlines(), 1) if text in line)
 
 
 def test_every_compat_entry_names_the_versions_it_was_checked_against() -> None:
@@ -174,10 +229,11 @@ def test_every_compat_entry_names_the_versions_it_was_checked_against() -> None:
             if fn.__module__ != module.__name__ or name.startswith("_"):
                 continue
             doc = inspect.getdoc(fn) or ""
-            checked = re.search(r"Checked: (torch|transformers|peft) ([^\n]+)", doc)
+            checked = re.search(r"Checked: (torch|transformers|peft|accelerate) ([^\n]+)", doc)
             assert checked, f"{module.__name__}.{name} does not say which versions it was checked against"
             listed = re.findall(r"\d+\.\d+\.\d+", checked.group(2))
-            known = hf_compat.CHECKED_PEFT if checked.group(1) == "peft" else versions
+            known = {"peft": hf_compat.CHECKED_PEFT,
+                     "accelerate": hf_compat.CHECKED_ACCELERATE}.get(checked.group(1), versions)
             assert listed and set(listed) <= set(known), (name, listed, known)
 
 

@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 import torchtp
-from torchtp import DistributedModelWrapper, runtime
-from torchtp.devices import backend_devices, default_device
-from torchtp.runtime import TensorParallelConfig
+from torchtp import DistributedModelWrapper
+from torchtp.comm import runtime
+from torchtp.comm.devices import backend_devices, default_device
+from torchtp.comm.runtime import TensorParallelConfig
 
 from ._models import mlp
 
@@ -70,7 +71,7 @@ def test_backend_choice(monkeypatch, asked, cuda, chosen):
 
 def _cpu_model_under_nccl(rank: int, world: int) -> str:
     """Rank 1 sees its group as NCCL (the selection logic under test), rank 0 as Gloo."""
-    from torchtp import devices
+    from torchtp.comm import devices
 
     if rank == 1:
         devices.group_backend = lambda group: "nccl"  # type: ignore[assignment]

@@ -22,15 +22,15 @@ import pytest
 import torch
 
 import torchtp
-import torchtp.regions
-import torchtp.runtime
+import torchtp.comm.regions
+import torchtp.comm.runtime
 import torchtp.shard
 import torchtp.signal
 import torchtp.slicing
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NAMESPACES = [torchtp, torchtp.regions, torchtp.shard, torchtp.signal, torchtp.slicing]
+NAMESPACES = [torchtp, torchtp.comm.regions, torchtp.shard, torchtp.signal, torchtp.slicing]
 # Where the docs state a signature (not an example call): a heading, a table's
 # first cell, or a plain (language-less) code block holding only the signature.
 _CALL = r"(?P<name>[A-Za-z_][\w.]*)\((?P<args>[^()`]*(?:\([^()`]*\)[^()`]*)*)\)(?: -> [^`\n]*)?"
@@ -144,10 +144,10 @@ def test_nccl_without_cuda_falls_back_to_gloo_as_documented(monkeypatch, caplog)
     assert '`"nccl"` without CUDA falls back to `"gloo"`' in api
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="torchtp"):
-        assert torchtp.runtime._pick_backend("nccl") == "gloo"
+        assert torchtp.comm.runtime._pick_backend("nccl") == "gloo"
     assert "CUDA is not available: using 'gloo'" in caplog.text
     with pytest.raises(ValueError, match="unknown backend 'ncc'"):
-        torchtp.runtime._pick_backend("ncc")
+        torchtp.comm.runtime._pick_backend("ncc")
 
 
 # `name>=1.2` written in prose or a table: the bounds pyproject.toml declares.
@@ -189,3 +189,73 @@ def test_readme_install_line_installs_what_make_installs() -> None:
     extras = re.search(r'-e "\.\[(?P<extras>[^\]]+)\]"', (ROOT / "Makefile").read_text())
     assert extras is not None
     assert f'-e ".[{extras.group("extras")}]"' in (ROOT / "README.md").read_text()
+
+
+# The dependencies a user installs (the hard one and the framework extras): the
+# README must state each one's lower bound, equal to pyproject.toml's.
+USER_DEPENDENCIES = ("torch", "transformers", "accelerate", "peft", "lightning")
+
+
+def readme_bound_problems(readme: str, declared: dict[str, str]) -> list[str]:
+    """Each user-facing dependency the README states no bound for, or a different one."""
+    stated: dict[str, set[str]] = {}
+    for name, version in _stated_bounds(readme):
+        stated.setdefault(name, set()).add(version)
+    problems = []
+    for name in USER_DEPENDENCIES:
+        if name not in stated:
+            problems.append(f"README states no `{name}>=` bound (pyproject.toml: {name}>={declared[name]})")
+        elif stated[name] != {declared[name]}:
+            problems.append(f"README states {name}>={sorted(stated[name])}, pyproject.toml declares "
+                            f"{name}>={declared[name]}")
+    return problems
+
+
+def test_readme_states_every_dependency_bound_as_pyproject_declares() -> None:
+    declared = _declared_bounds()
+    assert set(USER_DEPENDENCIES) <= set(declared), sorted(declared)
+    assert not readme_bound_problems((ROOT / "README.md").read_text(), declared)
+    wrong = [f"{page.name} says {name}>={version}, pyproject.toml declares {name}>={declared[name]}"
+             for page in PAGES if page.name != "decisions.md"  # history quotes the old bounds
+             for name, version in _stated_bounds(page.read_text())
+             if name in declared and declared[name] != version]
+    assert not wrong, wrong
+
+
+def test_readme_bound_check_catches_a_missing_or_stale_bound() -> None:
+    declared = _declared_bounds()
+    readme = (ROOT / "README.md").read_text()
+    assert readme_bound_problems(readme.replace("`peft>=", "`peft=="), declared) == [
+        f"README states no `peft>=` bound (pyproject.toml: peft>={declared['peft']})"]
+    stale = readme.replace(f"`lightning>={declared['lightning']}`", "`lightning>=2.0`")
+    assert readme_bound_problems(stale, declared) == [
+        f"README states lightning>=['2.0'], pyproject.toml declares lightning>={declared['lightning']}"]
+
+
+def _ci_command() -> str:
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    return [line for line in lines if line and not line.startswith("#")][-1]
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    stated = re.search(r"`([^`]+)` is the test command", (ROOT / "README.md").read_text())
+    assert stated is not None, "README names no test command"
+    assert stated.group(1) == _ci_command(), (stated.group(1), _ci_command())
+    target = stated.group(1).removeprefix("make ")
+    assert re.search(rf"^{re.escape(target)}:", (ROOT / "Makefile").read_text(), re.M)
+
+
+def test_license_is_an_spdx_string_with_its_files_and_a_backend_that_reads_it() -> None:
+    """setuptools deprecates the table form of ``project.license`` (removed 2027-02-18);
+    PEP 639's SPDX string and ``license-files`` need setuptools >= 77."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    assert isinstance(project["license"], str) and re.fullmatch(r"[\w.-]+( (AND|OR) [\w.-]+)*",
+                                                                project["license"])
+    assert project["license-files"] and all((ROOT / f).is_file() for f in project["license-files"])
+    assert not any(c.startswith("License ::") for c in project.get("classifiers", []))
+    setuptools = [r for r in pyproject["build-system"]["requires"] if r.startswith("setuptools")]
+    bound = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", setuptools[0])
+    assert bound is not None and int(bound.group(1)) >= 77, setuptools

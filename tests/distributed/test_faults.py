@@ -277,7 +277,7 @@ class _LateWork:
 def test_a_collective_finishing_right_after_a_poll_timeout_is_not_a_failure():
     # Seen under load: the poll's wait timed out, the work completed before
     # is_completed() was asked, and a successful all-reduce was reported as failed.
-    from torchtp import _health
+    from torchtp.comm import health as _health
 
     assert _health._waited(_LateWork(completes=True), None, 0) is True
     assert _health._waited(_LateWork(completes=False), None, 0) is False
@@ -381,7 +381,7 @@ def test_a_backward_that_raises_on_one_rank_poisons_the_group(ranks, direct):
 
 def _exit_protection(rank: int, world: int) -> dict[str, object]:
     """On a group the harness started (not torchtp): a handled input mismatch, then exit waits."""
-    from torchtp import _health
+    from torchtp.comm import health as _health
 
     tp, _ = _wrapped()
     tp.train()
@@ -403,7 +403,7 @@ def _exit_protection(rank: int, world: int) -> dict[str, object]:
 
 def _timed_barrier(timeout: float) -> tuple[bool, float]:
     """``(everyone arrived, seconds)`` of torchtp's exit barrier on the default group."""
-    from torchtp import _health
+    from torchtp.comm import health as _health
 
     start = time.monotonic()
     arrived = _health.exit_barrier(dist.group.WORLD, timeout)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchtp import get_tensor_parallel_config, grad_sync
+from torchtp import get_tensor_parallel_config
+from torchtp.layers import grad_sync
 
 
 def _sync(rank: int, world_size: int) -> list[float]:

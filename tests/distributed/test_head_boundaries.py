@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from torchtp import DistributedModelWrapper
-from torchtp.layouts import head_share
+from torchtp.core.layouts import head_share
 from torchtp.plans import Rowwise
 from torchtp.plans.styles_heads import HeadColumns
 

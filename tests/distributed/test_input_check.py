@@ -1,4 +1,4 @@
-"""Every forward checks that all TP ranks got the same inputs (torchtp.input_check).
+"""Every forward checks that all TP ranks got the same inputs (torchtp.guards.input_check).
 
 One 2-rank run per model family covers the cases: different batches at step 2
 of training, in eval, through ``base_model``, through a PEFT model and through

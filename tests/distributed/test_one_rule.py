@@ -1,13 +1,13 @@
 """One split rule, one cut, one reduction enum across the TP core and the seed-document cores.
 
-* Split rule: :func:`torchtp.layouts.shard_range` is the only function that
-  computes which part of a dimension a rank holds. ``shard.Sharding.offsets``
+* Split rule: :func:`torchtp.core.layouts.shard_range` is the only function that
+  computes which part of a dimension a rank holds (``core/layouts.py``). ``shard.Sharding.offsets``
   (the shard dialect's even split), ``slicing.split_offsets`` (the slicing
   document's ``balance_workload`` on/off) and the sequence shards call it with
   the rule their documents specify (``"balanced"`` or ``"ceil"``).
-* Reductions: ``reductions.Reduction`` is the one enum; slicing's
+* Reductions: ``comm.reductions.Reduction`` is the one enum; slicing's
   ``ReduceOperation`` spells its members (``MEAN`` is ``AVERAGE``) and
-  ``reductions.torch_op`` is the one map to a ``torch.distributed`` op.
+  ``comm.reductions.torch_op`` is the one map to a ``torch.distributed`` op.
 
 The source scan (:func:`split_rule_sites`) is a heuristic, justified as
 follows. Every split rule in torchtp's history (layouts' balanced rule,
@@ -18,7 +18,7 @@ written with one of two integer idioms on a size and a rank count: ``divmod``
 count or a size (``world``, ``part``, ``tp``, ``shard``, ``size``) catches a
 reintroduced rule of either kind, while index arithmetic on other names
 (``divmod(slot, count)`` in the step check's sampler) stays legal.
-``layouts.py`` is the one file allowed to hold them.
+``core/layouts.py`` is the one file allowed to hold them.
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtp import _comm, layouts, reductions
-from torchtp.layouts import shard_offsets, shard_range, shard_sizes
-from torchtp.reductions import TORCH_OPS, Reduction, torch_op
-from torchtp.sequence_parallel import shard_length
+from torchtp.comm import ops as _comm
+from torchtp.comm import reductions
+from torchtp.comm.reductions import TORCH_OPS, Reduction, torch_op
+from torchtp.comm.sequence_parallel import shard_length
+from torchtp.core import layouts
+from torchtp.core.layouts import shard_offsets, shard_range, shard_sizes
 from torchtp.shard import Sharding, ops_gather, ops_rooted, shard_bounds
 from torchtp.slicing import ReduceOperation, gather, slice_tensor, split_offsets
 from torchtp.slicing.types import Concat, reduction_of
 
-SRC = Path(layouts.__file__).resolve().parent
+SRC = Path(layouts.__file__).resolve().parents[1]
 SPLIT_NAMES = ("world", "part", "tp", "shard", "size")
 
 
@@ -79,11 +81,11 @@ def split_rule_sites(source: str, filename: str) -> list[str]:
 def test_no_split_rule_outside_layouts():
     sites = []
     for path in sorted(SRC.rglob("*.py")):
-        if path.name == "layouts.py" and path.parent == SRC:
+        if path == Path(layouts.__file__).resolve():
             continue
         sites += split_rule_sites(path.read_text(), str(path.relative_to(SRC)))
     assert sites == [], ("these functions compute a shard's share themselves; call "
-                         f"torchtp.layouts.shard_range (with rule=) instead: {sites}")
+                         f"torchtp.core.layouts.shard_range (with rule=) instead: {sites}")
 
 
 def test_the_scan_finds_a_reintroduced_split_rule():
@@ -170,12 +172,12 @@ def test_each_reduction_maps_to_one_torch_op_everywhere():
 
 
 def test_no_torch_reduce_op_chosen_outside_reductions():
-    """Only reductions.py names ``ReduceOp`` members; everything else asks ``torch_op``.
+    """Only comm/reductions.py names ``ReduceOp`` members; everything else asks ``torch_op``.
 
     ``integrations/transformers.py`` averages DP gradients with torch's own
     ``ReduceOp.AVG`` (a DDP-style average, not a torchtp ``Reduction``).
     """
-    allowed = {"reductions.py", "integrations/transformers.py"}
+    allowed = {"comm/reductions.py", "integrations/transformers.py"}
     sites = []
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
@@ -185,4 +187,4 @@ def test_no_torch_reduce_op_chosen_outside_reductions():
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
                     and node.value.attr == "ReduceOp":
                 sites.append(f"{rel}:{node.lineno}")
-    assert sites == [], f"map reductions through torchtp.reductions.torch_op: {sites}"
+    assert sites == [], f"map reductions through torchtp.comm.reductions.torch_op: {sites}"

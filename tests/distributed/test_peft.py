@@ -122,3 +122,9 @@ def _more_archs(rank: int, world_size: int) -> bool:
 @pytest.mark.slow
 def test_lora_gpt2_and_replicated_kv_heads(ranks):
     assert ranks(_more_archs, 4, timeout=500) == [True] * 4
+
+
+def test_peft_imported_after_the_wrap_is_refused_at_the_first_forward(ranks):
+    from ._late_peft import peft_imported_after_the_wrap
+
+    assert ranks(peft_imported_after_the_wrap, 2) == [[False, False]] * 2

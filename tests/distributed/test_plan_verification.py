@@ -136,7 +136,7 @@ def test_unverifiable_split_from_a_builtin_plan_stays_whole_with_its_sibling_out
 
 
 def test_verdicts_are_part_of_the_fingerprint_the_ranks_agree_on():
-    from torchtp import checks
+    from torchtp.guards import checks
     from torchtp.plans import ShardContext
 
     wrapped = torchtp.DistributedModelWrapper(_codegen_with_hf_plan(), world_size=2, rank=1)

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtp import reductions, shard
-from torchtp.reductions import TORCH_OPS, Reduction, reduce_stack
+from torchtp import shard
+from torchtp.comm import reductions
+from torchtp.comm.reductions import TORCH_OPS, Reduction, reduce_stack
 from torchtp.slicing import ReduceOperation
 from torchtp.slicing.types import reduction_of
 
@@ -21,7 +22,7 @@ def test_shard_dialect_and_slicing_name_the_same_reductions():
     # Plain strings look the torch op up too (the collectives pass "sum").
     assert TORCH_OPS["sum"] == dist.ReduceOp.SUM
     assert TORCH_OPS[Reduction.AVERAGE] == dist.ReduceOp.SUM  # callers divide
-    assert not hasattr(__import__("torchtp._comm", fromlist=["x"]), "REDUCE_OPS")
+    assert not hasattr(__import__("torchtp.comm.ops", fromlist=["x"]), "REDUCE_OPS")
 
 
 def test_parse_names_every_reduction_on_a_bad_value():

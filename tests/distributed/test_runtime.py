@@ -125,7 +125,7 @@ def test_guide_backend_nccl_falls_back_to_gloo_without_cuda(ranks):
     (8, {"dp": 2, "tp": 4}, {"dp": 2, "tp": 4}),
 ])
 def test_mesh_sizes_fill_the_world_with_one_dimension(world, sizes, expected):
-    from torchtp.mesh import MESH_DIMS, mesh_sizes
+    from torchtp.comm.mesh import MESH_DIMS, mesh_sizes
 
     got = mesh_sizes(world, sizes)
     assert got == expected and tuple(got) == MESH_DIMS
@@ -140,14 +140,14 @@ def test_mesh_sizes_fill_the_world_with_one_dimension(world, sizes, expected):
     ({"tp": 0}, r"tp=0 must divide the world size 8"),
 ])
 def test_mesh_sizes_refuse_with_the_valid_values(sizes, match):
-    from torchtp.mesh import mesh_sizes
+    from torchtp.comm.mesh import mesh_sizes
 
     with pytest.raises(ValueError, match=match):
         mesh_sizes(8, sizes)
 
 
 def test_resolve_group_is_the_one_rule_for_no_group(monkeypatch):
-    from torchtp.runtime import resolve_group
+    from torchtp.comm.runtime import resolve_group
 
     assert resolve_group() is None and resolve_group(dim="dp") is None  # one process
     monkeypatch.setenv("WORLD_SIZE", "2")

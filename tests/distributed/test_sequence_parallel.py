@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtp.sequence_parallel import pad_sequence, shard_length
+from torchtp.comm.sequence_parallel import pad_sequence, shard_length
 
 from ._sp_checks import check_linear_on_gathered, check_sequence_parallel_suite, dp2_tp2_ddp
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtp import step_check
+from torchtp.guards import step_check
 
 from . import _step_checks as checks
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import torchtp
 from torchtp.checkpoint import reshard
-from torchtp.layouts import group_share, shard_range, shard_sizes, valid_sizes
+from torchtp.core.layouts import group_share, shard_range, shard_sizes, valid_sizes
 
 from ._ckpt_checks import assert_exact
 from ._ckpt_checks import check_archs as check_checkpoints

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import _health
-from .._objects import all_gather_object
-from .._timeout import collective_timeout
-from ..agreement import agree
+from ..comm import health as _health
+from ..comm.objects import all_gather_object
+from ..comm.timeout import collective_timeout
+from ..guards.agreement import agree
 
 TMP_SUFFIX = ".tmp-torchtp"
 OLD_SUFFIX = ".old-torchtp"

@@ -41,9 +41,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from .._objects import all_gather_object
-from ..layouts import ParamLayout, shard_range
-from ..runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
+from ..comm.objects import all_gather_object
+from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
+from ..core.layouts import ParamLayout, shard_range
 from .atomic import enter
 from .placements import placements
 

@@ -23,13 +23,13 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from .. import grad_sync
-from .._logging import logger
-from .._torch_compat import set_module_tensor
-from ..agreement import agree
-from ..devices import default_device
-from ..fingerprints import tensor_digest
-from ..runtime import ProcessGroup, group_size
+from ..comm.devices import default_device
+from ..comm.runtime import ProcessGroup, group_size
+from ..core.log import logger
+from ..core.torch_compat import set_module_tensor
+from ..guards.agreement import agree
+from ..guards.fingerprints import tensor_digest
+from ..layers import grad_sync
 from .build import build_on_meta, load_config
 from .placements import Placement, placements
 from .sources import Source, TorchTPSource, open_source

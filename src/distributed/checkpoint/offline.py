@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .._logging import logger
+from ..core.log import logger
 from ..plans import ResolvedPlan, ShardContext, apply_plan, resolve_plan
 from .atomic import TMP_SUFFIX, check_target, make_tmp, publish
 from .build import build_on_meta, load_config

@@ -1,7 +1,7 @@
 """Every checkpoint tensor of a (wrapped) model: its name, owners and layout.
 
 Parallel layers own the layouts of their parameters (read with
-:func:`torchtp.layers.layouts_of`, see :mod:`torchtp.layouts`); every other
+:func:`torchtp.layers.layouts_of`, see :mod:`torchtp.core.layouts`); every other
 parameter and every persistent buffer is replicated. Tied parameters
 (one Parameter object under several names) become one entry whose first
 name is the checkpoint name and whose other names are aliases, as HF saves
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._torch_compat import persistent_buffers
+from ..core.layouts import ParamLayout, replicated
+from ..core.torch_compat import persistent_buffers
 from ..layers import layouts_of
-from ..layouts import ParamLayout, replicated
 
 
 @dataclass

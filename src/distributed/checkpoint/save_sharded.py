@@ -7,9 +7,9 @@ import json
 import os
 from typing import Any
 
-from .._logging import logger
-from .._objects import all_gather_object
 from .._version import __version__
+from ..comm.objects import all_gather_object
+from ..core.log import logger
 from .atomic import group_size, make_tmp, publish_agreed, step, validate
 from .fmt import FORMAT, FORMAT_VERSION, METADATA_FILE, rank_file
 from .placements import Placement, checkpoint_local, placements

@@ -30,9 +30,10 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from ..agreement import agree
-from ..fingerprints import tensor_digest
-from ..runtime import group_size
+from ..comm.runtime import group_size
+from ..core import torch_compat
+from ..guards.agreement import agree
+from ..guards.fingerprints import tensor_digest
 from .atomic import enter
 from .placements import placements
 
@@ -74,16 +75,16 @@ def identity(wrapper: Any) -> dict[str, Any]:
 
 def stamp(state_dict: dict[str, Any], wrapper: Any) -> dict[str, Any]:
     """Record :func:`identity` in ``state_dict._metadata`` (absent: left unstamped)."""
-    meta = getattr(state_dict, "_metadata", None)
-    if isinstance(meta, dict):
+    meta = torch_compat.state_dict_metadata(state_dict)
+    if meta is not None:
         meta.setdefault("", {})[KEY] = identity(wrapper)
     return state_dict
 
 
 def recorded(state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
     """The identity :func:`stamp` recorded, or ``None``."""
-    meta = getattr(state_dict, "_metadata", None)
-    entry = meta.get("", {}).get(KEY) if isinstance(meta, dict) else None
+    meta = torch_compat.state_dict_metadata(state_dict)
+    entry = meta.get("", {}).get(KEY) if meta is not None else None
     return entry if isinstance(entry, dict) else None
 
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..devices import default_device
-from ..wrapper import DistributedModelWrapper
+from ..comm.devices import default_device
+from ..wrap.wrapper import DistributedModelWrapper
 from ._hf import build_model, has_weights, load_config, load_pretrained, parse_dtype
 
 

@@ -8,18 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._comm import count_collectives
+from ..comm.ops import count_collectives
 from ..layers import layouts_of
 from ._common import add_rank_options, dump_json, human_bytes, positive_int, progress, table
 from ._launch import launch, pick_backend
-from ._ranks import (
-    load_model,
-    load_sharded,
-    peak_device_bytes,
-    peak_rss_bytes,
-    random_tokens,
-    say,
-)
+from ._ranks import load_model, load_sharded, peak_device_bytes, peak_rss_bytes, random_tokens, say
 from .plan import require_splittable
 
 HELP = "run the sharded model on N processes and compare with the unsharded model"

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from .dims import ModelDims, dims_from_config, read_config
 from .hardware import PRESETS, Hardware, get_hardware
-from .model import PHASES, Estimate, allreduce_time, estimate, gemm_time, ring_steps, slowdown, sweep
+from .model import (
+    PHASES,
+    Estimate,
+    allreduce_time,
+    estimate,
+    gemm_time,
+    ring_steps,
+    slowdown,
+    sweep,
+)
 
 __all__ = [
     "PHASES",

@@ -4,7 +4,7 @@ transformers reorganises attention modules and model internals between
 releases; code elsewhere in torchtp calls these functions, so such a change
 breaks one function here (and ``make compat`` says which).
 ``tests/distributed/test_compat_fence.py`` fails when a transformers private
-name is used outside this module and ``_torch_compat.py``.
+name is used outside this module and ``core/torch_compat.py``.
 
 Each entry names the transformers releases it was checked against (``make
 compat`` runs them); ``CHECKED_TRANSFORMERS`` is that list.
@@ -18,6 +18,7 @@ from torch import nn
 
 CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0", "5.24.0")
 CHECKED_PEFT = ("0.21.2",)
+CHECKED_ACCELERATE = ("1.15.0",)
 # The oldest release torchtp supports (pyproject's lower bound, run by ``make
 # compat``). Older releases ship tp plans torchtp would follow into wrong
 # gradients: before 5.3 Qwen3's plan leaves the per-head ``q_norm``/``k_norm``
@@ -153,6 +154,40 @@ def peft_all_linear_owner() -> tuple[Any, str]:
     from peft.tuners import tuners_utils
 
     return tuners_utils, "_maybe_include_all_linear_layers"
+
+
+def peft_check_forward_args(layer: Any, x: Any, *args: Any, **kwargs: Any) -> None:
+    """Run a PEFT LoRA layer's own argument checks (adapter names, merged state).
+
+    Checked: peft 0.21.2 (``LoraLayer._check_forward_args``).
+    """
+    layer._check_forward_args(x, *args, **kwargs)
+
+
+def peft_cast_input_dtype(layer: Any, x: Any, dtype: Any) -> Any:
+    """``x`` cast to an adapter weight's dtype as PEFT's own LoRA forward does.
+
+    Checked: peft 0.21.2 (``LoraLayer._cast_input_dtype``, which honours
+    ``autocast_adapter_dtype``).
+    """
+    return layer._cast_input_dtype(x, dtype)
+
+
+def accelerate_prepared(data_loader: Any) -> bool:
+    """Whether accelerate prepared ``data_loader`` already.
+
+    Checked: accelerate 1.15.0 (the ``_is_accelerate_prepared`` flag).
+    """
+    return bool(getattr(data_loader, "_is_accelerate_prepared", False))
+
+
+def accelerate_track_dataloader(acc: Any, data_loader: Any) -> None:
+    """Register a data loader prepared outside ``Accelerator.prepare`` with ``acc``, as
+    ``prepare_data_loader`` does, so ``acc.save_state``/``skip_first_batches`` see it.
+
+    Checked: accelerate 1.15.0 (``Accelerator._dataloaders``).
+    """
+    acc._dataloaders.append(data_loader)
 
 
 # Trainer methods TensorParallelTrainer overrides (gradient clipping and the

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import RowParallelLinear
-from ..loss import vocab_parallel_cross_entropy
+from ..layers.loss import vocab_parallel_cross_entropy
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.registry import STYLES
 from ..plans.styles import Colwise

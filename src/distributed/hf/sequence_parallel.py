@@ -23,18 +23,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..grad_sync import GradSync, mark
+from ..comm.sequence_parallel import (
+    gather_for_tensor_parallel,
+    gather_from_sequence_shards,
+    scatter_to_sequence_shards,
+)
 from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..layers.grad_sync import GradSync, mark
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.linear_view import linear_view
 from ..plans.registry import STYLES
 from ..plans.styles import Colwise, Rowwise
 from ..plans.styles_sp import SequenceParallel
-from ..sequence_parallel import (
-    gather_for_tensor_parallel,
-    gather_from_sequence_shards,
-    scatter_to_sequence_shards,
-)
 from .detect import is_hf_model
 
 SEQ_DIM = 1  # HF hidden states are (B, T, d)
@@ -208,7 +208,7 @@ def _map_hidden(args: tuple, kwargs: dict, fn: Any) -> tuple[tuple, dict]:
 def install_sequence_parallel(model: nn.Module, sp: SequencePlan, ctx: ShardContext) -> None:
     """After the swap: mark the projections and register the shard/gather hooks.
 
-    Call :func:`torchtp.grad_sync.install` afterwards (the out-projection
+    Call :func:`torchtp.layers.grad_sync.install` afterwards (the out-projection
     biases' gradients are summed over the TP group).
     """
     if ctx.world_size == 1:

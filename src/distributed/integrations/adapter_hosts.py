@@ -9,14 +9,11 @@ the base. Nothing here imports PEFT unless PEFT is in use.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-
-from ..plans.sources import HUGGINGFACE, is_family
 
 
 @dataclass
@@ -29,22 +26,48 @@ class Detached:
 
 
 def peft_loaded() -> bool:
-    """True when PEFT is imported (then torchtp's PEFT hooks are installed too)."""
+    """True when PEFT is imported; then torchtp's PEFT hooks are installed too (once)."""
     if "peft" not in sys.modules:
         return False
-    importlib.import_module("torchtp.integrations.peft")  # installs the hooks (idempotent)
+    from . import peft
+
+    peft.install()
+    _PEFT_READY.append(True)
     return True
 
 
 def prepare_peft(model: nn.Module) -> bool:
-    """Install torchtp's PEFT hooks when PEFT may be used on this HF model.
-
-    A wrapped HF model is what users hand to ``get_peft_model`` next, so
-    PEFT is imported now when it is installed (not merely when it is loaded).
-    """
-    if "peft" not in sys.modules and is_family(model, HUGGINGFACE) and importlib.util.find_spec("peft"):
-        importlib.import_module("peft")
+    """Install torchtp's PEFT hooks when PEFT is imported; never import PEFT for a model
+    that holds none of its layers (see :func:`check_late_peft` for PEFT imported later)."""
     return peft_loaded()
+
+
+def check_late_peft(model: nn.Module) -> None:
+    """Before a forward at tp > 1: PEFT imported after the wrap is taught torchtp's layers now.
+
+    ``get_peft_model(wrapped.base_model, ...)`` after ``import peft`` that came after
+    the wrap builds its LoRA layers without torchtp's hooks: PEFT refuses explicit
+    torchtp targets, and ``target_modules="all-linear"`` leaves every torchtp layer
+    out. Such adapters are refused here, on every rank alike.
+
+    Raises:
+        ValueError: the model holds LoRA layers built before torchtp's PEFT hooks
+            were installed, naming one and the fix.
+    """
+    if "peft" not in sys.modules or _PEFT_READY:
+        return
+    built = next((name for name, m in model.named_modules()
+                  if type(m).__module__.startswith("peft.")), None)
+    if built is not None:
+        raise ValueError(
+            f"'{built}' is a PEFT layer built before torchtp's PEFT support was installed "
+            "(peft was imported after DistributedModelWrapper(...)), so PEFT did not adapt "
+            "torchtp's parallel layers (\"all-linear\" leaves them out); import peft before "
+            "wrapping the model, then call get_peft_model(wrapped.base_model, ...)")
+    peft_loaded()
+
+
+_PEFT_READY: list[bool] = []  # non-empty once the hooks are installed
 
 
 def detach_adapters(model: nn.Module) -> list[Detached]:

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..agreement import agree
+from ..comm.runtime import get_tensor_parallel_config
+from ..guards.agreement import agree
 from ..layers import layouts_of
 from ..plans.sources import HUGGINGFACE, is_family
-from ..runtime import get_tensor_parallel_config
 
 # HF save_pretrained arguments the consolidated save honours (or may ignore:
 # rank 0 writes in any case, so is_main_process changes nothing).

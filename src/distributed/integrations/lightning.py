@@ -27,7 +27,7 @@ from torch import nn
 
 from ..hf.detect import is_hf_model
 from ..layers import layouts_of
-from ..wrapper import DistributedModelWrapper
+from ..wrap.wrapper import DistributedModelWrapper
 
 
 def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
@@ -68,7 +68,7 @@ def _clip(model: nn.Module, optimizer: Any, gradient_clip_val: float | None = No
     if gradient_clip_algorithm not in (None, "norm"):
         raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported "
                          "under tensor parallelism; use 'norm' (torchtp.clip_grad_norm_)")
-    from ..clip import clip_grad_norm_
+    from ..training.clip import clip_grad_norm_
 
     clip_grad_norm_([p for p in model.parameters() if p.grad is not None], gradient_clip_val)
 
@@ -92,7 +92,7 @@ def _make_fabric_clipping_tp_aware() -> None:
                             norm_type: float = 2.0, error_if_nonfinite: bool = True) -> Any:
         if not any(layouts_of(m) for m in module.modules()):
             return original(self, module, optimizer, max_norm, norm_type, error_if_nonfinite)
-        from ..clip import clip_grad_norm_
+        from ..training.clip import clip_grad_norm_
 
         self.precision.unscale_gradients(optimizer)
         params = [p for p in self.precision.main_params(optimizer) if p.grad is not None]

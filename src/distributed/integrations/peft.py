@@ -38,26 +38,25 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from .. import grad_sync
-from ..agreement import agree
 from ..checkpoint.atomic import enter
 from ..checkpoint.placements import placements
 from ..checkpoint.save_pretrained import gather_full
 from ..checkpoint.save_sharded import gather_layouts
-from ..grad_sync import GradSync
-from ..hf import compat
-from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..layers._base import require_group
-from ..layers._shape import input_mismatch
-from ..layers.owned import ShardedModule, layouts_of
-from ..layouts import ParamLayout
-from ..regions import (
+from ..comm.regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     rank_local_error,
     reduce_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from ..core.layouts import ParamLayout
+from ..guards.agreement import agree
+from ..hf import compat
+from ..layers import ColumnParallelLinear, RowParallelLinear, grad_sync
+from ..layers._base import require_group
+from ..layers._shape import input_mismatch
+from ..layers.grad_sync import GradSync
+from ..layers.owned import ShardedModule, layouts_of
 
 PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
 # Initialisations PEFT draws without reading the base weight (PiSSA, OLoRA,
@@ -114,7 +113,7 @@ class TensorParallelLoraLinear(LoraLinear):
                              "set_adapter(...)")
         if self.disable_adapters or self.merged or not active or base.world_size == 1:
             return super().forward(x, *args, **kwargs)
-        self._check_forward_args(x, *args, **kwargs)
+        compat.peft_check_forward_args(self, x, *args, **kwargs)
         if base.sequence_dim is not None:
             # The LoRA terms would need the sequence-parallel regions of the base
             # (no input all-reduce, a reduce-scatter out); refuse rather than guess.
@@ -132,7 +131,7 @@ class TensorParallelLoraLinear(LoraLinear):
         for name in active:
             a: Any = self.lora_A[name]
             b: Any = self.lora_B[name]
-            xa = self._cast_input_dtype(x, a.weight.dtype)
+            xa = compat.peft_cast_input_dtype(self, x, a.weight.dtype)
             h = copy_to_tensor_parallel_region(a(self.lora_dropout[name](xa)), group)  # (..., r)
             delta = b(h) * self.scaling[name]  # (..., out/tp)
             if base.gather_output:
@@ -154,7 +153,7 @@ class TensorParallelLoraLinear(LoraLinear):
         for name in active:
             a: Any = self.lora_A[name]
             b: Any = self.lora_B[name]
-            xa = self._cast_input_dtype(x, a.weight.dtype)
+            xa = compat.peft_cast_input_dtype(self, x, a.weight.dtype)
             lora = b(a(self.lora_dropout[name](xa))) * self.scaling[name]  # (..., out) partial
             partial = partial + lora.to(partial.dtype)
         y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
@@ -351,7 +350,11 @@ def _include_all_linear(original: Any) -> Any:
 
 
 def install() -> None:
-    """Teach PEFT torchtp's layers (idempotent; done on import of this module).
+    """Teach PEFT torchtp's layers (idempotent).
+
+    Called when torchtp meets PEFT in use: a wrap while PEFT is imported, a
+    wrapped model holding LoRA layers, or the first forward after PEFT was
+    imported (see ``integrations/adapter_hosts.py``); never on import.
 
     Three hooks: LoRA targets whose base is a torchtp layer register
     :class:`TensorParallelLoraLinear` on their ``LoraConfig`` (PEFT's
@@ -366,6 +369,3 @@ def install() -> None:
         setattr(module, fname, _include_all_linear(getattr(module, fname)))
     if not getattr(PeftModel.save_pretrained, "_torchtp", False):
         PeftModel.save_pretrained = _save_pretrained(PeftModel.save_pretrained)  # type: ignore[method-assign]
-
-
-install()

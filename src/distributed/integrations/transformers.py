@@ -32,12 +32,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import Trainer
 
-from .. import clip
-from ..agreement import agree
 from ..checkpoint.placements import placements
+from ..comm.runtime import get_tensor_parallel_config
+from ..guards.agreement import agree
 from ..hf import compat
-from ..runtime import get_tensor_parallel_config
-from ..wrapper import DistributedModelWrapper
+from ..training import clip
+from ..wrap.wrapper import DistributedModelWrapper
 from .ddp_refusal import tensor_parallel_size
 
 _SCHEDULER = "scheduler.pt"
@@ -194,7 +194,7 @@ def _prepare_data_loader(acc: Any, dp_size: int, dp_rank: int, data_loader: Any,
                          device_placement: bool | None = None,
                          slice_fn_for_dispatch: Any = None) -> Any:
     """``Accelerator.prepare_data_loader`` over the DP ranks only (TP peers get the same batches)."""
-    if getattr(data_loader, "_is_accelerate_prepared", False):
+    if compat.accelerate_prepared(data_loader):
         return data_loader
     prepared = prepare_data_loader(
         data_loader, acc.device, num_processes=dp_size, process_index=dp_rank,
@@ -204,7 +204,7 @@ def _prepare_data_loader(acc: Any, dp_size: int, dp_rank: int, data_loader: Any,
         slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=acc.use_seedable_sampler,
         data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
         use_stateful_dataloader=acc.use_stateful_dataloader)
-    acc._dataloaders.append(prepared)
+    compat.accelerate_track_dataloader(acc, prepared)
     return prepared
 
 

@@ -8,19 +8,19 @@ Layer 2. May import: ``core``, ``comm``.
 
 from __future__ import annotations
 
-from .column import ColumnParallelLinear
-from .embedding import FeatureParallelEmbedding, VocabParallelEmbedding, VocabSplit
-from .owned import ShardedModule, layouts_of
+from .column import ColumnParallelLinear as ColumnParallelLinear
+from .embedding import FeatureParallelEmbedding as FeatureParallelEmbedding
+from .embedding import VocabParallelEmbedding as VocabParallelEmbedding
+from .embedding import VocabSplit
+from .owned import ShardedModule
+from .owned import layouts_of as layouts_of
 from .parallel_linear import ParallelLinear
-from .row import RowParallelLinear
+from .row import RowParallelLinear as RowParallelLinear
 
+# The layers and layouts_of (``as`` above) are exported by ``torchtp`` itself:
+# docs/api.md lists each name once; they stay importable from here, where they live.
 __all__ = [
-    "ColumnParallelLinear",
-    "FeatureParallelEmbedding",
     "ParallelLinear",
-    "RowParallelLinear",
     "ShardedModule",
-    "VocabParallelEmbedding",
     "VocabSplit",
-    "layouts_of",
 ]

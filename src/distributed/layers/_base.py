@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import MissingProcessGroupError, launch_hint
-from ..layouts import ParamLayout, replicated, split_layout, valid_sizes
-from ..runtime import ProcessGroup, resolve_group
+from ..comm.runtime import ProcessGroup, resolve_group
+from ..core.errors import MissingProcessGroupError, launch_hint
+from ..core.layouts import ParamLayout, replicated, split_layout, valid_sizes
 
 
 def resolve_placement(
@@ -35,7 +35,7 @@ def resolve_placement(
             raise ValueError(f"{who}: rank={rank} but this process is rank {me} of the group; "
                              "pass rank=None to use the group's")
         if size > 1:  # from now on a DDP around these shards leaves them alone
-            from ..ddp_guard import install
+            from .ddp_guard import install
 
             install()
         return group, size, me
@@ -51,7 +51,7 @@ def resolve_placement(
 def check_splittable(who: str, dim_name: str, value: int, world_size: int, unit: str) -> None:
     """Raise a ValueError listing the valid sizes unless every rank gets one ``unit``.
 
-    Sizes need not divide: the split is balanced (:func:`torchtp.layouts.shard_sizes`).
+    Sizes need not divide: the split is balanced (:func:`torchtp.core.layouts.shard_sizes`).
 
     Args:
         who: Layer description for the message.

@@ -6,10 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layouts import ParamLayout
-from ..regions import rank_local_error, reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region
-from ..runtime import ProcessGroup
-from ..sequence_parallel import reduce_scatter_to_sequence_shards
+from ..comm.regions import (
+    rank_local_error,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from ..comm.runtime import ProcessGroup
+from ..comm.sequence_parallel import reduce_scatter_to_sequence_shards
+from ..core.layouts import ParamLayout
 from ._base import require_group
 from ._shape import input_mismatch
 from .parallel_linear import ParallelLinear
@@ -21,7 +25,7 @@ class ColumnParallelLinear(ParallelLinear):
     The weight has PyTorch's layout ``(out_features, in_features)``; rank ``r``
     holds its balanced share of the columns (``r*in/tp : (r+1)*in/tp`` when tp
     divides in; otherwise the first ``in % tp`` ranks hold one column more, see
-    :func:`torchtp.layouts.shard_sizes`) and multiplies them with its slice
+    :func:`torchtp.core.layouts.shard_sizes`) and multiplies them with its slice
     of the input features, giving a partial sum of the full output. One
     all-reduce sums the partials, then the (replicated) bias is added exactly
     once. Megatron calls this ``RowParallelLinear`` and PyTorch/HF call it

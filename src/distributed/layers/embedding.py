@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._comm import _compiling
-from ..devices import default_device
-from ..layouts import split_layout
-from ..regions import (
+from ..comm.devices import default_device
+from ..comm.ops import _compiling
+from ..comm.regions import (
     gather_from_tensor_parallel_region,
     rank_local_error,
     reduce_from_tensor_parallel_region,
 )
-from ..runtime import ProcessGroup
+from ..comm.runtime import ProcessGroup
+from ..core.layouts import split_layout
 from ._base import check_splittable, require_group, resolve_placement
 from .owned import ShardedModule
 

@@ -1,22 +1,22 @@
 """Which slice of its full parameters a parallel layer holds: the layouts it owns.
 
-Below the layers and the checks alike: :mod:`torchtp.ddp_guard` reads the
+Below the layers and the checks alike: :mod:`torchtp.layers.ddp_guard` reads the
 layouts of whatever module DDP is given, while the layers call
-:func:`torchtp.ddp_guard.install` when they are first built over a group.
+:func:`torchtp.layers.ddp_guard.install` when they are first built over a group.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..layouts import ParamLayout
+from ..core.layouts import ParamLayout
 
 
 class ShardedModule:
     """Mixin of every module that holds a slice of its full parameters.
 
     ``tp_layouts`` maps each split parameter's name to its
-    :class:`~torchtp.layouts.ParamLayout`; parameters not listed are
+    :class:`~torchtp.core.layouts.ParamLayout`; parameters not listed are
     replicated. The module sets it when it is built and owns it from then on;
     everyone else reads it through :func:`layouts_of`.
     """

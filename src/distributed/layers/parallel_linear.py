@@ -13,15 +13,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..devices import default_device
-from ..layouts import ParamLayout, shard_range
-from ..runtime import ProcessGroup
-from ._base import (
-    check_splittable,
-    full_linear,
-    linear_layouts,
-    resolve_placement,
-)
+from ..comm.devices import default_device
+from ..comm.runtime import ProcessGroup
+from ..core.layouts import ParamLayout, shard_range
+from ._base import check_splittable, full_linear, linear_layouts, resolve_placement
 from .owned import ShardedModule
 
 L = TypeVar("L", bound="ParallelLinear")
@@ -33,7 +28,7 @@ class ParallelLinear(ShardedModule, nn.Module):
     Subclasses set ``split_dim``: 0 splits weight rows (``out_features``), 1
     splits weight columns (``in_features``). Sizes need not divide by the
     world size: rank shares follow the balanced rule of
-    :func:`torchtp.layouts.shard_sizes` (they differ by at most one).
+    :func:`torchtp.core.layouts.shard_sizes` (they differ by at most one).
 
     Attributes:
         tp_layouts: ``{"weight": ..., "bias": ...}``: which slice of the full

@@ -6,14 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import MissingProcessGroupError, launch_hint
-from ..layouts import ParamLayout
-from ..regions import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, rank_local_error
-from ..runtime import ProcessGroup
-from ..sequence_linear import linear_on_gathered
+from ..comm.regions import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    rank_local_error,
+)
+from ..comm.runtime import ProcessGroup
+from ..core.errors import MissingProcessGroupError, launch_hint
+from ..core.layouts import ParamLayout
 from ._base import require_group
 from ._shape import input_mismatch
 from .parallel_linear import ParallelLinear
+from .sequence_linear import linear_on_gathered
 
 
 class RowParallelLinear(ParallelLinear):
@@ -22,7 +26,7 @@ class RowParallelLinear(ParallelLinear):
     The weight has PyTorch's layout ``(out_features, in_features)``; rank ``r``
     holds its balanced share of the rows (``r*out/tp : (r+1)*out/tp`` when tp
     divides out; otherwise the first ``out % tp`` ranks hold one row more, see
-    :func:`torchtp.layouts.shard_sizes`) and the matching bias entries. Every
+    :func:`torchtp.core.layouts.shard_sizes`) and the matching bias entries. Every
     rank sees the full input and produces its slice of the output features, so
     the forward needs no communication. Megatron calls this
     ``ColumnParallelLinear`` and PyTorch/HF call it ``colwise``.
@@ -46,10 +50,10 @@ class RowParallelLinear(ParallelLinear):
     Attributes:
         sequence_dim: Set by sequence parallelism: the input was all-gathered
             from sequence shards along this dimension by
-            :func:`~torchtp.sequence_parallel.gather_for_tensor_parallel`, whose
+            :func:`~torchtp.comm.sequence_parallel.gather_for_tensor_parallel`, whose
             backward reduce-scatters the input gradient, so no all-reduce here;
             the weight gradient re-gathers the input from its shard instead
-            of keeping it (:mod:`torchtp.sequence_linear`).
+            of keeping it (:mod:`torchtp.layers.sequence_linear`).
 
     Raises:
         ValueError: ``out_features`` is smaller than ``world_size`` (the

@@ -8,15 +8,15 @@ is planned (``tests/distributed/test_architecture.py`` checks both).
 
 from __future__ import annotations
 
+from ..core import deprecated
 from .apply import apply_plan
 from .constraints import Constraint, check, valid_tp_sizes
 from .files import load_plan_file
 from .registry import STYLES, SUPPORTED, get_style
-from .resolve import PlanArg, match_rules, resolve_plan
-from .resolved import Plan, ResolvedPlan, Rules
+from .resolve import match_rules, resolve_plan
+from .resolved import Plan, ResolvedPlan
 from .styles import (
     Colwise,
-    LayerPlan,
     ParallelStyle,
     Replicate,
     ReplicatedWithGradAllreduce,
@@ -35,16 +35,13 @@ __all__ = [
     "EmbeddingColwise",
     "EmbeddingRowwise",
     "HeadSplit",
-    "LayerPlan",
     "ParallelStyle",
     "Part",
     "Plan",
-    "PlanArg",
     "Replicate",
     "ReplicatedWithGradAllreduce",
     "ResolvedPlan",
     "Rowwise",
-    "Rules",
     "ShardContext",
     "Unsupported",
     "apply_plan",
@@ -55,3 +52,16 @@ __all__ = [
     "resolve_plan",
     "valid_tp_sizes",
 ]
+
+# Public plan types are ``Plan`` (a plan as data) and ``ResolvedPlan`` (what the
+# wrapper applied, for inspection); the pipeline's intermediate types are internal
+# and warn here for one release (docs/api.md).
+_MOVED: deprecated.Moved = {
+    "LayerPlan": (".styles", "LayerPlan", "ResolvedPlan.layers (torchtp.plans.ResolvedPlan)"),
+    "PlanArg": (".resolve", "PlanArg", "torchtp.plans.Plan (or a plan file's path)"),
+    "Rules": (".resolved", "Rules", "torchtp.plans.Plan (a plan as data)"),
+}
+
+
+def __getattr__(name: str) -> object:
+    return deprecated.resolve(__name__, name, _MOVED)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from .. import grad_sync
-from .._logging import logger
-from ..tying import retie, tied_groups
+from ..core.log import logger
+from ..layers import grad_sync
 from .attention_local import localize_attention
 from .resolved import ResolvedPlan
 from .styles import ShardContext
+from .tying import retie, tied_groups
 
 
 def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) -> list[str]:
@@ -35,5 +35,6 @@ def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) -> l
     retie(model, ties)
     if resolved.heads:
         localize_attention(model, resolved.heads, ctx)
-    grad_sync.install(model)
+    if ctx.world_size > 1:  # a sum over one rank is the gradient itself
+        grad_sync.install(model)
     return swapped

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..layouts import cut, head_share
+from ..core.layouts import cut, head_share
 from .heads import HEAD_ATTRS, KV_ATTRS, HeadInfo
 from .sources import attention_overrides
 from .styles import ShardContext
@@ -41,7 +41,7 @@ HEAD_BIAS_KWARGS = {"alibi": True, "position_bias": False}
 
 
 def local_heads(info: HeadInfo, ctx: ShardContext) -> tuple[int, int]:
-    """This rank's ``(query heads, KV heads)`` by :func:`torchtp.layouts.head_share`."""
+    """This rank's ``(query heads, KV heads)`` by :func:`torchtp.core.layouts.head_share`."""
     (_, heads), (_, kv) = head_share(info.heads, info.kv_heads, ctx.world_size, ctx.rank)
     return heads, kv
 

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..layouts import cut
+from ..core.layouts import cut
 from .attention_local import local_overrides, narrow_head_biases
 from .dataflow import Inputs, Region, Trace, probe_mode, record
 from .heads import HeadInfo, head_info, head_parts, is_attention, query_part

@@ -1,6 +1,6 @@
 """Size constraints: what a plan needs of the tp size.
 
-Splits are balanced (:func:`torchtp.layouts.shard_sizes`), so nothing has to
+Splits are balanced (:func:`torchtp.core.layouts.shard_sizes`), so nothing has to
 divide; a split dimension only needs at least one unit (row, head, KV group)
 per rank.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..layouts import valid_sizes
+from ..core.layouts import valid_sizes
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Constraint:
 
 
 def valid_tp_sizes(constraints: Iterable[Constraint]) -> list[int]:
-    """All tp sizes (up to :data:`torchtp.layouts.MAX_TP`) that satisfy every constraint."""
+    """All tp sizes (up to :data:`torchtp.core.layouts.MAX_TP`) that satisfy every constraint."""
     return valid_sizes(*[c.value for c in constraints if not c.replicable])
 
 

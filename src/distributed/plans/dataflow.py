@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch_compat import node_inputs, node_metadata
+from ..core.torch_compat import node_inputs, node_metadata
 from .linear_view import linear_view
 
 _TAG = "torchtp_producer"  # key in an autograd node's metadata: the module that made it

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._torch_compat import shallow_copy_module
-from ..layouts import shard_range
+from ..core.layouts import shard_range
+from ..core.torch_compat import shallow_copy_module
 from .linear_view import conv1d_type, linear_view
 
 _PLAIN_FORWARDS = {nn.Linear.forward, nn.Embedding.forward}

@@ -4,7 +4,7 @@ An attention whose query/key/value projections split their output rows
 (weight rows) by whole heads (:class:`~torchtp.plans.styles_heads.HeadSplit`) hands
 each rank ``local heads * head_dim`` features. The layer that reads them, the
 output projection, must split its input columns (weight columns) at the same
-head boundaries (:func:`torchtp.layouts.head_share`). That layer is not always
+head boundaries (:func:`torchtp.core.layouts.head_share`). That layer is not always
 inside the attention module: BERT/RoBERTa keep q/k/v in ``attention.self`` and
 the output projection in the sibling ``attention.output`` (``BertSelfOutput``).
 
@@ -135,7 +135,7 @@ def _check_pair(attention: str, info: HeadInfo, producer: str, consumer: str, st
         f"(weight rows) by whole heads, giving ranks 0..{ctx.world_size - 1} the attention "
         f"output features {shown_rows}, but '{consumer}', which reads that output "
         f"(in_features={view.in_features}), splits its in_features (weight columns) as {shown_cols}. "
-        "The head boundaries must agree (torchtp.layouts.head_share); use the style 'rowwise' "
+        "The head boundaries must agree (torchtp.core.layouts.head_share); use the style 'rowwise' "
         "for it (torchtp then cuts its columns by the same heads), or a tp size that divides "
         f"the {info.heads} heads")
 

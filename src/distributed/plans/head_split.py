@@ -7,12 +7,12 @@ says so in the plan's ``why`` (shown by ``describe_plan()``). Whole KV groups
 (a KV head and its query heads) are shared out balanced when tp is at most the
 number of KV heads; with more ranks, each KV head is replicated on the ranks
 that use it and its query heads are split over them (vLLM's approach), see
-:func:`torchtp.layouts.group_share`. Shares may differ by a head or a KV group:
+:func:`torchtp.core.layouts.group_share`. Shares may differ by a head or a KV group:
 nothing has to divide. Fused ``qkv`` projections are split part by part, and
 the output projection's input columns follow the same query heads
 (:class:`~torchtp.plans.styles_heads.HeadColumns`), wherever that projection
 lives (found by :func:`~torchtp.plans.head_boundaries.output_projection`).
-Every cut follows one rule, :func:`torchtp.layouts.head_share`. After the
+Every cut follows one rule, :func:`torchtp.core.layouts.head_share`. After the
 swap, :func:`torchtp.plans.attention_local.localize_attention` gives each
 module its local head counts.
 """

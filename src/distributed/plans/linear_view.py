@@ -15,7 +15,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..layouts import ParamLayout, replicated
+from ..core.layouts import ParamLayout, replicated
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from .styles import Colwise, ParallelStyle, Replicate, ReplicatedWithGradAllreduce, Rowwise, Unsupported
+from .styles import (
+    Colwise,
+    ParallelStyle,
+    Replicate,
+    ReplicatedWithGradAllreduce,
+    Rowwise,
+    Unsupported,
+)
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
 from .styles_heads import HeadSplit
 from .styles_sp import SequenceParallel

@@ -30,8 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from .._logging import logger
-from ..tying import check_ties
+from ..core.log import logger
 from .auto import auto_plan
 from .constraints import check
 from .files import load_plan_file
@@ -41,6 +40,7 @@ from .registry import get_style
 from .resolved import Plan, ResolvedPlan, Rules
 from .sources import family_of, inner_model
 from .styles import ShardContext
+from .tying import check_ties
 from .verify import verify_heads
 
 PlanArg = Mapping[str, Any] | str | os.PathLike[str] | None

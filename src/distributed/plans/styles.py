@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..grad_sync import GradSync, mark
+from ..comm.runtime import ProcessGroup
+from ..core.layouts import ParamLayout, shard_range
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..layouts import ParamLayout, shard_range
-from ..runtime import ProcessGroup
+from ..layers.grad_sync import GradSync, mark
 from .constraints import Constraint
 from .fidelity import check_linear_forward
 from .linear_view import LinearView, linear_view

@@ -12,8 +12,8 @@ from typing import cast
 
 from torch import nn
 
+from ..core.layouts import split_layout
 from ..layers import FeatureParallelEmbedding, VocabParallelEmbedding
-from ..layouts import split_layout
 from .constraints import Constraint
 from .fidelity import embedding_splits_exactly
 from .styles import LayerPlan, ParallelStyle, ShardContext

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..grad_sync import GradSync, mark
-from ..layouts import head_share, shard_range
+from ..core.layouts import head_share, shard_range
+from ..layers.grad_sync import GradSync, mark
 from .constraints import Constraint
 from .linear_view import LinearView
 from .styles import Colwise, LayerPlan, Rowwise, ShardContext
@@ -55,7 +55,7 @@ class Part:
         return self.is_kv
 
     def unit_range(self, ctx: ShardContext) -> tuple[int, int]:
-        """This rank's ``(first unit, units)`` (whole heads; see :func:`torchtp.layouts.head_share`)."""
+        """This rank's ``(first unit, units)`` (whole heads; see :func:`torchtp.core.layouts.head_share`)."""
         if not self.kv_groups:
             return shard_range(self.units, ctx.world_size, ctx.rank)
         heads = self.kv_groups if self.is_kv else self.units  # a KV part: one head per group

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..layouts import group_ranks
-from ..runtime import get_tensor_parallel_config
+from ..comm.runtime import get_tensor_parallel_config
+from ..core.layouts import group_ranks
 from .styles import ShardContext
 
 # Keyed by the TP group object too: a group destroyed and started again in the
@@ -17,7 +17,7 @@ def sharing_subgroup(ctx: ShardContext, units: int) -> dist.ProcessGroup | None:
     """The group of ranks that hold the same one of ``units`` replicated heads.
 
     The TP ranks are shared out over the heads balanced
-    (:func:`torchtp.layouts.group_ranks`; with tp = ``units * k`` the TP ranks
+    (:func:`torchtp.core.layouts.group_ranks`; with tp = ``units * k`` the TP ranks
     ``h*k .. h*k+k-1`` share head ``h``).
     ``new_subgroups_by_enumeration`` is collective over the whole world, so
     every rank of the world creates the sub-groups of every TP group (all TP

@@ -13,9 +13,9 @@ from typing import TypeVar
 
 import torch
 
-from .. import _comm
-from ..reductions import Reduction
-from ..runtime import ProcessGroup
+from ..comm import ops as _comm
+from ..comm.reductions import Reduction
+from ..comm.runtime import ProcessGroup
 from . import _index
 from ._index import Shape
 from .grid import Grid, check_root
@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 def check_reduction(reduction: str | Reduction) -> Reduction:
-    """Return ``reduction`` as a :class:`~torchtp.reductions.Reduction` or raise ``ValueError``."""
+    """Return ``reduction`` as a :class:`~torchtp.comm.reductions.Reduction` or raise ``ValueError``."""
     return Reduction.parse(reduction)
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..runtime import ProcessGroup
+from ..comm.runtime import ProcessGroup
 from . import _index
 from ._index import Shape
 

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import _comm
-from ..layouts import shard_range
-from ..reductions import torch_op
+from ..comm import ops as _comm
+from ..comm.reductions import torch_op
+from ..core.layouts import shard_range
 from . import _common as c
 from .grid import Grid
 

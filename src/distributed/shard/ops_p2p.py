@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime import ProcessGroup
+from ..comm.runtime import ProcessGroup
 from . import _common as c
 from . import _index
 from .grid import Grid

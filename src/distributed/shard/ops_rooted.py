@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import _comm
-from ..reductions import torch_op
+from ..comm import ops as _comm
+from ..comm.reductions import torch_op
 from . import _common as c
 from .grid import Grid
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layouts import shard_offsets
+from ..core.layouts import shard_offsets
 from . import _index
 from ._index import Shape
 from .grid import Grid

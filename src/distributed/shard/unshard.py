@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _comm
+from ..comm import ops as _comm
 from ._common import group_info
 from .grid import Grid
 from .sharding import Sharding, assemble, shard_shape

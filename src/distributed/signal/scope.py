@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
-from .._torch_compat import implicit_replication
+from ..core.torch_compat import implicit_replication
 from ..shard import Grid
 from .config import SignalConfig, get_config
 

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ..layouts import shard_offsets
-from ..reductions import reduce_stack
+from ..comm.reductions import reduce_stack
+from ..core.layouts import shard_offsets
 from ..shard import Sharding, shard_bounds
 from .types import (
     GatherOp,
@@ -39,7 +39,7 @@ def split_offsets(size: int, parts: int, balance: bool = True) -> list[int]:
     ``balance=True``: sizes differ by at most one, the first ``size % parts``
     slices one larger. ``False``: ``ceil(size / parts)`` each, like ``torch.chunk``
     and DTensor's ``Shard``, with a smaller (possibly empty) tail. Both are
-    :func:`torchtp.layouts.shard_range`'s rules, so slices and TP shards agree.
+    :func:`torchtp.core.layouts.shard_range`'s rules, so slices and TP shards agree.
     """
     return shard_offsets(size, parts, "balanced" if balance else "ceil")
 

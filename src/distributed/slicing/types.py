@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ..reductions import Reduction
+from ..comm.reductions import Reduction
 from ..shard import Sharding
 
 
@@ -29,7 +29,7 @@ class Concat(str, enum.Enum):
     """The gather that puts every slice back in place (``ReduceOperation.CONCAT``).
 
     Not a reduction: it combines nothing element-wise, so it is not a
-    :class:`~torchtp.reductions.Reduction` member.
+    :class:`~torchtp.comm.reductions.Reduction` member.
     """
 
     CONCAT = "concat"
@@ -43,7 +43,7 @@ class ReduceOperation:
     """The slicing document's names for how a gather combines slices.
 
     Not a second reduction enum: the element-wise members *are*
-    :class:`~torchtp.reductions.Reduction` members (``MEAN`` is the document's
+    :class:`~torchtp.comm.reductions.Reduction` members (``MEAN`` is the document's
     name for ``AVERAGE``, so ``ReduceOperation.MEAN is Reduction.AVERAGE``);
     ``CONCAT`` is :attr:`Concat.CONCAT`.
     """

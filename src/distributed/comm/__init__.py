@@ -1,0 +1,7 @@
+"""Layer 1, process groups and collectives: the named mesh (``mesh``), the one
+group lookup (``runtime.resolve_group``), group health and bounded waits
+(``health``), the collectives' one backend path (``ops``), the differentiable
+collectives and Megatron-style region operators, devices.
+
+May import: ``core``.
+"""

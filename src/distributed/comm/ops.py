@@ -1,0 +1,334 @@
+"""Raw (non-autograd) collectives used by every torchtp operator.
+
+Each function returns a tensor the caller owns: inputs are never modified
+unless the caller passes one it created itself (``*_`` functions). Every call
+is logged under ``TP_DEBUG=1`` and recorded by :func:`count_collectives`.
+Before a collective whose shape or dtype differs from the last one agreed for
+that op (the first of each op, every shape change; every call with
+``TP_CHECK_SHAPES=1``), all ranks agree on it through the group's store, so
+different shapes raise :class:`~torchtp.RankMismatchError` on every rank
+instead of garbage (Gloo silently accepts equal element counts) or an abort.
+A collective that is slow watches the store for another rank's failure (see
+:mod:`torchtp.comm.health`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..core.layouts import cut, shard_range, shard_sizes
+from ..core.log import debug_enabled, logger
+from . import health as _health
+from .reductions import torch_op
+from .runtime import ProcessGroup
+
+# New names in torch 2.13; the old ones remain for torch>=2.4.
+gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective call: its op name, the local shape, dtype and group size."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group_size: int
+
+
+@dataclass
+class CollectiveCounter:
+    """Collectives issued while a :func:`count_collectives` block was active."""
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Number of calls per op name, e.g. ``{"all_reduce": 8}``."""
+        return Counter(r.op for r in self.records)
+
+    @property
+    def total(self) -> int:
+        """Number of collectives recorded."""
+        return len(self.records)
+
+    def bytes_moved(self) -> int:
+        """Sum of local payload bytes over all recorded collectives."""
+        return sum(
+            torch.Size(r.shape).numel() * torch.empty((), dtype=r.dtype).element_size()
+            for r in self.records
+        )
+
+
+_COUNTERS: list[CollectiveCounter] = []
+
+
+def _compiling() -> bool:
+    check = getattr(torch.compiler, "is_compiling", None)
+    return bool(check and check())
+
+
+@contextmanager
+def count_collectives() -> Iterator[CollectiveCounter]:
+    """Record every torchtp collective issued inside the block.
+
+    Example:
+        >>> with count_collectives() as c:
+        ...     model(x)
+        >>> c.counts["all_reduce"]
+    """
+    counter = CollectiveCounter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> int | None:
+    """Count, log (under TP_DEBUG) and check one collective; return its index in the group.
+
+    Eager only: inside ``torch.compile`` this is skipped and returns ``None``
+    (the compiled graph holds the collectives; logging, counters and store
+    checks cannot be traced). This runs on every collective of every forward:
+    without counters or debug logging it costs a dict look-up and a shape
+    comparison.
+
+    Raises:
+        InconsistentGroupError: an earlier failure left the group out of step.
+        RankMismatchError: ranks pass different shapes or dtypes.
+    """
+    if _compiling():
+        return None
+    st = _health.state(group)
+    n = _health.before(op, tensor, st)
+    if _COUNTERS or debug_enabled():
+        count(op, tensor, group)
+    return n
+
+
+def count(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Count and (under TP_DEBUG) log one collective, without checking it.
+
+    For collectives that not every rank of ``group`` enters alike (send/recv),
+    which therefore cannot take part in the group's shape agreement.
+    """
+    if _compiling():
+        return
+    debug = debug_enabled()
+    if not (_COUNTERS or debug):
+        return
+    size = dist.get_world_size(group)
+    if _COUNTERS:
+        rec = CollectiveRecord(op, tuple(tensor.shape), tensor.dtype, size)
+        for counter in _COUNTERS:
+            counter.records.append(rec)
+    if debug:
+        logger.debug("%s shape=%s dtype=%s group_size=%d", op, tuple(tensor.shape),
+                     tensor.dtype, size)
+
+
+def _finish(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor,
+            group: ProcessGroup | None, out: torch.Tensor | None = None) -> None:
+    """Wait for an issued collective (bounded; see :func:`torchtp.comm.health.finish`).
+
+    ``out``: the output, when it is not ``tensor`` (kept alive with it until
+    the backend's worker thread has let go of the collective).
+    """
+    if work is not None and n is not None:
+        _health.finish(work, _health.state(group), n, op, tensor, out)
+
+
+@dataclass
+class Ride:
+    """A few values summed over a group along with its next float all-reduce.
+
+    :mod:`torchtp.guards.input_check` uses it so that checking a forward's inputs
+    costs no collective of its own.
+    """
+
+    values: list[float]  # 0 or 1: sums over <= 256 ranks are exact in every float dtype
+    device: torch.device  # for the separate all-reduce when no all-reduce carried them
+    result: list[float] | None = None  # the sums over the group, once reduced
+
+
+_RIDES: dict[object, Ride] = {}
+_RIDE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SUM = torch_op("sum")  # what rides and sum-like reductions (average) communicate
+
+
+def ride_next_all_reduce(group: ProcessGroup | None, values: list[float],
+                         device: torch.device) -> Ride:
+    """Sum ``values`` with the next eager floating-point sum all-reduce over ``group``.
+
+    That all-reduce's own tensor is reduced unchanged (the values are appended
+    to a copy of it, which is copied back); it is agreed and counted as one
+    all-reduce of its own shape, so every rank of ``group`` must make the same
+    call before it. Read the sums with :func:`ride_result`.
+    """
+    ride = Ride(values, device)
+    _RIDES[dist.group.WORLD if group is None else group] = ride
+    return ride
+
+
+def cancel_ride(group: ProcessGroup | None, ride: Ride) -> None:
+    """Stop ``ride`` from joining a later all-reduce (its forward raised)."""
+    key = dist.group.WORLD if group is None else group
+    if _RIDES.get(key) is ride:
+        del _RIDES[key]
+
+
+def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
+    """The sums of ``ride``'s values over ``group``: one small all-reduce if none carried them."""
+    cancel_ride(group, ride)
+    if ride.result is None:
+        values = torch.tensor(ride.values, dtype=torch.float64, device=ride.device)
+        ride.result = all_reduce_(values, group).tolist()
+    return ride.result
+
+
+def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
+                       ride: Ride) -> torch.Tensor:
+    """Sum ``tensor`` (contiguous, ``(...)``) and the ride's ``k`` values in one collective."""
+    st = _health.state(group)
+    flat = tensor.view(-1)
+    extra = torch.tensor(ride.values, dtype=tensor.dtype, device=tensor.device)
+    buf = torch.cat([flat, extra])  # (numel + k,): the real buffer goes to the backend
+    # Agreed and counted as the caller's all-reduce: every rank appends the same k
+    # values, and a shape mismatch is named in the model's shapes.
+    n = _health.before("all_reduce", tensor, st)
+    if _COUNTERS or debug_enabled():
+        count("all_reduce", tensor, group)
+    work = dist.all_reduce(buf, op=_SUM, group=group, async_op=True)
+    _health.finish(work, st, n, "all_reduce", buf, shown=tensor)
+    flat.copy_(buf[:flat.numel()])
+    ride.result = buf[flat.numel():].tolist()
+    return tensor
+
+
+def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum",
+                name: str = "all_reduce") -> torch.Tensor:
+    """Sum ``tensor`` in place across ``group``; it must be contiguous and owned by the caller.
+
+    ``name``: the op it is recorded, counted and shape-agreed as (see :func:`all_reduce_as`).
+    """
+    assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
+    reduce_op = torch_op(op)
+    if _RIDES and name == "all_reduce" and reduce_op == _SUM and tensor.dtype in _RIDE_DTYPES \
+            and not _compiling() and _health.state(group).size <= 256:
+        ride = _RIDES.pop(dist.group.WORLD if group is None else group, None)
+        if ride is not None:
+            return _all_reduce_riding(tensor, group, ride)
+    n = record(name, tensor, group)
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=n is not None)
+    _finish(work, n, name, tensor, group)
+    return tensor
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """Return the reduction of ``tensor`` across ``group`` in a fresh tensor."""
+    return all_reduce_(tensor.clone(memory_format=torch.contiguous_format), group, op)
+
+
+def all_reduce_as(tensor: torch.Tensor, group: ProcessGroup | None, op: str,
+                  name: str) -> torch.Tensor:
+    """:func:`all_reduce` recorded, counted and shape-agreed as op ``all_reduce:<name>``.
+
+    For a check that runs beside the model's own all-reduces (the optimizer-step
+    check): its own op name keeps its agreed shape apart from theirs, so neither
+    forces a store round trip on every call, and counts show it separately.
+    """
+    return all_reduce_(tensor.clone(memory_format=torch.contiguous_format), group, op,
+                       f"all_reduce:{name}")
+
+
+def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None,
+               size: int | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (fresh tensor).
+
+    Args:
+        tensor: This rank's shard.
+        dim: The dimension the shards are joined along.
+        group: The process group.
+        size: Full size along ``dim`` when the shards follow the balanced split
+            rule (:func:`torchtp.core.layouts.shard_sizes`) and may differ by one;
+            ``None`` means equal shards. Uneven shards cost the same single
+            collective: each is padded to the largest, gathered, then narrowed.
+    """
+    world = dist.get_world_size(group)
+    dim = dim % tensor.dim()
+    sizes = None if size is None else shard_sizes(size, world)
+    pad = 0 if sizes is None else max(sizes) - tensor.shape[dim]
+    local = tensor
+    if pad:  # pad this shard to the largest so every rank sends the same shape
+        widths = list(tensor.shape)
+        widths[dim] = pad
+        local = torch.cat([tensor, tensor.new_zeros(widths)], dim)
+    local = local.contiguous()
+    # Gather into (world * d0, ...) along dim 0, where collectives are contiguous.
+    out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype,
+                      device=local.device)
+    n = record("all_gather", local, group)
+    work = gather_single(out, local, group=group, async_op=n is not None)
+    _finish(work, n, "all_gather", local, group, out)
+    if dim == 0 and sizes is None:
+        return out
+    chunks = out.chunk(world, dim=0)
+    if sizes is not None:
+        chunks = tuple(c.narrow(dim, 0, n) for c, n in zip(chunks, sizes, strict=True))
+    return torch.cat(chunks, dim=dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum ``tensor`` across ``group`` and return this rank's share along ``dim``.
+
+    Shares follow the balanced split rule (:func:`torchtp.core.layouts.shard_sizes`);
+    uneven ones cost the same single collective (each share padded to the largest).
+    """
+    world = dist.get_world_size(group)
+    dim = dim % tensor.dim()
+    sizes = shard_sizes(tensor.shape[dim], world)
+    # Put the scattered dim first so each rank's share is contiguous.
+    full = tensor.movedim(dim, 0) if dim else tensor
+    if len(set(sizes)) > 1:
+        step = max(sizes)
+        padded = full.new_zeros((world * step, *full.shape[1:]))
+        start = 0
+        for i, share in enumerate(sizes):
+            padded[i * step:i * step + share] = full[start:start + share]
+            start += share
+        full = padded
+    full = full.contiguous()
+    out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype,
+                      device=full.device)
+    n = record("reduce_scatter", full, group)
+    work = reduce_scatter_single(out, full, group=group, async_op=n is not None)
+    _finish(work, n, "reduce_scatter", full, group, out)
+    out = out[:sizes[dist.get_rank(group)]]
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Return ``src``'s ``tensor`` on every rank (fresh tensor; ``src`` is a group rank)."""
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    n = record("broadcast", out, group)
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    work = dist.broadcast(out, src=global_src, group=group, async_op=n is not None)
+    _finish(work, n, "broadcast", out, group)
+    return out
+
+
+def split(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Return rank ``rank``'s share of ``tensor`` along ``dim`` (balanced split rule).
+
+    The result is contiguous; it is a view (no copy) when the share already is,
+    which autograd handles, so no caller ever writes into it.
+    """
+    return cut(tensor, dim, (shard_range(tensor.shape[dim], size, rank),)).contiguous()

@@ -1,0 +1,296 @@
+"""Sequence-parallel regions: tensors split along the sequence dimension.
+
+With sequence parallelism, the parts of a transformer layer that work token
+by token (norms, dropout, residual adds) run on a *sequence shard*: rank ``r``
+holds tokens ``r*S .. (r+1)*S`` of the sequence, ``S = ceil(T / tp)``. A
+sequence that does not divide by ``tp`` is padded at its end with zero rows
+up to ``S * tp`` (so the last ranks may hold padding); every collective then
+moves equal shards, exactly as for a divisible length. The padding rows never
+reach a real token: attention and the model's output drop them (their
+gradients are zero), so results and gradients are exact.
+
+=================================  ==================================  ==============================
+operator                           forward                             backward
+=================================  ==================================  ==============================
+scatter_to_sequence_shards         pad, keep own shard                 all-gather shards, drop padding
+gather_from_sequence_shards        all-gather, drop padding            pad, keep own shard
+gather_for_tensor_parallel         all-gather (drop padding)           pad, reduce-scatter (sum partials)
+reduce_scatter_to_sequence_shards  pad, reduce-scatter (sum partials)  all-gather, drop padding
+=================================  ==================================  ==============================
+
+``gather_for_tensor_parallel`` enters a TP region (the input of the
+weight-rows-split projections): inside it every rank computes with its own
+heads or features, so each rank's input gradient is a *partial* sum, and the
+backward reduce-scatter both sums it and returns each rank its shard (the
+all-reduce of :func:`~torchtp.comm.regions.copy_to_tensor_parallel_region` is not
+needed). ``reduce_scatter_to_sequence_shards`` leaves it (the output of the
+weight-columns-split projection) instead of an all-reduce.
+
+The full-sequence tensor that ``gather_for_tensor_parallel`` returns is not
+kept for the backward: the projections it feeds save this rank's shard
+instead and all-gather it again when their weight gradients need it (see
+:mod:`torchtp.layers.sequence_linear`), once per group of sibling projections, as
+Megatron does. :func:`gathered_source` tells a projection whether its input
+is such a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from ..core import torch_compat as _torch_compat
+from ..core.layouts import shard_range
+from ..core.torch_compat import is_view
+from . import ops as _comm
+from .runtime import ProcessGroup, group_rank, group_size
+from .tensor_memo import TensorMemo
+
+
+def shard_length(length: int, world_size: int) -> int:
+    """Tokens per sequence shard: ``ceil(length / world_size)`` (the split rule's ``"ceil"``)."""
+    return shard_range(length, world_size, 0, rule="ceil")[1]
+
+
+def pad_sequence(x: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:
+    """``x`` with zero rows appended along ``dim`` up to a multiple of ``world_size``."""
+    extra = shard_length(x.shape[dim], world_size) * world_size - x.shape[dim]
+    if not extra:
+        return x
+    dim = dim % x.dim()
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]  # F.pad lists the last dim first
+    return F.pad(x, pad)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    # A view (of a temporary) returned by an autograd.Function cannot be modified in
+    # place later (e.g. a bias added in place); copy in the rare case one is a view.
+    return t.clone() if is_view(t) else t
+
+
+def _shard(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    size = group_size(group)
+    return _owned(_comm.split(pad_sequence(x, dim, size), dim, group_rank(group), size))
+
+
+def _gather(x: torch.Tensor, dim: int, group: ProcessGroup, length: int | None) -> torch.Tensor:
+    full = _comm.all_gather(x, dim, group)  # (..., S * tp, ...)
+    if length is not None and length != full.shape[dim]:
+        full = full.narrow(dim, 0, length).contiguous()
+    return _owned(full)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return _owned(_comm.reduce_scatter(pad_sequence(x, dim, group_size(group)), dim, group))
+
+
+class _ScatterToShards(torch.autograd.Function):
+    """forward: pad, keep own sequence shard; backward: all-gather, drop padding.
+
+    The input is replicated, so each rank's shard gradient is complete for
+    its tokens and gathering them gives the full gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.length = group, dim, x.shape[dim]
+        return _shard(x, dim, group)
+
+    @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.dim, ctx.group, ctx.length), None, None
+
+
+class _GatherFromShards(torch.autograd.Function):
+    """forward: all-gather sequence shards, drop padding; backward: pad, then
+    keep own shard (``partial=False``) or reduce-scatter (``partial=True``).
+
+    ``partial=False``: the gathered tensor is used identically on every rank
+    (replicated), so each rank holds its full gradient and its shard's
+    gradient is a slice. ``partial=True``: it feeds weight-rows-split
+    projections, each rank's gradient is a partial sum over its heads/features,
+    and the reduce-scatter sums the partials and hands each rank its shard.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int, length: int | None,
+                partial: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.partial = group, dim, partial
+        return _gather(x, dim, group, length)
+
+    @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        back = _reduce_scatter if ctx.partial else _shard
+        return back(grad, ctx.dim, ctx.group), None, None, None, None
+
+
+class _ReduceScatterToShards(torch.autograd.Function):
+    """forward: pad, reduce-scatter partial sums; backward: all-gather, drop padding.
+
+    Leaves a weight-columns-split projection: the output shard is the sum of
+    every rank's partial output, so every partial input's gradient is the
+    full (gathered) gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.length = group, dim, x.shape[dim]
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.dim, ctx.group, ctx.length), None, None
+
+
+def _needs_grad(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+def scatter_to_sequence_shards(x: torch.Tensor, group: ProcessGroup | None,
+                               dim: int = 1) -> torch.Tensor:
+    """Replicated ``(B, T, d)`` -> own shard ``(B, S, d)``. backward: all-gather."""
+    if group is None or group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _shard(x, dim, group)
+    return _ScatterToShards.apply(x, group, dim)
+
+
+def gather_from_sequence_shards(x: torch.Tensor, group: ProcessGroup | None, dim: int,
+                                length: int) -> torch.Tensor:
+    """Shard ``(B, S, d)`` -> replicated ``(B, length, d)``. backward: keep own shard."""
+    if group is None or group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _gather(x, dim, group, length)
+    return _GatherFromShards.apply(x, group, dim, length, False)
+
+
+def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim: int,
+                               length: int | None) -> torch.Tensor:
+    """Shard ``(B, S, d)`` -> ``(B, length or S*tp, d)`` for TP compute. backward: reduce-scatter.
+
+    With gradients, the result is remembered (weakly, until it dies) so that
+    the projections fed it can save ``x`` instead of it: see :func:`gathered_source`.
+    """
+    if group is None or group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _gather(x, dim, group, length)
+    full = _GatherFromShards.apply(x, group, dim, length, True)
+    if not torch.compiler.is_compiling():  # the compiled graph holds no Python registry
+        _GATHERED.put(group, full, GatheredInput(x, _torch_compat.version_counter(x),
+                                                 Regather(group, dim, length)))
+    return full
+
+
+@dataclass(eq=False)
+class Regather:
+    """Rebuilds one gathered full-sequence tensor from its shard, in the backward.
+
+    Shared by the sibling projections fed that tensor (q/k/v, gate/up): the
+    first one whose weight gradient needs it all-gathers the shard, the
+    others reuse the result, and the last one lets it go, so the backward
+    costs one all-gather per block and holds one full tensor at a time. The
+    end of the backward lets it go in any case (a sibling whose backward did
+    not run: ``autograd.grad`` of some weights, an unused output).
+
+    Attributes:
+        group: The TP group.
+        dim: Sequence dimension.
+        length: Tokens kept after the gather (``None``: keep the padding).
+        users: Projections that will call :meth:`full` in the backward.
+    """
+
+    group: ProcessGroup
+    dim: int
+    length: int | None
+    users: int = 0
+    _full: torch.Tensor | None = None
+    _pending: int = 0
+
+    def full(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full-sequence tensor ``(B, length or S*tp, d)`` gathered from ``shard``."""
+        if self._full is None or self._full.dtype != shard.dtype:
+            self._full = _gather(shard, self.dim, self.group, self.length)
+            self._pending = self.users
+            _torch_compat.at_end_of_backward(self._drop)
+        return self._full
+
+    def release(self) -> None:
+        """One user is done with :meth:`full`; the last one frees it."""
+        self._pending -= 1
+        if self._pending <= 0:
+            self._drop()
+
+    def _drop(self) -> None:
+        self._full, self._pending = None, 0
+
+
+@dataclass(eq=False)
+class GatheredInput:
+    """What the projections fed one gathered tensor need for their backward.
+
+    Lives as long as the gathered tensor (its :data:`_GATHERED` entry), so
+    the casts it shares among the siblings are then held only by the
+    backward graphs that saved them.
+
+    Attributes:
+        shard: The shard the tensor was gathered from.
+        shard_version: The shard's version counter at the gather.
+        regather: Shared by the siblings in the backward.
+    """
+
+    shard: torch.Tensor
+    shard_version: int
+    regather: Regather
+    _casts: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def shard_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The shard in ``dtype`` (what autocast computes in): one copy for all siblings.
+
+        Casting commutes with the gather, so re-gathering the cast shard gives
+        exactly the cast input the forward multiplied, at the cast's size.
+        """
+        if dtype == self.shard.dtype:
+            return self.shard.detach()
+        cast = self._casts.get(dtype)
+        if cast is None:
+            cast = self._casts[dtype] = self.shard.detach().to(dtype)  # (B, S, d)
+        return cast
+
+
+# Every live tensor gather_for_tensor_parallel returned with autograd (held
+# weakly), with what the projections fed it need.
+_GATHERED: TensorMemo[GatheredInput] = TensorMemo(last_per_group=False)
+
+
+def gathered_source(x: torch.Tensor) -> GatheredInput | None:
+    """What :func:`gather_for_tensor_parallel` recorded for ``x``, if ``x`` is its
+    unmodified output (with gradients) and the shard is unmodified too, else ``None``.
+
+    Looked up by the tensor itself, so a recomputation under activation
+    checkpointing (which keeps ``x`` alive) finds it as the forward did.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    source = _GATHERED.get(None, x)
+    if source is None or _torch_compat.version_counter(source.shard) != source.shard_version:
+        return None  # a changed shard would re-gather to other values than x's
+    return source
+
+
+def reduce_scatter_to_sequence_shards(x: torch.Tensor, group: ProcessGroup | None,
+                                      dim: int) -> torch.Tensor:
+    """Partial ``(B, T, d)`` -> summed own shard ``(B, S, d)``. backward: all-gather."""
+    if group is None or group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _reduce_scatter(x, dim, group)
+    return _ReduceScatterToShards.apply(x, group, dim)

@@ -1,0 +1,7 @@
+"""Layer 0, what every other layer may import: torchtp's errors, its logger,
+the one split rule and cut (``layouts``), the compatibility fence for
+torch's private names (``torch_compat``) and the resolver of deprecated
+spellings (``deprecated``).
+
+May import: nothing from torchtp.
+"""

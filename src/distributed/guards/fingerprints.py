@@ -1,0 +1,81 @@
+"""Cheap fingerprints that prove every TP rank holds the same weights and inputs.
+
+A fingerprint hashes a tensor's shape, dtype and a strided sample of at most
+:data:`SAMPLES` elements (not every byte): ranks built from different seeds,
+or fed different batches, differ in nearly every element, so a sample
+catches them at a cost independent of the tensor's size. Input digests are
+compared by :mod:`torchtp.guards.input_check`; weight digests by the wrapper's
+agreement at wrap time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..core.errors import RankMismatchError
+
+SAMPLES = 256
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """16 hex digits from ``t``'s shape, dtype and a strided sample of its elements."""
+    h = hashlib.blake2b(f"{tuple(t.shape)}{t.dtype}".encode(), digest_size=8)
+    if t.device.type != "meta" and t.numel():
+        flat = t.detach().reshape(-1)
+        # Small tensors (token ids of a short batch) are taken whole: two ops fewer per forward.
+        sample = flat if flat.numel() <= SAMPLES else flat[:: flat.numel() // SAMPLES][:SAMPLES]
+        h.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(argument path, tensor)`` for every tensor inside ``value`` (dicts, lists, tuples)."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _tensors(v, f"{name}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors(v, f"{name}[{i}]")
+
+
+def named_tensors(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                  skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(argument path, tensor)`` for every tensor of a call's arguments.
+
+    Keyword arguments whose name contains one of ``skip`` are left out.
+    """
+    for i, a in enumerate(args):
+        yield from _tensors(a, f"argument {i}")
+    for k, v in kwargs.items():
+        if not any(word in k for word in skip):
+            yield from _tensors(v, f"argument '{k}'")
+
+
+def raise_different_inputs(everyone: list[Mapping[str, str]], when: str) -> None:
+    """Raise :class:`RankMismatchError` naming the first argument whose digests differ.
+
+    Args:
+        everyone: Each TP rank's ``{argument path: digest}``, in rank order
+            (the same list on every rank, so every rank raises the same error).
+        when: Which forwards are checked, for the message.
+    """
+    for name in dict.fromkeys(k for d in everyone for k in d):
+        values = [d.get(name) for d in everyone]
+        if any(v != values[0] for v in values):
+            differ = [r for r, v in enumerate(values) if v != values[0]]
+            raise RankMismatchError(
+                f"tensor-parallel ranks received different inputs ({when} is checked): "
+                f"{name} differs on TP ranks {differ} from TP rank 0. Every rank of a TP group "
+                "must get the same batch; the likely cause is a data sampler that splits data "
+                "across TP ranks (a DistributedSampler over the whole world): shard data over "
+                "cfg.dp_size/cfg.dp_rank instead (see docs/training.md); with generate(), "
+                "every TP rank must pass the same prompt")
+    raise RankMismatchError(
+        "tensor-parallel ranks received different inputs (their digests differ) but the "
+        "per-argument digests agree; every rank of a TP group must get the same batch")

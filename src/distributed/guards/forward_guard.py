@@ -1,0 +1,156 @@
+"""Report an error that escapes a wrapped model's forward or backward on one rank.
+
+An exception raised on some ranks only between two collectives of a forward
+leaves the ranks' collective sequences misaligned: if the user catches it and
+goes on, every later collective pairs with the wrong one. The wrapper's per-call
+hooks (:mod:`torchtp.guards.hooks`) run a :class:`ForwardGuard` on the model it wraps, which reports it like
+:func:`torchtp.comm.health.fail` (the group stays usable if every rank raised at
+the same point, else it is poisoned on every rank), however the model is
+called: through the wrapper, or directly (``TensorParallelTrainer`` and
+HF's ``generate`` call the HF model itself). A backward through the model's
+outputs that raised on this rank is reported the same way at its next forward.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm.health import REPORTED, GroupState, fail, inconsistent, post, state
+from ..comm.runtime import ProcessGroup
+from ..core import log as _logging
+from ..core import torch_compat as _torch_compat
+from ..core.errors import InconsistentGroupError, RankMismatchError
+
+
+class ForwardGuard:
+    """Report an exception escaping the wrapped model's forward to the group.
+
+    However the model is called (through the wrapper, by ``TensorParallelTrainer``,
+    by HF's ``generate``), :mod:`torchtp.guards.hooks` calls these three steps from its
+    hooks on the model: :meth:`before` reports a backward through an earlier
+    output that raised on this rank, then marks the call pending;
+    :meth:`returned` clears the mark when the forward returned (and, with
+    gradients, watches the backward through the output); :meth:`after`, which
+    torch also runs when the forward raised an ``Exception`` (``always_call``),
+    reports that exception if the mark is still set. Torch runs no hook for a
+    ``BaseException`` such as ``KeyboardInterrupt``: the wrapper's forward
+    reports those with :func:`report_interrupted`. Costs a few microseconds
+    per forward; the hooks skip it under ``torch.compile``.
+
+    Args:
+        group: The TP group (more than one rank).
+    """
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+        self.pending = False
+
+    def _active(self) -> GroupState | None:
+        if not dist.is_initialized():
+            return None
+        st = state(self.group)
+        return None if st.size == 1 else st
+
+    def before(self) -> None:
+        """Before the forward: report an abandoned backward, mark the call pending."""
+        st = self._active()
+        if st is None:
+            return
+        self.pending = False
+        if st.backward_open and not _torch_compat.in_backward():
+            _report_failed_backward(st)
+        self.pending = True
+
+    def returned(self, out: Any) -> None:
+        """The forward returned ``out``: clear the mark, watch the backward through it."""
+        if self.pending:
+            self.pending = False
+            st = self._active()
+            if st is not None and torch.is_grad_enabled():
+                _watch_backward(st, out)
+
+    def after(self) -> None:
+        """After the forward, raised or not: report an exception that escaped it."""
+        if self.pending:  # the forward raised: "returned" did not run
+            self.pending = False
+            st = self._active()
+            err = sys.exc_info()[1]  # torch calls always_call hooks inside its except
+            if st is not None and err is not None:
+                _report_escaped(st, err)
+
+
+def report_interrupted(group: ProcessGroup | None, err: BaseException) -> None:
+    """Report a ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``) that left a forward.
+
+    :func:`guard_module`'s hooks report ``Exception``s only; the wrapper's
+    forward calls this for the rest. ``Exception``s are ignored here.
+    """
+    if isinstance(err, Exception) or not dist.is_initialized():
+        return
+    st = state(group)
+    if st.size > 1:
+        _report_escaped(st, err)
+
+
+def _report_escaped(st: GroupState, err: BaseException) -> None:
+    """Report ``err`` (escaping a forward on this rank) unless every rank already knows."""
+    if st.poisoned is not None or getattr(err, REPORTED, False) \
+            or isinstance(err, (RankMismatchError, InconsistentGroupError)):
+        return  # raised on every rank at the same collective, or the group is poisoned
+    setattr(err, REPORTED, True)
+    what = f"{type(err).__name__}: {err}"
+    if not isinstance(err, Exception):
+        # KeyboardInterrupt, SystemExit: tell the others, but do not wait for them.
+        post(st, st.seq, "fail", what.replace("|", "/"))
+        st.poisoned = inconsistent(st.rank, f"rank {st.rank} raised {what} in a forward")
+        return
+    try:
+        fail(st.group, err)
+    except Exception:  # a rank died meanwhile: the group is poisoned; raise the user's error
+        _logging.logger.debug("reporting an error that left a forward failed", exc_info=True)
+        if st.poisoned is None:
+            st.poisoned = inconsistent(st.rank, f"rank {st.rank} raised {what} in a forward")
+
+
+def _report_failed_backward(st: GroupState) -> None:
+    """The last backward through a wrapped model raised on this rank: report it, then raise.
+
+    Raises:
+        InconsistentGroupError: the other ranks' backward did not fail at the
+            same point (or the group was poisoned already).
+    """
+    st.backward_open = False
+    if st.poisoned is None:
+        err = RuntimeError("the backward through the tensor-parallel model raised on rank "
+                           f"{st.rank} and was abandoned")
+        try:
+            fail(st.group, err)
+        except Exception:  # a rank died meanwhile
+            st.poisoned = st.poisoned or inconsistent(st.rank, str(err))
+        if st.poisoned is None:
+            return  # every rank's backward raised at the same point: still in step
+    raise InconsistentGroupError(st.poisoned)
+
+
+def _watch_backward(st: GroupState, out: Any) -> None:
+    """Mark a backward through ``out`` as open until it completes (hooks on the grad_fns)."""
+
+    def finished() -> None:
+        st.backward_open = False
+
+    def started(_grads: Any) -> None:
+        if not st.backward_open:
+            st.backward_open = True
+            _torch_compat.at_end_of_backward(finished)
+
+    values = out.values() if isinstance(out, Mapping) else out \
+        if isinstance(out, (tuple, list)) else (out,)
+    for value in values:
+        node = getattr(value, "grad_fn", None) if isinstance(value, torch.Tensor) else None
+        if node is not None:
+            node.register_prehook(started)

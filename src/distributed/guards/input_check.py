@@ -1,0 +1,156 @@
+"""Check on every forward of a wrapped model that all TP ranks got the same inputs.
+
+Hooks on the wrapped model (``base_model``) run however it is called: through
+the wrapper, directly (``TensorParallelTrainer``), by HF's ``generate``, or by
+a PEFT model around it. Training and eval alike.
+
+Cost: before the forward, each input tensor's digest
+(:func:`torchtp.guards.fingerprints.tensor_digest`: shape, dtype and a strided sample
+of at most 256 elements) is hashed into a 64-bit hash. Its bits, as 64
+values 0 or 1, ride along with the forward's first floating-point sum
+all-reduce over the TP group (:func:`torchtp.comm.ops.ride_next_all_reduce`:
+appended to a copy of its buffer, the model's values copied back untouched),
+so no extra collective runs. After the forward every rank reads the 64 sums:
+the ranks' hashes are all equal exactly when every sum is 0 or ``tp`` (exact
+in any float dtype up to 256 ranks), and every rank reads the same sums, so
+every rank gives the same verdict. A forward without such an all-reduce (a
+replicated model, sequence parallelism's gathers and reduce-scatters) pays
+one separate all-reduce of the 64 values. Only on a mismatch does an
+``all_gather_object`` of per-argument digests name the argument and the
+ranks. On GPU, hashing copies each input's sample to the host (a
+synchronisation) and reading the sums is another, at the forward's end.
+
+Inputs of a first parallel layer that takes this rank's input shard (a
+``ColumnParallelLinear``, weight columns = ``in_features`` split, style
+``"rowwise"``): floating tensors whose last dimension is this rank's share of
+``in_features`` are compared by shape only (the last dimension excluded: the
+balanced split may give ranks shares that differ by one).
+
+Not checked: keyword arguments that hold a cache (``past_key_values``: each
+rank's heads), forwards inside ``torch.compile``, groups of one rank, and
+everything under ``TP_CHECK_INPUTS=0``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import ops as _comm
+from ..comm.objects import all_gather_object
+from ..comm.runtime import ProcessGroup
+from ..core import log as _logging
+from ..layers import ColumnParallelLinear
+from .fingerprints import named_tensors, raise_different_inputs, tensor_digest
+
+_BITS = 64  # a 64-bit hash of the digests, one value per bit
+_SKIP = ("past", "cache")  # keyword arguments holding each rank's shard of a KV cache
+
+
+@dataclass
+class _Forward:
+    """One forward's check: its inputs (for the slow, naming path) and the riding digest."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    ride: _comm.Ride
+
+
+class InputCheck:
+    """Check the wrapped model's inputs on every forward (see the module docstring).
+
+    :mod:`torchtp.guards.hooks` calls :meth:`before` from its pre-hook, :meth:`returned`
+    when the forward returned and :meth:`cleanup` after it, raised or not.
+
+    Args:
+        module: The wrapped model.
+        group: The TP group (more than one rank).
+        shard_width: This rank's share of ``in_features`` when the model's first
+            parallel layer takes input shards; ``None`` otherwise.
+    """
+
+    def __init__(self, module: nn.Module, group: ProcessGroup | None,
+                 shard_width: int | None) -> None:
+        self.module, self.group, self.shard_width = module, group, shard_width
+        self.pending: _Forward | None = None
+
+    def before(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Hash the inputs; the hash rides the forward's first all-reduce."""
+        if not _logging.CHECK_INPUTS or not dist.is_initialized():
+            return
+        self.pending = None
+        # Every rank rides, with or without tensor arguments: the riding all-reduce
+        # must carry the same number of values on every rank.
+        values, device = _encoded(args, kwargs, self.shard_width)
+        if device is None:
+            device = next(self.module.parameters(), torch.empty(0)).device
+        self.pending = _Forward(args, kwargs,
+                                _comm.ride_next_all_reduce(self.group, values, device))
+
+    def returned(self) -> None:
+        """The forward returned: every rank reads the summed hash bits, the same verdict."""
+        fwd, self.pending = self.pending, None
+        if fwd is not None:
+            _verdict(fwd, self.group, self.shard_width)
+
+    def cleanup(self) -> None:
+        """After the forward: a forward that raised must not leave its hash riding."""
+        fwd, self.pending = self.pending, None
+        if fwd is not None:
+            _comm.cancel_ride(self.group, fwd.ride)
+
+
+def first_layer_shard_width(model: nn.Module, layer_names: list[str]) -> int | None:
+    """This rank's share of ``in_features`` if the first parallel layer takes input shards."""
+    if not layer_names:
+        return None
+    first = model.get_submodule(layer_names[0])
+    if isinstance(first, ColumnParallelLinear) and first.input_is_parallel:
+        return int(first.in_features_local)
+    return None
+
+
+def _checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from named_tensors(args, kwargs, _SKIP)
+
+
+def _shape_only(t: torch.Tensor, shard_width: int | None) -> bool:
+    return shard_width is not None and t.is_floating_point() and t.dim() > 0 \
+        and t.shape[-1] == shard_width
+
+
+def _detail(t: torch.Tensor, shard_width: int | None) -> str:
+    """One argument's digest: sampled values, or the shape alone for an input shard."""
+    if _shape_only(t, shard_width):
+        return f"shape {tuple(t.shape[:-1])} + this rank's input shard, {t.dtype}"
+    return tensor_digest(t)
+
+
+def _encoded(args: tuple[Any, ...], kwargs: dict[str, Any],
+             shard_width: int | None) -> tuple[list[float], torch.device | None]:
+    """``_BITS`` values 0 or 1: the bits of a hash of every argument's digest; and the
+    inputs' device (``None``: no tensors)."""
+    h = hashlib.blake2b(digest_size=_BITS // 8)
+    device = None
+    for name, t in _checked(args, kwargs):
+        device = t.device if device is None else device
+        h.update(f"{name}={_detail(t, shard_width)};".encode())
+    bits = int.from_bytes(h.digest(), "little")
+    return [float(bits >> i & 1) for i in range(_BITS)], device
+
+
+def _verdict(fwd: _Forward, group: ProcessGroup | None, shard_width: int | None) -> None:
+    """Raise :class:`RankMismatchError` on every rank if the ranks' digests differ."""
+    sums = _comm.ride_result(group, fwd.ride)  # _BITS bit counts, summed over the group
+    size = dist.get_world_size(group)
+    if all(s in (0.0, size) for s in sums):
+        return
+    mine = {name: _detail(t, shard_width) for name, t in _checked(fwd.args, fwd.kwargs)}
+    raise_different_inputs(all_gather_object(mine, group, "the input check"), "every forward")
+

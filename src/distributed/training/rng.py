@@ -1,0 +1,192 @@
+"""Model-parallel RNG streams (Megatron's tracker semantics).
+
+Two streams per process, each a saved generator state:
+
+* **shared**: identical on every rank of a TP group; replicated regions
+  (residual dropout, a plain MLP's ``nn.Dropout`` after a pair) draw from it,
+  so their masks, activations and gradients are the same on every TP rank;
+* **local**: different per TP rank (``seed + 2718 + tp_rank``); sharded
+  regions (between a ``RowParallelLinear`` whose output stays split and the
+  ``ColumnParallelLinear`` that consumes it, e.g. attention-probability
+  dropout on local heads) draw from it, so uneven work there never moves
+  the shared stream.
+
+A wrapped model in training mode runs its forward with the default
+generator set to the shared stream (the user's own generator state is put
+back afterwards, so whatever each rank's RNG state was does not matter);
+forward hooks switch to the local stream where a split output leaves a
+``RowParallelLinear`` and back where a ``ColumnParallelLinear`` reads it.
+Eager mode only: under ``torch.compile`` the streams are not switched, so a
+compiled wrapped model in training mode with active dropout raises
+(:func:`dropout_site`, checked by the wrapper) instead of drawing different
+masks on different ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.objects import all_gather_object
+from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
+
+LOCAL_OFFSET = 2718  # Megatron's offset of the tensor-parallel seed
+
+
+def _get_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def _seeded(seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    saved = _get_state()
+    torch.manual_seed(seed)
+    state = _get_state()
+    _set_state(saved)
+    return state
+
+
+@dataclass
+class _Tracker:
+    shared: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    local: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    in_local: bool = False
+    depth: int = 0
+    user: list[Any] = field(default_factory=list)
+
+
+_TRACKER = _Tracker()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed torch and both streams: shared = ``seed``, local = ``seed + 2718 + tp_rank``.
+
+    Call it with the same seed on every rank (after ``init_tensor_parallel``).
+    """
+    torch.manual_seed(seed)
+    _TRACKER.shared = _get_state()
+    _TRACKER.local = _seeded(seed + LOCAL_OFFSET + get_tensor_parallel_config().rank)
+
+
+def sync(group: ProcessGroup | None) -> None:
+    """Start the streams from TP rank 0's generator state unless :func:`manual_seed` ran.
+
+    Collective over ``group`` (one broadcast), called by the wrapper.
+    """
+    if _TRACKER.shared is not None:
+        return
+    seed, state = torch.initial_seed(), _get_state()
+    if group is not None and group_size(group) > 1:  # TP rank 0's (object gathers are held)
+        seed, state = all_gather_object((seed, state), group, "the RNG sync")[0]
+    _TRACKER.shared = (state[0].clone(), None if state[1] is None else state[1].clone())
+    _TRACKER.local = _seeded(seed + LOCAL_OFFSET + group_rank(group))
+
+
+def _active(module: nn.Module) -> bool:
+    return module.training and _TRACKER.depth > 0 and not torch.compiler.is_compiling()
+
+
+def enter_model() -> None:
+    """Forward of a wrapped model starts: default generator := shared stream."""
+    if _TRACKER.depth == 0:
+        _TRACKER.user.append(_get_state())
+        assert _TRACKER.shared is not None
+        _set_state(_TRACKER.shared)
+    _TRACKER.depth += 1
+
+
+def exit_model() -> None:
+    """Forward ends: remember the streams, give the user back their generator state."""
+    _TRACKER.depth -= 1
+    if _TRACKER.depth:
+        return
+    _to_shared()
+    _TRACKER.shared = _get_state()
+    _set_state(_TRACKER.user.pop())
+
+
+def _to_local() -> None:
+    if not _TRACKER.in_local:
+        _TRACKER.shared = _get_state()
+        assert _TRACKER.local is not None
+        _set_state(_TRACKER.local)
+        _TRACKER.in_local = True
+
+
+def _to_shared() -> None:
+    if _TRACKER.in_local:
+        _TRACKER.local = _get_state()
+        assert _TRACKER.shared is not None
+        _set_state(_TRACKER.shared)
+        _TRACKER.in_local = False
+
+
+def _after_split_output(module: nn.Module, args: Any, output: Any) -> None:
+    if _active(module):
+        _to_local()
+
+
+def _before_split_input(module: nn.Module, args: Any) -> None:
+    if _active(module):
+        _to_shared()
+
+
+def install(model: nn.Module) -> None:
+    """Hook the parallel layers that open and close sharded regions (idempotent)."""
+    from ..layers import ColumnParallelLinear, RowParallelLinear
+
+    for mod in model.modules():
+        if getattr(mod, "_torchtp_rng_hooked", False):
+            continue
+        if isinstance(mod, RowParallelLinear) and not mod.gather_output:
+            mod.register_forward_hook(_after_split_output)
+        elif isinstance(mod, ColumnParallelLinear) and mod.input_is_parallel:
+            mod.register_forward_pre_hook(_before_split_input)
+        else:
+            continue
+        mod._torchtp_rng_hooked = True  # type: ignore[assignment]
+
+
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                    nn.FeatureAlphaDropout)
+# Float probabilities HF attention modules pass to F.dropout / SDPA in training
+# (Llama/Mistral/Qwen: attention_dropout; others: dropout, attn_dropout, ...).
+_DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "attn_pdrop",
+                  "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout_rate")
+
+
+def dropout_site(model: nn.Module) -> str | None:
+    """The first module (and attribute) of ``model`` that would drop out in training mode.
+
+    ``nn.Dropout``-family modules with ``p > 0`` and float dropout
+    probabilities > 0 stored on a module (HF attention's
+    ``attention_dropout``). A functional ``F.dropout`` with a literal
+    probability is not visible here.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
+            return f"{name or type(module).__name__} (p={module.p})"
+        for attr in _DROPOUT_ATTRS:
+            value = module.__dict__.get(attr)
+            if isinstance(value, float) and value > 0:
+                return f"{name or type(module).__name__}.{attr}={value}"
+    return None
+
+
+def refuse_compiled_dropout(site: str, size: int) -> RuntimeError:
+    """The error for a compiled TP model in training mode with dropout at ``site``."""
+    return RuntimeError(
+        f"torch.compile of a tensor-parallel model (tp={size}) in training mode with dropout at "
+        f"{site}: torchtp switches to its shared/local RNG streams in eager mode only, so "
+        "compiled dropout could draw different masks for replicated activations on different "
+        "ranks; set the dropout probabilities to 0 (HF: config attention_dropout=0.0 etc.), "
+        "compile the model in eval mode, or train it eagerly")

@@ -1,0 +1,291 @@
+"""DistributedModelWrapper: swap a model's Linear layers for parallel ones."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint import shard_identity
+from ..checkpoint.load import from_pretrained
+from ..checkpoint.param_count import parameter_summary
+from ..checkpoint.save_pretrained import save_pretrained
+from ..checkpoint.save_sharded import save_sharded
+from ..comm.runtime import ProcessGroup, resolve_group
+from ..core.torch_compat import registered_child
+from ..guards import checks, forward_guard, hooks, step_check
+from ..integrations.adapter_hosts import (
+    Detached,
+    attach_adapters,
+    check_late_peft,
+    detach_adapters,
+)
+from ..integrations.guards import guard_frameworks
+from ..layers.ddp_guard import check_fsdp
+from ..plans import ResolvedPlan
+from ..plans.resolve import PlanArg
+from ..training import rng
+from ..training.options import Options
+from . import tp as tp_step
+
+
+class DistributedModelWrapper(nn.Module):
+    """Make a model tensor-parallel in place and forward calls to it unchanged.
+
+    Every rank builds the same model (same seed or same checkpoint) and wraps
+    it; each rank then keeps only its shard of every split layer. Outputs and
+    gradients equal the unsharded model's on every rank.
+
+    Args:
+        model: The model to parallelize; modified in place.
+        world_size: Ranks to split over; ``None`` uses the process group's size.
+        rank: This rank; ``None`` uses the process group's rank.
+        plan: ``{fnmatch pattern: style}`` in PyTorch/HF vocabulary
+            (``"colwise"`` splits out_features, ``"rowwise"`` splits in_features,
+            ``"colwise_gather_output"``, ``"rowwise_split_input"``,
+            ``"packed_colwise"``, ``"embedding_rowwise"``, ``"replicate"``...),
+            a path to a YAML/JSON file holding one, or ``None`` (``"auto"``): the
+            model's own HF plan, else torchtp's built-in plan for its
+            architecture, else (any model) the automatic plan that pairs
+            Linears by dataflow and splits attention by whole heads.
+            ``"auto-memory"`` also splits what the automatic plan's cost guard
+            keeps replicated (more communication, less memory per rank).
+        group: Process group; ``None`` for the default TP group.
+        example_inputs: Inputs for one small probe forward of the automatic
+            plan (positional args as a tuple, or keyword args as a dict);
+            ``None`` derives them from the model's first layer.
+        loss_parallel: HF causal LMs: keep the LM head's vocabulary split (weight
+            rows) and compute ``outputs.loss`` from the split logits
+            (:func:`~torchtp.vocab_parallel_cross_entropy`) when called with
+            ``labels=``; ``outputs.logits`` is then this rank's vocabulary slice
+            ``(B, T, V_r)``. Without labels (``generate()``) logits are full.
+            See docs/sequence_parallel.md.
+        sequence_parallel: Llama-family and GPT-2 models: norms, dropout and
+            residual adds run on sequence shards; an all-gather enters each
+            attention/MLP block and a reduce-scatter leaves it (instead of an
+            all-reduce). Also turned on by a ``"sequence_parallel"`` style in
+            the plan. See docs/sequence_parallel.md.
+        verify_plan: ``False`` skips the probe that confirms, before any weight
+            is cut, that every whole-head attention split computes what the
+            unsharded module computes (see docs/concepts.md); a plan it refuses
+            then runs as written, and its exactness is the caller's responsibility.
+
+    Attributes:
+        base_model: The parallelized model.
+        world_size: Number of ranks.
+        rank: This rank.
+        parallelized_layers: Names of the swapped layers, in module order.
+        resolved_plan: The :class:`~torchtp.plans.ResolvedPlan` that was applied.
+        valid_world_sizes: Every tp size (up to 64) this model and plan accept.
+
+    Raises:
+        ValueError: a layer cannot be split as planned, the plan names an
+            unknown style, the model is already wrapped, or ``world_size``
+            contradicts the process group. Raised on every rank.
+        RankMismatchError: ranks disagree on world size, plan or layer shapes.
+    """
+
+    def __init__(
+        self, model: nn.Module, world_size: int | None = None, rank: int | None = None,
+        plan: PlanArg = None, group: ProcessGroup | None = None,
+        example_inputs: object = None, *,
+        loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
+    ) -> None:
+        super().__init__()
+        group = resolve_group(group)
+        error: BaseException | None = None
+        ctx, resolved, fingerprint = None, None, {"world_size": world_size}
+        options = Options(loss_parallel, sequence_parallel)
+        detached: list[Detached] = []
+        try:
+            checks.refuse_wrapped(model, DistributedModelWrapper)
+            if "peft" in sys.modules:  # PEFT LoRA layers: planned on their base layers
+                detached = detach_adapters(model)
+            ctx = tp_step.place(model, world_size, rank, group)
+            resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan)
+            period = {f"{step_check.ENV} (optimizer-step check period)":
+                      step_check.period_from_env()} if ctx.world_size > 1 else {}
+            fingerprint = checks.before_slicing(model, resolved, ctx,
+                                                (loss_parallel, sequence_parallel), period)
+        except Exception as err:
+            # Any rank-local error (e.g. a plan file missing on one node), not only
+            # validation errors, must reach the agreement, or the other ranks hang in it.
+            error = err
+        try:
+            # Every rank reaches this point, so a rank-local error raises everywhere.
+            checks.agree(error, fingerprint, ctx, group)
+            assert ctx is not None and resolved is not None
+            self.base_model = model
+            self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
+            self._resolved = resolved
+            # What the ranks agreed on, weights' digests included: saved shards record a
+            # digest of it (shard_identity.origin), computed when a state dict is taken.
+            self.__dict__["_wrap_fingerprint"] = fingerprint
+            self.parallelized_layers = tp_step.apply(model, resolved, ctx, options)
+            self.loss_parallel = loss_parallel
+            self.sequence_parallel = options.sequence is not None
+            guard_frameworks(self)  # HF model methods; accelerate's and Lightning's DDP
+            hooks.install(model, ctx, self.parallelized_layers, (check_late_peft,))
+            self.train(model.training)  # records where dropout would draw (see train)
+        finally:
+            attach_adapters(detached)  # around the parallel base layers (or restored on error)
+
+    @property
+    def resolved_plan(self) -> ResolvedPlan:
+        """The plan that was applied (source, rules, per-module styles and why, notes)."""
+        return self._resolved
+
+    @property
+    def valid_world_sizes(self) -> list[int]:
+        """Every tp size (up to 64) this model and plan accept."""
+        return self._resolved.valid_world_sizes
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Before the module's hooks: FSDP2's pre-forward hook would replace the
+        # sharded DTensor parameters that the composition check looks at.
+        if not torch.compiler.is_compiling():
+            first = next(self.base_model.parameters(), None)
+            if self.world_size > 1 and first is not None \
+                    and id(first) != self.__dict__.get("_checked_param"):
+                # FSDP2 over TP peers; one rank has no peers to mix up
+                check_fsdp(self.base_model, self.group)
+                self.__dict__["_checked_param"] = id(first)
+            if self.training and self.world_size > 1:
+                # Replicated regions draw from the TP group's shared stream (see training/rng.py).
+                rng.enter_model()
+                try:
+                    return super().__call__(*args, **kwargs)
+                finally:
+                    rng.exit_model()
+        return super().__call__(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> DistributedModelWrapper:
+        """``nn.Module.train``; also records the first dropout site for compiled training.
+
+        Compiled code does not switch torchtp's RNG streams, so a compiled
+        forward in training mode raises when the model has active dropout.
+        """
+        super().train(mode)
+        site = rng.dropout_site(self.base_model) if mode and self.world_size > 1 else None
+        self.__dict__["_dropout_site"] = site
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped model unchanged.
+
+        An exception escaping it on some ranks only (or a backward through its
+        outputs that raised) is reported to the group: if it leaves the ranks'
+        collectives misaligned, every later collective raises
+        :class:`~torchtp.InconsistentGroupError` naming the rank.
+        """
+        if torch.compiler.is_compiling():
+            site = self.__dict__.get("_dropout_site")
+            if self.training and site is not None:
+                raise rng.refuse_compiled_dropout(site, self.world_size)
+            return self.base_model(*args, **kwargs)
+        try:
+            return self.base_model(*args, **kwargs)
+        except BaseException as err:  # the model's hooks report Exceptions (forward_guard)
+            forward_guard.report_interrupted(self.group, err)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = registered_child(self, "base_model")
+            if base is None:
+                raise
+            return getattr(base, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's shards, with the original model's parameter names.
+
+        Its ``_metadata`` (kept by ``torch.save``) records this rank, the tp
+        size, the layout and a model fingerprint, which :meth:`load_state_dict` checks.
+        """
+        return shard_identity.stamp(self.base_model.state_dict(*args, **kwargs), self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Collective over the TP group: load this rank's shards (names as in :meth:`state_dict`).
+
+        Raises:
+            ValueError: on every rank, when a rank was given another rank's state dict
+                (or one saved at another tp or plan), naming both ranks.
+            RankMismatchError: on every rank, when the ranks' state dicts come from
+                different models or saves (names the replicated parameter that differs).
+            RuntimeError: not every rank called it within min(60 s, ``TP_TIMEOUT``).
+        """
+        return shard_identity.load(self, state_dict, strict, assign)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike[str], plan: PlanArg = None, dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None, model_class: type | None = None,
+        group: ProcessGroup | None = None, progress: bool = True, verify_plan: bool = True,
+    ) -> DistributedModelWrapper:
+        """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
+
+        Args:
+            path: An HF model directory (``config.json`` + ``model.safetensors`` or
+                sharded with ``model.safetensors.index.json``) or a torchtp
+                sharded checkpoint saved at any tp (see :meth:`save_sharded`).
+            plan: As for the constructor (same resolution order).
+            dtype: Cast floating tensors to it; ``None`` keeps the checkpoint's dtypes.
+            device: Where the tensors go (default: the rank's device from
+                :func:`~torchtp.get_tensor_parallel_config`, CUDA under NCCL).
+            model_class: Class to build from the config (default: the config's
+                ``architectures``, else ``AutoModelForCausalLM``/``AutoModel``).
+            group: Process group; ``None`` for the default TP group.
+            progress: Show a progress bar on rank 0 (only on a TTY, after 1 s).
+            verify_plan: As for the constructor (the probe runs on a one-layer
+                CPU copy built from the config, since the model is on meta).
+
+        Raises:
+            ValueError: on every rank, for a missing/corrupt/truncated file, a
+                missing tensor or index entry, a shape different from the
+                config, metadata from another model, or a tp the model cannot
+                split at (naming the saved tp, the current tp and the dimension).
+        """
+        group = resolve_group(group)
+        return from_pretrained(lambda model: cls(model, plan=plan, group=group,
+                                                 verify_plan=verify_plan), path, plan,
+                               dtype, device, model_class, group, progress)
+
+    def save_sharded(self, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
+        """Collective: every rank writes its shard, rank 0 the metadata (see docs/checkpoints.md).
+
+        Raises:
+            RuntimeError: not every rank called it within ``timeout`` seconds
+                (default 60 s, or ``TP_TIMEOUT`` if shorter; at once when the
+                missing ranks already exited).
+            ValueError: the directory cannot be written (on every rank; the
+                previous checkpoint there stays intact).
+        """
+        save_sharded(self, directory, timeout)
+
+    def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
+                        timeout: float | None = None) -> None:
+        """Collective: a consolidated HF directory, gathered one tensor at a time on rank 0.
+
+        Raises:
+            RuntimeError: not every rank called it within ``timeout`` seconds
+                (default 60 s, or ``TP_TIMEOUT`` if shorter; at once when the
+                missing ranks already exited).
+            ValueError: the directory cannot be written (on every rank).
+        """
+        save_pretrained(self, directory, max_shard_size, timeout)
+
+    def describe_plan(self) -> str:
+        """The applied plan as text (rules, every module's final style and why, collectives),
+        then this rank's and the full model's parameter counts."""
+        return f"{self.resolved_plan.table()}\n{parameter_summary(self.base_model)}"
+
+    def extra_repr(self) -> str:
+        return (f"world_size={self.world_size}, rank={self.rank}, "
+                f"parallelized_layers={len(self.parallelized_layers)}")

@@ -1,0 +1,128 @@
+"""The package's folders are layers: a lower layer never imports a higher one.
+
+Every module of ``src/distributed`` belongs to one layer (``LAYERS``, lowest
+first); every relative import, at module level or inside a function (a lazy
+import is still a dependency), must point to the same layer or a lower one.
+Each folder's ``__init__`` docstring says its job and what it may import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "distributed"
+
+# Lowest first. A module's layer is the first entry matching its dotted name
+# (a module or a folder prefix); ENTRY_POINTS are above everything.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core", ("core", "costmodel", "_version")),
+    ("comm", ("comm",)),
+    ("layers", ("layers",)),
+    ("plans and the seed cores", ("plans", "shard", "slicing", "signal")),
+    ("hf", ("hf",)),
+    ("guards and training", ("guards", "training")),
+    ("checkpoint", ("checkpoint",)),
+    ("framework integrations the wrapper uses", ("integrations",)),
+    ("wrap", ("wrap",)),
+]
+# What users call: they may import anything.
+ENTRY_POINTS = ("", "__main__", "tensor_parallel", "cli", "integrations.lightning",
+                "integrations.transformers")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_of(name: str) -> int:
+    """The layer index of module ``name`` (dotted, relative to torchtp)."""
+    if any(_under(name, e) if e else name == "" for e in ENTRY_POINTS):
+        return len(LAYERS)
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(_under(name, p) for p in prefixes):
+            return i
+    raise AssertionError(f"module torchtp.{name} is in no layer: add its folder to LAYERS")
+
+
+def imports_of(source: str, name: str, is_package: bool) -> set[str]:
+    """Every torchtp module ``source`` imports relatively (dotted, relative to torchtp)."""
+    base = name.split(".") if name else []
+    if not is_package:
+        base = base[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            pkg = base[:len(base) - (node.level - 1)]
+            target = pkg + (node.module.split(".") if node.module else [])
+            # `from .pkg import name`: name may be a module or an attribute (resolved later).
+            found |= {".".join([*target, a.name]) for a in node.names}
+    return found
+
+
+def violations(files: dict[str, tuple[str, bool]]) -> list[str]:
+    """``importer -> imported`` pairs where a lower layer imports a higher one."""
+    known = set(files)
+    bad = []
+    for name, (source, is_package) in sorted(files.items()):
+        for target in sorted(imports_of(source, name, is_package)):
+            while target not in known and "." in target:  # `from .pkg import name`
+                target = target.rsplit(".", 1)[0]
+            if target not in known:
+                continue
+            if layer_of(target) > layer_of(name):
+                bad.append(f"torchtp.{name} ({_layer_name(name)}) imports torchtp.{target} "
+                           f"({_layer_name(target)})")
+    return bad
+
+
+def _layer_name(name: str) -> str:
+    i = layer_of(name)
+    return "entry points" if i == len(LAYERS) else LAYERS[i][0]
+
+
+def _files() -> dict[str, tuple[str, bool]]:
+    return {_module(p): (p.read_text(), p.name == "__init__.py") for p in SRC.rglob("*.py")}
+
+
+def test_no_layer_imports_a_higher_one():
+    assert violations(_files()) == []
+
+
+def test_the_check_fails_on_an_upward_import():
+    files = _files()
+    source, is_pkg = files["comm.runtime"]
+    files["comm.runtime"] = (source + "\n\ndef _probe():\n    from ..wrap import wrapper\n",
+                             is_pkg)
+    assert violations(files) == ["torchtp.comm.runtime (comm) imports torchtp.wrap.wrapper (wrap)"]
+
+
+@pytest.mark.parametrize("package", sorted(p.parent.relative_to(SRC).as_posix()
+                                           for p in SRC.glob("*/__init__.py")))
+def test_every_folder_says_its_job_and_what_it_may_import(package):
+    doc = ast.get_docstring(ast.parse((SRC / package / "__init__.py").read_text())) or ""
+    assert "May import" in doc, f"src/distributed/{package}/__init__.py must say what it may import"
+
+
+# What one wrap + one forward at world size 1 runs, in files (benchmarks/wrap_files.py).
+# A ratchet: lower these when work leaves the path; issue 21 aims at 12 and 16.
+MOST_FILES = {"mlp": 29, "hf-llama": 40}
+
+
+def test_a_wrap_at_world_size_1_does_not_travel_further():
+    import subprocess
+    import sys
+
+    script = SRC.parents[1] / "benchmarks" / "wrap_files.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    counts = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()[1:] if line}
+    assert counts.keys() == MOST_FILES.keys()
+    assert all(counts[k] <= MOST_FILES[k] for k in counts), (counts, MOST_FILES)
