@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
-from ..core.layouts import ParamLayout
+from ..core.layouts import ParamLayout, shard_range
 from .atomic import enter
 from .placements import placements
 
@@ -134,9 +134,10 @@ def _expressible(layout: ParamLayout, group: ProcessGroup | None) -> bool:
     """One even chunk per rank, at this rank's index: a ``Shard(dim)``."""
     if layout.dim is None or len(layout.segments) != 1:
         return False
-    start, n = layout.segments[0]
-    size = group_size(group)
-    return layout.full_shape[layout.dim] == n * size and start == n * group_rank(group)
+    full, size = layout.full_shape[layout.dim], group_size(group)
+    # Even splits only: there torchtp's rule and DTensor's ``torch.chunk`` agree.
+    share = shard_range(full, size, group_rank(group))
+    return full % size == 0 and tuple(layout.segments[0]) == share
 
 
 def _tp_local(t: torch.Tensor, for_load: bool) -> torch.Tensor:

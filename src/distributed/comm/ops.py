@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..core.layouts import cut, shard_range, shard_sizes
 from ..core.log import debug_enabled, logger
 from . import health as _health
-from .reductions import TORCH_OPS
+from .reductions import torch_op
 from .runtime import ProcessGroup
 
 # New names in torch 2.13; the old ones remain for torch>=2.4.
@@ -161,6 +161,7 @@ class Ride:
 
 _RIDES: dict[object, Ride] = {}
 _RIDE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SUM = torch_op("sum")  # what rides and sum-like reductions (average) communicate
 
 
 def ride_next_all_reduce(group: ProcessGroup | None, values: list[float],
@@ -205,7 +206,7 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
     n = _health.before("all_reduce", tensor, st)
     if _COUNTERS or debug_enabled():
         count("all_reduce", tensor, group)
-    work = dist.all_reduce(buf, op=TORCH_OPS["sum"], group=group, async_op=True)
+    work = dist.all_reduce(buf, op=_SUM, group=group, async_op=True)
     _health.finish(work, st, n, "all_reduce", buf, shown=tensor)
     flat.copy_(buf[:flat.numel()])
     ride.result = buf[flat.numel():].tolist()
@@ -219,13 +220,14 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
     ``name``: the op it is recorded, counted and shape-agreed as (see :func:`all_reduce_as`).
     """
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
-    if _RIDES and name == "all_reduce" and op == "sum" and tensor.dtype in _RIDE_DTYPES \
+    reduce_op = torch_op(op)
+    if _RIDES and name == "all_reduce" and reduce_op == _SUM and tensor.dtype in _RIDE_DTYPES \
             and not _compiling() and _health.state(group).size <= 256:
         ride = _RIDES.pop(dist.group.WORLD if group is None else group, None)
         if ride is not None:
             return _all_reduce_riding(tensor, group, ride)
     n = record(name, tensor, group)
-    work = dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=n is not None)
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=n is not None)
     _finish(work, n, name, tensor, group)
     return tensor
 

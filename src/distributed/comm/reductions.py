@@ -1,9 +1,11 @@
 """The one reduction enum: what torchtp's collectives, the shard dialect and slicing combine with.
 
 ``Reduction`` names the element-wise reductions (the MLIR ``shard`` dialect's
-``sum``/``max``/``min``/``product``/``average``). :data:`TORCH_OPS` maps each
-to the ``torch.distributed`` op that computes it (``average`` communicates a
-sum; the caller divides by the group size). :func:`reduce_stack` applies one
+``sum``/``max``/``min``/``product``/``average``; the slicing document spells
+``average`` as ``MEAN``, see ``slicing.ReduceOperation``). :func:`torch_op`
+(over :data:`TORCH_OPS`) is the one map from a reduction to the
+``torch.distributed`` op that computes it (``average`` communicates a sum; the
+caller divides by the group size). :func:`reduce_stack` applies one
 to slices held locally (torch tensors or NumPy arrays), for the slicing
 library's gathers.
 """
@@ -50,6 +52,23 @@ TORCH_OPS: dict[str, Any] = {
     Reduction.PRODUCT: dist.ReduceOp.PRODUCT,
     Reduction.AVERAGE: dist.ReduceOp.SUM,  # the caller divides by the group size
 }
+
+
+def torch_op(reduction: str | Reduction) -> dist.ReduceOp.RedOpType:
+    """The ``torch.distributed`` op computing ``reduction`` (``AVERAGE`` sums; callers divide).
+
+    Every collective in torchtp (the TP regions, the shard dialect) asks this
+    function, so a reduction means the same torch op everywhere.
+
+    Raises:
+        ValueError: ``reduction`` names no reduction; the message lists them.
+    """
+    try:
+        op: dist.ReduceOp.RedOpType = TORCH_OPS[reduction]
+    except KeyError:
+        Reduction.parse(reduction)  # raises the ValueError naming every reduction
+        raise
+    return op
 
 
 def reduce_stack(values: Sequence[Any], reduction: Reduction) -> Any:

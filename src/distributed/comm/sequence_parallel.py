@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..core import torch_compat as _torch_compat
+from ..core.layouts import shard_range
 from ..core.torch_compat import is_view
 from . import ops as _comm
 from .runtime import ProcessGroup, group_rank, group_size
@@ -50,8 +51,8 @@ from .tensor_memo import TensorMemo
 
 
 def shard_length(length: int, world_size: int) -> int:
-    """Tokens per sequence shard: ``ceil(length / world_size)``."""
-    return -(-length // world_size)
+    """Tokens per sequence shard: ``ceil(length / world_size)`` (the split rule's ``"ceil"``)."""
+    return shard_range(length, world_size, 0, rule="ceil")[1]
 
 
 def pad_sequence(x: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:

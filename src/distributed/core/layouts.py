@@ -2,11 +2,13 @@
 
 Everything in torchtp that splits a dimension over ranks asks this module:
 
-* :func:`shard_range` / :func:`shard_sizes` - **the one split rule**. A size
-  of ``n`` units (rows, columns, heads, KV groups, vocabulary ids) is split
-  over ``tp`` ranks *balanced*: every rank gets ``n // tp`` units and the first
-  ``n % tp`` ranks one more, so shares differ by at most one unit. When ``tp``
-  divides ``n`` this is the usual equal split.
+* :func:`shard_range` (with :func:`shard_sizes`, :func:`shard_offsets`) - **the
+  one split rule**; ``shard.Sharding.offsets`` and ``slicing.split_offsets``
+  call it. A size of ``n`` units (rows, columns, heads, KV groups, vocabulary
+  ids) is split over ``tp`` ranks *balanced*: every rank gets ``n // tp`` units
+  and the first ``n % tp`` ranks one more, so shares differ by at most one
+  unit. When ``tp`` divides ``n`` this is the usual equal split. The slicing
+  document's ``balance_workload=False`` is the same function's ``rule="ceil"``.
 * :func:`cut` - **the one shard cutter**: ``segments`` of a tensor along a
   dimension (layers, styles, checkpoints and the scatter collective use it).
 * :func:`valid_sizes` - **the one valid-sizes function**: the tp sizes that give
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -40,29 +43,62 @@ MAX_TP = 64  # largest tp size listed by valid_sizes (messages, `torchtp plan`)
 Segments = tuple[tuple[int, int], ...]
 
 
-def shard_sizes(size: int, parts: int) -> list[int]:
-    """Units per rank when ``size`` units are split over ``parts`` ranks (balanced).
-
-    Example:
-        >>> shard_sizes(10, 4)
-        [3, 3, 2, 2]
-    """
-    base, extra = divmod(size, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+SplitRule = Literal["balanced", "ceil"]
+"""How :func:`shard_range` splits: ``"balanced"`` (torchtp's rule, shares differ by
+at most one, the first ``size % parts`` ranks one more) or ``"ceil"``
+(``ceil(size / parts)`` each like ``torch.chunk``, a smaller or empty tail; the
+slicing document's ``balance_workload=False``)."""
 
 
-def shard_range(size: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:
+def shard_range(size: int, parts: int, index: int, unit: int = 1,
+                rule: SplitRule = "balanced") -> tuple[int, int]:
     """``(start, length)`` of rank ``index``'s share of ``size`` units, in elements.
+
+    The one split rule: every other split in torchtp (:func:`shard_sizes`,
+    :func:`shard_offsets`, ``shard.Sharding.offsets``,
+    ``slicing.split_offsets``) is this function.
 
     Args:
         size: Number of units to split (rows, heads, KV groups...).
         parts: Number of ranks.
         index: This rank.
         unit: Elements per unit (e.g. ``head_dim`` rows per head).
+        rule: ``"balanced"`` (default) or ``"ceil"``, see :data:`SplitRule`.
+
+    Example:
+        >>> shard_range(10, 4, 1), shard_range(10, 4, 3, rule="ceil")
+        ((3, 3), (9, 1))
     """
-    base, extra = divmod(size, parts)
-    start = index * base + min(index, extra)
-    return start * unit, (base + (1 if index < extra else 0)) * unit
+    if rule == "balanced":
+        base, extra = divmod(size, parts)
+        start, length = index * base + min(index, extra), base + (1 if index < extra else 0)
+    elif rule == "ceil":
+        step = -(-size // parts)
+        start = min(index * step, size)
+        length = min(step, size - start)
+    else:
+        raise ValueError(f"split rule={rule!r} is not supported; use 'balanced' or 'ceil'")
+    return start * unit, length * unit
+
+
+def shard_sizes(size: int, parts: int, rule: SplitRule = "balanced") -> list[int]:
+    """Units per rank when ``size`` units are split over ``parts`` ranks (:func:`shard_range`).
+
+    Example:
+        >>> shard_sizes(10, 4)
+        [3, 3, 2, 2]
+    """
+    return [shard_range(size, parts, i, rule=rule)[1] for i in range(parts)]
+
+
+def shard_offsets(size: int, parts: int, rule: SplitRule = "balanced") -> list[int]:
+    """Start of every rank's share plus ``size`` (the shard dialect's offsets form).
+
+    Example:
+        >>> shard_offsets(10, 4)
+        [0, 3, 6, 8, 10]
+    """
+    return [shard_range(size, parts, i, rule=rule)[0] for i in range(parts)] + [size]
 
 
 def valid_sizes(*units: int, limit: int = MAX_TP) -> list[int]:

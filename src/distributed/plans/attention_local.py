@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..core.layouts import head_share
+from ..core.layouts import cut, head_share
 from .heads import HEAD_ATTRS, KV_ATTRS, HeadInfo
 from .sources import attention_overrides
 from .styles import ShardContext
@@ -102,7 +102,7 @@ def narrow_head_biases(module: nn.Module, info: HeadInfo, ctx: ShardContext
     names the mismatch.
     """
     (first, count), _ = head_share(info.heads, info.kv_heads, ctx.world_size, ctx.rank)
-    heads = info.heads
+    share, heads = ((first, count),), info.heads
     params = inspect.signature(module.forward).parameters
     keys = {k: batched for k, batched in HEAD_BIAS_KWARGS.items() if k in params}
     if not keys:
@@ -115,9 +115,9 @@ def narrow_head_biases(module: nn.Module, info: HeadInfo, ctx: ShardContext
             if not isinstance(bias, torch.Tensor) or bias.dim() != 3:
                 continue
             if batched and bias.shape[0] % heads == 0:  # (B*H, 1, kv) -> (B*count, 1, kv)
-                kwargs[key] = bias.unflatten(0, (-1, heads)).narrow(1, first, count).flatten(0, 1)
+                kwargs[key] = cut(bias.unflatten(0, (-1, heads)), 1, share).flatten(0, 1)
             elif not batched and bias.shape[0] == heads:  # (H, 1, kv) -> (count, 1, kv)
-                kwargs[key] = bias.narrow(0, first, count)
+                kwargs[key] = cut(bias, 0, share)
         return args, kwargs
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..core.layouts import cut
 from .attention_local import local_overrides, narrow_head_biases
 from .dataflow import Inputs, Region, Trace, probe_mode, record
 from .heads import HeadInfo, head_info, head_parts, is_attention, query_part
@@ -455,7 +456,8 @@ def _cut(full: torch.Tensor, style: ParallelStyle, model: nn.Module, name: str,
     layout = style.plan(model.get_submodule(name), name, ctx).layouts["weight"]
     split = layout.dim if not layout.transposed or layout.dim is None else 1 - layout.dim
     assert split == dim, f"'{name}': expected a split of weight dim {dim}, got {split}"
-    return torch.cat([full.narrow(-1, s, n) for s, n in layout.segments], -1)
+    # A fresh contiguous tensor, as the stubs hand it on to modules that may write to it.
+    return cut(full, -1, layout.segments).clone(memory_format=torch.contiguous_format)
 
 
 @contextlib.contextmanager

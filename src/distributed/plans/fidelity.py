@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.layouts import shard_range
 from ..core.torch_compat import shallow_copy_module
 from .linear_view import conv1d_type, linear_view
 
@@ -80,9 +81,10 @@ def embedding_splits_exactly(emb: nn.Embedding, world_size: int) -> bool | None:
     probe.padding_idx = None
     want = _lookup(probe, full, ids)
     total = torch.zeros_like(want)
-    for rows_of_rank in torch.arange(rows).chunk(world_size):
+    for rank in range(world_size):
+        start, count = shard_range(rows, world_size, rank)
         masked = torch.zeros_like(full)
-        masked[rows_of_rank] = full[rows_of_rank]  # a rank sees only its vocab rows
+        masked[start:start + count] = full[start:start + count]  # a rank sees only its vocab rows
         total += _lookup(probe, masked, ids)
     return bool(torch.allclose(total, want, rtol=1e-4, atol=1e-6))
 

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 
 from ..comm import ops as _comm
-from ..comm.reductions import TORCH_OPS, Reduction
+from ..comm.reductions import Reduction
 from ..comm.runtime import ProcessGroup
 from . import _index
 from ._index import Shape
@@ -120,12 +119,6 @@ def record(op: str, x: torch.Tensor, pg: ProcessGroup | None) -> None:
     Not checked through the store: some of these (send/recv) differ by rank.
     """
     _comm.count(op, x, pg)
-
-
-def torch_op(reduction: Reduction) -> dist.ReduceOp.RedOpType:
-    """The torch reduce op computing ``reduction`` (AVERAGE sums, then divides)."""
-    op: dist.ReduceOp.RedOpType = TORCH_OPS[reduction]
-    return op
 
 
 def accumulate_dtype(op: str, x: torch.Tensor, reduction: Reduction,

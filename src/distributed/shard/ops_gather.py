@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ops as _comm
+from ..comm.reductions import torch_op
+from ..core.layouts import shard_range
 from . import _common as c
 from .grid import Grid
 
@@ -65,8 +67,7 @@ def all_reduce(x: torch.Tensor, grid: Grid, *, grid_axes: Sequence[int] | None =
     t = x.to(out_dtype, copy=True).contiguous()
     if g.size == 1:
         return t
-    op = "sum" if red is c.Reduction.AVERAGE else red.value
-    return c.finish_average(_comm.all_reduce_(t, g.pg, op), red, g.size)
+    return c.finish_average(_comm.all_reduce_(t, g.pg, red), red, g.size)
 
 
 def all_slice(x: torch.Tensor, grid: Grid, slice_axis: int, *,
@@ -80,8 +81,8 @@ def all_slice(x: torch.Tensor, grid: Grid, slice_axis: int, *,
     dim = c.check_dim("all_slice", x, slice_axis, "slice_axis")
     g = c.group_info(grid, axes)
     c.check_divisible("all_slice", x, dim, "slice_axis", g.size, axes)
-    n = x.shape[dim] // g.size
-    return x.narrow(dim, g.index * n, n).clone(memory_format=torch.contiguous_format)
+    start, n = shard_range(x.shape[dim], g.size, g.index)  # equal shares: checked divisible
+    return x.narrow(dim, start, n).clone(memory_format=torch.contiguous_format)
 
 
 def all_to_all(x: torch.Tensor, grid: Grid, split_axis: int, concat_axis: int, *,
@@ -131,5 +132,5 @@ def reduce_scatter(x: torch.Tensor, grid: Grid, scatter_axis: int, *,
     full = torch.cat(g.by_group_rank(pieces), dim=0).contiguous()
     out = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
     c.record("reduce_scatter", full, g.pg)
-    _comm.reduce_scatter_single(out, full, op=c.torch_op(red), group=g.pg)
+    _comm.reduce_scatter_single(out, full, op=torch_op(red), group=g.pg)
     return c.finish_average(out.movedim(0, dim).contiguous(), red, g.size)

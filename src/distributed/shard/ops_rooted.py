@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ops as _comm
+from ..comm.reductions import torch_op
 from . import _common as c
 from .grid import Grid
 
@@ -89,7 +90,7 @@ def reduce(x: torch.Tensor, grid: Grid, root: Root, *, grid_axes: Sequence[int] 
     if g.size == 1:
         return t
     c.record("reduce", t, g.pg)
-    dist.reduce(t, dst=g.members[k], op=c.torch_op(red), group=g.pg)
+    dist.reduce(t, dst=g.members[k], op=torch_op(red), group=g.pg)
     if g.index != k:
         return torch.zeros_like(t)
     return c.finish_average(t, red, g.size)

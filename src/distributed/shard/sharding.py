@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.layouts import shard_offsets
 from . import _index
 from ._index import Shape
 from .grid import Grid
@@ -104,7 +105,8 @@ class Sharding:
                     f"{list(self.split_axes[dim])} ({count} shards of grid {grid_shape}); give "
                     "sharded_dims_offsets for uneven shards or pad to a multiple of "
                     f"{count}")
-            return [i * (dim_size // count) for i in range(count + 1)]
+            # The dialect splits evenly here, where torchtp's one rule gives equal shares.
+            return shard_offsets(dim_size, count)
         return self._given_offsets(dim, dim_size, grid_shape)
 
     def shard_counts(self, grid_shape: Shape) -> list[int]:

@@ -11,7 +11,6 @@ every cut by ``overlap`` on each side, clipped at the tensor's edges (no padding
 from __future__ import annotations
 
 import enum
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -20,8 +19,16 @@ import numpy as np
 import torch
 
 from ..comm.reductions import reduce_stack
+from ..core.layouts import shard_offsets
 from ..shard import Sharding, shard_bounds
-from .types import ReduceOperation, SliceSpec, SlicingStrategy, TensorPartition
+from .types import (
+    GatherOp,
+    ReduceOperation,
+    SliceSpec,
+    SlicingStrategy,
+    TensorPartition,
+    reduction_of,
+)
 
 Array = Any  # numpy.ndarray or torch.Tensor
 E = TypeVar("E", bound=enum.Enum)  # the enums parsed from user strings
@@ -31,15 +38,10 @@ def split_offsets(size: int, parts: int, balance: bool = True) -> list[int]:
 
     ``balance=True``: sizes differ by at most one, the first ``size % parts``
     slices one larger. ``False``: ``ceil(size / parts)`` each, like ``torch.chunk``
-    and DTensor's ``Shard``, with a smaller (possibly empty) tail.
+    and DTensor's ``Shard``, with a smaller (possibly empty) tail. Both are
+    :func:`torchtp.core.layouts.shard_range`'s rules, so slices and TP shards agree.
     """
-    if balance:
-        q, r = divmod(size, parts)
-        sizes = [q + (i < r) for i in range(parts)]
-    else:
-        step = -(-size // parts)
-        sizes = [max(0, min(step, size - i * step)) for i in range(parts)]
-    return [0, *itertools.accumulate(sizes)]
+    return shard_offsets(size, parts, "balanced" if balance else "ceil")
 
 
 def block_grid(num_slices: int) -> tuple[int, int]:
@@ -185,7 +187,7 @@ def slice_tensor(tensor: Array, strategy: SlicingStrategy | str = SlicingStrateg
 
 
 def gather(partition: TensorPartition,
-           reduce_op: ReduceOperation | str = ReduceOperation.CONCAT) -> Array:
+           reduce_op: GatherOp | str = ReduceOperation.CONCAT) -> Array:
     """Combine a partition's slices.
 
     CONCAT puts every slice's own part (halo dropped) back in place and
@@ -193,20 +195,17 @@ def gather(partition: TensorPartition,
     slices' own parts element-wise (they must all have one shape); MEAN of
     integers is computed in float64.
     """
-    op = _reduce_op(reduce_op)
+    op = ReduceOperation.parse(reduce_op)
     cores = [d[s.core_in_slice] for s, d in zip(partition.slices, partition.data, strict=True)]
-    if op is ReduceOperation.CONCAT:
+    reduction = reduction_of(op)
+    if reduction is None:
         return _concat(partition, cores)
     shapes = {tuple(c.shape) for c in cores}
     if len(shapes) != 1:
-        raise ValueError(f"{op.name} needs slices of one shape, got {sorted(shapes)}; use "
+        name = ReduceOperation.name_of(reduction)
+        raise ValueError(f"{name} needs slices of one shape, got {sorted(shapes)}; use "
                          "CONCAT, or a slice count that divides the split dims")
-    assert op.reduction is not None
-    return reduce_stack(cores, op.reduction)
-
-
-def _reduce_op(reduce_op: ReduceOperation | str) -> ReduceOperation:
-    return _parse(ReduceOperation, reduce_op, "reduce_op")
+    return reduce_stack(cores, reduction)
 
 
 def _concat(partition: TensorPartition, cores: list[Array]) -> Array:

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .functional import Array, gather, slice_tensor
-from .types import ReduceOperation, SlicingConfig, SlicingStrategy, TensorPartition
+from .types import GatherOp, ReduceOperation, SlicingConfig, SlicingStrategy, TensorPartition
 
 
 class UnknownPartitionError(ValueError):
@@ -111,7 +111,7 @@ class TensorSlicingModule:
         self._partitions[partition_id].data[index] = data
 
     async def gather_partition(self, partition_id: str,
-                               reduce_op: ReduceOperation | str = ReduceOperation.CONCAT) -> Array:
+                               reduce_op: GatherOp | str = ReduceOperation.CONCAT) -> Array:
         """Combine a partition's slices (see :func:`torchtp.slicing.gather`)."""
         part = self.get_partition(partition_id)
         start = time.perf_counter()

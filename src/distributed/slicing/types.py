@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from ..comm.reductions import Reduction
 from ..shard import Sharding
@@ -25,25 +25,65 @@ class SlicingStrategy(str, enum.Enum):
     CUSTOM = "custom"
 
 
-class ReduceOperation(str, enum.Enum):
-    """How a partition's slices are combined by a gather: put back in place, or reduced.
+class Concat(str, enum.Enum):
+    """The gather that puts every slice back in place (``ReduceOperation.CONCAT``).
 
-    The element-wise members name a :class:`~torchtp.comm.reductions.Reduction`
-    (``MEAN`` is its ``AVERAGE``), torchtp's one reduction enum.
+    Not a reduction: it combines nothing element-wise, so it is not a
+    :class:`~torchtp.comm.reductions.Reduction` member.
     """
 
     CONCAT = "concat"
-    SUM = "sum"
-    MEAN = "mean"
-    MAX = "max"
-    MIN = "min"
 
-    @property
-    def reduction(self) -> Reduction | None:
-        """The element-wise reduction, or ``None`` for ``CONCAT``."""
-        if self is ReduceOperation.CONCAT:
-            return None
-        return Reduction.AVERAGE if self is ReduceOperation.MEAN else Reduction(self.value)
+
+GatherOp = Reduction | Concat
+"""What ``gather`` accepts: ``Concat.CONCAT`` or an element-wise :class:`Reduction`."""
+
+
+class ReduceOperation:
+    """The slicing document's names for how a gather combines slices.
+
+    Not a second reduction enum: the element-wise members *are*
+    :class:`~torchtp.comm.reductions.Reduction` members (``MEAN`` is the document's
+    name for ``AVERAGE``, so ``ReduceOperation.MEAN is Reduction.AVERAGE``);
+    ``CONCAT`` is :attr:`Concat.CONCAT`.
+    """
+
+    CONCAT: Final = Concat.CONCAT
+    SUM: Final = Reduction.SUM
+    MEAN: Final = Reduction.AVERAGE
+    MAX: Final = Reduction.MAX
+    MIN: Final = Reduction.MIN
+
+    # The document's value strings (``gather(part, "mean")``), in its order.
+    BY_VALUE: Final[dict[str, GatherOp]] = {
+        "concat": Concat.CONCAT, "sum": Reduction.SUM, "mean": Reduction.AVERAGE,
+        "max": Reduction.MAX, "min": Reduction.MIN}
+
+    @classmethod
+    def parse(cls, value: GatherOp | str) -> GatherOp:
+        """``value`` (a member above or its document string) as a gather op.
+
+        Raises:
+            ValueError: ``value`` is none of them; the message lists the names.
+        """
+        if isinstance(value, Concat) or (isinstance(value, Reduction)
+                                          and value in cls.BY_VALUE.values()):
+            return value
+        op = cls.BY_VALUE.get(value) if isinstance(value, str) else None
+        if op is None:
+            names = ", ".join(name.upper() for name in cls.BY_VALUE)
+            raise ValueError(f"unknown reduce_op {value!r}; use one of {names}")
+        return op
+
+    @staticmethod
+    def name_of(op: GatherOp) -> str:
+        """The document's name of ``op`` (``MEAN`` for ``Reduction.AVERAGE``)."""
+        return "MEAN" if op is Reduction.AVERAGE else op.name
+
+
+def reduction_of(op: GatherOp) -> Reduction | None:
+    """The element-wise reduction of a gather op, or ``None`` for ``CONCAT``."""
+    return None if isinstance(op, Concat) else op
 
 
 @dataclass(frozen=True)
