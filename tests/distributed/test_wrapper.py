@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import torchtp
 from torchtp import ColumnParallelLinear, DistributedModelWrapper, RowParallelLinear
+from torchtp.checkpoint import consolidate, reshard
 
+from ._hf_models import build
 from ._models import deep_mlp, gather_param, mlp
 from ._reference import seeded, tol
 
@@ -230,3 +233,29 @@ def test_tp1_training_with_dropout_equals_the_unwrapped_model():
     torch.manual_seed(7)
     ref(x)
     assert torch.equal(torch.rand(1), after)
+
+
+def test_tp1_keeps_the_model_as_it_was_and_plans_only_when_asked(tmp_path):
+    # Decision 106: at tp 1 nothing is split, so no module is swapped and no Parameter
+    # replaced (an optimizer built before or after the wrap holds the same objects).
+    model = deep_mlp()
+    modules, params = list(model.modules()), [id(p) for p in model.parameters()]
+    wrapped = DistributedModelWrapper(model)
+    assert wrapped.parallelized_layers == [] and wrapped.world_size == 1
+    assert wrapped.__dict__["_resolved"] is None  # nothing planned yet
+    assert [id(p) for p in wrapped.parameters()] == params
+    assert "'6' has no partner Linear" in wrapped.describe_plan()  # the plan, resolved on demand
+    assert wrapped.resolved_plan.rules["0"] == "colwise" and 2 in wrapped.valid_world_sizes
+    assert list(model.modules()) == modules and [id(p) for p in model.parameters()] == params
+    # A tp-1 save holds every tensor whole; resharded to tp 2 it is split as a tp-2 wrap
+    # splits it, and consolidated back it is the model bit for bit.
+    hf = build("llama")
+    DistributedModelWrapper(hf).save_sharded(tmp_path / "tp1")
+    reshard(tmp_path / "tp1", tmp_path / "tp2", 2)
+    consolidate(tmp_path / "tp2", tmp_path / "hf")
+    rank1 = load_file(tmp_path / "tp2" / "rank-00001-of-00002.safetensors")
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert rank1[down].shape == (hf.config.hidden_size, hf.config.intermediate_size // 2)
+    back = load_file(tmp_path / "hf" / "model.safetensors")
+    for name, t in hf.state_dict().items():
+        assert torch.equal(back[name], t), name

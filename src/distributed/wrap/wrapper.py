@@ -26,7 +26,7 @@ from ..integrations.adapter_hosts import (
 )
 from ..integrations.guards import guard_frameworks
 from ..layers.ddp_guard import check_fsdp
-from ..plans import ResolvedPlan
+from ..plans import ResolvedPlan, ShardContext
 from ..plans.resolve import PlanArg
 from ..training import rng
 from ..training.options import Options
@@ -38,7 +38,9 @@ class DistributedModelWrapper(nn.Module):
 
     Every rank builds the same model (same seed or same checkpoint) and wraps
     it; each rank then keeps only its shard of every split layer. Outputs and
-    gradients equal the unsharded model's on every rank.
+    gradients equal the unsharded model's on every rank. At tp 1 the model is
+    kept as it is (no module swapped, no hook) and the plan is resolved only
+    when asked for (:attr:`resolved_plan`, :meth:`describe_plan`, saves).
 
     Args:
         model: The model to parallelize; modified in place.
@@ -78,8 +80,9 @@ class DistributedModelWrapper(nn.Module):
         base_model: The parallelized model.
         world_size: Number of ranks.
         rank: This rank.
-        parallelized_layers: Names of the swapped layers, in module order.
-        resolved_plan: The :class:`~torchtp.plans.ResolvedPlan` that was applied.
+        parallelized_layers: Names of the swapped layers, in module order (none at tp 1).
+        resolved_plan: The :class:`~torchtp.plans.ResolvedPlan` that was applied
+            (at tp 1: the plan at tp 1, resolved on first use).
         valid_world_sizes: Every tp size (up to 64) this model and plan accept.
 
     Raises:
@@ -99,13 +102,17 @@ class DistributedModelWrapper(nn.Module):
         group = resolve_group(group)
         error: BaseException | None = None
         ctx, resolved, fingerprint = None, None, {"world_size": world_size}
-        options = Options(loss_parallel, sequence_parallel)
         detached: list[Detached] = []
         try:
             checks.refuse_wrapped(model, DistributedModelWrapper)
+            ctx = tp_step.place(model, world_size, rank, group)
+            if ctx.world_size == 1:  # nothing to split: the model runs whole (decision 106)
+                self._keep_whole(model, ctx, (plan, (loss_parallel, sequence_parallel),
+                                              example_inputs, verify_plan))
+                return
+            options = Options(loss_parallel, sequence_parallel)
             if "peft" in sys.modules:  # PEFT LoRA layers: planned on their base layers
                 detached = detach_adapters(model)
-            ctx = tp_step.place(model, world_size, rank, group)
             resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan)
             period = {f"{step_check.ENV} (optimizer-step check period)":
                       step_check.period_from_env()} if ctx.world_size > 1 else {}
@@ -121,7 +128,7 @@ class DistributedModelWrapper(nn.Module):
             assert ctx is not None and resolved is not None
             self.base_model = model
             self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
-            self._resolved = resolved
+            self.__dict__["_resolved"] = resolved
             # What the ranks agreed on, weights' digests included: saved shards record a
             # digest of it (shard_identity.origin), computed when a state dict is taken.
             self.__dict__["_wrap_fingerprint"] = fingerprint
@@ -134,15 +141,41 @@ class DistributedModelWrapper(nn.Module):
         finally:
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
 
+    def _keep_whole(self, model: nn.Module, ctx: ShardContext, planning: tuple[Any, ...]) -> None:
+        """tp 1: keep every module as it is; the plan is resolved only when asked for.
+
+        One rank holds every weight whole, so no layer is swapped, no rank has
+        anyone to agree with and no hook runs per call: the model computes
+        exactly what it computed before wrapping. :attr:`resolved_plan` (and
+        :meth:`describe_plan`) resolve the plan at tp 1 on first use, without
+        changing the model.
+        """
+        self.base_model = model
+        self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
+        self.__dict__["_resolved"] = None
+        self.__dict__["_planning"] = (ctx, *planning)
+        self.__dict__["_wrap_fingerprint"] = {"world_size": 1}
+        self.parallelized_layers = []
+        self.loss_parallel, self.sequence_parallel = planning[1]
+        self.__dict__["_dropout_site"] = None
+        self.training = model.training
+
     @property
     def resolved_plan(self) -> ResolvedPlan:
-        """The plan that was applied (source, rules, per-module styles and why, notes)."""
-        return self._resolved
+        """The plan that was applied (source, rules, per-module styles and why, notes).
+
+        At tp 1 nothing is applied: this is the plan as resolved at tp 1, on first use.
+        """
+        if self.__dict__.get("_resolved") is None:
+            ctx, plan, flags, example_inputs, verify = self.__dict__["_planning"]
+            self.__dict__["_resolved"] = tp_step.resolve(self.base_model, plan, ctx,
+                                                         Options(*flags), example_inputs, verify)
+        return self.__dict__["_resolved"]
 
     @property
     def valid_world_sizes(self) -> list[int]:
         """Every tp size (up to 64) this model and plan accept."""
-        return self._resolved.valid_world_sizes
+        return self.resolved_plan.valid_world_sizes
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Before the module's hooks: FSDP2's pre-forward hook would replace the
