@@ -6,8 +6,10 @@ Gloo (one thread per rank), in one run, interleaved: the hand-written
 plain-tensor floor (sliced weights, one ``dist.all_reduce`` per weight-column
 split), torchtp with every default guard, and PyTorch DTensor TP with the
 same plan. Every round times each variant (order rotated, a barrier before
-every call, the slowest rank's time); the table gives medians over rounds
-and the ratios to the floor and to DTensor.
+every call, the slowest rank's time); the table gives medians over calls
+and their ratios to the floor and to DTensor, and the paired ratios: the
+median over rounds of each round's ratio, which cancels the load drifting
+between rounds.
 
 End-to-end differences of a few percent drown in this machine's noise, so
 each per-call guard's own work is timed alone, in the same processes, on the
@@ -36,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _llama import HF_PLAN, SMALL, build_llama
 from _variants import dtensor_model, floor_model
 from torchtp.cli._launch import launch
+
+CALLS = 5  # calls per variant per round
 
 
 def _models(world: int) -> dict[str, torch.nn.Module]:
@@ -114,7 +118,7 @@ def _rank(rank: int, world: int, rounds: int, batch: int,
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 m = models[name]
-                for _ in range(5):  # five calls per turn: less barrier noise per sample
+                for _ in range(CALLS):  # several calls per turn: less barrier noise per sample
                     dist.barrier()
                     start = time.perf_counter()
                     m(ids, use_cache=False)
@@ -126,12 +130,22 @@ def _rank(rank: int, world: int, rounds: int, batch: int,
 def _table(per_rank: list[tuple[dict[str, list[float]], dict[str, float]]],
            load: tuple[float, float]) -> str:
     times = [t for t, _ in per_rank]
-    med = {n: statistics.median(max(ts) for ts in zip(*(r[n] for r in times), strict=True))
-           * 1e3 for n in times[0]}
+    slowest = {n: [max(ts) for ts in zip(*(r[n] for r in times), strict=True)] for n in times[0]}
+    med = {n: statistics.median(ts) * 1e3 for n, ts in slowest.items()}
+    # Paired: each round's mean per variant (its CALLS calls, taken back to back with the
+    # other variants'), divided by the same round's mean of the reference; median over rounds.
+    rounds = {n: [statistics.fmean(ts[i:i + CALLS]) for i in range(0, len(ts), CALLS)]
+              for n, ts in slowest.items()}
+
+    def paired(name: str, ref: str) -> float:
+        return statistics.median(a / b for a, b in zip(rounds[name], rounds[ref], strict=True))
+
     lines = [f"load average before -> after: {load[0]:.1f} -> {load[1]:.1f}", "",
-             "| variant | ms | x floor | x DTensor |", "|---|---:|---:|---:|"]
+             "| variant | ms | x floor | x DTensor | x floor, paired | x DTensor, paired |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, ms in med.items():
-        lines.append(f"| {name} | {ms:.3f} | {ms / med['floor']:.3f} | {ms / med['dtensor']:.3f} |")
+        lines.append(f"| {name} | {ms:.3f} | {ms / med['floor']:.3f} | {ms / med['dtensor']:.3f} "
+                     f"| {paired(name, 'floor'):.3f} | {paired(name, 'dtensor'):.3f} |")
     alone = per_rank[0][1]
     lines += ["", "| per-call guard (rank 0, timed alone) | us per forward | % of torchtp's |",
               "|---|---:|---:|"]

@@ -54,7 +54,10 @@ TORCH_OPS: dict[str, Any] = {
 }
 
 
-def torch_op(reduction: str | Reduction) -> dist.ReduceOp.RedOpType:
+TorchOp = dist.ReduceOp.RedOpType  # what torch_op returns
+
+
+def torch_op(reduction: str | Reduction) -> TorchOp:
     """The ``torch.distributed`` op computing ``reduction`` (``AVERAGE`` sums; callers divide).
 
     Every collective in torchtp (the TP regions, the shard dialect) asks this

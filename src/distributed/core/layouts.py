@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -135,7 +136,7 @@ class ParamLayout:
     segments: Segments = ()
     transposed: bool = False
 
-    @property
+    @cached_property  # read by every forward's input check; the layout never changes
     def local_shape(self) -> tuple[int, ...]:
         """Shape of this rank's tensor (in torchtp's orientation)."""
         shape = list(self.full_shape)

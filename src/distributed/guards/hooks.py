@@ -2,7 +2,7 @@
 
 The wrapper's pipeline is resolve → agree → apply → hooks. At tp > 1,
 :func:`install` records the model for the training features that look it up
-later (clipping, the optimizer-step check, RNG streams) and puts three hooks on
+later (clipping, the optimizer-step check) and puts three hooks on
 the wrapped model (``base_model``), so they run however it is called (through
 the wrapper, ``TensorParallelTrainer``, ``generate``, a PEFT model around it):
 
@@ -17,7 +17,8 @@ the wrapper, ``TensorParallelTrainer``, ``generate``, a PEFT model around it):
   escaped exception, drop a hash that did not ride, forget the inputs shared
   by sibling layers within the forward.
 
-Nothing runs under ``torch.compile``. At tp 1 nothing cross-rank needs
+The RNG streams' layer hooks are the wrapper's (``train(mode)``, training
+mode only). Nothing runs under ``torch.compile``. At tp 1 nothing cross-rank needs
 checking: no hook is installed, and the model draws dropout masks from the
 caller's generator, exactly as the unwrapped model does.
 ``benchmarks/percall_guards.py`` measures each guard's per-call cost.
@@ -34,7 +35,7 @@ from torch import nn
 from ..comm import regions
 from ..layers import ddp_guard
 from ..plans import ShardContext
-from ..training import clip, rng
+from ..training import clip
 from . import step_check
 from .forward_guard import ForwardGuard
 from .input_check import InputCheck, first_layer_shard_width
@@ -55,7 +56,6 @@ def install(model: nn.Module, ctx: ShardContext, layer_names: list[str],
         return
     clip.track(model)
     step_check.track(model, ctx.group)
-    rng.install(model)
     ddp_guard.install()  # later DDPs leave the shards alone
     faults = ForwardGuard(ctx.group)
     inputs = InputCheck(model, ctx.group, first_layer_shard_width(model, layer_names))

@@ -36,12 +36,6 @@ def peft_loaded() -> bool:
     return True
 
 
-def prepare_peft(model: nn.Module) -> bool:
-    """Install torchtp's PEFT hooks when PEFT is imported; never import PEFT for a model
-    that holds none of its layers (see :func:`check_late_peft` for PEFT imported later)."""
-    return peft_loaded()
-
-
 def check_late_peft(model: nn.Module) -> None:
     """Before a forward at tp > 1: PEFT imported after the wrap is taught torchtp's layers now.
 
@@ -72,7 +66,7 @@ _PEFT_READY: list[bool] = []  # non-empty once the hooks are installed
 
 def detach_adapters(model: nn.Module) -> list[Detached]:
     """Put each LoRA layer's base layer in its place; return what was taken out."""
-    if not prepare_peft(model):
+    if not peft_loaded():  # never imports PEFT (see check_late_peft for PEFT imported later)
         return []
     from peft.tuners.lora import LoraLayer
 

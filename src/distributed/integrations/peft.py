@@ -120,7 +120,7 @@ class TensorParallelLoraLinear(LoraLinear):
             raise ValueError(f"{self._name()}: LoRA adapters with sequence_parallel=True are not "
                              "supported; wrap with sequence_parallel=False (loss_parallel=True "
                              "works with LoRA)")
-        group = require_group(self._name(), base.group, base.world_size)
+        group = require_group(self._name, base.group, base.world_size)
         if isinstance(base, RowParallelLinear):
             return self._forward_rows(base, x, active, group)
         return self._forward_columns(base, x, active, group)

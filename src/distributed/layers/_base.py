@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -66,11 +68,17 @@ def check_splittable(who: str, dim_name: str, value: int, world_size: int, unit:
             f"least one {unit}; valid world sizes: {valid_sizes(value)}")
 
 
-def require_group(who: str, group: ProcessGroup | None, world_size: int) -> ProcessGroup:
-    """Return the group for a needed collective, or raise if there is none."""
+def require_group(who: str | Callable[[], str], group: ProcessGroup | None,
+                  world_size: int) -> ProcessGroup:
+    """Return the group for a needed collective, or raise if there is none.
+
+    ``who`` may be a callable (a layer's ``_name``): forwards call this every
+    time, and the name is only built for the error.
+    """
     if group is None:
+        name = who if isinstance(who, str) else who()
         raise MissingProcessGroupError(
-            f"{who} needs a collective across world_size={world_size} ranks, but no process "
+            f"{name} needs a collective across world_size={world_size} ranks, but no process "
             f"group is running; {launch_hint(world_size)}")
     return group
 

@@ -140,7 +140,7 @@ class ColumnParallelLinear(ParallelLinear):
             mismatch = input_mismatch(self, x, self.expected_input_features)
             # Other ranks may be fine and already waiting in the collective: tell them.
             raise rank_local_error(self.group, mismatch)  # type: ignore[arg-type]
-        group = require_group(self._name(), self.group, self.world_size)
+        group = require_group(self._name, self.group, self.world_size)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
         partial = F.linear(x, self.weight)  # (..., out), this rank's partial sum

@@ -149,7 +149,7 @@ class RowParallelLinear(ParallelLinear):
         else:  # saves the sequence shard x was gathered from, not x
             y = linear_on_gathered(x, self.weight, self.bias)  # (B, T, out/tp)
         if self.gather_output:
-            group = require_group(self._name(), self.group, self.world_size)
+            group = require_group(self._name, self.group, self.world_size)
             y = gather_from_tensor_parallel_region(y, group, -1, self.out_features)  # (..., out)
         return y
 

@@ -16,6 +16,8 @@ generator set to the shared stream (the user's own generator state is put
 back afterwards, so whatever each rank's RNG state was does not matter);
 forward hooks switch to the local stream where a split output leaves a
 ``RowParallelLinear`` and back where a ``ColumnParallelLinear`` reads it.
+The hooks are on the layers only while the wrapper is in training mode
+(:func:`hook_streams`), so an eval-mode forward pays nothing for them.
 Eager mode only: under ``torch.compile`` the streams are not switched, so a
 compiled wrapped model in training mode with active dropout raises
 (:func:`dropout_site`, checked by the wrapper) instead of drawing different
@@ -140,20 +142,31 @@ def _before_split_input(module: nn.Module, args: Any) -> None:
         _to_shared()
 
 
-def install(model: nn.Module) -> None:
-    """Hook the parallel layers that open and close sharded regions (idempotent)."""
+def hook_streams(model: nn.Module, training: bool) -> None:
+    """Hook the parallel layers that open and close sharded regions, or unhook them.
+
+    The wrapper calls it from ``train(mode)``: the hooks only act inside a
+    wrapped model's training-mode forward, so an eval-mode model carries
+    none and its layers take ``nn.Module``'s hook-free call path. Idempotent.
+    """
     from ..layers import ColumnParallelLinear, RowParallelLinear
 
     for mod in model.modules():
-        if getattr(mod, "_torchtp_rng_hooked", False):
+        handle = mod.__dict__.get("_torchtp_rng_hook")
+        if not training:
+            if handle is not None:
+                handle.remove()
+                del mod.__dict__["_torchtp_rng_hook"]
+            continue
+        if handle is not None:
             continue
         if isinstance(mod, RowParallelLinear) and not mod.gather_output:
-            mod.register_forward_hook(_after_split_output)
+            handle = mod.register_forward_hook(_after_split_output)
         elif isinstance(mod, ColumnParallelLinear) and mod.input_is_parallel:
-            mod.register_forward_pre_hook(_before_split_input)
+            handle = mod.register_forward_pre_hook(_before_split_input)
         else:
             continue
-        mod._torchtp_rng_hooked = True  # type: ignore[assignment]
+        mod.__dict__["_torchtp_rng_hook"] = handle
 
 
 _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,

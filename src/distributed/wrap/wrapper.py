@@ -203,6 +203,9 @@ class DistributedModelWrapper(nn.Module):
         forward in training mode raises when the model has active dropout.
         """
         super().train(mode)
+        if self.world_size > 1 and self.__dict__.get("_streams_hooked") != mode:
+            rng.hook_streams(self.base_model, mode)  # the layers switch streams in training only
+            self.__dict__["_streams_hooked"] = mode
         site = rng.dropout_site(self.base_model) if mode and self.world_size > 1 else None
         self.__dict__["_dropout_site"] = site
         return self
