@@ -11,10 +11,12 @@ from .styles import (
     Unsupported,
 )
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
+from .styles_experts import ExpertsTP
 from .styles_heads import HeadSplit
 from .styles_sp import SequenceParallel
 
-_MOE = "mixture-of-experts layers need expert parallelism, which torchtp does not implement yet"
+_EP = ("expert parallelism (experts placed on different ranks) is not implemented yet; "
+       "torchtp splits every expert's features instead (style 'moe_tp_experts')")
 
 STYLES: dict[str, ParallelStyle] = {
     "colwise": Colwise(),
@@ -29,10 +31,11 @@ STYLES: dict[str, ParallelStyle] = {
     "replicated_with_grad_allreduce": ReplicatedWithGradAllreduce(),
     "embedding_rowwise": EmbeddingRowwise(),
     "embedding_colwise": EmbeddingColwise(),
-    "moe_tp_experts": Unsupported("moe_tp_experts", _MOE),
-    "moe_identity_expert": Unsupported("moe_identity_expert", _MOE),
-    "ep_dispatch_experts": Unsupported("ep_dispatch_experts", _MOE),
-    "grouped_gemm": Unsupported("grouped_gemm", _MOE),
+    "moe_tp_experts": ExpertsTP(),
+    "moe_identity_expert": Unsupported("moe_identity_expert", "identity (zero-compute) experts "
+                                       "are not split by torchtp yet"),
+    "ep_dispatch_experts": Unsupported("ep_dispatch_experts", _EP),
+    "grouped_gemm": Unsupported("grouped_gemm", _EP),
     "packed_rowwise": Unsupported("packed_rowwise", "fused input-side projections are not "
                                   "split by torchtp yet"),
     "sequence_parallel": SequenceParallel(),

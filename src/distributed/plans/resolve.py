@@ -39,7 +39,7 @@ from .head_split import split_whole_heads
 from .registry import get_style
 from .resolved import Plan, ResolvedPlan, Rules
 from .sources import family_of, inner_model
-from .styles import ShardContext
+from .styles import ParallelStyle, ShardContext
 from .tying import check_ties
 from .verify import verify_heads
 
@@ -187,8 +187,19 @@ def match_rules(model: nn.Module, rules: Rules) -> ResolvedPlan:
             resolved.matches.setdefault(matched, []).append(name)
             resolved.why[name] = rules.why.get(matched, f"rule {matched!r}")
     for pattern in styles:
-        if pattern not in resolved.matches:
+        owner = _covered_by(pattern, styles)
+        if owner is not None:  # a parameter its module's style plans (moe_tp_experts)
+            resolved.notes.append(f"rule {pattern!r} ({styles[pattern].name}) is planned by "
+                                  f"{owner!r} ({styles[owner].name})")
+        elif pattern not in resolved.matches:
             logger.warning("torchtp plan rule %r (style %s) matches no module", pattern,
                            styles[pattern].name)
             resolved.notes.append(f"rule {pattern!r} matched no module")
     return resolved
+
+
+def _covered_by(pattern: str, styles: Mapping[str, ParallelStyle]) -> str | None:
+    """The rule whose style plans the parameter ``pattern`` names, if one does."""
+    parent, _, leaf = pattern.rpartition(".")
+    style = styles.get(parent)
+    return parent if style is not None and leaf in style.covers else None

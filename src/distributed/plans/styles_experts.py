@@ -1,0 +1,101 @@
+"""The ``moe_tp_experts`` style: tensor parallelism inside every expert of an HF experts module.
+
+transformers' MoE plans name the experts module (``"layers.*.mlp.experts":
+"moe_tp_experts"``) and, under it, its 3-D parameters (``"...experts.gate_up_proj":
+"packed_colwise"``, ``"...experts.down_proj": "rowwise"``). The style plans the
+parameters itself (:attr:`ExpertsTP.covers`), from the layout flags that
+transformers' ``use_experts_implementation`` sets on the module:
+
+=================  =========================================================
+flag               this rank keeps, for every expert ``e``
+=================  =========================================================
+concatenated       ``gate_up_proj`` rows ``[s, s+n)`` of the gate half and
+                   ``[I+s, I+s+n)`` of the up half (weight rows, like ``colwise``)
+interleaved        ``gate_up_proj`` rows ``[2s, 2s+2n)`` (gate/up pairs)
+``down_proj``      columns ``[s, s+n)`` (weight columns, like ``rowwise``)
+``is_transposed``  the same features, on the other dimension
+=================  =========================================================
+
+where ``[s, s+n)`` is this rank's balanced share of the ``I`` intermediate
+features (:func:`torchtp.core.layouts.shard_range`). Experts with biases
+(GPT-OSS), without a gate or with a norm after each expert are refused: their
+output is not a sum of per-rank partial outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..core.layouts import ParamLayout, shard_range
+from ..layers.experts import shard_experts
+from .constraints import Constraint
+from .styles import LayerPlan, ParallelStyle, ShardContext, split_constraint
+
+GATE_UP, DOWN = "gate_up_proj", "down_proj"
+
+
+class ExpertsTP(ParallelStyle):
+    """Split every expert's intermediate features over the TP ranks (one all-reduce per layer)."""
+
+    name = "moe_tp_experts"
+    covers = (GATE_UP, DOWN)
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        experts, inter = _geometry(module, fqn)
+        gate_up = getattr(module, GATE_UP)
+        constraints: tuple[Constraint, ...] = (split_constraint(
+            self.name, fqn, "intermediate_size", "features of every expert", inter),)
+        full = tuple(gate_up.shape)
+        if not all(c.ok(ctx.world_size) for c in constraints):
+            return LayerPlan(fqn, self.name, constraints, full, collectives=("all_reduce",))
+        layouts = _layouts(module, inter, ctx)
+        detail = (f"{experts} experts: each keeps its share of intermediate_size={inter} "
+                  f"({layouts[DOWN].segments[0][1]} on this rank): gate/up weight rows, down "
+                  "weight columns; one all-reduce per MoE layer; the router stays replicated "
+                  "(every rank routes every token)")
+        return LayerPlan(fqn, self.name, constraints, full, layouts[GATE_UP].local_shape,
+                         layouts, ("all_reduce",), detail)
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size == 1 or not layer.layouts:
+            return module
+        return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank)
+
+
+def _geometry(module: nn.Module, fqn: str) -> tuple[int, int]:
+    """``(experts, intermediate_size)`` of an HF experts module, or a ValueError saying why not."""
+    who = f"plan style 'moe_tp_experts' for module '{fqn}' ({type(module).__name__})"
+    gate_up, down = getattr(module, GATE_UP, None), getattr(module, DOWN, None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+            and gate_up.dim() == 3 and down.dim() == 3):
+        raise TypeError(f"{who} needs 3-D '{GATE_UP}' and '{DOWN}' parameters (transformers' "
+                        "experts layout); use 'replicate' or remove the rule")
+    for flag, bad, why in (("has_bias", True, "expert biases are added inside each expert"),
+                           ("has_gate", False, "experts without a gate are not split yet"),
+                           ("has_post_expert_norm", True, "a norm after each expert is not "
+                            "linear in the partial outputs")):
+        if getattr(module, flag, not bad) == bad:
+            raise ValueError(f"{who}: {flag}={bad}: {why}, so its output is not the sum of "
+                             "the ranks' partial outputs; keep the experts whole with "
+                             "plan={'<pattern>': 'replicate'}")
+    transposed = bool(getattr(module, "is_transposed", False))
+    e, two_i = gate_up.shape[0], gate_up.shape[2 if transposed else 1]
+    inter = down.shape[1 if transposed else 2]
+    if two_i != 2 * inter or down.shape[0] != e:
+        raise ValueError(f"{who}: '{GATE_UP}' {tuple(gate_up.shape)} and '{DOWN}' "
+                         f"{tuple(down.shape)} do not describe {e} gated experts")
+    return e, inter
+
+
+def _layouts(module: nn.Module, inter: int, ctx: ShardContext) -> dict[str, ParamLayout]:
+    """This rank's layout of ``gate_up_proj`` and ``down_proj`` (see the module docstring)."""
+    start, n = shard_range(inter, ctx.world_size, ctx.rank)
+    transposed = bool(getattr(module, "is_transposed", False))
+    if getattr(module, "is_concatenated", True):
+        gate_up_rows: tuple[tuple[int, int], ...] = ((start, n), (inter + start, n))
+    else:  # gate/up interleaved: feature i is rows 2i and 2i+1
+        gate_up_rows = ((2 * start, 2 * n),)
+    gate_up, down = getattr(module, GATE_UP), getattr(module, DOWN)
+    return {GATE_UP: ParamLayout(tuple(gate_up.shape), 2 if transposed else 1, gate_up_rows),
+            DOWN: ParamLayout(tuple(down.shape), 1 if transposed else 2, ((start, n),))}

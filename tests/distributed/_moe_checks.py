@@ -1,0 +1,150 @@
+"""Rank functions for the mixture-of-experts tests (tensor parallelism inside experts).
+
+Every model is built twice from the same seed in float64: the reference runs
+in one process, unsharded; the other is wrapped. float64 so that a
+reduction-order difference cannot flip a router's top-k choice; the test also
+asserts that both runs routed every token to the same experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchtp
+
+from ._hf_checks import expected_local
+
+VOCAB = 96
+# float64 end to end: sums in another order differ by ~1e-15 relative.
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+
+
+def build_moe(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A tiny random ``arch`` MoE causal LM in float64 (eval mode)."""
+    import transformers as tf
+
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64}
+    configs = {
+        "mixtral": lambda: tf.MixtralConfig(**common, intermediate_size=48, num_local_experts=4,
+                                            num_experts_per_tok=2),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=24,
+                                               num_experts=4, num_experts_per_tok=2,
+                                               intermediate_size=48, norm_topk_prob=True),
+        "olmoe": lambda: tf.OlmoeConfig(**common, intermediate_size=48, num_experts=4,
+                                        num_experts_per_tok=2),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**common, moe_intermediate_size=24, num_experts=4,
+                                               num_experts_per_tok=2, intermediate_size=48,
+                                               shared_expert_intermediate_size=40),
+    }
+    config = configs[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = "eager"
+    # transformers' default (grouped_mm) has no float64 kernel on CPU; the loop over
+    # experts ("eager") computes the same sums. test_moe also runs grouped_mm in fp32.
+    config._experts_implementation = "eager"
+    config.output_router_logits = True  # the loss includes the router's auxiliary loss
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(5))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _routes(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every MoE layer's top-k expert choice per token (router logits -> top-k)."""
+    out = model(**batch)
+    k = model.config.num_experts_per_tok
+    return [logits.topk(k, dim=-1).indices.sort(dim=-1).values for logits in out.router_logits]
+
+
+ARCHS = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
+
+
+def check_moe(rank: int, world_size: int, archs: list[str]) -> dict[str, dict[str, Any]]:
+    """:func:`check_one` for each architecture, in one set of processes."""
+    return {arch: check_one(arch) for arch in archs}
+
+
+def check_one(arch: str) -> dict[str, Any]:
+    """Logits, loss (with the aux loss), routes and every gradient equal one process's."""
+    ref = build_moe(arch).train()
+    wrapped = torchtp.DistributedModelWrapper(build_moe(arch).train())
+    batch = _batch()
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in
+                   zip(_routes(ref, batch), _routes(wrapped, batch), strict=True))
+    want, got = ref(**batch), wrapped(**batch)
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    want.loss.backward()
+    got.loss.backward()
+    ref_params, checked = dict(ref.named_parameters()), []
+    for name, p in wrapped.base_model.named_parameters():
+        module_name, _, pname = name.rpartition(".")
+        module = wrapped.base_model.get_submodule(module_name)
+        assert p.grad is not None, f"{name} got no gradient"
+        full = ref_params[name].grad
+        torch.testing.assert_close(p.grad, expected_local(module, pname, full), **TOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        if not torchtp.layouts_of(module):  # replicated: bit-identical on every rank
+            first = p.grad.clone()
+            dist.broadcast(first, src=0)
+            assert torch.equal(first, p.grad), f"replicated {name}'s gradient differs across ranks"
+        checked.append(name)
+    # One AdamW step each (torchtp's optimizer-step check runs on the wrapped one): the
+    # next forward still matches, and every replicated parameter is equal on every rank.
+    for model in (ref, wrapped):
+        torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **TOL)
+    experts = wrapped.base_model.model.layers[0].mlp.experts
+    return {"checked": len(checked), "experts": type(experts).__name__,
+            "local": tuple(experts.gate_up_proj.shape), "describe": wrapped.describe_plan(),
+            "router_grads": [n for n in checked if n.endswith("mlp.gate.weight")]}
+
+
+def check_grouped_mm(rank: int, world_size: int) -> None:
+    """transformers' default experts implementation (grouped_mm) in float32 at tp 2."""
+    ref = build_moe("mixtral").float()
+    ref.config._experts_implementation = "grouped_mm"
+    model = build_moe("mixtral").float()
+    model.config._experts_implementation = "grouped_mm"
+    wrapped = torchtp.DistributedModelWrapper(model)
+    batch = _batch()
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in
+                   zip(_routes(ref, batch), _routes(wrapped, batch), strict=True))
+        # float32: the all-reduce sums two halves of every expert's features in another order.
+        torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def check_checkpoints(rank: int, world_size: int, out: str) -> float:
+    """tp 2 saves (sharded and consolidated HF); the sharded one reloads at tp 2 equal.
+
+    Returns the largest logit difference after reloading: the reloaded config runs
+    transformers' default experts implementation, which may sum in another order.
+    """
+    import os
+
+    model = build_moe("mixtral").float()  # float32: transformers' default grouped_mm
+    wrapped = torchtp.DistributedModelWrapper(model)
+    wrapped.save_sharded(os.path.join(out, "sharded"))
+    wrapped.save_pretrained(os.path.join(out, "hf"))
+    again = torchtp.DistributedModelWrapper.from_pretrained(os.path.join(out, "sharded"),
+                                                            progress=False)
+    mine = dict(wrapped.base_model.named_parameters())
+    for name, p in again.base_model.named_parameters():  # this rank's shards, bit for bit
+        assert torch.equal(p, mine[name]), name
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        return float((again(input_ids=ids).logits - wrapped(input_ids=ids).logits).abs().max())

@@ -1,0 +1,94 @@
+"""Mixture of experts: tensor parallelism inside every expert (issue 22, first part).
+
+HF MoE models (transformers' 3-D expert parameters) at tp 2 against one
+process, in float64: logits, the loss with the router's auxiliary loss, every
+top-k choice and every gradient, the router's included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import torchtp
+
+from ._moe_checks import (
+    ARCHS,
+    build_moe,
+    check_checkpoints,
+    check_grouped_mm,
+    check_moe,
+)
+from ._moe_checks import _batch as _moe_batch
+
+
+def test_experts_split_inside_match_one_process(ranks):
+    results = ranks(check_moe, 2, ARCHS, timeout=300)
+    for arch, res in results[0].items():
+        assert res["experts"].startswith("Parallel"), arch
+        config = build_moe(arch).config
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        assert res["local"] == (4, inter, 32), arch  # (E, 2I/2, H): half of every expert
+        assert len(res["router_grads"]) == 2, arch  # one router per layer, gradient checked
+        assert "one all-reduce per MoE layer" in res["describe"], arch
+        assert "planned by 'model.layers.*.mlp.experts' (moe_tp_experts)" in res["describe"]
+
+
+def test_grouped_mm_experts_match_one_process(ranks):
+    ranks(check_grouped_mm, 2, timeout=120)
+
+
+def test_expert_shards_save_reload_and_consolidate(ranks, tmp_path):
+    # Reloaded at tp 2 from the sharded save: every shard bit for bit; float32 logits.
+    assert max(ranks(check_checkpoints, 2, str(tmp_path), timeout=180)) < 1e-5
+    ids = _moe_batch()["input_ids"]
+    want = build_moe("mixtral").float()(input_ids=ids).logits
+    one = torchtp.DistributedModelWrapper.from_pretrained(tmp_path / "sharded", progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for got in (one(input_ids=ids).logits, hf(input_ids=ids).logits):  # tp 2 -> 1, HF
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32 sums reordered
+
+
+def test_one_all_reduce_per_moe_layer():
+    # Planning only (world_size=2, rank=0 without a group): the plan's collective count.
+    wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=2, rank=0)
+    plan = wrapped.resolved_plan.layers["model.layers.0.mlp.experts"]
+    assert plan.collectives == ("all_reduce",)
+    gate_up = plan.layouts["gate_up_proj"]
+    # Mixtral concatenates [gate; up]: rank 0 keeps gate rows 0..23 and up rows 48..71.
+    assert gate_up.dim == 1 and gate_up.segments == ((0, 24), (48, 24))
+    assert plan.layouts["down_proj"].segments == ((0, 24),)
+
+
+def test_experts_that_are_not_a_sum_of_partial_outputs_are_refused():
+    model = build_moe("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    experts.has_bias = True  # as GPT-OSS: a bias added inside every expert
+    with pytest.raises(ValueError, match=(
+            r"plan style 'moe_tp_experts' for module 'model.layers.0.mlp.experts' "
+            r"\(MixtralExperts\): has_bias=True: expert biases are added inside each expert.*"
+            r"'replicate'")):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+
+
+def test_expert_parallel_styles_are_refused_not_replicated():
+    with pytest.raises(ValueError, match=r"'ep_dispatch_experts'.*expert parallelism"):
+        torchtp.DistributedModelWrapper(
+            build_moe("mixtral"), world_size=2, rank=0,
+            plan={"model.layers.*.mlp.experts": "ep_dispatch_experts"})
+
+
+def test_too_many_ranks_for_the_expert_features_name_the_valid_sizes():
+    with pytest.raises(ValueError, match=r"intermediate_size \(features of every expert\)"):
+        torchtp.DistributedModelWrapper(build_moe("mixtral", intermediate_size=2),
+                                        world_size=4, rank=0)
+
+
+def test_tp1_keeps_the_experts_whole():
+    model = build_moe("olmoe")
+    wrapped = torchtp.DistributedModelWrapper(model)
+    assert type(model.model.layers[0].mlp.experts).__name__ == "OlmoeExperts"
+    assert wrapped.resolved_plan.layers["model.layers.0.mlp.experts"].style == "moe_tp_experts"
+    assert torch.equal(wrapped(input_ids=torch.tensor([[3, 4, 5]])).logits,
+                       build_moe("olmoe")(input_ids=torch.tensor([[3, 4, 5]])).logits)
