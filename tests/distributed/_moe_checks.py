@@ -69,15 +69,38 @@ def _routes(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tens
 ARCHS = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
 
 
-def check_moe(rank: int, world_size: int, archs: list[str]) -> dict[str, dict[str, Any]]:
+def check_moe(rank: int, world_size: int, archs: list[str],
+              expert_parallel: bool = False) -> dict[str, dict[str, Any]]:
     """:func:`check_one` for each architecture, in one set of processes."""
-    return {arch: check_one(arch) for arch in archs}
+    return {arch: check_one(arch, expert_parallel) for arch in archs}
 
 
-def check_one(arch: str) -> dict[str, Any]:
-    """Logits, loss (with the aux loss), routes and every gradient equal one process's."""
-    ref = build_moe(arch).train()
-    wrapped = torchtp.DistributedModelWrapper(build_moe(arch).train())
+def _starve(model: nn.Module) -> None:
+    """Route every token to experts 0 and 1 in every layer: the others receive none."""
+    def first_two(_m: nn.Module, _a: Any, out: Any) -> Any:
+        logits, scores, indices = out
+        return logits, scores, torch.tensor([0, 1]).expand_as(indices)
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(first_two)
+
+
+def check_one(arch: str, expert_parallel: bool = False) -> dict[str, Any]:
+    """Logits, loss (with the aux loss), routes and every gradient equal one process's.
+
+    ``mixtral-e3``: 3 experts (uneven over 2 ranks); ``mixtral-starved``: every token
+    goes to experts 0 and 1, so rank 1's experts (expert parallel) get no token.
+    """
+    overrides = {"num_local_experts": 3} if arch == "mixtral-e3" else {}
+    starved = arch == "mixtral-starved"
+    arch = arch.removesuffix("-e3").removesuffix("-starved")
+    ref = build_moe(arch, **overrides).train()
+    wrapped = torchtp.DistributedModelWrapper(build_moe(arch, **overrides).train(),
+                                              expert_parallel=expert_parallel)
+    if starved:
+        _starve(ref)
+        _starve(wrapped.base_model)
     batch = _batch()
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in
@@ -103,13 +126,22 @@ def check_one(arch: str) -> dict[str, Any]:
         checked.append(name)
     # One AdamW step each (torchtp's optimizer-step check runs on the wrapped one): the
     # next forward still matches, and every replicated parameter is equal on every rank.
-    for model in (ref, wrapped):
-        torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    for model in (ref, wrapped):  # a second step: the AdamW states must match too
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt.step()
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
     torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **TOL)
+    for name, p in wrapped.base_model.named_parameters():
+        torch.testing.assert_close(p, expected_local(
+            wrapped.base_model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2],
+            ref_params[name].detach()), **TOL, msg=lambda m, n=name: f"{n} after 2 steps: {m}")
     experts = wrapped.base_model.model.layers[0].mlp.experts
     return {"checked": len(checked), "experts": type(experts).__name__,
             "local": tuple(experts.gate_up_proj.shape), "describe": wrapped.describe_plan(),
-            "router_grads": [n for n in checked if n.endswith("mlp.gate.weight")]}
+            "router_grads": [n for n in checked if n.endswith("mlp.gate.weight")],
+            "expert_grad_norm": float(experts.gate_up_proj.grad.abs().sum())}
 
 
 def check_grouped_mm(rank: int, world_size: int) -> None:

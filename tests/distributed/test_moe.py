@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from torch import nn
 
 import torchtp
 
@@ -33,6 +34,20 @@ def test_experts_split_inside_match_one_process(ranks):
         assert len(res["router_grads"]) == 2, arch  # one router per layer, gradient checked
         assert "one all-reduce per MoE layer" in res["describe"], arch
         assert "planned by 'model.layers.*.mlp.experts' (moe_tp_experts)" in res["describe"]
+
+
+def test_whole_experts_on_each_rank_match_one_process(ranks):
+    # expert_parallel=True: E/tp whole experts per rank (3 experts: 2 and 1, uneven).
+    results = ranks(check_moe, 2, [*ARCHS, "mixtral-e3", "mixtral-starved"], True, timeout=300)
+    # Starved: rank 1's experts (2 and 3) received no token: zero gradients, not None.
+    assert results[1]["mixtral-starved"]["expert_grad_norm"] == 0.0
+    assert results[0]["mixtral-starved"]["expert_grad_norm"] > 0.0
+    for arch, res in results[0].items():
+        assert res["experts"].startswith("Parallel"), arch
+        experts = 2 if arch == "mixtral-e3" else 4 // 2
+        assert res["local"][0] == experts and len(res["router_grads"]) == 2, arch
+        assert "HF's 'all_reduce' expert parallelism" in res["describe"], arch
+    assert results[1]["mixtral-e3"]["local"][0] == 1  # rank 1 holds the third expert
 
 
 def test_grouped_mm_experts_match_one_process(ranks):
@@ -72,11 +87,24 @@ def test_experts_that_are_not_a_sum_of_partial_outputs_are_refused():
         torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
 
 
-def test_expert_parallel_styles_are_refused_not_replicated():
-    with pytest.raises(ValueError, match=r"'ep_dispatch_experts'.*expert parallelism"):
+def test_bare_expert_parameters_and_pointless_expert_parallel_are_refused():
+    with pytest.raises(ValueError, match=r"'grouped_gemm'.*planned by its experts module"):
         torchtp.DistributedModelWrapper(
             build_moe("mixtral"), world_size=2, rank=0,
-            plan={"model.layers.*.mlp.experts": "ep_dispatch_experts"})
+            plan={"model.layers.*.mlp.experts": "grouped_gemm"})
+    with pytest.raises(ValueError, match=r"expert_parallel=True, but the plan splits no experts"):
+        torchtp.DistributedModelWrapper(nn.Sequential(nn.Linear(4, 4)), world_size=2, rank=0,
+                                        expert_parallel=True)
+
+
+def test_expert_parallel_plans_whole_experts():
+    wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=2, rank=1,
+                                              expert_parallel=True)
+    plan = wrapped.resolved_plan.layers["model.layers.0.mlp.experts"]
+    assert plan.style == "ep_dispatch_experts" and plan.collectives == ("all_reduce",)
+    assert {n: lay.segments for n, lay in plan.layouts.items()} == {
+        "gate_up_proj": ((2, 2),), "down_proj": ((2, 2),)}  # experts 2 and 3 on rank 1
+    assert "expert_parallel=True: whole experts" in wrapped.describe_plan()
 
 
 def test_too_many_ranks_for_the_expert_features_name_the_valid_sizes():

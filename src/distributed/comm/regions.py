@@ -66,6 +66,28 @@ class _CopyToRegion(torch.autograd.Function):
         return _comm.all_reduce(grad, ctx.group), None
 
 
+class _CopyPairToRegion(torch.autograd.Function):
+    """forward: identity on two tensors; backward: both gradients all-reduced, in order.
+
+    One autograd node for two tensors entering one region (an experts
+    module's token states and routing weights): every rank runs both
+    all-reduces at the same point of its backward, also when its share of the
+    compute left one of them unused (its missing gradient is a zero one).
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, group: ProcessGroup
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.group = group
+        return a.view_as(a), b.view_as(b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_a: torch.Tensor, grad_b: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return _comm.all_reduce(grad_a, ctx.group), _comm.all_reduce(grad_b, ctx.group), None
+
+
 class _ReduceFromRegion(torch.autograd.Function):
     """forward: all-reduce (sum) of partial outputs; backward: identity.
 
@@ -176,6 +198,21 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) 
         # out is a view of x: an in-place change to either bumps the version checked.
         _LAST_COPY.put(group, x, out)
     return out
+
+
+def copy_pair_to_tensor_parallel_region(a: torch.Tensor, b: torch.Tensor,
+                                        group: ProcessGroup | None
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Enter the TP region with two tensors. forward: identity; backward: all-reduce both.
+
+    Unlike two :func:`copy_to_tensor_parallel_region` calls, one autograd node
+    issues both all-reduces, so ranks whose compute used only one of the
+    tensors (or neither, as long as the node is in their graph) still issue
+    the same collectives in the same order.
+    """
+    if not (_needs_grad(a) or _needs_grad(b)) or group_size(group) == 1:
+        return a, b
+    return _CopyPairToRegion.apply(a, b, group)
 
 
 def forget_shared_inputs() -> None:

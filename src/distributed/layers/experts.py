@@ -11,6 +11,12 @@ forward (any of transformers' experts implementations) then computes this
 rank's partial sum of every token's expert output, and **one** all-reduce per
 MoE layer (not one per expert) completes it.
 
+Expert parallelism over the same ranks (HF's ``"all_reduce"`` EP
+implementation) is the other cut of the same module: each rank keeps whole
+experts (dim 0), every rank sees every token (the attention output is
+replicated), routes to other ranks' experts are masked, and the same one
+all-reduce sums the outputs.
+
 The parameters keep their names and stay 3-D (no conversion to
 ``nn.Linear``): the module keeps its class's forward, and its class becomes
 a subclass of it that adds the region operators around that forward.
@@ -23,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.regions import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from ..comm.regions import copy_pair_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from ..comm.runtime import ProcessGroup
 from ..core.layouts import ParamLayout
 from .owned import ShardedModule
@@ -48,18 +54,51 @@ class ParallelExperts(ShardedModule):
     tp_group: ProcessGroup | None
     tp_world_size: int
     tp_rank: int
+    expert_range: tuple[int, int] | None = None  # expert parallel: (first, count) held here
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        x = copy_to_tensor_parallel_region(hidden_states, self.tp_group)  # (N, H)
         # Routers return float32 weights; the expert outputs are multiplied by them in
         # the promoted dtype anyway, so promoting first is exact, and the weights'
         # gradient is then summed over the ranks in that dtype and rounded once, as the
         # unsharded model rounds it.
         dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
-        weights = copy_to_tensor_parallel_region(top_k_weights.to(dtype), self.tp_group)  # (N, k)
+        x, weights = copy_pair_to_tensor_parallel_region(  # (N, H), (N, k)
+            hidden_states, top_k_weights.to(dtype), self.tp_group)
+        if self.expert_range is not None:
+            top_k_index, weights = self._local_routes(top_k_index, weights)
         partial = super().forward(x, top_k_index, weights, *args, **kwargs)  # type: ignore[misc]
+        if self.expert_range is not None:
+            partial = partial + self._touched(x)
         return reduce_from_tensor_parallel_region(partial, self.tp_group)  # (N, H), summed
+
+    def _touched(self, x: torch.Tensor) -> torch.Tensor:
+        """An exact zero that uses ``x`` and every parameter of this module.
+
+        A rank whose experts receive no token on a step would otherwise leave
+        them out of the graph: their gradients would be ``None`` instead of
+        zeros (the optimizer would skip them there and the ranks' optimizer
+        states would drift apart), and its backward would skip the all-reduce
+        of the region's entry that the other ranks run. One element of each is
+        enough for autograd to keep them in the graph.
+        """
+        params = nn.Module.parameters(self, recurse=False)  # type: ignore[arg-type]
+        # [:1].sum(): one element, and an exact 0 for an empty batch
+        return sum((p.reshape(-1)[:1].sum() for p in params), x.reshape(-1)[:1].sum()) * 0
+
+    def _local_routes(self, index: torch.Tensor, weights: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallel: routes to this rank's experts, renumbered; the others masked.
+
+        A route to another rank's expert gets transformers' sentinel index (the
+        local expert count: skipped by every experts implementation) and weight
+        0. Masked after entering the region, so the backward zeroes what this
+        rank did not compute before the ranks' gradients are summed.
+        """
+        first, count = self.expert_range  # type: ignore[misc]
+        local = index - first  # (N, k)
+        outside = (local < 0) | (local >= count)
+        return local.masked_fill(outside, count), weights.masked_fill(outside, 0)
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -80,7 +119,8 @@ def _parallel_class(cls: type) -> type:
 
 
 def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
-                  group: ProcessGroup | None, world_size: int, rank: int) -> nn.Module:
+                  group: ProcessGroup | None, world_size: int, rank: int,
+                  expert_range: tuple[int, int] | None = None) -> nn.Module:
     """Cut ``module``'s expert parameters to this rank's share, in place, and return it.
 
     Args:
@@ -89,6 +129,9 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
         group: The tensor-parallel group.
         world_size: Its size.
         rank: This rank.
+        expert_range: Expert parallelism: ``(first, count)`` of the whole experts
+            this rank keeps (``layouts`` cut dim 0 to them); ``None``: every
+            expert's features are split instead.
 
     Returns:
         ``module`` itself, now an instance of ``Parallel<its class>``.
@@ -99,5 +142,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
         setattr(module, name, nn.Parameter(shard, requires_grad=full.requires_grad))
     module.__class__ = _parallel_class(type(module))
     module.__dict__.update(tp_layouts=dict(layouts), tp_group=group, tp_world_size=world_size,
-                           tp_rank=rank)
+                           tp_rank=rank, expert_range=expert_range)
+    if expert_range is not None:  # transformers' own expert-parallel switches
+        module.__dict__.update(num_experts=expert_range[1], _is_expert_parallel=True)
     return module

@@ -11,12 +11,12 @@ from .styles import (
     Unsupported,
 )
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
-from .styles_experts import ExpertsTP
+from .styles_experts import ExpertsEP, ExpertsTP
 from .styles_heads import HeadSplit
 from .styles_sp import SequenceParallel
 
-_EP = ("expert parallelism (experts placed on different ranks) is not implemented yet; "
-       "torchtp splits every expert's features instead (style 'moe_tp_experts')")
+_EP = ("a bare expert parameter is planned by its experts module's style "
+       "('ep_dispatch_experts' or 'moe_tp_experts'), not on its own")
 
 STYLES: dict[str, ParallelStyle] = {
     "colwise": Colwise(),
@@ -34,7 +34,7 @@ STYLES: dict[str, ParallelStyle] = {
     "moe_tp_experts": ExpertsTP(),
     "moe_identity_expert": Unsupported("moe_identity_expert", "identity (zero-compute) experts "
                                        "are not split by torchtp yet"),
-    "ep_dispatch_experts": Unsupported("ep_dispatch_experts", _EP),
+    "ep_dispatch_experts": ExpertsEP(),
     "grouped_gemm": Unsupported("grouped_gemm", _EP),
     "packed_rowwise": Unsupported("packed_rowwise", "fused input-side projections are not "
                                   "split by torchtp yet"),

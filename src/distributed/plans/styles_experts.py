@@ -20,6 +20,12 @@ where ``[s, s+n)`` is this rank's balanced share of the ``I`` intermediate
 features (:func:`torchtp.core.layouts.shard_range`). Experts with biases
 (GPT-OSS), without a gate or with a norm after each expert are refused: their
 output is not a sum of per-rank partial outputs.
+
+``ep_dispatch_experts`` (:class:`ExpertsEP`, HF's expert-parallel plan, or
+``DistributedModelWrapper(..., expert_parallel=True)``) keeps whole experts
+instead: rank ``r`` holds experts ``[s, s+n)`` of ``E`` (balanced) with every
+parameter whose first dimension counts experts, biases and per-expert norms
+included, and the ranks' outputs are summed by the same one all-reduce.
 """
 
 from __future__ import annotations
@@ -99,3 +105,47 @@ def _layouts(module: nn.Module, inter: int, ctx: ShardContext) -> dict[str, Para
     gate_up, down = getattr(module, GATE_UP), getattr(module, DOWN)
     return {GATE_UP: ParamLayout(tuple(gate_up.shape), 2 if transposed else 1, gate_up_rows),
             DOWN: ParamLayout(tuple(down.shape), 1 if transposed else 2, ((start, n),))}
+
+
+class ExpertsEP(ParallelStyle):
+    """Place whole experts on the TP ranks (expert parallel over the same ranks; one all-reduce)."""
+
+    name = "ep_dispatch_experts"
+    covers = (GATE_UP, DOWN, f"{GATE_UP}_bias", f"{DOWN}_bias", "up_proj", "up_proj_bias")
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        experts = _expert_count(module, fqn)
+        constraints = (split_constraint(self.name, fqn, "num_experts", "whole experts", experts),)
+        params = dict(module.named_parameters(recurse=False))
+        full = tuple(params[GATE_UP if GATE_UP in params else "up_proj"].shape)
+        if not all(c.ok(ctx.world_size) for c in constraints):
+            return LayerPlan(fqn, self.name, constraints, full, collectives=("all_reduce",))
+        first, count = shard_range(experts, ctx.world_size, ctx.rank)
+        layouts = {name: ParamLayout(tuple(p.shape), 0, ((first, count),))
+                   for name, p in params.items() if p.dim() >= 1 and p.shape[0] == experts}
+        detail = (f"{experts} experts placed whole, {count} on this rank ({first}..."
+                  f"{first + count - 1}); every rank sees every token (HF's 'all_reduce' expert "
+                  "parallelism): routes to other ranks' experts are masked, one all-reduce per "
+                  "MoE layer sums the outputs; the router stays replicated")
+        return LayerPlan(fqn, self.name, constraints, full, (count, *full[1:]), layouts,
+                         ("all_reduce",), detail)
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size == 1 or not layer.layouts:
+            return module
+        first, count = next(iter(layer.layouts.values())).segments[0]
+        return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
+                             expert_range=(first, count))
+
+
+def _expert_count(module: nn.Module, fqn: str) -> int:
+    """``E`` of an HF experts module (``num_experts`` and its 3-D weights), or a TypeError."""
+    experts = getattr(module, "num_experts", None)
+    weight = getattr(module, GATE_UP, getattr(module, "up_proj", None))
+    if not (isinstance(experts, int) and isinstance(weight, torch.Tensor) and weight.dim() == 3
+            and weight.shape[0] == experts):
+        raise TypeError(f"plan style 'ep_dispatch_experts' for module '{fqn}' "
+                        f"({type(module).__name__}) needs transformers' experts layout "
+                        f"(num_experts and 3-D '{GATE_UP}' or 'up_proj' weights); use "
+                        "'replicate' or remove the rule")
+    return experts

@@ -13,6 +13,8 @@ from torch import nn
 
 from ..layers import grad_sync
 from ..plans import ResolvedPlan, ShardContext
+from ..plans.registry import get_style
+from ..plans.styles_experts import ExpertsTP
 from ..plans.styles_sp import SequenceParallel
 
 if TYPE_CHECKING:
@@ -26,15 +28,22 @@ class Options:
         loss_parallel: Compute HF causal-LM losses from vocab-split logits.
         sequence_parallel: Run norms/dropout/residuals on sequence shards (also
             on when the plan assigns the ``"sequence_parallel"`` style).
+        expert_parallel: Place whole experts on the ranks instead of splitting
+            every expert's features (``moe_tp_experts`` -> ``ep_dispatch_experts``).
     """
 
-    def __init__(self, loss_parallel: bool, sequence_parallel: bool) -> None:
+    def __init__(self, loss_parallel: bool, sequence_parallel: bool,
+                 expert_parallel: bool = False) -> None:
         self.loss_parallel = loss_parallel
         self.sequence_parallel = sequence_parallel
+        self.expert_parallel = expert_parallel
         self.sequence: SequencePlan | None = None
 
     def adjust(self, model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> None:
-        """Before the checks: vocab-split the LM head; mark the norms sequence-parallel."""
+        """Before the checks: place whole experts; vocab-split the LM head; mark the norms
+        sequence-parallel."""
+        if self.expert_parallel:
+            place_whole_experts(plan)
         if self.loss_parallel:
             from ..hf.loss_parallel import plan_loss_parallel
 
@@ -56,3 +65,19 @@ class Options:
 
             install_sequence_parallel(model, self.sequence, ctx)
             grad_sync.install(model)
+
+
+def place_whole_experts(plan: ResolvedPlan) -> None:
+    """Turn every ``moe_tp_experts`` assignment into ``ep_dispatch_experts``, saying why.
+
+    Raises:
+        ValueError: the plan splits no experts module, so the option would do nothing.
+    """
+    moved = [name for name, style in plan.assignments.items() if isinstance(style, ExpertsTP)]
+    if not moved:
+        raise ValueError("expert_parallel=True, but the plan splits no experts module (style "
+                         f"'moe_tp_experts'; plan source: {plan.source}); drop the option, or "
+                         "assign 'ep_dispatch_experts' to the experts modules in plan=")
+    for name in moved:
+        plan.assignments[name] = get_style("ep_dispatch_experts", name)
+        plan.why[name] = f"{plan.why.get(name, '')}; expert_parallel=True: whole experts"

@@ -75,6 +75,9 @@ class DistributedModelWrapper(nn.Module):
             is cut, that every whole-head attention split computes what the
             unsharded module computes (see docs/concepts.md); a plan it refuses
             then runs as written, and its exactness is the caller's responsibility.
+        expert_parallel: Mixture-of-experts models: place whole experts on the
+            ranks (``E/tp`` each; every rank sees every token, one all-reduce per
+            MoE layer) instead of splitting every expert's features. See docs/moe.md.
 
     Attributes:
         base_model: The parallelized model.
@@ -97,6 +100,7 @@ class DistributedModelWrapper(nn.Module):
         plan: PlanArg = None, group: ProcessGroup | None = None,
         example_inputs: object = None, *,
         loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -107,17 +111,17 @@ class DistributedModelWrapper(nn.Module):
             checks.refuse_wrapped(model, DistributedModelWrapper)
             ctx = tp_step.place(model, world_size, rank, group)
             if ctx.world_size == 1:  # nothing to split: the model runs whole (decision 106)
-                self._keep_whole(model, ctx, (plan, (loss_parallel, sequence_parallel),
-                                              example_inputs, verify_plan))
+                self._keep_whole(model, ctx, (plan, (loss_parallel, sequence_parallel,
+                                                     expert_parallel), example_inputs, verify_plan))
                 return
-            options = Options(loss_parallel, sequence_parallel)
+            options = Options(loss_parallel, sequence_parallel, expert_parallel)
             if "peft" in sys.modules:  # PEFT LoRA layers: planned on their base layers
                 detached = detach_adapters(model)
             resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan)
             period = {f"{step_check.ENV} (optimizer-step check period)":
                       step_check.period_from_env()} if ctx.world_size > 1 else {}
-            fingerprint = checks.before_slicing(model, resolved, ctx,
-                                                (loss_parallel, sequence_parallel), period)
+            fingerprint = checks.before_slicing(
+                model, resolved, ctx, (loss_parallel, sequence_parallel, expert_parallel), period)
         except Exception as err:
             # Any rank-local error (e.g. a plan file missing on one node), not only
             # validation errors, must reach the agreement, or the other ranks hang in it.
@@ -156,7 +160,7 @@ class DistributedModelWrapper(nn.Module):
         self.__dict__["_planning"] = (ctx, *planning)
         self.__dict__["_wrap_fingerprint"] = {"world_size": 1}
         self.parallelized_layers = []
-        self.loss_parallel, self.sequence_parallel = planning[1]
+        self.loss_parallel, self.sequence_parallel, _ = planning[1]
         self.__dict__["_dropout_site"] = None
         self.training = model.training
 
