@@ -163,14 +163,14 @@ def test_unknown_and_moe_styles_are_refused_not_replicated():
     config = tf.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=64,
                               num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
                               num_local_experts=4)
-    # Experts split inside (moe_tp_experts) are supported (test_moe.py); experts placed on
-    # different ranks (expert parallelism) are not, and are refused, not replicated.
+    # The experts styles are supported (test_moe.py); a style that only makes sense on an
+    # expert parameter, given to the experts module, is refused, not replicated.
     with pytest.raises(ValueError, match=(
-            r"plan style 'ep_dispatch_experts' for module 'model.layers.0.mlp.experts' "
-            r"\(MixtralExperts\) is not supported by torchtp: expert parallelism.*does not "
+            r"plan style 'grouped_gemm' for module 'model.layers.0.mlp.experts' "
+            r"\(MixtralExperts\) is not supported by torchtp: a bare expert parameter.*does not "
             r"silently replicate")):
         torchtp.DistributedModelWrapper(tf.MixtralForCausalLM(config), world_size=2, rank=0,
-                                        plan={"model.layers.*.mlp.experts": "ep_dispatch_experts"})
+                                        plan={"model.layers.*.mlp.experts": "grouped_gemm"})
 
 
 def test_tied_weights_split_two_ways_are_refused():
