@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0", "5.24.0")
@@ -223,3 +224,35 @@ def missing_trainer_hooks(trainer_cls: type) -> list[str]:
     5.18.0 (lacks it), 5.19.0, 5.23.0 and 5.24.0 (complete).
     """
     return [name for name in TRAINER_HOOKS if not callable(getattr(trainer_cls, name, None))]
+
+
+def experts_flags(module: nn.Module) -> dict[str, bool] | None:
+    """The layout flags of a transformers experts module (3-D expert weights), or ``None``.
+
+    ``use_experts_implementation`` sets them on the instance; releases before
+    a flag existed stored what its default says (checked: 5.3.0 has no
+    ``is_concatenated`` or ``has_post_expert_norm`` and concatenates [gate; up]).
+    ``sentinel``: the experts implementations skip routes numbered
+    ``num_experts`` when ``_is_expert_parallel`` is set (absent in 5.3.0, whose
+    eager forward one-hot encodes ``num_experts`` classes only).
+
+    Checked: transformers 5.3.0, 5.24.0.
+    """
+    weight = getattr(module, "gate_up_proj", getattr(module, "up_proj", None))
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 3
+            and isinstance(getattr(module, "num_experts", None), int)):
+        return None
+    return {"concatenated": bool(getattr(module, "is_concatenated", True)),
+            "transposed": bool(getattr(module, "is_transposed", False)),
+            "has_bias": bool(getattr(module, "has_bias", False)),
+            "has_gate": bool(getattr(module, "has_gate", True)),
+            "post_norm": bool(getattr(module, "has_post_expert_norm", False)),
+            "sentinel": hasattr(module, "_is_expert_parallel")}
+
+
+def mark_expert_parallel(module: nn.Module) -> None:
+    """Turn on transformers' expert-parallel masking of sentinel routes on ``module``.
+
+    Checked: transformers 5.24.0 (5.3.0 has no sentinel: :func:`experts_flags` says so).
+    """
+    module.__dict__["_is_expert_parallel"] = True  # a plain attribute of the instance

@@ -16,8 +16,9 @@ from torch import nn
 
 from ..plans.attention_local import local_values
 from ..plans.resolved import Rules
-from ..plans.sources import HUGGINGFACE
+from ..plans.sources import HUGGINGFACE, ExpertsLayout
 from .builtin import BUILTIN_PLANS, builtin_plan
+from .compat import experts_flags, mark_expert_parallel
 from .config_view import is_local_config, local_config
 from .detect import is_hf_model, text_config
 from .peft_host import hf_model_inside
@@ -87,3 +88,10 @@ class HuggingFace:
             return {}
         return {"config": local_config(config, local_values(config, heads, kv_heads, head_dim,
                                                             local_heads, local_kv))}
+
+    def experts_layout(self, module: nn.Module) -> ExpertsLayout | None:
+        """transformers' experts modules (3-D expert weights and their layout flags)."""
+        flags = experts_flags(module)
+        if flags is None or not type(module).__module__.startswith("transformers."):
+            return None
+        return ExpertsLayout(**flags, mark_parallel=mark_expert_parallel)

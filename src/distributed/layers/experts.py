@@ -143,6 +143,6 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
     module.__class__ = _parallel_class(type(module))
     module.__dict__.update(tp_layouts=dict(layouts), tp_group=group, tp_world_size=world_size,
                            tp_rank=rank, expert_range=expert_range)
-    if expert_range is not None:  # transformers' own expert-parallel switches
-        module.__dict__.update(num_experts=expert_range[1], _is_expert_parallel=True)
+    if expert_range is not None:  # the forward numbers this rank's experts 0..count-1
+        module.__dict__.update(num_experts=expert_range[1])
     return module

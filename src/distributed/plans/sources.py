@@ -20,7 +20,8 @@ loads or runs anything in ``hf``.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
@@ -75,6 +76,9 @@ class ModelFamily(Protocol):
                             local_heads: int, local_kv: int) -> dict[str, object]:
         """Attributes of a head-split attention module to set beyond the generic head counts."""
 
+    def experts_layout(self, module: nn.Module) -> ExpertsLayout | None:
+        """How an experts module of this family stores its experts (``None``: not one)."""
+
 
 _FAMILIES: dict[str, ModelFamily] = {}
 _HF_LOADED = False
@@ -118,6 +122,36 @@ def attention_overrides(module: nn.Module, heads: int, kv_heads: int, head_dim: 
         out.update(family.attention_overrides(module, heads, kv_heads, head_dim, local_heads,
                                               local_kv))
     return out
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How a family's experts module stores all experts of a layer in 3-D parameters.
+
+    Attributes:
+        concatenated: ``gate_up_proj`` holds ``[gate; up]`` (else interleaved pairs).
+        transposed: Weights are ``(E, in, out)`` rather than ``(E, out, in)``.
+        has_bias: Biases are added inside every expert.
+        has_gate: A gate projection exists (``gate_up_proj``; else ``up_proj`` only).
+        post_norm: A norm follows each expert.
+        sentinel: Its forward skips routes numbered ``num_experts`` once
+            :attr:`mark_parallel` ran (what expert parallelism masks routes with).
+        mark_parallel: Turns that on (called on the module when it is cut).
+    """
+
+    concatenated: bool
+    transposed: bool
+    has_bias: bool
+    has_gate: bool
+    post_norm: bool
+    sentinel: bool
+    mark_parallel: Callable[[nn.Module], None]
+
+
+def experts_layout(module: nn.Module) -> ExpertsLayout | None:
+    """The layout of ``module`` if a family knows it as an experts module."""
+    _load_for(module)
+    return next((lay for f in _FAMILIES.values() if (lay := f.experts_layout(module))), None)
 
 
 def _load_for(obj: nn.Module) -> None:

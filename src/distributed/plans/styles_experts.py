@@ -30,12 +30,12 @@ included, and the ranks' outputs are summed by the same one all-reduce.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..core.layouts import ParamLayout, shard_range
 from ..layers.experts import shard_experts
 from .constraints import Constraint
+from .sources import ExpertsLayout, experts_layout
 from .styles import LayerPlan, ParallelStyle, ShardContext, split_constraint
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
@@ -69,25 +69,34 @@ class ExpertsTP(ParallelStyle):
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank)
 
 
+def _layout(module: nn.Module, fqn: str, style: str) -> ExpertsLayout:
+    """The family's description of an experts module, or a TypeError saying what is needed."""
+    layout = experts_layout(module)
+    if layout is None:
+        raise TypeError(f"plan style {style!r} for module '{fqn}' ({type(module).__name__}) "
+                        "needs a transformers experts module (num_experts and 3-D expert "
+                        "weights); use 'replicate' or remove the rule")
+    return layout
+
+
 def _geometry(module: nn.Module, fqn: str) -> tuple[int, int]:
     """``(experts, intermediate_size)`` of an HF experts module, or a ValueError saying why not."""
     who = f"plan style 'moe_tp_experts' for module '{fqn}' ({type(module).__name__})"
-    gate_up, down = getattr(module, GATE_UP, None), getattr(module, DOWN, None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
-            and gate_up.dim() == 3 and down.dim() == 3):
-        raise TypeError(f"{who} needs 3-D '{GATE_UP}' and '{DOWN}' parameters (transformers' "
-                        "experts layout); use 'replicate' or remove the rule")
-    for flag, bad, why in (("has_bias", True, "expert biases are added inside each expert"),
-                           ("has_gate", False, "experts without a gate are not split yet"),
-                           ("has_post_expert_norm", True, "a norm after each expert is not "
-                            "linear in the partial outputs")):
-        if getattr(module, flag, not bad) == bad:
-            raise ValueError(f"{who}: {flag}={bad}: {why}, so its output is not the sum of "
-                             "the ranks' partial outputs; keep the experts whole with "
-                             "plan={'<pattern>': 'replicate'}")
-    transposed = bool(getattr(module, "is_transposed", False))
-    e, two_i = gate_up.shape[0], gate_up.shape[2 if transposed else 1]
-    inter = down.shape[1 if transposed else 2]
+    layout = _layout(module, fqn, "moe_tp_experts")
+    for bad, flag, why in ((layout.has_bias, "has_bias=True", "expert biases are added inside "
+                            "each expert"),
+                           (not layout.has_gate, "has_gate=False", "experts without a gate are "
+                            "not split yet"),
+                           (layout.post_norm, "has_post_expert_norm=True", "a norm after each "
+                            "expert is not linear in the partial outputs")):
+        if bad:
+            raise ValueError(f"{who}: {flag}: {why}, so its output is not the sum of the ranks' "
+                             "partial outputs; use expert_parallel=True (whole experts per "
+                             "rank) or keep the experts whole with plan={'<pattern>': "
+                             "'replicate'}")
+    gate_up, down = getattr(module, GATE_UP), getattr(module, DOWN)
+    e, two_i = gate_up.shape[0], gate_up.shape[2 if layout.transposed else 1]
+    inter = down.shape[1 if layout.transposed else 2]
     if two_i != 2 * inter or down.shape[0] != e:
         raise ValueError(f"{who}: '{GATE_UP}' {tuple(gate_up.shape)} and '{DOWN}' "
                          f"{tuple(down.shape)} do not describe {e} gated experts")
@@ -97,8 +106,9 @@ def _geometry(module: nn.Module, fqn: str) -> tuple[int, int]:
 def _layouts(module: nn.Module, inter: int, ctx: ShardContext) -> dict[str, ParamLayout]:
     """This rank's layout of ``gate_up_proj`` and ``down_proj`` (see the module docstring)."""
     start, n = shard_range(inter, ctx.world_size, ctx.rank)
-    transposed = bool(getattr(module, "is_transposed", False))
-    if getattr(module, "is_concatenated", True):
+    layout = _layout(module, "", "moe_tp_experts")
+    transposed = layout.transposed
+    if layout.concatenated:
         gate_up_rows: tuple[tuple[int, int], ...] = ((start, n), (inter + start, n))
     else:  # gate/up interleaved: feature i is rows 2i and 2i+1
         gate_up_rows = ((2 * start, 2 * n),)
@@ -134,18 +144,18 @@ class ExpertsEP(ParallelStyle):
         if ctx.world_size == 1 or not layer.layouts:
             return module
         first, count = next(iter(layer.layouts.values())).segments[0]
+        _layout(module, layer.fqn, self.name).mark_parallel(module)
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
                              expert_range=(first, count))
 
 
 def _expert_count(module: nn.Module, fqn: str) -> int:
-    """``E`` of an HF experts module (``num_experts`` and its 3-D weights), or a TypeError."""
-    experts = getattr(module, "num_experts", None)
-    weight = getattr(module, GATE_UP, getattr(module, "up_proj", None))
-    if not (isinstance(experts, int) and isinstance(weight, torch.Tensor) and weight.dim() == 3
-            and weight.shape[0] == experts):
-        raise TypeError(f"plan style 'ep_dispatch_experts' for module '{fqn}' "
-                        f"({type(module).__name__}) needs transformers' experts layout "
-                        f"(num_experts and 3-D '{GATE_UP}' or 'up_proj' weights); use "
-                        "'replicate' or remove the rule")
-    return experts
+    """``E`` of an HF experts module whose forward skips sentinel routes, or why not."""
+    layout = _layout(module, fqn, "ep_dispatch_experts")
+    if not layout.sentinel:
+        raise ValueError(f"plan style 'ep_dispatch_experts' for module '{fqn}' "
+                         f"({type(module).__name__}): this transformers release's experts "
+                         "forward cannot skip routes to another rank's experts (it has no "
+                         "expert-parallel sentinel); upgrade transformers (5.24 has it) or split "
+                         "every expert's features instead (expert_parallel=False)")
+    return int(module.__dict__["num_experts"])  # an int: experts_layout checked it
