@@ -41,6 +41,16 @@ def build_moe(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
         "qwen2_moe": lambda: tf.Qwen2MoeConfig(**common, moe_intermediate_size=24, num_experts=4,
                                                num_experts_per_tok=2, intermediate_size=48,
                                                shared_expert_intermediate_size=40),
+        # Shared experts beside the routed ones, sigmoid group-limited routing, MLA attention.
+        "deepseek_v3": lambda: tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, intermediate_size=48,
+            moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
+            rope_scaling=None),
+        # Biases inside every expert, transposed and interleaved gate/up (whole experts only).
+        "gpt_oss": lambda: tf.GptOssConfig(**common, intermediate_size=24, head_dim=8,
+                                           num_local_experts=4, num_experts_per_tok=2),
     }
     config = configs[arch]()
     for key, value in overrides.items():
@@ -60,13 +70,20 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _routes(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Every MoE layer's top-k expert choice per token (router logits -> top-k)."""
-    out = model(**batch)
-    k = model.config.num_experts_per_tok
-    return [logits.topk(k, dim=-1).indices.sort(dim=-1).values for logits in out.router_logits]
+    """Every MoE layer's top-k expert choice per token, as its experts module receives it."""
+    seen: list[torch.Tensor] = []
+    handles = [m.register_forward_pre_hook(lambda _m, args: seen.append(args[1].sort(-1).values))
+               for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    try:
+        model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen, "no experts module ran"
+    return seen
 
 
-ARCHS = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
+ARCHS = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"]
 
 
 def check_moe(rank: int, world_size: int, archs: list[str],
@@ -107,7 +124,8 @@ def check_one(arch: str, expert_parallel: bool = False) -> dict[str, Any]:
                    zip(_routes(ref, batch), _routes(wrapped, batch), strict=True))
     want, got = ref(**batch), wrapped(**batch)
     torch.testing.assert_close(got.logits, want.logits, **TOL)
-    torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
+    if want.get("aux_loss") is not None:  # DeepSeek-V3 and GPT-OSS have none
+        torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
     torch.testing.assert_close(got.loss, want.loss, **TOL)
     want.loss.backward()
     got.loss.backward()
@@ -140,7 +158,8 @@ def check_one(arch: str, expert_parallel: bool = False) -> dict[str, Any]:
     experts = wrapped.base_model.model.layers[0].mlp.experts
     return {"checked": len(checked), "experts": type(experts).__name__,
             "local": tuple(experts.gate_up_proj.shape), "describe": wrapped.describe_plan(),
-            "router_grads": [n for n in checked if n.endswith("mlp.gate.weight")],
+            "router_grads": [n for n in checked
+                             if n.endswith(("mlp.gate.weight", "mlp.router.weight"))],
             "expert_grad_norm": float(experts.gate_up_proj.grad.abs().sum())}
 
 

@@ -256,3 +256,23 @@ def mark_expert_parallel(module: nn.Module) -> None:
     Checked: transformers 5.24.0 (5.3.0 has no sentinel: :func:`experts_flags` says so).
     """
     module.__dict__["_is_expert_parallel"] = True  # a plain attribute of the instance
+
+
+def expert_parallel_forward(module: nn.Module) -> Any:
+    """The function to run ``module`` with once it holds whole experts of some ranks only.
+
+    transformers' experts kernels (``batched_mm``, ``grouped_mm``) mask routes
+    numbered ``num_experts`` once ``_is_expert_parallel`` is set; the models' own
+    eager forwards differ (Mixtral's one-hot has a sentinel class, GPT-OSS's
+    does not). So a module configured to run eagerly runs transformers'
+    ``batched_mm_experts_forward`` instead (the same products and sums);
+    ``None``: its configured kernel masks them itself.
+
+    Checked: transformers 5.24.0.
+    """
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation not in (None, "eager"):
+        return None
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    return batched_mm_experts_forward

@@ -18,7 +18,7 @@ from ..plans.attention_local import local_values
 from ..plans.resolved import Rules
 from ..plans.sources import HUGGINGFACE, ExpertsLayout
 from .builtin import BUILTIN_PLANS, builtin_plan
-from .compat import experts_flags, mark_expert_parallel
+from .compat import expert_parallel_forward, experts_flags, mark_expert_parallel
 from .config_view import is_local_config, local_config
 from .detect import is_hf_model, text_config
 from .peft_host import hf_model_inside
@@ -94,4 +94,5 @@ class HuggingFace:
         flags = experts_flags(module)
         if flags is None or not type(module).__module__.startswith("transformers."):
             return None
-        return ExpertsLayout(**flags, mark_parallel=mark_expert_parallel)
+        return ExpertsLayout(**flags, mark_parallel=mark_expert_parallel,
+                             parallel_forward=expert_parallel_forward)

@@ -24,6 +24,7 @@ a subclass of it that adds the region operators around that forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ class ParallelExperts(ShardedModule):
     tp_world_size: int
     tp_rank: int
     expert_range: tuple[int, int] | None = None  # expert parallel: (first, count) held here
+    expert_forward: Callable[..., torch.Tensor] | None = None  # run instead of the class's
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -67,7 +69,10 @@ class ParallelExperts(ShardedModule):
             hidden_states, top_k_weights.to(dtype), self.tp_group)
         if self.expert_range is not None:
             top_k_index, weights = self._local_routes(top_k_index, weights)
-        partial = super().forward(x, top_k_index, weights, *args, **kwargs)  # type: ignore[misc]
+        if self.expert_forward is not None:  # (N, H), this rank's partial sum
+            partial = self.expert_forward(self, x, top_k_index, weights, *args, **kwargs)
+        else:
+            partial = super().forward(x, top_k_index, weights, *args, **kwargs)  # type: ignore[misc]
         if self.expert_range is not None:
             partial = partial + self._touched(x)
         return reduce_from_tensor_parallel_region(partial, self.tp_group)  # (N, H), summed
@@ -120,7 +125,8 @@ def _parallel_class(cls: type) -> type:
 
 def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
                   group: ProcessGroup | None, world_size: int, rank: int,
-                  expert_range: tuple[int, int] | None = None) -> nn.Module:
+                  expert_range: tuple[int, int] | None = None,
+                  forward: Callable[..., torch.Tensor] | None = None) -> nn.Module:
     """Cut ``module``'s expert parameters to this rank's share, in place, and return it.
 
     Args:
@@ -132,6 +138,8 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
         expert_range: Expert parallelism: ``(first, count)`` of the whole experts
             this rank keeps (``layouts`` cut dim 0 to them); ``None``: every
             expert's features are split instead.
+        forward: Run ``forward(module, x, index, weights)`` instead of the
+            class's forward (one that masks routes to other ranks' experts).
 
     Returns:
         ``module`` itself, now an instance of ``Parallel<its class>``.
@@ -142,7 +150,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
         setattr(module, name, nn.Parameter(shard, requires_grad=full.requires_grad))
     module.__class__ = _parallel_class(type(module))
     module.__dict__.update(tp_layouts=dict(layouts), tp_group=group, tp_world_size=world_size,
-                           tp_rank=rank, expert_range=expert_range)
+                           tp_rank=rank, expert_range=expert_range, expert_forward=forward)
     if expert_range is not None:  # the forward numbers this rank's experts 0..count-1
         module.__dict__.update(num_experts=expert_range[1])
     return module

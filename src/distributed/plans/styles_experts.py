@@ -144,9 +144,11 @@ class ExpertsEP(ParallelStyle):
         if ctx.world_size == 1 or not layer.layouts:
             return module
         first, count = next(iter(layer.layouts.values())).segments[0]
-        _layout(module, layer.fqn, self.name).mark_parallel(module)
+        layout = _layout(module, layer.fqn, self.name)
+        layout.mark_parallel(module)
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
-                             expert_range=(first, count))
+                             expert_range=(first, count),
+                             forward=layout.parallel_forward(module))
 
 
 def _expert_count(module: nn.Module, fqn: str) -> int:

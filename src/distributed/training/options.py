@@ -14,6 +14,7 @@ from torch import nn
 from ..layers import grad_sync
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.registry import get_style
+from ..plans.sources import experts_layout
 from ..plans.styles_experts import ExpertsTP
 from ..plans.styles_sp import SequenceParallel
 
@@ -43,7 +44,7 @@ class Options:
         """Before the checks: place whole experts; vocab-split the LM head; mark the norms
         sequence-parallel."""
         if self.expert_parallel:
-            place_whole_experts(plan)
+            place_whole_experts(model, plan)
         if self.loss_parallel:
             from ..hf.loss_parallel import plan_loss_parallel
 
@@ -67,17 +68,26 @@ class Options:
             grad_sync.install(model)
 
 
-def place_whole_experts(plan: ResolvedPlan) -> None:
-    """Turn every ``moe_tp_experts`` assignment into ``ep_dispatch_experts``, saying why.
+def place_whole_experts(model: nn.Module, plan: ResolvedPlan) -> None:
+    """Give every experts module ``ep_dispatch_experts``, saying why.
+
+    Experts the plan splits inside (``moe_tp_experts``) or leaves unplanned
+    (GPT-OSS's HF plan names none) get whole experts per rank; an experts
+    module the plan assigns anything else (``replicate``) keeps it.
 
     Raises:
-        ValueError: the plan splits no experts module, so the option would do nothing.
+        ValueError: the model has no experts module, so the option would do nothing.
     """
-    moved = [name for name, style in plan.assignments.items() if isinstance(style, ExpertsTP)]
-    if not moved:
-        raise ValueError("expert_parallel=True, but the plan splits no experts module (style "
-                         f"'moe_tp_experts'; plan source: {plan.source}); drop the option, or "
-                         "assign 'ep_dispatch_experts' to the experts modules in plan=")
+    found = [name for name, module in model.named_modules()
+             if name and experts_layout(module) is not None]
+    moved = [name for name in found if name not in plan.assignments
+             or isinstance(plan.assignments[name], ExpertsTP)]
+    if not found:
+        raise ValueError("expert_parallel=True, but the model has no transformers experts "
+                         f"module ({type(model).__name__}; plan source: {plan.source}); drop "
+                         "the option")
     for name in moved:
         plan.assignments[name] = get_style("ep_dispatch_experts", name)
-        plan.why[name] = f"{plan.why.get(name, '')}; expert_parallel=True: whole experts"
+        before = plan.why.get(name)
+        plan.why[name] = f"{before}; expert_parallel=True: whole experts" if before \
+            else "expert_parallel=True: whole experts"
