@@ -199,3 +199,23 @@ def check_checkpoints(rank: int, world_size: int, out: str) -> float:
     ids = _batch()["input_ids"]
     with torch.no_grad():
         return float((again(input_ids=ids).logits - wrapped(input_ids=ids).logits).abs().max())
+
+
+def check_generate(rank: int, world_size: int, splits: list[bool]) -> list[list[int]]:
+    """Greedy and seeded-sampling ``generate`` (KV cache) equal one process's, for each
+    ``expert_parallel`` value in ``splits``."""
+    ref = build_moe("mixtral")
+    ids = _batch()["input_ids"][:1, :5]
+    out = []
+    for expert_parallel in splits:
+        wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"),
+                                                  expert_parallel=expert_parallel)
+        for sample in (False, True):
+            kw = {"max_new_tokens": 6, "do_sample": sample, "use_cache": True, "pad_token_id": 0}
+            torch.manual_seed(3)
+            want = ref.generate(ids, **kw)
+            torch.manual_seed(3)
+            got = wrapped.generate(ids, **kw)
+            assert torch.equal(got, want), (expert_parallel, sample, got, want)
+            out.append(got[0].tolist())
+    return out

@@ -20,6 +20,7 @@ from ._moe_checks import (
     ARCHS,
     build_moe,
     check_checkpoints,
+    check_generate,
     check_grouped_mm,
     check_moe,
 )
@@ -72,6 +73,12 @@ def test_whole_experts_on_each_rank_match_one_process(ranks):
         assert res["local"][0] == experts and len(res["router_grads"]) == 2, arch
         assert "HF's 'all_reduce' expert parallelism" in res["describe"], arch
     assert results[1]["mixtral-e3"]["local"][0] == 1  # rank 1 holds the third expert
+
+
+def test_generate_matches_one_process(ranks):
+    # Greedy and seeded sampling, KV cache; whole experts where transformers allows them.
+    tokens = ranks(check_generate, 2, [False, True] if _sentinel() else [False], timeout=180)
+    assert tokens[0] == tokens[1]
 
 
 def test_grouped_mm_experts_match_one_process(ranks):
