@@ -22,6 +22,7 @@ from ._moe_checks import (
     check_checkpoints,
     check_generate,
     check_grouped_mm,
+    check_hand_moe,
     check_moe,
 )
 from ._moe_checks import _batch as _moe_batch
@@ -94,6 +95,12 @@ def test_expert_shards_save_reload_and_consolidate(ranks, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for got in (one(input_ids=ids).logits, hf(input_ids=ids).logits):  # tp 2 -> 1, HF
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32 sums reordered
+
+
+def test_hand_written_moe_through_the_automatic_plan(ranks):
+    # Each expert MLP is a pair of its own (exact; one all-reduce per expert that gets tokens).
+    layers = ranks(check_hand_moe, 2, timeout=120)[0]
+    assert {"experts.0.up", "experts.0.down", "experts.3.down"} <= set(layers)
 
 
 def test_one_all_reduce_per_moe_layer():
