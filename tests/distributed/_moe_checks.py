@@ -163,20 +163,24 @@ def check_one(arch: str, expert_parallel: bool = False) -> dict[str, Any]:
             "expert_grad_norm": float(experts.gate_up_proj.grad.abs().sum())}
 
 
-def check_grouped_mm(rank: int, world_size: int) -> None:
-    """transformers' default experts implementation (grouped_mm) in float32 at tp 2."""
-    ref = build_moe("mixtral").float()
-    ref.config._experts_implementation = "grouped_mm"
-    model = build_moe("mixtral").float()
-    model.config._experts_implementation = "grouped_mm"
-    wrapped = torchtp.DistributedModelWrapper(model)
+def check_grouped_mm(rank: int, world_size: int, whole: bool) -> None:
+    """float32 at tp 2 with transformers' default experts kernel (grouped_mm), and, with
+    ``whole``, whole experts per rank under grouped_mm and under an eager configuration
+    (which then runs transformers' grouped_mm function)."""
+    cases = [("grouped_mm", False)] + ([("grouped_mm", True), ("eager", True)] if whole else [])
     batch = _batch()
-    with torch.no_grad():
-        assert all(torch.equal(a, b) for a, b in
-                   zip(_routes(ref, batch), _routes(wrapped, batch), strict=True))
-        # float32: the all-reduce sums two halves of every expert's features in another order.
-        torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits,
-                                   rtol=1e-5, atol=1e-5)
+    for implementation, expert_parallel in cases:
+        ref = build_moe("mixtral").float()
+        ref.config._experts_implementation = implementation
+        model = build_moe("mixtral").float()
+        model.config._experts_implementation = implementation
+        wrapped = torchtp.DistributedModelWrapper(model, expert_parallel=expert_parallel)
+        with torch.no_grad():
+            assert all(torch.equal(a, b) for a, b in
+                       zip(_routes(ref, batch), _routes(wrapped, batch), strict=True))
+            # float32: the all-reduce sums the ranks' partial outputs in another order.
+            torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits,
+                                       rtol=1e-5, atol=1e-5)
 
 
 def check_checkpoints(rank: int, world_size: int, out: str) -> float:

@@ -83,7 +83,7 @@ def test_generate_matches_one_process(ranks):
 
 
 def test_grouped_mm_experts_match_one_process(ranks):
-    ranks(check_grouped_mm, 2, timeout=120)
+    ranks(check_grouped_mm, 2, _sentinel(), timeout=120)
 
 
 def test_expert_shards_save_reload_and_consolidate(ranks, tmp_path):

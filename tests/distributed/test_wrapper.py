@@ -259,3 +259,27 @@ def test_tp1_keeps_the_model_as_it_was_and_plans_only_when_asked(tmp_path):
     back = load_file(tmp_path / "hf" / "model.safetensors")
     for name, t in hf.state_dict().items():
         assert torch.equal(back[name], t), name
+
+
+def test_tp1_checks_what_the_caller_gave_at_wrap_time(tmp_path):
+    # A bad plan, plan file or option raises at a tp-1 wrap, as at any tp (not at a later save).
+    with pytest.raises(ValueError, match=r"unknown plan style 'colwize' for '0'"):
+        DistributedModelWrapper(mlp(), plan={"0": "colwize"})
+    with pytest.raises(FileNotFoundError, match=r"plan file .*missing\.yaml does not exist"):
+        DistributedModelWrapper(mlp(), plan=str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match=r"expert_parallel=True, but the model has no"):
+        DistributedModelWrapper(mlp(), expert_parallel=True)
+    # A valid explicit plan is resolved at the wrap and still changes nothing.
+    model = mlp()
+    params = [id(p) for p in model.parameters()]
+    wrapped = DistributedModelWrapper(model, plan={"0": "colwise", "2": "rowwise"})
+    assert wrapped.__dict__["_resolved"] is not None
+    assert [id(p) for p in model.parameters()] == params and wrapped.parallelized_layers == []
+
+
+def test_tp1_plan_resolved_after_peft_sees_the_base_layers():
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = DistributedModelWrapper(build("llama"))
+    get_peft_model(wrapped.base_model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert "q_proj" in wrapped.describe_plan()  # planned on the base Linears under the LoRA layers

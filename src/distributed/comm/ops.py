@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.overrides import has_torch_function_unary
 
 from ..core.layouts import cut, shard_range, shard_sizes
 from ..core.log import debug_enabled, logger
@@ -226,7 +227,9 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
         ride = _RIDES.pop(dist.group.WORLD if group is None else group, None)
         if ride is not None:
             return _all_reduce_riding(tensor, group, ride)
-    if _compiling():  # the compiled graph holds the collective; nothing to record
+    if _compiling() or has_torch_function_unary(tensor):
+        # Traced (the graph holds the collective; nothing to record) or a tensor
+        # subclass: torch.distributed's own dispatch handles both.
         dist.all_reduce(tensor, op=reduce_op, group=group)
         return tensor
     st = _health.state(group)

@@ -258,21 +258,25 @@ def mark_expert_parallel(module: nn.Module) -> None:
     module.__dict__["_is_expert_parallel"] = True  # a plain attribute of the instance
 
 
-def expert_parallel_forward(module: nn.Module) -> Any:
-    """The function to run ``module`` with once it holds whole experts of some ranks only.
+def expert_parallel_forward(module: nn.Module, dtype: torch.dtype) -> Any:
+    """The function to run ``module`` with now that it holds some ranks' whole experts only.
 
-    transformers' experts kernels (``batched_mm``, ``grouped_mm``) mask routes
+    transformers' experts kernels (``batched_mm``, ``grouped_mm``) skip routes
     numbered ``num_experts`` once ``_is_expert_parallel`` is set; the models' own
     eager forwards differ (Mixtral's one-hot has a sentinel class, GPT-OSS's
-    does not). So a module configured to run eagerly runs transformers'
-    ``batched_mm_experts_forward`` instead (the same products and sums);
-    ``None``: its configured kernel masks them itself.
+    does not). So while the module is configured to run eagerly (read at every
+    call), it runs transformers' ``grouped_mm_experts_forward`` (the same
+    products and sums, without copying weights per route), or
+    ``batched_mm_experts_forward`` for dtypes ``grouped_mm`` has no kernel for
+    (float64); ``None``: its configured kernel skips them itself.
 
     Checked: transformers 5.24.0.
     """
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
     if implementation not in (None, "eager"):
         return None
-    from transformers.integrations.moe import batched_mm_experts_forward
+    from transformers.integrations import moe
 
-    return batched_mm_experts_forward
+    if dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return moe.grouped_mm_experts_forward
+    return moe.batched_mm_experts_forward

@@ -56,7 +56,9 @@ class ParallelExperts(ShardedModule):
     tp_world_size: int
     tp_rank: int
     expert_range: tuple[int, int] | None = None  # expert parallel: (first, count) held here
-    expert_forward: Callable[..., torch.Tensor] | None = None  # run instead of the class's
+    # Expert parallel: picks, per call, a function to run instead of the class's forward.
+    expert_forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None] | None \
+        = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -69,8 +71,10 @@ class ParallelExperts(ShardedModule):
             hidden_states, top_k_weights.to(dtype), self.tp_group)
         if self.expert_range is not None:
             top_k_index, weights = self._local_routes(top_k_index, weights)
-        if self.expert_forward is not None:  # (N, H), this rank's partial sum
-            partial = self.expert_forward(self, x, top_k_index, weights, *args, **kwargs)
+        pick = self.expert_forward
+        run = None if pick is None else pick(self, x.dtype)  # type: ignore[arg-type]
+        if run is not None:  # (N, H), this rank's partial sum
+            partial = run(self, x, top_k_index, weights, *args, **kwargs)
         else:
             partial = super().forward(x, top_k_index, weights, *args, **kwargs)  # type: ignore[misc]
         if self.expert_range is not None:
@@ -84,12 +88,13 @@ class ParallelExperts(ShardedModule):
         them out of the graph: their gradients would be ``None`` instead of
         zeros (the optimizer would skip them there and the ranks' optimizer
         states would drift apart), and its backward would skip the all-reduce
-        of the region's entry that the other ranks run. One element of each is
+        of the region's entry that the other ranks run. An empty slice of each is
         enough for autograd to keep them in the graph.
         """
         params = nn.Module.parameters(self, recurse=False)  # type: ignore[arg-type]
-        # [:1].sum(): one element, and an exact 0 for an empty batch
-        return sum((p.reshape(-1)[:1].sum() for p in params), x.reshape(-1)[:1].sum()) * 0
+        # [:0].sum(): an empty sum, exactly 0 whatever the values (an inf would make
+        # inf * 0 = NaN for every token), still a node that reaches each tensor.
+        return sum((p.reshape(-1)[:0].sum() for p in params), x.reshape(-1)[:0].sum())
 
     def _local_routes(self, index: torch.Tensor, weights: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +131,8 @@ def _parallel_class(cls: type) -> type:
 def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
                   group: ProcessGroup | None, world_size: int, rank: int,
                   expert_range: tuple[int, int] | None = None,
-                  forward: Callable[..., torch.Tensor] | None = None) -> nn.Module:
+                  forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None]
+                  | None = None) -> nn.Module:
     """Cut ``module``'s expert parameters to this rank's share, in place, and return it.
 
     Args:
@@ -138,8 +144,9 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
         expert_range: Expert parallelism: ``(first, count)`` of the whole experts
             this rank keeps (``layouts`` cut dim 0 to them); ``None``: every
             expert's features are split instead.
-        forward: Run ``forward(module, x, index, weights)`` instead of the
-            class's forward (one that masks routes to other ranks' experts).
+        forward: ``forward(module, dtype)`` returns, per call, a function
+            ``f(module, x, index, weights)`` to run instead of the class's forward
+            (one that skips routes to other ranks' experts), or ``None``.
 
     Returns:
         ``module`` itself, now an instance of ``Parallel<its class>``.

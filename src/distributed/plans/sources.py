@@ -137,8 +137,9 @@ class ExpertsLayout:
         sentinel: Its forward skips routes numbered ``num_experts`` once
             :attr:`mark_parallel` ran (what expert parallelism masks routes with).
         mark_parallel: Turns that on (called on the module when it is cut).
-        parallel_forward: Returns the function ``f(module, x, index, weights)`` to run
-            the cut module with, or ``None`` for its own forward.
+        parallel_forward: ``parallel_forward(module, dtype)`` returns, at every call,
+            the function ``f(module, x, index, weights)`` to run the cut module
+            with, or ``None`` for its own forward.
     """
 
     concatenated: bool
@@ -148,7 +149,7 @@ class ExpertsLayout:
     post_norm: bool
     sentinel: bool
     mark_parallel: Callable[[nn.Module], None]
-    parallel_forward: Callable[[nn.Module], Any]
+    parallel_forward: Callable[[nn.Module, Any], Any]
 
 
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:

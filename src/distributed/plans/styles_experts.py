@@ -148,7 +148,7 @@ class ExpertsEP(ParallelStyle):
         layout.mark_parallel(module)
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
                              expert_range=(first, count),
-                             forward=layout.parallel_forward(module))
+                             forward=layout.parallel_forward)
 
 
 def _expert_count(module: nn.Module, fqn: str) -> int:

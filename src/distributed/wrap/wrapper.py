@@ -27,7 +27,7 @@ from ..integrations.adapter_hosts import (
 from ..integrations.guards import guard_frameworks
 from ..layers.ddp_guard import check_fsdp
 from ..plans import ResolvedPlan, ShardContext
-from ..plans.resolve import PlanArg
+from ..plans.resolve import AUTO, PlanArg
 from ..training import rng
 from ..training.options import Options
 from . import tp as tp_step
@@ -39,8 +39,9 @@ class DistributedModelWrapper(nn.Module):
     Every rank builds the same model (same seed or same checkpoint) and wraps
     it; each rank then keeps only its shard of every split layer. Outputs and
     gradients equal the unsharded model's on every rank. At tp 1 the model is
-    kept as it is (no module swapped, no hook) and the plan is resolved only
-    when asked for (:attr:`resolved_plan`, :meth:`describe_plan`, saves).
+    kept as it is (no module swapped, no hook); a plan or option passed here
+    is checked now, torchtp's own plan resolved only when asked for
+    (:attr:`resolved_plan`, :meth:`describe_plan`, saves).
 
     Args:
         model: The model to parallelize; modified in place.
@@ -146,35 +147,50 @@ class DistributedModelWrapper(nn.Module):
             attach_adapters(detached)  # around the parallel base layers (or restored on error)
 
     def _keep_whole(self, model: nn.Module, ctx: ShardContext, planning: tuple[Any, ...]) -> None:
-        """tp 1: keep every module as it is; the plan is resolved only when asked for.
+        """tp 1: keep every module as it is; plan now only what the caller gave.
 
         One rank holds every weight whole, so no layer is swapped, no rank has
         anyone to agree with and no hook runs per call: the model computes
-        exactly what it computed before wrapping. :attr:`resolved_plan` (and
-        :meth:`describe_plan`) resolve the plan at tp 1 on first use, without
-        changing the model.
+        exactly what it computed before wrapping. A plan, a plan file, an
+        option or probe inputs the caller passed are resolved now, so a bad
+        one raises here at any tp; torchtp's own plan (``plan=None``) is
+        resolved on first use of :attr:`resolved_plan` (:meth:`describe_plan`,
+        saves). Neither changes the model.
         """
+        plan, flags, example_inputs, verify = planning
         self.base_model = model
         self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
-        self.__dict__["_resolved"] = None
-        self.__dict__["_planning"] = (ctx, *planning)
-        self.__dict__["_wrap_fingerprint"] = {"world_size": 1}
+        self.__dict__.update(_resolved=None, _planning=(ctx, plan, flags, verify),
+                             _wrap_fingerprint={"world_size": 1}, _dropout_site=None)
         self.parallelized_layers = []
-        self.loss_parallel, self.sequence_parallel, _ = planning[1]
-        self.__dict__["_dropout_site"] = None
+        self.loss_parallel, self.sequence_parallel = flags[0], False
         self.training = model.training
+        if (plan is not None and plan not in AUTO) or any(flags) or example_inputs is not None:
+            self._plan_whole(example_inputs)
+
+    def _plan_whole(self, example_inputs: object = None) -> ResolvedPlan:
+        """Resolve the plan at tp 1 as the wrap would, on the model's base layers (PEFT's
+        adapters set aside meanwhile), without changing the model."""
+        ctx, plan, flags, verify = self.__dict__["_planning"]
+        options = Options(*flags)
+        detached = detach_adapters(self.base_model) if "peft" in sys.modules else []
+        try:
+            resolved = tp_step.resolve(self.base_model, plan, ctx, options, example_inputs,
+                                       verify)
+        finally:
+            attach_adapters(detached)
+        self.__dict__["_resolved"] = resolved
+        self.sequence_parallel = options.sequence is not None
+        return resolved
 
     @property
     def resolved_plan(self) -> ResolvedPlan:
         """The plan that was applied (source, rules, per-module styles and why, notes).
 
-        At tp 1 nothing is applied: this is the plan as resolved at tp 1, on first use.
+        At tp 1 nothing is applied: this is the plan as resolved at tp 1.
         """
-        if self.__dict__.get("_resolved") is None:
-            ctx, plan, flags, example_inputs, verify = self.__dict__["_planning"]
-            self.__dict__["_resolved"] = tp_step.resolve(self.base_model, plan, ctx,
-                                                         Options(*flags), example_inputs, verify)
-        return self.__dict__["_resolved"]
+        resolved = self.__dict__.get("_resolved")
+        return resolved if resolved is not None else self._plan_whole()
 
     @property
     def valid_world_sizes(self) -> list[int]:
