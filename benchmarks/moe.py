@@ -13,7 +13,8 @@ slowest rank's time, median over rounds):
 A step is forward + backward + AdamW on a 4 x 64 batch. The table also gives
 each variant's expert parameters on one rank (against ``1/tp`` of the
 experts' total), its bytes of collectives per forward and the largest
-logit difference to the one-process model.
+logit difference to the one-process model, and the per-layer cost of the
+check that every rank routes every token alike, timed alone.
 
     .venv/bin/python benchmarks/moe.py [--rounds 9]
 """
@@ -81,6 +82,7 @@ def _rank(rank: int, world: int, rounds: int) -> dict[str, Any]:
                 got = m(input_ids=ids).logits
             info[name] = {"experts": _expert_params(getattr(m, "base_model", m)),
                           "bytes": c.bytes_moved(), "err": float((got - want).abs().max())}
+    info["route check us"] = _route_check_alone(models["experts split inside"], ids.numel())
     # The timed steps move the weights; the checks above are done by then.
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in models.items()}
     times: dict[str, list[float]] = {n: [] for n in models}
@@ -97,6 +99,18 @@ def _rank(rank: int, world: int, rounds: int) -> dict[str, Any]:
     return info
 
 
+def _route_check_alone(wrapped: torch.nn.Module, tokens: int, calls: int = 2000) -> float:
+    """Microseconds per MoE layer of the route check's own work (hash the routes, ride)."""
+    from torchtp.comm import ops
+
+    experts = wrapped.base_model.model.layers[0].mlp.experts
+    routes = torch.randint(0, CONFIG["num_local_experts"], (tokens, CONFIG["num_experts_per_tok"]))
+    start = time.perf_counter()
+    for _ in range(calls):
+        ops.cancel_ride(experts.tp_group, experts._ride_routes(routes))
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def _table(per_rank: list[dict[str, Any]], load: tuple[float, float]) -> str:
     info = per_rank[0]
     med = {n: statistics.median(max(ts) for ts in zip(*(r["times"][n] for r in per_rank),
@@ -111,6 +125,12 @@ def _table(per_rank: list[dict[str, Any]], load: tuple[float, float]) -> str:
         row = info[name]
         lines.append(f"| {name} | {ms:.1f} | {ms / med['one process']:.2f} | {row['experts']:,} "
                      f"| {row['experts'] / share:.2f} | {row['bytes']:,} | {row['err']:.1e} |")
+    forward_us = med["experts split inside"] * 1e3 / 3  # a step is ~3 forwards' work
+    us = info["route check us"]
+    lines += ["", f"route check (hash of every token's routes, riding the MoE all-reduce): "
+              f"{us:.1f} us per MoE layer, {CONFIG['num_hidden_layers']} layers = "
+              f"{100 * us * CONFIG['num_hidden_layers'] / forward_us:.2f}% of a forward (about "
+              "a third of a step)"]
     return "\n".join(lines)
 
 

@@ -272,3 +272,23 @@ def check_hand_moe(rank: int, world_size: int) -> list[str]:
         torch.testing.assert_close(p.grad, expected_local(module, name.rpartition(".")[2],
                                                           ref_params[name].grad), **TOL)
     return wrapped.parallelized_layers
+
+
+def check_route_mismatch(rank: int, world_size: int, expert_parallel: bool) -> tuple[str, float]:
+    """Rank 1's router differs after wrapping: the forward raises on every rank, naming it."""
+    import time
+
+    from torchtp.core.errors import RankMismatchError
+
+    wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"),
+                                              expert_parallel=expert_parallel)
+    if rank == 1:
+        with torch.no_grad():
+            wrapped.base_model.model.layers[0].mlp.gate.weight.neg_()
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            wrapped(**_batch())
+    except RankMismatchError as err:
+        return str(err), time.monotonic() - start
+    raise AssertionError("different routes were not detected")

@@ -9,6 +9,8 @@ keep their experts whole and whole experts per rank are refused.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -24,6 +26,7 @@ from ._moe_checks import (
     check_grouped_mm,
     check_hand_moe,
     check_moe,
+    check_route_mismatch,
 )
 from ._moe_checks import _batch as _moe_batch
 
@@ -74,6 +77,20 @@ def test_whole_experts_on_each_rank_match_one_process(ranks):
         assert res["local"][0] == experts and len(res["router_grads"]) == 2, arch
         assert "HF's 'all_reduce' expert parallelism" in res["describe"], arch
     assert results[1]["mixtral-e3"]["local"][0] == 1  # rank 1 holds the third expert
+
+
+def test_ranks_that_route_differently_raise_on_every_rank(ranks):
+    for expert_parallel in [False, True] if _sentinel() else [False]:  # whole: see above
+        _route_mismatch_raises(ranks, expert_parallel)
+
+
+def _route_mismatch_raises(ranks, expert_parallel: bool) -> None:
+    got = ranks(check_route_mismatch, 2, expert_parallel, timeout=120)
+    for message, seconds in got:
+        assert re.search(r"'model.layers.0.mlp.experts' \(ParallelMixtralExperts\): the "
+                         r"tensor-parallel ranks routed tokens to different experts", message)
+        assert seconds < 30  # raised at that layer's own all-reduce, no timeout waited
+    assert got[0][0] == got[1][0]
 
 
 def test_generate_matches_one_process(ranks):

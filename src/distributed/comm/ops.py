@@ -160,7 +160,7 @@ class Ride:
     result: list[float] | None = None  # the sums over the group, once reduced
 
 
-_RIDES: dict[object, Ride] = {}
+_RIDES: dict[object, list[Ride]] = {}  # per group, the rides waiting for its next all-reduce
 _RIDE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SUM = torch_op("sum")  # what rides and sum-like reductions (average) communicate
 
@@ -172,18 +172,20 @@ def ride_next_all_reduce(group: ProcessGroup | None, values: list[float],
     That all-reduce's own tensor is reduced unchanged (the values are appended
     to a copy of it, which is copied back); it is agreed and counted as one
     all-reduce of its own shape, so every rank of ``group`` must make the same
-    call before it. Read the sums with :func:`ride_result`.
+    calls before it. Several rides waiting for the same all-reduce (the input
+    check's and an experts layer's route check) travel together, in order.
+    Read the sums with :func:`ride_result`.
     """
     ride = Ride(values, device)
-    _RIDES[dist.group.WORLD if group is None else group] = ride
+    _RIDES.setdefault(dist.group.WORLD if group is None else group, []).append(ride)
     return ride
 
 
 def cancel_ride(group: ProcessGroup | None, ride: Ride) -> None:
     """Stop ``ride`` from joining a later all-reduce (its forward raised)."""
-    key = dist.group.WORLD if group is None else group
-    if _RIDES.get(key) is ride:
-        del _RIDES[key]
+    waiting = _RIDES.get(dist.group.WORLD if group is None else group)
+    if waiting is not None and ride in waiting:
+        waiting.remove(ride)
 
 
 def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
@@ -196,11 +198,12 @@ def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
 
 
 def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
-                       ride: Ride) -> torch.Tensor:
-    """Sum ``tensor`` (contiguous, ``(...)``) and the ride's ``k`` values in one collective."""
+                       rides: list[Ride]) -> torch.Tensor:
+    """Sum ``tensor`` (contiguous, ``(...)``) and the rides' values in one collective."""
     st = _health.state(group)
     flat = tensor.view(-1)
-    extra = torch.tensor(ride.values, dtype=tensor.dtype, device=tensor.device)
+    values = [v for ride in rides for v in ride.values]
+    extra = torch.tensor(values, dtype=tensor.dtype, device=tensor.device)
     buf = torch.cat([flat, extra])  # (numel + k,): the real buffer goes to the backend
     # Agreed and counted as the caller's all-reduce: every rank appends the same k
     # values, and a shape mismatch is named in the model's shapes.
@@ -210,7 +213,9 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
     work = st.group.allreduce([buf], _allreduce_options(_SUM))  # as all_reduce_ does
     _health.finish(work, st, n, "all_reduce", buf, shown=tensor)
     flat.copy_(buf[:flat.numel()])
-    ride.result = buf[flat.numel():].tolist()
+    sums, start = buf[flat.numel():].tolist(), 0
+    for ride in rides:
+        ride.result, start = sums[start:start + len(ride.values)], start + len(ride.values)
     return tensor
 
 
@@ -224,9 +229,9 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
     reduce_op = torch_op(op)
     if _RIDES and name == "all_reduce" and reduce_op == _SUM and tensor.dtype in _RIDE_DTYPES \
             and not _compiling() and _health.state(group).size <= 256:
-        ride = _RIDES.pop(dist.group.WORLD if group is None else group, None)
-        if ride is not None:
-            return _all_reduce_riding(tensor, group, ride)
+        rides = _RIDES.pop(dist.group.WORLD if group is None else group, None)
+        if rides:
+            return _all_reduce_riding(tensor, group, rides)
     if _compiling() or has_torch_function_unary(tensor):
         # Traced (the graph holds the collective; nothing to record) or a tensor
         # subclass: torch.distributed's own dispatch handles both.

@@ -24,14 +24,18 @@ a subclass of it that adds the region operators around that forward.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..comm import ops as _comm
 from ..comm.regions import copy_pair_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from ..comm.runtime import ProcessGroup
+from ..core import log as _log
+from ..core.errors import RankMismatchError
 from ..core.layouts import ParamLayout
 from .owned import ShardedModule
 
@@ -46,6 +50,10 @@ class ParallelExperts(ShardedModule):
     own forward computes this rank's partial output ``(N, H)``, and one
     all-reduce sums it (backward: identity).
 
+    Every rank must route every token alike: a hash of the routes rides the
+    output's all-reduce and a difference raises :class:`RankMismatchError` on
+    every rank.
+
     Attributes:
         tp_group: The tensor-parallel group.
         tp_world_size: Ranks the intermediate features are split over.
@@ -55,6 +63,7 @@ class ParallelExperts(ShardedModule):
     tp_group: ProcessGroup | None
     tp_world_size: int
     tp_rank: int
+    tp_name: str = "experts"  # the module's name in the model, for errors
     expert_range: tuple[int, int] | None = None  # expert parallel: (first, count) held here
     # Expert parallel: picks, per call, a function to run instead of the class's forward.
     expert_forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None] | None \
@@ -66,6 +75,7 @@ class ParallelExperts(ShardedModule):
         # the promoted dtype anyway, so promoting first is exact, and the weights'
         # gradient is then summed over the ranks in that dtype and rounded once, as the
         # unsharded model rounds it.
+        routes = top_k_index  # (N, k) global expert ids, as the router chose them
         dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
         x, weights = copy_pair_to_tensor_parallel_region(  # (N, H), (N, k)
             hidden_states, top_k_weights.to(dtype), self.tp_group)
@@ -79,7 +89,42 @@ class ParallelExperts(ShardedModule):
             partial = super().forward(x, top_k_index, weights, *args, **kwargs)  # type: ignore[misc]
         if self.expert_range is not None:
             partial = partial + self._touched(x)
-        return reduce_from_tensor_parallel_region(partial, self.tp_group)  # (N, H), summed
+        ride = self._ride_routes(routes)
+        out = reduce_from_tensor_parallel_region(partial, self.tp_group)  # (N, H), summed
+        if ride is not None:
+            self._check_routes(ride)
+        return out
+
+    def _ride_routes(self, routes: torch.Tensor) -> _comm.Ride | None:
+        """Put a 64-bit hash of every token's routes on the output's all-reduce.
+
+        Every rank computes the routes itself from its replicated copy of the
+        router and of the token states; ranks that disagree would each compute
+        slices of other experts and sum garbage. The hash's bits (64 values 0
+        or 1, exact in any float dtype) ride the all-reduce this layer runs
+        anyway: no extra collective. Off under ``torch.compile`` and
+        ``TP_CHECK_INPUTS=0``. Costs a hash of ``(N, k)`` integers (a copy to
+        the host on GPU) per MoE layer.
+        """
+        if self.tp_group is None or torch.compiler.is_compiling() or not _log.CHECK_INPUTS:
+            return None
+        data = routes.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+        bits = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+        return _comm.ride_next_all_reduce(self.tp_group, [float(bits >> i & 1) for i in range(64)],
+                                          routes.device)
+
+    def _check_routes(self, ride: _comm.Ride) -> None:
+        """Raise on every rank if the ranks' route hashes differ (they all read the same sums)."""
+        sums = _comm.ride_result(self.tp_group, ride)
+        if all(v in (0.0, self.tp_world_size) for v in sums):
+            return
+        raise RankMismatchError(
+            f"'{self.tp_name}' ({type(self).__name__}): the tensor-parallel ranks routed tokens to "
+            f"different experts (world_size={self.tp_world_size}); every rank computes the routes "
+            "from its own copy of the router and of the token states, so one of them differs "
+            "across ranks (a replicated weight changed on one rank, non-deterministic kernels, "
+            "different inputs); compare the router's weights across the ranks (torchtp's "
+            "optimizer-step check, TP_STEP_CHECK, does at every step)")
 
     def _touched(self, x: torch.Tensor) -> torch.Tensor:
         """An exact zero that uses ``x`` and every parameter of this module.
@@ -132,7 +177,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
                   group: ProcessGroup | None, world_size: int, rank: int,
                   expert_range: tuple[int, int] | None = None,
                   forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None]
-                  | None = None) -> nn.Module:
+                  | None = None, name: str = "experts") -> nn.Module:
     """Cut ``module``'s expert parameters to this rank's share, in place, and return it.
 
     Args:
@@ -147,17 +192,19 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
         forward: ``forward(module, dtype)`` returns, per call, a function
             ``f(module, x, index, weights)`` to run instead of the class's forward
             (one that skips routes to other ranks' experts), or ``None``.
+        name: The module's name in the model, for errors.
 
     Returns:
         ``module`` itself, now an instance of ``Parallel<its class>``.
     """
-    for name, layout in layouts.items():
-        full = getattr(module, name)
+    for pname, layout in layouts.items():
+        full = getattr(module, pname)
         shard = layout.take(full)  # (E, 2I/tp, H) or (E, H, I/tp), a fresh copy
-        setattr(module, name, nn.Parameter(shard, requires_grad=full.requires_grad))
+        setattr(module, pname, nn.Parameter(shard, requires_grad=full.requires_grad))
     module.__class__ = _parallel_class(type(module))
     module.__dict__.update(tp_layouts=dict(layouts), tp_group=group, tp_world_size=world_size,
-                           tp_rank=rank, expert_range=expert_range, expert_forward=forward)
+                           tp_rank=rank, expert_range=expert_range, expert_forward=forward,
+                           tp_name=name)
     if expert_range is not None:  # the forward numbers this rank's experts 0..count-1
         module.__dict__.update(num_experts=expert_range[1])
     return module

@@ -66,7 +66,8 @@ class ExpertsTP(ParallelStyle):
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size == 1 or not layer.layouts:
             return module
-        return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank)
+        return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
+                             name=layer.fqn)
 
 
 def _layout(module: nn.Module, fqn: str, style: str) -> ExpertsLayout:
@@ -148,7 +149,7 @@ class ExpertsEP(ParallelStyle):
         layout.mark_parallel(module)
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
                              expert_range=(first, count),
-                             forward=layout.parallel_forward)
+                             forward=layout.parallel_forward, name=layer.fqn)
 
 
 def _expert_count(module: nn.Module, fqn: str) -> int:
