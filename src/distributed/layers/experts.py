@@ -106,8 +106,9 @@ class ParallelExperts(ShardedModule):
         ``TP_CHECK_INPUTS=0``. Costs a hash of ``(N, k)`` integers (a copy to
         the host on GPU) per MoE layer.
         """
-        if self.tp_group is None or torch.compiler.is_compiling() or not _log.CHECK_INPUTS:
-            return None
+        if self.tp_group is None or self.tp_world_size == 1 or torch.compiler.is_compiling() \
+                or not _log.CHECK_INPUTS:
+            return None  # (one rank: no all-reduce would carry it)
         data = routes.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
         bits = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
         return _comm.ride_next_all_reduce(self.tp_group, [float(bits >> i & 1) for i in range(64)],
