@@ -183,8 +183,9 @@ def check_grouped_mm(rank: int, world_size: int, whole: bool) -> None:
                                        rtol=1e-5, atol=1e-5)
 
 
-def check_checkpoints(rank: int, world_size: int, out: str) -> float:
-    """tp 2 saves (sharded and consolidated HF); the sharded one reloads at tp 2 equal.
+def check_checkpoints(rank: int, world_size: int, out: str, whole: bool) -> float:
+    """tp 2 saves (sharded and consolidated HF); the sharded one reloads at tp 2 equal, and,
+    with ``whole``, into whole experts per rank (and their save back into split experts).
 
     Returns the largest logit difference after reloading: the reloaded config runs
     transformers' default experts implementation, which may sum in another order.
@@ -195,14 +196,25 @@ def check_checkpoints(rank: int, world_size: int, out: str) -> float:
     wrapped = torchtp.DistributedModelWrapper(model)
     wrapped.save_sharded(os.path.join(out, "sharded"))
     wrapped.save_pretrained(os.path.join(out, "hf"))
-    again = torchtp.DistributedModelWrapper.from_pretrained(os.path.join(out, "sharded"),
-                                                            progress=False)
-    mine = dict(wrapped.base_model.named_parameters())
-    for name, p in again.base_model.named_parameters():  # this rank's shards, bit for bit
-        assert torch.equal(p, mine[name]), name
+    full = {n: p.detach() for n, p in build_moe("mixtral").float().named_parameters()}
     ids = _batch()["input_ids"]
-    with torch.no_grad():
-        return float((again(input_ids=ids).logits - wrapped(input_ids=ids).logits).abs().max())
+    loads = [(os.path.join(out, "sharded"), False)]
+    if whole:  # split -> whole experts, saved again, -> split
+        loads += [(os.path.join(out, "sharded"), True), (os.path.join(out, "whole"), False)]
+    worst = 0.0
+    for path, expert_parallel in loads:
+        again = torchtp.DistributedModelWrapper.from_pretrained(
+            path, progress=False, expert_parallel=expert_parallel)
+        for name, p in again.base_model.named_parameters():  # this rank's cut, bit for bit
+            module = again.base_model.get_submodule(name.rpartition(".")[0])
+            assert torch.equal(p, expected_local(module, name.rpartition(".")[2], full[name])), \
+                (path, expert_parallel, name)
+        with torch.no_grad():
+            worst = max(worst, float((again(input_ids=ids).logits
+                                      - wrapped(input_ids=ids).logits).abs().max()))
+        if expert_parallel:
+            again.save_sharded(os.path.join(out, "whole"))
+    return worst
 
 
 def check_generate(rank: int, world_size: int, splits: list[bool]) -> list[list[int]]:

@@ -284,6 +284,7 @@ class DistributedModelWrapper(nn.Module):
         cls, path: str | os.PathLike[str], plan: PlanArg = None, dtype: torch.dtype | None = None,
         device: torch.device | str | None = None, model_class: type | None = None,
         group: ProcessGroup | None = None, progress: bool = True, verify_plan: bool = True,
+        expert_parallel: bool = False,
     ) -> DistributedModelWrapper:
         """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
 
@@ -301,6 +302,8 @@ class DistributedModelWrapper(nn.Module):
             progress: Show a progress bar on rank 0 (only on a TTY, after 1 s).
             verify_plan: As for the constructor (the probe runs on a one-layer
                 CPU copy built from the config, since the model is on meta).
+            expert_parallel: As for the constructor; a checkpoint saved with
+                either split of the experts loads into either.
 
         Raises:
             ValueError: on every rank, for a missing/corrupt/truncated file, a
@@ -310,7 +313,8 @@ class DistributedModelWrapper(nn.Module):
         """
         group = resolve_group(group)
         return from_pretrained(lambda model: cls(model, plan=plan, group=group,
-                                                 verify_plan=verify_plan), path, plan,
+                                                 verify_plan=verify_plan,
+                                                 expert_parallel=expert_parallel), path, plan,
                                dtype, device, model_class, group, progress)
 
     def save_sharded(self, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
