@@ -26,6 +26,7 @@ from ._moe_checks import (
     check_grouped_mm,
     check_hand_moe,
     check_moe,
+    check_resume,
     check_route_mismatch,
 )
 from ._moe_checks import _batch as _moe_batch
@@ -113,6 +114,10 @@ def test_expert_shards_save_reload_and_consolidate(ranks, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for got in (one(input_ids=ids).logits, hf(input_ids=ids).logits):  # tp 2 -> 1, HF
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32 sums reordered
+
+
+def test_training_state_resumes_with_the_experts_optimizer_state(ranks, tmp_path):
+    ranks(check_resume, 2, str(tmp_path / "dcp"), _sentinel(), timeout=180)
 
 
 def test_hand_written_moe_through_the_automatic_plan(ranks):
