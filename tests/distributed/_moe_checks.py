@@ -338,3 +338,50 @@ def check_resume(rank: int, world_size: int, tmp: str, whole: bool) -> None:
             torch.testing.assert_close(got, want, **TOL)
         else:
             assert got == want
+
+
+def check_dp_tp(rank: int, world_size: int) -> dict[str, list[float]]:
+    """dp 2 x tp 2, DDP and FSDP2 over dp around split experts: two AdamW steps on each DP
+    rank's half of the batch equal one process's on the whole batch.
+
+    No router auxiliary loss here: it is a function of the batch's routing statistics,
+    so its data-parallel average is not the whole batch's (in any framework).
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cfg = torchtp.init_tensor_parallel(tp_size=2)
+    ids = torch.randint(3, VOCAB, (4, 9), generator=torch.Generator().manual_seed(7))
+    ref = build_moe("mixtral", output_router_logits=False).train()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for _ in range(2):
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(float(loss))
+    mine = ids[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]
+    out = {"want": want}
+    for kind in ("ddp", "fsdp"):
+        wrapped = torchtp.DistributedModelWrapper(
+            build_moe("mixtral", output_router_logits=False).train())
+        if kind == "ddp":
+            model: nn.Module = DDP(wrapped, process_group=cfg.dp_group)
+        else:
+            model = fully_shard(wrapped, mesh=cfg.mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        got = []
+        for _ in range(2):
+            loss = model(input_ids=mine, labels=mine).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=cfg.dp_group)  # the whole batch's mean loss
+            got.append(float(mean) / 2)
+        # transformers computes the loss in float32 (logits.float()): the two halves' mean
+        # and the whole batch's differ by float32 rounding, ~1e-7 relative.
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+        out[kind] = got
+    return out

@@ -22,6 +22,7 @@ from ._moe_checks import (
     ARCHS,
     build_moe,
     check_checkpoints,
+    check_dp_tp,
     check_generate,
     check_grouped_mm,
     check_hand_moe,
@@ -118,6 +119,12 @@ def test_expert_shards_save_reload_and_consolidate(ranks, tmp_path):
 
 def test_training_state_resumes_with_the_experts_optimizer_state(ranks, tmp_path):
     ranks(check_resume, 2, str(tmp_path / "dcp"), _sentinel(), timeout=180)
+
+
+def test_data_parallel_over_split_experts_matches_one_process(ranks):
+    # 4 processes: dp 2 x tp 2 with DDP and with FSDP2 around the tp-split experts.
+    results = ranks(check_dp_tp, 4, timeout=300)
+    assert all(r["ddp"] == results[0]["ddp"] for r in results)
 
 
 def test_hand_written_moe_through_the_automatic_plan(ranks):
