@@ -86,10 +86,16 @@ def _routes(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tens
 ARCHS = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"]
 
 
-def check_moe(rank: int, world_size: int, archs: list[str],
-              expert_parallel: bool = False) -> dict[str, dict[str, Any]]:
+# Routers compute in float32 (softmax of .float() logits): once the ranks' float64 partial
+# sums round a router input differently in float32 (tp 3 sums three partials), everything
+# upstream of a router gets float32-level gradient differences, ~1e-6 relative.
+ROUTER_TOL = {"rtol": 1e-5, "atol": 1e-7}
+
+
+def check_moe(rank: int, world_size: int, archs: list[str], expert_parallel: bool = False,
+              grad_tol: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """:func:`check_one` for each architecture, in one set of processes."""
-    return {arch: check_one(arch, expert_parallel) for arch in archs}
+    return {arch: check_one(arch, expert_parallel, grad_tol or TOL) for arch in archs}
 
 
 def _starve(model: nn.Module) -> None:
@@ -103,7 +109,8 @@ def _starve(model: nn.Module) -> None:
             module.register_forward_hook(first_two)
 
 
-def check_one(arch: str, expert_parallel: bool = False) -> dict[str, Any]:
+def check_one(arch: str, expert_parallel: bool = False,
+              grad_tol: dict[str, float] = TOL) -> dict[str, Any]:
     """Logits, loss (with the aux loss), routes and every gradient equal one process's.
 
     ``mixtral-e3``: 3 experts (uneven over 2 ranks); ``mixtral-starved``: every token
@@ -135,7 +142,7 @@ def check_one(arch: str, expert_parallel: bool = False) -> dict[str, Any]:
         module = wrapped.base_model.get_submodule(module_name)
         assert p.grad is not None, f"{name} got no gradient"
         full = ref_params[name].grad
-        torch.testing.assert_close(p.grad, expected_local(module, pname, full), **TOL,
+        torch.testing.assert_close(p.grad, expected_local(module, pname, full), **grad_tol,
                                    msg=lambda m, n=name: f"{n}: {m}")
         if not torchtp.layouts_of(module):  # replicated: bit-identical on every rank
             first = p.grad.clone()
@@ -150,11 +157,12 @@ def check_one(arch: str, expert_parallel: bool = False) -> dict[str, Any]:
         opt.zero_grad()
         model(**batch).loss.backward()
         opt.step()
-    torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **TOL)
+    torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **grad_tol)
     for name, p in wrapped.base_model.named_parameters():
         torch.testing.assert_close(p, expected_local(
             wrapped.base_model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2],
-            ref_params[name].detach()), **TOL, msg=lambda m, n=name: f"{n} after 2 steps: {m}")
+            ref_params[name].detach()), **grad_tol,
+            msg=lambda m, n=name: f"{n} after 2 steps: {m}")
     experts = wrapped.base_model.model.layers[0].mlp.experts
     return {"checked": len(checked), "experts": type(experts).__name__,
             "local": tuple(experts.gate_up_proj.shape), "describe": wrapped.describe_plan(),

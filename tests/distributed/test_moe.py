@@ -20,6 +20,7 @@ import torchtp
 
 from ._moe_checks import (
     ARCHS,
+    ROUTER_TOL,
     build_moe,
     check_checkpoints,
     check_dp_tp,
@@ -99,6 +100,16 @@ def test_generate_matches_one_process(ranks):
     # Greedy and seeded sampling, KV cache; whole experts where transformers allows them.
     tokens = ranks(check_generate, 2, [False, True] if _sentinel() else [False], timeout=180)
     assert tokens[0] == tokens[1]
+
+
+def test_three_ranks_split_unevenly_and_match_one_process(ranks):
+    # tp 3: Qwen3-MoE's 24 expert features as 8/8/8 (gate_up (E, 2I/3, H) = (4, 16, 32)), its
+    # 4 whole experts as 2/1/1. Gradients to float32 level: see ROUTER_TOL.
+    for whole in [False, True] if _sentinel() else [False]:
+        results = ranks(check_moe, 3, ["qwen3_moe"], whole, ROUTER_TOL, timeout=300)
+        local = [r["qwen3_moe"]["local"] for r in results]
+        assert local == ([(2, 48, 32), (1, 48, 32), (1, 48, 32)] if whole
+                         else [(4, 16, 32)] * 3), (whole, local)
 
 
 def test_grouped_mm_experts_match_one_process(ranks):
