@@ -315,33 +315,37 @@ def check_route_mismatch(rank: int, world_size: int, expert_parallel: bool) -> t
     raise AssertionError("different routes were not detected")
 
 
+def _adamw_steps(model: nn.Module, opt: torch.optim.Optimizer,
+                 batch: dict[str, torch.Tensor], n: int = 2) -> list[float]:
+    """``n`` training steps on ``batch`` (loss from its labels); the losses."""
+    losses = []
+    for _ in range(n):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
 def check_resume(rank: int, world_size: int, tmp: str, whole: bool) -> None:
     """Two AdamW steps, a DCP save (experts' optimizer state included), two more steps; a
     fresh model resumed from the save (the same split, and with ``whole`` the other one)
     takes the same two steps: bitwise the same losses at the same split."""
     from torchtp.checkpoint.dcp import load_training_state, save_training_state
 
-    def steps(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
-        out = []
-        for _ in range(2):
-            loss = model(**_batch()).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(float(loss))
-        return out
-
     model = torchtp.DistributedModelWrapper(build_moe("mixtral").train())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    steps(model, opt)
+    batch = _batch()
+    _adamw_steps(model, opt, batch)
     save_training_state(tmp, model, opt, step=2)
-    want = steps(model, opt)
+    want = _adamw_steps(model, opt, batch)
     for expert_parallel in [False, True] if whole else [False]:
         fresh = torchtp.DistributedModelWrapper(build_moe("mixtral", seed=5).train(),
                                                 expert_parallel=expert_parallel)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
         assert load_training_state(tmp, fresh, fresh_opt)[0] == 2
-        got = steps(fresh, fresh_opt)
+        got = _adamw_steps(fresh, fresh_opt, batch)
         if expert_parallel:  # other cuts: the same sums in another order
             torch.testing.assert_close(got, want, **TOL)
         else:
@@ -361,14 +365,8 @@ def check_dp_tp(rank: int, world_size: int) -> dict[str, list[float]]:
     cfg = torchtp.init_tensor_parallel(tp_size=2)
     ids = torch.randint(3, VOCAB, (4, 9), generator=torch.Generator().manual_seed(7))
     ref = build_moe("mixtral", output_router_logits=False).train()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    want = []
-    for _ in range(2):
-        loss = ref(input_ids=ids, labels=ids).loss
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        want.append(float(loss))
+    want = _adamw_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
+                        {"input_ids": ids, "labels": ids})
     mine = ids[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]
     out = {"want": want}
     for kind in ("ddp", "fsdp"):
@@ -378,16 +376,11 @@ def check_dp_tp(rank: int, world_size: int) -> dict[str, list[float]]:
             model: nn.Module = DDP(wrapped, process_group=cfg.dp_group)
         else:
             model = fully_shard(wrapped, mesh=cfg.mesh["dp"])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        got = []
-        for _ in range(2):
-            loss = model(input_ids=mine, labels=mine).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean, group=cfg.dp_group)  # the whole batch's mean loss
-            got.append(float(mean) / 2)
+        halves = torch.tensor(_adamw_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                           {"input_ids": mine, "labels": mine}),
+                              dtype=torch.float64)
+        dist.all_reduce(halves, group=cfg.dp_group)  # the whole batch's mean losses, x 2
+        got = (halves / 2).tolist()
         # transformers computes the loss in float32 (logits.float()): the two halves' mean
         # and the whole batch's differ by float32 rounding, ~1e-7 relative.
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)

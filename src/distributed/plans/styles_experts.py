@@ -48,14 +48,14 @@ class ExpertsTP(ParallelStyle):
     covers = (GATE_UP, DOWN)
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
-        experts, inter = _geometry(module, fqn)
+        experts, inter, layout = _geometry(module, fqn)
         gate_up = getattr(module, GATE_UP)
         constraints: tuple[Constraint, ...] = (split_constraint(
             self.name, fqn, "intermediate_size", "features of every expert", inter),)
         full = tuple(gate_up.shape)
         if not all(c.ok(ctx.world_size) for c in constraints):
             return LayerPlan(fqn, self.name, constraints, full, collectives=("all_reduce",))
-        layouts = _layouts(module, inter, ctx)
+        layouts = _layouts(module, inter, layout, ctx)
         detail = (f"{experts} experts: each keeps its share of intermediate_size={inter} "
                   f"({layouts[DOWN].segments[0][1]} on this rank): gate/up weight rows, down "
                   "weight columns; one all-reduce per MoE layer; the router stays replicated "
@@ -80,8 +80,9 @@ def _layout(module: nn.Module, fqn: str, style: str) -> ExpertsLayout:
     return layout
 
 
-def _geometry(module: nn.Module, fqn: str) -> tuple[int, int]:
-    """``(experts, intermediate_size)`` of an HF experts module, or a ValueError saying why not."""
+def _geometry(module: nn.Module, fqn: str) -> tuple[int, int, ExpertsLayout]:
+    """``(experts, intermediate_size, layout)`` of an HF experts module, or a ValueError
+    saying why it cannot be split."""
     who = f"plan style 'moe_tp_experts' for module '{fqn}' ({type(module).__name__})"
     layout = _layout(module, fqn, "moe_tp_experts")
     for bad, flag, why in ((layout.has_bias, "has_bias=True", "expert biases are added inside "
@@ -101,13 +102,13 @@ def _geometry(module: nn.Module, fqn: str) -> tuple[int, int]:
     if two_i != 2 * inter or down.shape[0] != e:
         raise ValueError(f"{who}: '{GATE_UP}' {tuple(gate_up.shape)} and '{DOWN}' "
                          f"{tuple(down.shape)} do not describe {e} gated experts")
-    return e, inter
+    return e, inter, layout
 
 
-def _layouts(module: nn.Module, inter: int, ctx: ShardContext) -> dict[str, ParamLayout]:
+def _layouts(module: nn.Module, inter: int, layout: ExpertsLayout,
+             ctx: ShardContext) -> dict[str, ParamLayout]:
     """This rank's layout of ``gate_up_proj`` and ``down_proj`` (see the module docstring)."""
     start, n = shard_range(inter, ctx.world_size, ctx.rank)
-    layout = _layout(module, "", "moe_tp_experts")
     transposed = layout.transposed
     if layout.concatenated:
         gate_up_rows: tuple[tuple[int, int], ...] = ((start, n), (inter + start, n))
