@@ -92,7 +92,7 @@ ARCHS = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"]
 ROUTER_TOL = {"rtol": 1e-5, "atol": 1e-7}
 
 
-def check_moe(rank: int, world_size: int, archs: list[str], expert_parallel: bool = False,
+def check_moe(rank: int, world_size: int, archs: list[str], expert_parallel: bool | int = False,
               grad_tol: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """:func:`check_one` for each architecture, in one set of processes."""
     return {arch: check_one(arch, expert_parallel, grad_tol or TOL) for arch in archs}
@@ -109,9 +109,10 @@ def _starve(model: nn.Module) -> None:
             module.register_forward_hook(first_two)
 
 
-def check_one(arch: str, expert_parallel: bool = False,
+def check_one(arch: str, expert_parallel: bool | int = False,
               grad_tol: dict[str, float] = TOL) -> dict[str, Any]:
-    """Logits, loss (with the aux loss), routes and every gradient equal one process's.
+    """Logits, loss (with the aux loss), routes, every gradient and the whole model's
+    gradient norm (``torchtp.clip_grad_norm_``) equal one process's.
 
     ``mixtral-e3``: 3 experts (uneven over 2 ranks); ``mixtral-starved``: every token
     goes to experts 0 and 1, so rank 1's experts (expert parallel) get no token.
@@ -149,6 +150,10 @@ def check_one(arch: str, expert_parallel: bool = False,
             dist.broadcast(first, src=0)
             assert torch.equal(first, p.grad), f"replicated {name}'s gradient differs across ranks"
         checked.append(name)
+    # The whole model's norm from the ranks' shards (each expert block counted once).
+    norm = torchtp.clip_grad_norm_(wrapped, max_norm=1e9)
+    torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(
+        [p.grad for p in ref.parameters()]).to(norm.dtype), rtol=1e-6, atol=0)  # float32 sum
     # One AdamW step each (torchtp's optimizer-step check runs on the wrapped one): the
     # next forward still matches, and every replicated parameter is equal on every rank.
     for model in (ref, wrapped):  # a second step: the AdamW states must match too
@@ -222,6 +227,45 @@ def check_checkpoints(rank: int, world_size: int, out: str, whole: bool) -> floa
                                       - wrapped(input_ids=ids).logits).abs().max()))
         if expert_parallel:
             again.save_sharded(os.path.join(out, "whole"))
+    return worst
+
+
+def check_ep_checkpoints(rank: int, world_size: int, out: str) -> float:
+    """ep 2 x tp 2 (``expert_parallel=2`` at 4 ranks) saves sharded and HF; the sharded save
+    reloads at ep 2 x tp 2, at ep 4 (whole experts) and at tp 4 (every expert split), each
+    shard bit for bit, and ep 4's own save reloads at ep 2 x tp 2.
+
+    Returns the largest logit difference between a reload and the saved model (float32,
+    the reloads' experts implementation may sum in another order).
+    """
+    import os
+
+    wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral").float(), expert_parallel=2)
+    block = wrapped.base_model.model.layers[0].mlp.experts.gate_up_proj
+    full = {n: p.detach() for n, p in build_moe("mixtral").float().named_parameters()}
+    # Independently of the layout code: experts 2r'..2r'+1 (r' = rank // 2), of each the
+    # gate rows and up rows of feature half rank % 2 (Mixtral: [gate; up], I = 48).
+    first, half = 2 * (rank // 2), 24 * (rank % 2)
+    gate_up = full["model.layers.0.mlp.experts.gate_up_proj"][first:first + 2]
+    assert torch.equal(block, torch.cat([gate_up[:, half:half + 24],
+                                         gate_up[:, 48 + half:48 + half + 24]], 1))
+    wrapped.save_sharded(os.path.join(out, "ep2tp2"))
+    wrapped.save_pretrained(os.path.join(out, "hf"))
+    ids = _batch()["input_ids"]
+    worst = 0.0
+    for path, expert_parallel in [("ep2tp2", 2), ("ep2tp2", True), ("ep2tp2", False),
+                                  ("ep4", 2)]:
+        again = torchtp.DistributedModelWrapper.from_pretrained(
+            os.path.join(out, path), progress=False, expert_parallel=expert_parallel)
+        for name, p in again.base_model.named_parameters():  # this rank's cut, bit for bit
+            module = again.base_model.get_submodule(name.rpartition(".")[0])
+            assert torch.equal(p, expected_local(module, name.rpartition(".")[2], full[name])), \
+                (path, expert_parallel, name)
+        with torch.no_grad():
+            worst = max(worst, float((again(input_ids=ids).logits
+                                      - wrapped(input_ids=ids).logits).abs().max()))
+        if expert_parallel is True:
+            again.save_sharded(os.path.join(out, "ep4"))
     return worst
 
 
@@ -328,25 +372,26 @@ def _adamw_steps(model: nn.Module, opt: torch.optim.Optimizer,
     return losses
 
 
-def check_resume(rank: int, world_size: int, tmp: str, whole: bool) -> None:
-    """Two AdamW steps, a DCP save (experts' optimizer state included), two more steps; a
-    fresh model resumed from the save (the same split, and with ``whole`` the other one)
-    takes the same two steps: bitwise the same losses at the same split."""
+def check_resume(rank: int, world_size: int, tmp: str, saved: bool | int,
+                 resumed: list[bool | int]) -> None:
+    """Two AdamW steps at ``expert_parallel=saved``, a DCP save (experts' optimizer state
+    included), two more steps; a fresh model resumed from the save at each split of
+    ``resumed`` takes the same two steps: bitwise the same losses at the same split."""
     from torchtp.checkpoint.dcp import load_training_state, save_training_state
 
-    model = torchtp.DistributedModelWrapper(build_moe("mixtral").train())
+    model = torchtp.DistributedModelWrapper(build_moe("mixtral").train(), expert_parallel=saved)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = _batch()
     _adamw_steps(model, opt, batch)
     save_training_state(tmp, model, opt, step=2)
     want = _adamw_steps(model, opt, batch)
-    for expert_parallel in [False, True] if whole else [False]:
+    for expert_parallel in resumed:
         fresh = torchtp.DistributedModelWrapper(build_moe("mixtral", seed=5).train(),
                                                 expert_parallel=expert_parallel)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
         assert load_training_state(tmp, fresh, fresh_opt)[0] == 2
         got = _adamw_steps(fresh, fresh_opt, batch)
-        if expert_parallel:  # other cuts: the same sums in another order
+        if expert_parallel != saved:  # other cuts: the same sums in another order
             torch.testing.assert_close(got, want, **TOL)
         else:
             assert got == want

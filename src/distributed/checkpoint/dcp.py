@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
-from ..core.layouts import ParamLayout, shard_range
+from ..core.layouts import ParamLayout, place, shard_range
 from .atomic import enter
 from .placements import placements
 
@@ -132,7 +132,7 @@ def _params(base: nn.Module, group: Any) -> list[tuple[str, torch.Tensor, ParamL
 
 def _expressible(layout: ParamLayout, group: ProcessGroup | None) -> bool:
     """One even chunk per rank, at this rank's index: a ``Shard(dim)``."""
-    if layout.dim is None or len(layout.segments) != 1:
+    if layout.dim is None or len(layout.segments) != 1 or layout.second is not None:
         return False
     full, size = layout.full_shape[layout.dim], group_size(group)
     # Even splits only: there torchtp's rule and DTensor's ``torch.chunk`` agree.
@@ -165,7 +165,7 @@ def _as_saved(t: torch.Tensor, layout: ParamLayout | None, group: Any,
                                   shape=torch.Size(full), stride=_contiguous_stride(full))
     if for_load:
         return torch.empty(full, dtype=t.dtype, device=t.device)
-    return _gather_full(t.detach(), layout, group, full)
+    return _gather_full(t.detach(), layout, group)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -176,19 +176,15 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _gather_full(local: torch.Tensor, layout: ParamLayout, group: Any,
-                 full: tuple[int, ...]) -> torch.Tensor:
+def _gather_full(local: torch.Tensor, layout: ParamLayout, group: Any) -> torch.Tensor:
     """The full tensor (torchtp orientation) from every rank's segments."""
-    assert layout.dim is not None
-    dim = len(full) - 1 - layout.dim if layout.transposed else layout.dim
-    pieces = all_gather_object((layout.segments, local.cpu()), group, "a DCP tensor gather")
-    out = torch.empty(full, dtype=local.dtype, device=local.device)
-    for segments, tensor in pieces:
-        offset = 0
-        for start, n in segments:
-            out.narrow(dim, start, n).copy_(tensor.narrow(dim, offset, n))
-            offset += n
-    return out
+    # Placed in checkpoint orientation, where the layout records its cuts.
+    saved = local.t() if layout.transposed else local
+    pieces = all_gather_object((layout.record(), saved.cpu()), group, "a DCP tensor gather")
+    out = torch.empty(layout.full_shape, dtype=local.dtype, device=local.device)
+    for record, tensor in pieces:
+        place(out, tensor.to(out.device), *record)
+    return out.t() if layout.transposed else out
 
 
 def _state(base: nn.Module, group: ProcessGroup | None, optimizer: torch.optim.Optimizer | None,

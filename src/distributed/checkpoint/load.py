@@ -32,7 +32,7 @@ from ..guards.fingerprints import tensor_digest
 from ..layers import grad_sync
 from .build import build_on_meta, load_config
 from .placements import Placement, placements
-from .sources import Source, TorchTPSource, open_source
+from .sources import Source, TorchTPSource, open_source, read_layout
 
 _WHAT = "from_pretrained"
 
@@ -186,7 +186,7 @@ def _materialise(wrapper: Wrapped, source: Source, found: dict[str, str], dtype:
     # delay: no bar at all when loading finishes within a second.
     for p in tqdm(todo, desc="torchtp: loading shards", unit="tensor", disable=not show, delay=1.0):
         layout = p.layout
-        t = source.read(found[p.name], layout.dim, layout.segments)  # checkpoint orientation
+        t = read_layout(source, found[p.name], layout)  # checkpoint orientation
         if layout.transposed:
             t = t.t()
         # One copy, straight to the device, converted on the way: no second

@@ -24,7 +24,7 @@ from .fmt import rank_file
 from .load import _check
 from .placements import placements
 from .save_sharded import _write_metadata, _writes
-from .sources import Source, TorchTPSource, open_source
+from .sources import Source, TorchTPSource, open_source, read_layout
 from .st_writer import TensorSpec, hf_file_names, parse_size, plan_shards, write_file, write_index
 
 _CONFIG_FILES = ("config.json", "generation_config.json")
@@ -85,8 +85,7 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], tp: int,
                              f"resharded to tp={tp}: {err}") from err
     found = _check(wrappers[0].base_model, source, config)
     per_rank = [placements(w.base_model) for w in wrappers]
-    layouts = [{p.name: (p.layout.dim, [list(s) for s in p.layout.segments]) for p in items}
-               for items in per_rank]
+    layouts = [{p.name: p.layout.record() for p in items} for items in per_rank]
     for items in per_rank:
         for p in items:  # meta tensors with the checkpoint's dtypes, for the metadata
             p.tensor = torch.empty(p.tensor.shape, dtype=source.dtype(found[p.name]), device="meta")
@@ -95,12 +94,12 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], tp: int,
     try:
         for rank, items in enumerate(per_rank):
             mine = [p for p in items if p.name in found and _writes(p.name, layouts, rank)]
-            specs = [TensorSpec(p.name, _ckpt_shape(p.layout), p.tensor.dtype) for p in mine]
+            specs = [TensorSpec(p.name, p.layout.saved_shape, p.tensor.dtype) for p in mine]
             by_name = {p.name: p for p in mine}
             # The default argument binds this rank's placements; mypy cannot infer such a lambda.
             produce = cast("Callable[[TensorSpec], torch.Tensor]",
-                           lambda s, b=by_name: source.read(found[s.name], b[s.name].layout.dim,
-                                                            b[s.name].layout.segments))
+                           lambda s, b=by_name: read_layout(source, found[s.name],
+                                                            b[s.name].layout))
             # Rank and tp only: no model is in memory to fingerprint (see shard_identity).
             write_file(os.path.join(tmp, rank_file(rank, tp)), specs, produce,
                        {"format": "pt", "torchtp_rank": str(rank), "torchtp_tp_size": str(tp)})
@@ -112,13 +111,6 @@ def reshard(src: str | os.PathLike[str], dst: str | os.PathLike[str], tp: int,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("torchtp: resharded %s (%s) -> %s (tp=%d)", src, _saved_tp(source), dst, tp)
-
-
-def _ckpt_shape(layout: Any) -> tuple[int, ...]:
-    shape = list(layout.full_shape)
-    if layout.dim is not None:
-        shape[layout.dim] = sum(n for _, n in layout.segments)
-    return tuple(shape)
 
 
 def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str],

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.layouts import held_shape, place
 from .atomic import group_size, make_tmp, publish_agreed, step, validate
 from .placements import Placement, checkpoint_local, placements
 from .save_sharded import gather_layouts, save_config
@@ -101,12 +102,7 @@ def gather_full(p: Placement, layouts: list[dict[str, Any]], group: Any) -> torc
     full_shape = p.layout.full_shape
     if p.layout.dim is None or group_size(group) == 1:
         return local.cpu() if p.layout.dim is None else _place_one(local, p)
-    dim = p.layout.dim
-    counts = []
-    for lay in layouts:
-        shape = list(full_shape)
-        shape[dim] = sum(n for _, n in lay[p.name][1])
-        counts.append(shape)
+    counts = [held_shape(full_shape, *lay[p.name]) for lay in layouts]
     width = max(math.prod(s) for s in counts) * local.element_size()
     flat = torch.zeros(width, dtype=torch.uint8, device=local.device)
     flat[: local.numel() * local.element_size()] = local.reshape(-1).view(torch.uint8)
@@ -119,21 +115,11 @@ def gather_full(p: Placement, layouts: list[dict[str, Any]], group: Any) -> torc
     for piece, shape, lay in zip(pieces, counts, layouts, strict=True):
         nbytes = math.prod(shape) * local.element_size()
         part = piece[:nbytes].cpu().view(local.dtype).reshape(shape)
-        _scatter_segments(full, part, dim, lay[p.name][1])
+        place(full, part, *lay[p.name])
     return full
 
 
 def _place_one(local: torch.Tensor, p: Placement) -> torch.Tensor:
-    assert p.layout.dim is not None  # only split tensors are placed
     full = torch.empty(p.layout.full_shape, dtype=local.dtype)
-    _scatter_segments(full, local.cpu(), p.layout.dim, p.layout.segments)
+    place(full, local.cpu(), *p.layout.record())
     return full
-
-
-def _scatter_segments(full: torch.Tensor, part: torch.Tensor, dim: int,
-                      segments: Any) -> None:
-    offset = 0
-    for start, n in segments:
-        # Replicated KV heads: several ranks hold the same range; identical values.
-        full.narrow(dim, start, n).copy_(part.narrow(dim, offset, n))
-        offset += n

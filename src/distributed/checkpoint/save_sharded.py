@@ -20,8 +20,9 @@ _WHAT = "save_sharded"
 
 
 def gather_layouts(items: list[Placement], group: Any) -> list[dict[str, Any]]:
-    """Every rank's ``{name: (dim, segments)}``, indexed by group rank."""
-    mine = {p.name: (p.layout.dim, [list(s) for s in p.layout.segments]) for p in items}
+    """Every rank's ``{name: (dim, segments, second)}`` (:meth:`ParamLayout.record`), indexed
+    by group rank."""
+    mine = {p.name: p.layout.record() for p in items}
     if group_size(group) == 1:
         return [mine]
     return all_gather_object(mine, group, "save_sharded's layout exchange")
@@ -65,8 +66,14 @@ def _writes(name: str, layouts: list[dict[str, Any]], rank: int) -> bool:
 
 
 def _holders(name: str, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"rank": r, "segments": layouts[r][name][1]} for r in range(len(layouts))
-            if _writes(name, layouts, r)]
+    """The metadata's shard list: who stores which segments (and the second cut, if any)."""
+    shards = []
+    for r in range(len(layouts)):
+        if _writes(name, layouts, r):
+            _, segments, second = layouts[r][name]
+            shards.append({"rank": r, "segments": segments}
+                          | ({} if second is None else {"second": second}))
+    return shards
 
 
 def _write_metadata(tmp: str, wrapper: Any, items: list[Placement],

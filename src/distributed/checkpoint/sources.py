@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.layouts import ParamLayout, cut, held_shape, place
 from .atomic import OLD_SUFFIX
 from .fmt import METADATA_FILE, read_metadata
 from .shard_identity import check_rank_file
@@ -40,6 +41,21 @@ class Source:
     def read(self, name: str, dim: int | None = None, segments: Segments = ()) -> torch.Tensor:
         """Full tensor ``name`` (``dim=None``) or its ``segments`` along ``dim``, concatenated."""
         raise NotImplementedError
+
+
+def read_layout(source: Source, name: str, layout: ParamLayout) -> torch.Tensor:
+    """This rank's part of tensor ``name`` as ``layout`` holds it (checkpoint orientation).
+
+    A layout with a second cut (a range of experts) reads that range first, one
+    contiguous run of the file, then cuts the segments from it in memory.
+    """
+    if layout.second is None:
+        return source.read(name, layout.dim, layout.segments)
+    dim2, start, length = layout.second
+    block = source.read(name, dim2, ((start, length),))
+    if layout.dim is None:
+        return block
+    return cut(block, layout.dim, layout.segments).clone(memory_format=torch.contiguous_format)
 
 
 def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -132,9 +148,8 @@ class TorchTPSource(Source):
 
     def _check_shard(self, name: str, info: dict, shard: dict) -> None:
         f = self.files[shard["rank"]]
-        want = list(info["shape"])
-        if info["dim"] is not None:
-            want[info["dim"]] = sum(n for _, n in shard["segments"])
+        want = list(held_shape(info["shape"], info["dim"], shard["segments"],
+                               shard.get("second")))
         got = f.entries.get(name)
         if got is None or list(got.shape) != want:
             raise ValueError(
@@ -157,9 +172,22 @@ class TorchTPSource(Source):
 
     def read(self, name: str, dim: int | None = None, segments: Segments = ()) -> torch.Tensor:
         info = self.tensors[name]
+        if any("second" in shard for shard in info["shards"]):
+            full = self._assembled(name)
+            return full if dim is None else cut(full, dim, segments).clone()
         if dim is None:
             segments, dim = ((0, info["shape"][0]),), 0
         return _cat([self._read_range(name, dim, s, n) for s, n in segments], dim)
+
+    def _assembled(self, name: str) -> torch.Tensor:
+        """The full tensor from blocks cut along two dimensions (experts x features):
+        every rank file's block put in place."""
+        info = self.tensors[name]
+        full = torch.empty(info["shape"], dtype=self.dtype(name))
+        for shard in info["shards"]:
+            place(full, self.files[shard["rank"]].read(name, {}), info["dim"], shard["segments"],
+                  shard.get("second"))
+        return full
 
     def _read_range(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
         info = self.tensors[name]

@@ -129,29 +129,73 @@ class ParamLayout:
             concatenated in order.
         transposed: The local tensor is the transpose of the checkpoint slice
             (GPT-2's Conv1D stores ``(in, out)``; torchtp keeps ``(out, in)``).
+        second: A cut along a second dimension, ``(dim, start, length)``, or
+            ``None``: expert parallelism times TP inside the experts keeps a
+            block (a range of experts along dim 0, its share of every expert's
+            features along ``dim``).
     """
 
     full_shape: tuple[int, ...]
     dim: int | None = None
     segments: Segments = ()
     transposed: bool = False
+    second: tuple[int, int, int] | None = None
 
     @cached_property  # read by every forward's input check; the layout never changes
+    def saved_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's tensor in checkpoint orientation."""
+        return held_shape(self.full_shape, self.dim, self.segments, self.second)
+
+    @cached_property
     def local_shape(self) -> tuple[int, ...]:
         """Shape of this rank's tensor (in torchtp's orientation)."""
-        shape = list(self.full_shape)
-        if self.dim is not None:
-            shape[self.dim] = sum(n for _, n in self.segments)
-        return tuple(reversed(shape)) if self.transposed else tuple(shape)
+        shape = self.saved_shape
+        return tuple(reversed(shape)) if self.transposed else shape
+
+    def record(self) -> tuple[int | None, list[list[int]], list[int] | None]:
+        """``(dim, segments, second)`` as JSON-able lists: what checkpoints store and ranks
+        exchange (two ranks hold the same numbers exactly when their records are equal)."""
+        return (self.dim, [list(s) for s in self.segments],
+                None if self.second is None else list(self.second))
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's local tensor cut from the full one (a fresh contiguous copy)."""
         if tuple(full.shape) != self.full_shape:
             raise ValueError(f"expected a tensor of shape {self.full_shape}, got {tuple(full.shape)}")
         local = full.detach() if self.dim is None else cut(full.detach(), self.dim, self.segments)
+        if self.second is not None:
+            local = local.narrow(*self.second)
         if self.transposed:
             local = local.t()
         return local.clone(memory_format=torch.contiguous_format)
+
+
+def held_shape(full_shape: Sequence[int], dim: int | None, segments: Sequence[Sequence[int]],
+               second: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Shape (checkpoint orientation) of the part of ``full_shape`` a layout record holds."""
+    shape = list(full_shape)
+    if dim is not None:
+        shape[dim] = sum(n for _, n in segments)
+    if second is not None:
+        shape[second[0]] = second[2]
+    return tuple(shape)
+
+
+def place(full: torch.Tensor, part: torch.Tensor, dim: int | None,
+          segments: Sequence[Sequence[int]], second: Sequence[int] | None = None) -> None:
+    """Write ``part`` (checkpoint orientation) where a layout record says it lies in ``full``.
+
+    The inverse of :meth:`ParamLayout.take`; replicated ranges written by several
+    ranks hold identical values, so writing them twice is harmless.
+    """
+    target = full if second is None else full.narrow(*second)
+    if dim is None:
+        target.copy_(part)
+        return
+    offset = 0
+    for start, n in segments:
+        target.narrow(dim, start, n).copy_(part.narrow(dim, offset, n))
+        offset += n
 
 
 def replicated(shape: torch.Size | tuple[int, ...], transposed: bool = False) -> ParamLayout:

@@ -26,9 +26,19 @@ output is not a sum of per-rank partial outputs.
 instead: rank ``r`` holds experts ``[s, s+n)`` of ``E`` (balanced) with every
 parameter whose first dimension counts experts, biases and per-expert norms
 included, and the ranks' outputs are summed by the same one all-reduce.
+
+``ExpertsEP(ep=k)`` (``expert_parallel=k``) folds both into the TP group of
+``tp`` ranks: ``k`` expert-parallel ranks times ``tp/k`` ranks inside each
+expert. Rank ``r`` holds experts ``shard_range(E, k, r // (tp/k))`` and, of
+each, the features ``shard_range(I, tp/k, r % (tp/k))``: a block of each 3-D
+parameter, cut along two dimensions (:attr:`ParamLayout.second` holds the
+experts' range). The same one all-reduce over the TP group sums every block's
+partial output.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from torch import nn
 
@@ -80,11 +90,12 @@ def _layout(module: nn.Module, fqn: str, style: str) -> ExpertsLayout:
     return layout
 
 
-def _geometry(module: nn.Module, fqn: str) -> tuple[int, int, ExpertsLayout]:
+def _geometry(module: nn.Module, fqn: str,
+              style: str = "moe_tp_experts") -> tuple[int, int, ExpertsLayout]:
     """``(experts, intermediate_size, layout)`` of an HF experts module, or a ValueError
-    saying why it cannot be split."""
-    who = f"plan style 'moe_tp_experts' for module '{fqn}' ({type(module).__name__})"
-    layout = _layout(module, fqn, "moe_tp_experts")
+    saying why its experts' features cannot be split."""
+    who = f"plan style {style!r} for module '{fqn}' ({type(module).__name__})"
+    layout = _layout(module, fqn, style)
     for bad, flag, why in ((layout.has_bias, "has_bias=True", "expert biases are added inside "
                             "each expert"),
                            (not layout.has_gate, "has_gate=False", "experts without a gate are "
@@ -120,18 +131,34 @@ def _layouts(module: nn.Module, inter: int, layout: ExpertsLayout,
 
 
 class ExpertsEP(ParallelStyle):
-    """Place whole experts on the TP ranks (expert parallel over the same ranks; one all-reduce)."""
+    """Place whole experts on the TP ranks (expert parallel over the same ranks; one all-reduce).
+
+    Args:
+        ep: Expert-parallel ranks within the TP group: experts are placed over
+            ``ep`` ranks and each expert's features split over the ``tp/ep``
+            ranks that share them. ``None`` (the registry's style): ``ep = tp``,
+            whole experts.
+    """
 
     name = "ep_dispatch_experts"
     covers = (GATE_UP, DOWN, f"{GATE_UP}_bias", f"{DOWN}_bias", "up_proj", "up_proj_bias")
 
+    def __init__(self, ep: int | None = None) -> None:
+        if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
+            raise ValueError(f"expert_parallel={ep!r}: give the number of expert-parallel ranks "
+                             "(a positive int dividing the tensor-parallel size) or True")
+        self.ep = ep
+
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
         experts = _expert_count(module, fqn)
+        ep = self._ep(ctx.world_size, fqn)
         constraints = (split_constraint(self.name, fqn, "num_experts", "whole experts", experts),)
         params = dict(module.named_parameters(recurse=False))
         full = tuple(params[GATE_UP if GATE_UP in params else "up_proj"].shape)
-        if not all(c.ok(ctx.world_size) for c in constraints):
+        if ep == ctx.world_size and not all(c.ok(ctx.world_size) for c in constraints):
             return LayerPlan(fqn, self.name, constraints, full, collectives=("all_reduce",))
+        if ep < ctx.world_size:
+            return self._plan_folded(module, fqn, ctx, ep, experts, full)
         first, count = shard_range(experts, ctx.world_size, ctx.rank)
         layouts = {name: ParamLayout(tuple(p.shape), 0, ((first, count),))
                    for name, p in params.items() if p.dim() >= 1 and p.shape[0] == experts}
@@ -142,10 +169,53 @@ class ExpertsEP(ParallelStyle):
         return LayerPlan(fqn, self.name, constraints, full, (count, *full[1:]), layouts,
                          ("all_reduce",), detail)
 
+    def __repr__(self) -> str:
+        return repr(self.name) if self.ep is None else f"ExpertsEP(ep={self.ep})"
+
+    def _ep(self, tp: int, fqn: str) -> int:
+        """The expert-parallel size at tensor-parallel size ``tp`` (a divisor of it)."""
+        if self.ep is None:
+            return tp
+        if tp % self.ep:
+            valid = [d for d in range(1, tp + 1) if tp % d == 0]
+            raise ValueError(f"module '{fqn}' (style {self.name!r}): expert_parallel={self.ep} "
+                             f"does not divide the tensor-parallel size world_size={tp} (experts "
+                             f"over ep ranks, each expert's features over tp/ep ranks); valid "
+                             f"expert_parallel values at this size: {valid}")
+        return self.ep
+
+    def _plan_folded(self, module: nn.Module, fqn: str, ctx: ShardContext, ep: int,
+                     experts: int, full: tuple[int, ...]) -> LayerPlan:
+        """Experts over ``ep`` ranks, each expert's features over ``tp/ep`` (blocks)."""
+        inner = ctx.world_size // ep
+        _, inter, layout = _geometry(module, fqn, self.name)
+        if experts < ep or inter < inner:
+            valid = [d for d in range(1, ctx.world_size + 1)
+                     if ctx.world_size % d == 0 and d <= experts and ctx.world_size // d <= inter]
+            raise ValueError(f"module '{fqn}' (style {self.name!r}): expert_parallel={ep} at "
+                             f"world_size={ctx.world_size} places num_experts={experts} over {ep} "
+                             f"ranks and intermediate_size={inter} features over {inner}; each "
+                             f"rank needs at least one of each; valid expert_parallel values: "
+                             f"{valid}")
+        ep_rank, inner_rank = divmod(ctx.rank, inner)
+        first, count = shard_range(experts, ep, ep_rank)
+        feature = ShardContext(inner, inner_rank, ctx.group, ctx.model_name)
+        layouts = {name: replace(lay, second=(0, first, count))
+                   for name, lay in _layouts(module, inter, layout, feature).items()}
+        share = layouts[DOWN].segments[0][1]
+        detail = (f"{experts} experts over ep={ep} ranks, {count} on this rank ({first}..."
+                  f"{first + count - 1}), each expert's intermediate_size={inter} over "
+                  f"tp/ep={inner} ranks ({share} here): gate/up weight rows, down weight columns; "
+                  "every rank sees every token, routes to other ranks' experts are masked, one "
+                  "all-reduce per MoE layer sums the outputs; the router stays replicated")
+        return LayerPlan(fqn, self.name, (), full, layouts[GATE_UP].local_shape, layouts,
+                         ("all_reduce",), detail)
+
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size == 1 or not layer.layouts:
             return module
-        first, count = next(iter(layer.layouts.values())).segments[0]
+        lay = next(iter(layer.layouts.values()))
+        first, count = lay.second[1:] if lay.second is not None else lay.segments[0]
         layout = _layout(module, layer.fqn, self.name)
         layout.mark_parallel(module)
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,

@@ -246,14 +246,17 @@ def _count_holders(modules: list[nn.Module], tp: ProcessGroup | None) -> None:
     """For each split segment: how many TP ranks hold exactly it (one gather, then cached)."""
     if not modules:
         return
-    mine = [{a: (lay.dim, lay.segments) for a, lay in layouts_of(m).items()} for m in modules]
+    # A segment is the same numbers on two ranks only with the same second cut (experts).
+    mine = [{a: (lay.second, lay.segments) for a, lay in layouts_of(m).items()} for m in modules]
     everyone = [mine]
     size = group_size(tp)
     if size > 1:
         everyone = all_gather_object(mine, tp, "the clip's layout count")
     for i, mod in enumerate(modules):
         counts = {}
-        for attr, (_, segments) in mine[i].items():
+        for attr, (second, segments) in mine[i].items():
             counts[attr] = tuple(
-                sum(1 for other in everyone if seg in other[i][attr][1]) for seg in segments)
+                sum(1 for other in everyone
+                    if other[i][attr][0] == second and seg in other[i][attr][1])
+                for seg in segments)
         _COUNTS[mod] = (layouts_of(mod), counts)

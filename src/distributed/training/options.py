@@ -15,7 +15,8 @@ from ..layers import grad_sync
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.registry import get_style
 from ..plans.sources import experts_layout
-from ..plans.styles_experts import ExpertsTP
+from ..plans.styles import ParallelStyle
+from ..plans.styles_experts import ExpertsEP, ExpertsTP
 from ..plans.styles_sp import SequenceParallel
 
 if TYPE_CHECKING:
@@ -30,11 +31,13 @@ class Options:
         sequence_parallel: Run norms/dropout/residuals on sequence shards (also
             on when the plan assigns the ``"sequence_parallel"`` style).
         expert_parallel: Place whole experts on the ranks instead of splitting
-            every expert's features (``moe_tp_experts`` -> ``ep_dispatch_experts``).
+            every expert's features (``moe_tp_experts`` -> ``ep_dispatch_experts``);
+            an int ``k``: experts over ``k`` ranks, each expert's features over
+            ``tp/k`` (``ExpertsEP(ep=k)``).
     """
 
     def __init__(self, loss_parallel: bool, sequence_parallel: bool,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool | int = False) -> None:
         self.loss_parallel = loss_parallel
         self.sequence_parallel = sequence_parallel
         self.expert_parallel = expert_parallel
@@ -43,8 +46,8 @@ class Options:
     def adjust(self, model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> None:
         """Before the checks: place whole experts; vocab-split the LM head; mark the norms
         sequence-parallel."""
-        if self.expert_parallel:
-            place_whole_experts(model, plan)
+        if self.expert_parallel is not False:
+            place_whole_experts(model, plan, self.expert_parallel)
         if self.loss_parallel:
             from ..hf.loss_parallel import plan_loss_parallel
 
@@ -68,16 +71,21 @@ class Options:
             grad_sync.install(model)
 
 
-def place_whole_experts(model: nn.Module, plan: ResolvedPlan) -> None:
+def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = True) -> None:
     """Give every experts module ``ep_dispatch_experts``, saying why.
 
     Experts the plan splits inside (``moe_tp_experts``) or leaves unplanned
     (GPT-OSS's HF plan names none) get whole experts per rank; an experts
-    module the plan assigns anything else (``replicate``) keeps it.
+    module the plan assigns anything else (``replicate``) keeps it. ``ep=k``
+    (an int) places them over ``k`` ranks with each expert's features split over
+    ``tp/k`` (:class:`~torchtp.plans.styles_experts.ExpertsEP`); ``k = 1`` is the
+    plain feature split (``moe_tp_experts``).
 
     Raises:
-        ValueError: the model has no experts module, so the option would do nothing.
+        ValueError: ``ep`` is neither a bool nor a positive int, or the model
+            has no experts module, so the option would do nothing.
     """
+    style = _experts_style(ep)
     found = [name for name, module in model.named_modules()
              if name and experts_layout(module) is not None]
     moved = [name for name in found if name not in plan.assignments
@@ -86,8 +94,20 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan) -> None:
         raise ValueError("expert_parallel=True, but the model has no transformers experts "
                          f"module ({type(model).__name__}; plan source: {plan.source}); drop "
                          "the option")
+    why = "expert_parallel=True: whole experts" if ep is True else \
+        f"expert_parallel={ep}: experts over {ep} ranks, features over tp/{ep}"
     for name in moved:
-        plan.assignments[name] = get_style("ep_dispatch_experts", name)
+        plan.assignments[name] = style
         before = plan.why.get(name)
-        plan.why[name] = f"{before}; expert_parallel=True: whole experts" if before \
-            else "expert_parallel=True: whole experts"
+        plan.why[name] = f"{before}; {why}" if before else why
+
+
+def _experts_style(ep: bool | int) -> ParallelStyle:
+    """The experts style ``expert_parallel=ep`` asks for (True: whole experts per rank)."""
+    if ep is True:
+        return get_style("ep_dispatch_experts")
+    if ep is False or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"expert_parallel={ep!r}: give True (whole experts per rank) or the "
+                         "number of expert-parallel ranks, a positive int dividing the "
+                         "tensor-parallel size")
+    return ExpertsTP() if ep == 1 else ExpertsEP(ep)

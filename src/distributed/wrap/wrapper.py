@@ -76,9 +76,13 @@ class DistributedModelWrapper(nn.Module):
             is cut, that every whole-head attention split computes what the
             unsharded module computes (see docs/concepts.md); a plan it refuses
             then runs as written, and its exactness is the caller's responsibility.
-        expert_parallel: Mixture-of-experts models: place whole experts on the
-            ranks (``E/tp`` each; every rank sees every token, one all-reduce per
-            MoE layer) instead of splitting every expert's features. See docs/moe.md.
+        expert_parallel: Mixture-of-experts models: ``True`` places whole experts
+            on the ranks (``E/tp`` each; every rank sees every token, one
+            all-reduce per MoE layer) instead of splitting every expert's
+            features; an int ``k`` dividing the tp size places the experts over
+            ``k`` ranks and splits each expert's features over the ``tp/k`` ranks
+            that share them (expert parallel x TP inside the experts, the same
+            one all-reduce). See docs/moe.md.
 
     Attributes:
         base_model: The parallelized model.
@@ -101,7 +105,7 @@ class DistributedModelWrapper(nn.Module):
         plan: PlanArg = None, group: ProcessGroup | None = None,
         example_inputs: object = None, *,
         loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
-        expert_parallel: bool = False,
+        expert_parallel: bool | int = False,
     ) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -284,7 +288,7 @@ class DistributedModelWrapper(nn.Module):
         cls, path: str | os.PathLike[str], plan: PlanArg = None, dtype: torch.dtype | None = None,
         device: torch.device | str | None = None, model_class: type | None = None,
         group: ProcessGroup | None = None, progress: bool = True, verify_plan: bool = True,
-        expert_parallel: bool = False,
+        expert_parallel: bool | int = False,
     ) -> DistributedModelWrapper:
         """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
 
@@ -303,7 +307,7 @@ class DistributedModelWrapper(nn.Module):
             verify_plan: As for the constructor (the probe runs on a one-layer
                 CPU copy built from the config, since the model is on meta).
             expert_parallel: As for the constructor; a checkpoint saved with
-                either split of the experts loads into either.
+                any split of the experts loads into any other.
 
         Raises:
             ValueError: on every rank, for a missing/corrupt/truncated file, a

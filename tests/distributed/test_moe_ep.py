@@ -1,0 +1,123 @@
+"""Expert parallel x TP inside the experts: ``expert_parallel=k`` over 4 ranks (issue 22).
+
+At 4 ranks, ``expert_parallel=2`` places the experts over 2 ranks and splits
+each expert's features over the 2 ranks that share them (ep 2 x tp 2, blocks
+cut along two dimensions); ``expert_parallel=True`` is ep 4 (whole experts).
+Compared with one process in float64 (routes first, so no top-k choice can
+flip): logits, the loss with the router's auxiliary loss, every gradient, the
+whole model's gradient norm, two AdamW steps; checkpoints move between the
+splits bit for bit. Needs transformers' expert-parallel sentinel (5.24).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import torchtp
+from torchtp.checkpoint.offline import consolidate
+from torchtp.plans.styles_experts import ExpertsEP
+
+from ._moe_checks import (
+    ARCHS,
+    ROUTER_TOL,
+    build_moe,
+    check_ep_checkpoints,
+    check_moe,
+    check_resume,
+)
+from ._moe_checks import _batch as _moe_batch
+from .test_moe import _sentinel
+
+pytestmark = pytest.mark.skipif(not _sentinel(), reason="this transformers release has no "
+                                "expert-parallel sentinel: whole experts are refused (test_moe "
+                                "pins that refusal)")
+
+
+def test_ep2_tp2_matches_one_process(ranks):
+    # Every planned architecture, and the starved case: every token goes to experts 0 and 1,
+    # held by ranks 0 and 1, so ranks 2 and 3 hold experts that receive no token.
+    # Gradients to float32 level: four partial sums reach the float32 routers (ROUTER_TOL).
+    results = ranks(check_moe, 4, [*ARCHS, "mixtral-starved"], 2, ROUTER_TOL, timeout=420)
+    for arch, res in results[0].items():
+        config = build_moe(arch.removesuffix("-starved")).config
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        assert res["local"] == (2, inter, 32), arch  # (E/2, 2I/2, H): a block of the experts
+        assert "4 experts over ep=2 ranks, 2 on this rank (0...1)" in res["describe"], arch
+        assert len(res["router_grads"]) == 2, arch
+    assert [r["mixtral-starved"]["expert_grad_norm"] == 0.0 for r in results] == \
+        [False, False, True, True]
+
+
+def test_ep4_whole_experts_match_one_process(ranks):
+    # GPT-OSS: biases inside every expert (whole experts only). Starved: ranks 2 and 3's
+    # experts receive no token, and their optimizer states still match after two steps.
+    results = ranks(check_moe, 4, ["mixtral", "gpt_oss", "mixtral-starved"], True, ROUTER_TOL,
+                    timeout=300)
+    assert [r["mixtral-starved"]["expert_grad_norm"] == 0.0 for r in results] == \
+        [False, False, True, True]
+    assert all(r["gpt_oss"]["local"][0] == 1 for r in results)  # one whole expert each
+
+
+def test_ep2_tp2_checkpoints_reload_at_ep4_tp4_and_one_process(ranks, tmp_path):
+    # float32 logits: the reloads sum the same numbers in another order.
+    assert max(ranks(check_ep_checkpoints, 4, str(tmp_path), timeout=300)) < 1e-5
+    consolidate(tmp_path / "ep2tp2", tmp_path / "consolidated")
+    ids = _moe_batch()["input_ids"]
+    want = build_moe("mixtral").float()(input_ids=ids).logits
+    one = torchtp.DistributedModelWrapper.from_pretrained(tmp_path / "ep2tp2", progress=False)
+    for got in (one(input_ids=ids).logits,
+                transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(
+                    input_ids=ids).logits,
+                transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "consolidated")(
+                    input_ids=ids).logits):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_ep2_tp2_training_state_resumes_at_ep2_tp2_and_ep4(ranks, tmp_path):
+    ranks(check_resume, 4, str(tmp_path / "dcp"), 2, [2, True], timeout=300)
+
+
+def test_ep2_tp2_plans_blocks_of_the_experts():
+    # Planning only (rank 3 of 4, no group): experts 2..3, the second half of each's features.
+    wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=4, rank=3,
+                                              expert_parallel=2)
+    plan = wrapped.resolved_plan.layers["model.layers.0.mlp.experts"]
+    assert plan.style == "ep_dispatch_experts" and plan.collectives == ("all_reduce",)
+    gate_up, down = plan.layouts["gate_up_proj"], plan.layouts["down_proj"]
+    assert (gate_up.dim, gate_up.segments, gate_up.second) == (1, ((24, 24), (72, 24)), (0, 2, 2))
+    assert (down.dim, down.segments, down.second) == (2, ((24, 24),), (0, 2, 2))
+    assert gate_up.local_shape == (2, 48, 32) and down.local_shape == (2, 32, 24)
+    assert "expert_parallel=2: experts over 2 ranks, features over tp/2" in \
+        wrapped.describe_plan()
+    assert repr(ExpertsEP(2)) == "ExpertsEP(ep=2)"
+
+
+def test_expert_parallel_sizes_that_do_not_fit_name_the_valid_values():
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts' \(style "
+                       r"'ep_dispatch_experts'\): expert_parallel=3 does not divide the "
+                       r"tensor-parallel size world_size=4 .* values at this size: \[1, 2, 4\]"):
+        torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=4, rank=0,
+                                        expert_parallel=3)
+    # 3 experts over ep 4 at tp 8: no expert for rank 3's block; ep 1 or 2 would fit.
+    with pytest.raises(ValueError, match=r"expert_parallel=4 at world_size=8 places "
+                       r"num_experts=3 over 4 ranks .* valid expert_parallel values: \[1, 2\]"):
+        torchtp.DistributedModelWrapper(build_moe("mixtral", num_local_experts=3),
+                                        world_size=8, rank=0, expert_parallel=4)
+    # GPT-OSS adds a bias inside every expert: its features cannot be split, whole experts can.
+    with pytest.raises(ValueError, match=r"plan style 'ep_dispatch_experts' for module "
+                       r"'model.layers.0.mlp.experts' \(GptOssExperts\): has_bias=True.*"
+                       r"expert_parallel=True"):
+        torchtp.DistributedModelWrapper(build_moe("gpt_oss"), world_size=4, rank=0,
+                                        expert_parallel=2)
+    for bad in (0, "2", 2.0):
+        with pytest.raises(ValueError, match=rf"expert_parallel={bad!r}: give True"):
+            torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=4, rank=0,
+                                            expert_parallel=bad)
+
+
+def test_expert_parallel_1_is_the_feature_split():
+    wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=2, rank=0,
+                                              expert_parallel=1)
+    assert wrapped.resolved_plan.layers["model.layers.0.mlp.experts"].style == "moe_tp_experts"
