@@ -93,9 +93,10 @@ ROUTER_TOL = {"rtol": 1e-5, "atol": 1e-7}
 
 
 def check_moe(rank: int, world_size: int, archs: list[str], expert_parallel: bool | int = False,
-              grad_tol: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
+              grad_tol: dict[str, float] | None = None,
+              dispatch: str = "auto") -> dict[str, dict[str, Any]]:
     """:func:`check_one` for each architecture, in one set of processes."""
-    return {arch: check_one(arch, expert_parallel, grad_tol or TOL) for arch in archs}
+    return {arch: check_one(arch, expert_parallel, grad_tol or TOL, dispatch) for arch in archs}
 
 
 def _starve(model: nn.Module) -> None:
@@ -110,7 +111,7 @@ def _starve(model: nn.Module) -> None:
 
 
 def check_one(arch: str, expert_parallel: bool | int = False,
-              grad_tol: dict[str, float] = TOL) -> dict[str, Any]:
+              grad_tol: dict[str, float] = TOL, dispatch: str = "auto") -> dict[str, Any]:
     """Logits, loss (with the aux loss), routes, every gradient and the whole model's
     gradient norm (``torchtp.clip_grad_norm_``) equal one process's.
 
@@ -122,7 +123,8 @@ def check_one(arch: str, expert_parallel: bool | int = False,
     arch = arch.removesuffix("-e3").removesuffix("-starved")
     ref = build_moe(arch, **overrides).train()
     wrapped = torchtp.DistributedModelWrapper(build_moe(arch, **overrides).train(),
-                                              expert_parallel=expert_parallel)
+                                              expert_parallel=expert_parallel,
+                                              expert_dispatch=dispatch)
     if starved:
         _starve(ref)
         _starve(wrapped.base_model)
@@ -269,23 +271,26 @@ def check_ep_checkpoints(rank: int, world_size: int, out: str) -> float:
     return worst
 
 
-def check_generate(rank: int, world_size: int, splits: list[bool]) -> list[list[int]]:
+def check_generate(rank: int, world_size: int, splits: list[bool | str]) -> list[list[int]]:
     """Greedy and seeded-sampling ``generate`` (KV cache) equal one process's, for each
-    ``expert_parallel`` value in ``splits``."""
+    ``expert_parallel`` value in ``splits`` (a dispatch name: whole experts with that
+    ``expert_dispatch``; decode steps give some ranks no token to route)."""
     # No router logits: transformers 5.3's generate cannot compute their aux loss.
     ref = build_moe("mixtral", output_router_logits=False)
     ids = _batch()["input_ids"][:1, :5]
     out = []
-    for expert_parallel in splits:
+    for split in splits:
+        expert_parallel, dispatch = (True, split) if isinstance(split, str) else (split, "auto")
         wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral", output_router_logits=False),
-                                                  expert_parallel=expert_parallel)
+                                                  expert_parallel=expert_parallel,
+                                                  expert_dispatch=dispatch)
         for sample in (False, True):
             kw = {"max_new_tokens": 6, "do_sample": sample, "use_cache": True, "pad_token_id": 0}
             torch.manual_seed(3)
             want = ref.generate(ids, **kw)
             torch.manual_seed(3)
             got = wrapped.generate(ids, **kw)
-            assert torch.equal(got, want), (expert_parallel, sample, got, want)
+            assert torch.equal(got, want), (split, sample, got, want)
             out.append(got[0].tolist())
     return out
 
@@ -339,14 +344,16 @@ def check_hand_moe(rank: int, world_size: int) -> list[str]:
     return wrapped.parallelized_layers
 
 
-def check_route_mismatch(rank: int, world_size: int, expert_parallel: bool) -> tuple[str, float]:
+def check_route_mismatch(rank: int, world_size: int, expert_parallel: bool,
+                         dispatch: str = "auto") -> tuple[str, float]:
     """Rank 1's router differs after wrapping: the forward raises on every rank, naming it."""
     import time
 
     from torchtp.core.errors import RankMismatchError
 
     wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"),
-                                              expert_parallel=expert_parallel)
+                                              expert_parallel=expert_parallel,
+                                              expert_dispatch=dispatch)
     if rank == 1:
         with torch.no_grad():
             wrapped.base_model.model.layers[0].mlp.gate.weight.neg_()
@@ -397,9 +404,11 @@ def check_resume(rank: int, world_size: int, tmp: str, saved: bool | int,
             assert got == want
 
 
-def check_dp_tp(rank: int, world_size: int) -> dict[str, list[float]]:
-    """dp 2 x tp 2, DDP and FSDP2 over dp around split experts: two AdamW steps on each DP
-    rank's half of the batch equal one process's on the whole batch.
+def check_dp_tp(rank: int, world_size: int, expert_parallel: bool | int = False,
+                dispatch: str = "auto") -> dict[str, list[float]]:
+    """dp 2 x tp 2, DDP and FSDP2 over dp around split experts (or whole experts per TP
+    rank, ``expert_parallel``, through ``dispatch``): two AdamW steps on each DP rank's half
+    of the batch equal one process's on the whole batch.
 
     No router auxiliary loss here: it is a function of the batch's routing statistics,
     so its data-parallel average is not the whole batch's (in any framework).
@@ -416,7 +425,8 @@ def check_dp_tp(rank: int, world_size: int) -> dict[str, list[float]]:
     out = {"want": want}
     for kind in ("ddp", "fsdp"):
         wrapped = torchtp.DistributedModelWrapper(
-            build_moe("mixtral", output_router_logits=False).train())
+            build_moe("mixtral", output_router_logits=False).train(),
+            expert_parallel=expert_parallel, expert_dispatch=dispatch)
         if kind == "ddp":
             model: nn.Module = DDP(wrapped, process_group=cfg.dp_group)
         else:

@@ -97,8 +97,10 @@ def _route_mismatch_raises(ranks, expert_parallel: bool) -> None:
 
 
 def test_generate_matches_one_process(ranks):
-    # Greedy and seeded sampling, KV cache; whole experts where transformers allows them.
-    tokens = ranks(check_generate, 2, [False, True] if _sentinel() else [False], timeout=180)
+    # Greedy and seeded sampling, KV cache; whole experts where transformers allows them, also
+    # through all-to-all dispatch (a decode step's one token: rank 1 routes none).
+    tokens = ranks(check_generate, 2, [False, True, "all_to_all"] if _sentinel() else [False],
+                   timeout=180)
     assert tokens[0] == tokens[1]
 
 

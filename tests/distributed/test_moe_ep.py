@@ -1,15 +1,19 @@
-"""Expert parallel x TP inside the experts: ``expert_parallel=k`` over 4 ranks (issue 22).
+"""Expert parallel: ep x TP inside the experts, and all-to-all dispatch (issue 22).
 
 At 4 ranks, ``expert_parallel=2`` places the experts over 2 ranks and splits
 each expert's features over the 2 ranks that share them (ep 2 x tp 2, blocks
 cut along two dimensions); ``expert_parallel=True`` is ep 4 (whole experts).
-Compared with one process in float64 (routes first, so no top-k choice can
-flip): logits, the loss with the router's auxiliary loss, every gradient, the
-whole model's gradient norm, two AdamW steps; checkpoints move between the
-splits bit for bit. Needs transformers' expert-parallel sentinel (5.24).
+``expert_dispatch="all_to_all"`` sends each rank's slice of the tokens to the
+experts' ranks and back instead of the all-reduce. Compared with one process
+in float64 (routes first, so no top-k choice can flip): logits, the loss with
+the router's auxiliary loss, every gradient, the whole model's gradient norm,
+two AdamW steps; checkpoints move between the splits bit for bit. Needs
+transformers' expert-parallel sentinel (5.24).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -17,15 +21,18 @@ import transformers
 
 import torchtp
 from torchtp.checkpoint.offline import consolidate
+from torchtp.costmodel import expert_dispatch_times, get_hardware
 from torchtp.plans.styles_experts import ExpertsEP
 
 from ._moe_checks import (
     ARCHS,
     ROUTER_TOL,
     build_moe,
+    check_dp_tp,
     check_ep_checkpoints,
     check_moe,
     check_resume,
+    check_route_mismatch,
 )
 from ._moe_checks import _batch as _moe_batch
 from .test_moe import _sentinel
@@ -60,6 +67,55 @@ def test_ep4_whole_experts_match_one_process(ranks):
     assert all(r["gpt_oss"]["local"][0] == 1 for r in results)  # one whole expert each
 
 
+def test_all_to_all_dispatch_matches_one_process(ranks):
+    # tp 2: every architecture (GPT-OSS's biases, 3 experts over 2 ranks, starved experts);
+    # tp 4: one expert per rank, ranks 2 and 3 starved.
+    archs = [*ARCHS, "gpt_oss", "mixtral-e3", "mixtral-starved"]
+    two = ranks(check_moe, 2, archs, True, None, "all_to_all", timeout=300)
+    assert two[1]["mixtral-starved"]["expert_grad_norm"] == 0.0
+    assert "all-to-all dispatch: each rank routes its slice" in two[0]["mixtral"]["describe"]
+    # Per MoE layer 2 all-gathers and 2 all-to-alls, no all-reduce (the 3 left: attention, embedding).
+    assert "5 x all_gather, 3 x all_reduce, 4 x all_to_all" in two[0]["mixtral"]["describe"]
+    four = ranks(check_moe, 4, ["mixtral", "gpt_oss", "mixtral-starved"], True, ROUTER_TOL,
+                 "all_to_all", timeout=300)
+    assert [r["mixtral-starved"]["expert_grad_norm"] == 0.0 for r in four] == \
+        [False, False, True, True]
+
+
+def test_data_parallel_over_whole_experts_with_all_to_all_matches_one_process(ranks):
+    # dp 2 x ep 2 (whole experts per TP rank, all-to-all dispatch), DDP and FSDP2 over dp.
+    results = ranks(check_dp_tp, 4, True, "all_to_all", timeout=300)
+    assert all(r["fsdp"] == results[0]["fsdp"] for r in results)
+
+
+def test_all_to_all_ranks_that_route_differently_raise_before_dispatching(ranks):
+    got = ranks(check_route_mismatch, 2, True, "all_to_all", timeout=120)
+    for message, seconds in got:
+        assert re.search(r"'model.layers.0.mlp.experts' \(ParallelMixtralExperts\): the "
+                         r"tensor-parallel ranks routed tokens to different experts.*all-to-all "
+                         r"dispatch cannot agree", message)
+        assert seconds < 30  # the route-hash all-gather, before any all-to-all
+    assert got[0][0] == got[1][0]
+
+
+def test_auto_dispatch_picks_all_to_all_only_where_it_moves_less():
+    hw = get_hardware("h100-nvlink")
+    # 8 ranks, top-2, 32k tokens of 4096 bf16 values (a training batch): a quarter fewer
+    # bytes outweighs 4 collectives' latency (at 8k tokens it does not yet).
+    big = expert_dispatch_times(32768, 4096, 2, 8, 2, hw)
+    assert big["all_to_all"] < big["all_reduce"]
+    for tokens, k, n in [(1, 2, 8), (8192, 2, 4), (8192, 1, 2), (8192, 4, 8)]:  # decode, tp <= 2k
+        times = expert_dispatch_times(tokens, 4096, k, n, 2, hw)
+        assert times["all_to_all"] >= times["all_reduce"], (tokens, k, n)
+    # At tp <= 2 the plan fixes the all-reduce ('auto' could never pick all-to-all there).
+    wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=2, rank=0,
+                                              expert_parallel=True)
+    assert "HF's 'all_reduce' expert parallelism" in wrapped.describe_plan()
+    wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=4, rank=0,
+                                              expert_parallel=True)
+    assert "dispatch chosen per call by the cost model" in wrapped.describe_plan()
+
+
 def test_ep2_tp2_checkpoints_reload_at_ep4_tp4_and_one_process(ranks, tmp_path):
     # float32 logits: the reloads sum the same numbers in another order.
     assert max(ranks(check_ep_checkpoints, 4, str(tmp_path), timeout=300)) < 1e-5
@@ -91,7 +147,7 @@ def test_ep2_tp2_plans_blocks_of_the_experts():
     assert gate_up.local_shape == (2, 48, 32) and down.local_shape == (2, 32, 24)
     assert "expert_parallel=2: experts over 2 ranks, features over tp/2" in \
         wrapped.describe_plan()
-    assert repr(ExpertsEP(2)) == "ExpertsEP(ep=2)"
+    assert repr(ExpertsEP(2)) == "ExpertsEP(ep=2, dispatch='auto')"
 
 
 def test_expert_parallel_sizes_that_do_not_fit_name_the_valid_values():
@@ -115,6 +171,21 @@ def test_expert_parallel_sizes_that_do_not_fit_name_the_valid_values():
         with pytest.raises(ValueError, match=rf"expert_parallel={bad!r}: give True"):
             torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=4, rank=0,
                                             expert_parallel=bad)
+
+
+def test_dispatch_choices_that_cannot_work_are_refused():
+    def wrap(**kw):
+        return torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=4, rank=0, **kw)
+
+    with pytest.raises(ValueError, match=r"expert_dispatch='ring' is not a dispatch path; "
+                       r"valid: \['auto', 'all_reduce', 'all_to_all'\]"):
+        wrap(expert_parallel=True, expert_dispatch="ring")
+    with pytest.raises(ValueError, match=r"expert_dispatch='all_to_all' chooses how tokens "
+                       r"reach whole experts, but expert_parallel is off.*expert_parallel=True"):
+        wrap(expert_dispatch="all_to_all")
+    with pytest.raises(ValueError, match=r"expert_dispatch='all_to_all' needs whole experts per "
+                       r"rank \(expert_parallel=True\), but expert_parallel=2 at world_size=4"):
+        wrap(expert_parallel=2, expert_dispatch="all_to_all")
 
 
 def test_expert_parallel_1_is_the_feature_split():

@@ -345,6 +345,32 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -
     return out.movedim(0, dim).contiguous() if dim else out
 
 
+def all_to_all(tensor: torch.Tensor, send: list[int], recv: list[int],
+               group: ProcessGroup | None) -> torch.Tensor:
+    """Send ``send[j]`` rows of ``tensor`` (dim 0, in order) to group rank ``j``; return the
+    ``recv[j]`` rows received from each rank ``j``, concatenated in rank order (fresh tensor).
+
+    The row counts differ from rank to rank (each rank's tokens for each other
+    rank's experts), so what the ranks agree on is the row shape and dtype:
+    the signature checked is that of a ``(group size, *row shape)`` tensor.
+    The counts themselves must be consistent (``recv`` here is ``send[me]`` on
+    every other rank); the caller exchanges and checks them first.
+    """
+    local = tensor.contiguous()
+    out = local.new_empty((sum(recv), *local.shape[1:]))
+    shown = torch.empty((len(send), *local.shape[1:]), dtype=local.dtype, device="meta")
+    n = None
+    if not _compiling():  # as record(), but counted with the rows this rank sends
+        n = _health.before("all_to_all", shown, _health.state(group))
+        if _COUNTERS or debug_enabled():
+            count("all_to_all", local, group)
+    work = dist.all_to_all_single(out, local, output_split_sizes=recv, input_split_sizes=send,
+                                  group=group, async_op=n is not None)
+    if work is not None and n is not None:
+        _health.finish(work, _health.state(group), n, "all_to_all", local, out, shown=shown)
+    return out
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """Return ``src``'s ``tensor`` on every rank (fresh tensor; ``src`` is a group rank)."""
     out = tensor.clone(memory_format=torch.contiguous_format)

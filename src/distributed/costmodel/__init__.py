@@ -12,6 +12,7 @@ Layer 0: pure arithmetic. May import: nothing from torchtp.
 from __future__ import annotations
 
 from .dims import ModelDims, dims_from_config, read_config
+from .experts import expert_dispatch_times
 from .hardware import PRESETS, Hardware, get_hardware
 from .model import (
     PHASES,
@@ -33,6 +34,7 @@ __all__ = [
     "allreduce_time",
     "dims_from_config",
     "estimate",
+    "expert_dispatch_times",
     "gemm_time",
     "get_hardware",
     "read_config",

@@ -36,7 +36,9 @@ from ..comm.regions import copy_pair_to_tensor_parallel_region, reduce_from_tens
 from ..comm.runtime import ProcessGroup
 from ..core import log as _log
 from ..core.errors import RankMismatchError
-from ..core.layouts import ParamLayout
+from ..core.layouts import ParamLayout, shard_offsets
+from ..costmodel import expert_dispatch_times, get_hardware
+from .expert_dispatch import dispatch_combine
 from .owned import ShardedModule
 
 
@@ -65,6 +67,8 @@ class ParallelExperts(ShardedModule):
     tp_rank: int
     tp_name: str = "experts"  # the module's name in the model, for errors
     expert_range: tuple[int, int] | None = None  # expert parallel: (first, count) held here
+    expert_starts: tuple[int, ...] = ()  # whole experts: every rank's first expert, then E
+    dispatch: str = "all_reduce"  # whole experts: "all_reduce", "all_to_all" or "auto"
     # Expert parallel: picks, per call, a function to run instead of the class's forward.
     expert_forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None] | None \
         = None
@@ -75,18 +79,26 @@ class ParallelExperts(ShardedModule):
         # the promoted dtype anyway, so promoting first is exact, and the weights'
         # gradient is then summed over the ranks in that dtype and rounded once, as the
         # unsharded model rounds it.
-        routes = top_k_index  # (N, k) global expert ids, as the router chose them
         dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
+        top_k_weights = top_k_weights.to(dtype)
+
+        def run(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            pick = self.expert_forward
+            fn = None if pick is None else pick(self, x.dtype)  # type: ignore[arg-type]
+            if fn is not None:
+                return fn(self, x, index, weights, *args, **kwargs)
+            return super(ParallelExperts, self).forward(  # type: ignore[misc]
+                x, index, weights, *args, **kwargs)
+
+        if self._all_to_all(hidden_states, top_k_index):
+            return dispatch_combine(self, hidden_states.to(dtype), top_k_index, top_k_weights,
+                                    run)
+        routes = top_k_index  # (N, k) global expert ids, as the router chose them
         x, weights = copy_pair_to_tensor_parallel_region(  # (N, H), (N, k)
-            hidden_states, top_k_weights.to(dtype), self.tp_group)
+            hidden_states, top_k_weights, self.tp_group)
         if self.expert_range is not None:
             top_k_index, weights = self._local_routes(top_k_index, weights)
-        pick = self.expert_forward
-        run = None if pick is None else pick(self, x.dtype)  # type: ignore[arg-type]
-        if run is not None:  # (N, H), this rank's partial sum
-            partial = run(self, x, top_k_index, weights, *args, **kwargs)
-        else:
-            partial = super().forward(x, top_k_index, weights, *args, **kwargs)  # type: ignore[misc]
+        partial = run(x, top_k_index, weights)  # (N, H), this rank's partial sum
         if self.expert_range is not None:
             partial = partial + self._touched(x)
         ride = self._ride_routes(routes)
@@ -94,6 +106,17 @@ class ParallelExperts(ShardedModule):
         if ride is not None:
             self._check_routes(ride)
         return out
+
+    def _all_to_all(self, x: torch.Tensor, index: torch.Tensor) -> bool:
+        """Whether this call dispatches by all-to-all (same answer on every rank: shapes only)."""
+        if self.dispatch == "all_reduce" or self.tp_world_size == 1:
+            return False
+        if self.dispatch == "all_to_all":
+            return True
+        hw = get_hardware("cpu-gloo" if x.device.type == "cpu" else "h100-nvlink")
+        times = expert_dispatch_times(x.shape[0], x.shape[-1], index.shape[-1],
+                                      self.tp_world_size, x.element_size(), hw)
+        return times["all_to_all"] < times["all_reduce"]
 
     def _ride_routes(self, routes: torch.Tensor) -> _comm.Ride | None:
         """Put a 64-bit hash of every token's routes on the output's all-reduce.
@@ -178,7 +201,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
                   group: ProcessGroup | None, world_size: int, rank: int,
                   expert_range: tuple[int, int] | None = None,
                   forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None]
-                  | None = None, name: str = "experts") -> nn.Module:
+                  | None = None, name: str = "experts", dispatch: str = "all_reduce") -> nn.Module:
     """Cut ``module``'s expert parameters to this rank's share, in place, and return it.
 
     Args:
@@ -194,10 +217,16 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
             ``f(module, x, index, weights)`` to run instead of the class's forward
             (one that skips routes to other ranks' experts), or ``None``.
         name: The module's name in the model, for errors.
+        dispatch: Whole experts per rank (``expert_range`` over all ranks):
+            ``"all_reduce"`` (every rank runs its experts on every token routed
+            to them, one all-reduce), ``"all_to_all"`` (each rank routes a slice
+            of the tokens, :mod:`torchtp.layers.expert_dispatch`) or ``"auto"``
+            (per call, the one the cost model estimates cheaper).
 
     Returns:
         ``module`` itself, now an instance of ``Parallel<its class>``.
     """
+    total = int(module.__dict__.get("num_experts", 0))
     for pname, layout in layouts.items():
         full = getattr(module, pname)
         shard = layout.take(full)  # (E, 2I/tp, H) or (E, H, I/tp), a fresh copy
@@ -205,7 +234,9 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
     module.__class__ = _parallel_class(type(module))
     module.__dict__.update(tp_layouts=dict(layouts), tp_group=group, tp_world_size=world_size,
                            tp_rank=rank, expert_range=expert_range, expert_forward=forward,
-                           tp_name=name)
+                           tp_name=name, dispatch=dispatch)
+    if dispatch != "all_reduce":  # every rank's first expert, then E (balanced, like the cut)
+        module.__dict__.update(expert_starts=tuple(shard_offsets(total, world_size)))
     if expert_range is not None:  # the forward numbers this rank's experts 0..count-1
         module.__dict__.update(num_experts=expert_range[1])
     return module

@@ -49,6 +49,18 @@ from .sources import ExpertsLayout, experts_layout
 from .styles import LayerPlan, ParallelStyle, ShardContext, split_constraint
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
+DISPATCH = ("auto", "all_reduce", "all_to_all")
+_ALL_REDUCE = ("every rank sees every token (HF's 'all_reduce' expert parallelism): routes to "
+               "other ranks' experts are masked, one all-reduce per MoE layer sums the outputs")
+_DISPATCH_DETAIL = {
+    "all_reduce": _ALL_REDUCE,
+    "all_to_all": "all-to-all dispatch: each rank routes its slice of the tokens to the "
+                  "experts' ranks and back, then one all-gather (a route-hash all-gather first)",
+    "auto": "dispatch chosen per call by the cost model (expert_dispatch_times, from the "
+            "call's shapes): all-to-all (each rank routes its slice of the tokens; four "
+            "collectives instead of the all-reduce) where it is estimated faster, else "
+            f"{_ALL_REDUCE}",
+}
 
 
 class ExpertsTP(ParallelStyle):
@@ -138,16 +150,25 @@ class ExpertsEP(ParallelStyle):
             ``ep`` ranks and each expert's features split over the ``tp/ep``
             ranks that share them. ``None`` (the registry's style): ``ep = tp``,
             whole experts.
+        dispatch: How tokens reach whole experts (``ep = tp``): ``"all_reduce"``
+            (every rank runs its experts on all their tokens, one all-reduce),
+            ``"all_to_all"`` (each rank routes a slice of the tokens to the
+            experts' ranks and back, :mod:`torchtp.layers.expert_dispatch`) or
+            ``"auto"`` (per call, whichever the cost model estimates cheaper for
+            the call's shapes). Blocks (``ep < tp``) use the all-reduce.
     """
 
     name = "ep_dispatch_experts"
     covers = (GATE_UP, DOWN, f"{GATE_UP}_bias", f"{DOWN}_bias", "up_proj", "up_proj_bias")
 
-    def __init__(self, ep: int | None = None) -> None:
+    def __init__(self, ep: int | None = None, dispatch: str = "auto") -> None:
         if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
             raise ValueError(f"expert_parallel={ep!r}: give the number of expert-parallel ranks "
                              "(a positive int dividing the tensor-parallel size) or True")
-        self.ep = ep
+        if dispatch not in DISPATCH:
+            raise ValueError(f"expert_dispatch={dispatch!r} is not a dispatch path; valid: "
+                             f"{list(DISPATCH)}")
+        self.ep, self.dispatch = ep, dispatch
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
         experts = _expert_count(module, fqn)
@@ -158,19 +179,34 @@ class ExpertsEP(ParallelStyle):
         if ep == ctx.world_size and not all(c.ok(ctx.world_size) for c in constraints):
             return LayerPlan(fqn, self.name, constraints, full, collectives=("all_reduce",))
         if ep < ctx.world_size:
+            if self.dispatch == "all_to_all":
+                raise ValueError(f"module '{fqn}' (style {self.name!r}): expert_dispatch="
+                                 f"'all_to_all' needs whole experts per rank (expert_parallel="
+                                 f"True), but expert_parallel={ep} at world_size="
+                                 f"{ctx.world_size} splits each expert's features too; use "
+                                 "expert_dispatch='all_reduce' or expert_parallel=True")
             return self._plan_folded(module, fqn, ctx, ep, experts, full)
         first, count = shard_range(experts, ctx.world_size, ctx.rank)
         layouts = {name: ParamLayout(tuple(p.shape), 0, ((first, count),))
                    for name, p in params.items() if p.dim() >= 1 and p.shape[0] == experts}
+        dispatch = self._dispatch(ctx.world_size)
         detail = (f"{experts} experts placed whole, {count} on this rank ({first}..."
-                  f"{first + count - 1}); every rank sees every token (HF's 'all_reduce' expert "
-                  "parallelism): routes to other ranks' experts are masked, one all-reduce per "
-                  "MoE layer sums the outputs; the router stays replicated")
+                  f"{first + count - 1}); {_DISPATCH_DETAIL[dispatch]}; the router stays "
+                  "replicated")
+        collectives = ("all_gather", "all_to_all", "all_to_all", "all_gather") \
+            if dispatch == "all_to_all" else ("all_reduce",)
         return LayerPlan(fqn, self.name, constraints, full, (count, *full[1:]), layouts,
-                         ("all_reduce",), detail)
+                         collectives, detail)
 
     def __repr__(self) -> str:
-        return repr(self.name) if self.ep is None else f"ExpertsEP(ep={self.ep})"
+        if self.ep is None and self.dispatch == "auto":
+            return repr(self.name)
+        return f"ExpertsEP(ep={self.ep}, dispatch={self.dispatch!r})"
+
+    def _dispatch(self, tp: int) -> str:
+        """The dispatch whole experts use at ``tp``: all-to-all moves fewer bytes only when
+        ``tp > 2k`` (``k >= 1``), so at ``tp <= 2`` ``"auto"`` is the all-reduce."""
+        return "all_reduce" if self.dispatch == "auto" and tp <= 2 else self.dispatch
 
     def _ep(self, tp: int, fqn: str) -> int:
         """The expert-parallel size at tensor-parallel size ``tp`` (a divisor of it)."""
@@ -218,9 +254,10 @@ class ExpertsEP(ParallelStyle):
         first, count = lay.second[1:] if lay.second is not None else lay.segments[0]
         layout = _layout(module, layer.fqn, self.name)
         layout.mark_parallel(module)
+        dispatch = self._dispatch(ctx.world_size) if lay.second is None else "all_reduce"
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
                              expert_range=(first, count),
-                             forward=layout.parallel_forward, name=layer.fqn)
+                             forward=layout.parallel_forward, name=layer.fqn, dispatch=dispatch)
 
 
 def _expert_count(module: nn.Module, fqn: str) -> int:

@@ -34,20 +34,27 @@ class Options:
             every expert's features (``moe_tp_experts`` -> ``ep_dispatch_experts``);
             an int ``k``: experts over ``k`` ranks, each expert's features over
             ``tp/k`` (``ExpertsEP(ep=k)``).
+        expert_dispatch: How tokens reach whole experts (``"auto"``,
+            ``"all_reduce"``, ``"all_to_all"``; see ``ExpertsEP``).
     """
 
     def __init__(self, loss_parallel: bool, sequence_parallel: bool,
-                 expert_parallel: bool | int = False) -> None:
+                 expert_parallel: bool | int = False, expert_dispatch: str = "auto") -> None:
         self.loss_parallel = loss_parallel
         self.sequence_parallel = sequence_parallel
         self.expert_parallel = expert_parallel
+        self.expert_dispatch = expert_dispatch
         self.sequence: SequencePlan | None = None
 
     def adjust(self, model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> None:
         """Before the checks: place whole experts; vocab-split the LM head; mark the norms
         sequence-parallel."""
         if self.expert_parallel is not False:
-            place_whole_experts(model, plan, self.expert_parallel)
+            place_whole_experts(model, plan, self.expert_parallel, self.expert_dispatch)
+        elif self.expert_dispatch != "auto":
+            raise ValueError(f"expert_dispatch={self.expert_dispatch!r} chooses how tokens reach "
+                             "whole experts, but expert_parallel is off (every expert's "
+                             "features are split, one all-reduce); add expert_parallel=True")
         if self.loss_parallel:
             from ..hf.loss_parallel import plan_loss_parallel
 
@@ -71,7 +78,8 @@ class Options:
             grad_sync.install(model)
 
 
-def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = True) -> None:
+def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = True,
+                        dispatch: str = "auto") -> None:
     """Give every experts module ``ep_dispatch_experts``, saying why.
 
     Experts the plan splits inside (``moe_tp_experts``) or leaves unplanned
@@ -79,13 +87,13 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
     module the plan assigns anything else (``replicate``) keeps it. ``ep=k``
     (an int) places them over ``k`` ranks with each expert's features split over
     ``tp/k`` (:class:`~torchtp.plans.styles_experts.ExpertsEP`); ``k = 1`` is the
-    plain feature split (``moe_tp_experts``).
+    plain feature split (``moe_tp_experts``). ``dispatch`` is ``ExpertsEP``'s.
 
     Raises:
         ValueError: ``ep`` is neither a bool nor a positive int, or the model
             has no experts module, so the option would do nothing.
     """
-    style = _experts_style(ep)
+    style = _experts_style(ep, dispatch)
     found = [name for name, module in model.named_modules()
              if name and experts_layout(module) is not None]
     moved = [name for name in found if name not in plan.assignments
@@ -102,12 +110,16 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
         plan.why[name] = f"{before}; {why}" if before else why
 
 
-def _experts_style(ep: bool | int) -> ParallelStyle:
+def _experts_style(ep: bool | int, dispatch: str) -> ParallelStyle:
     """The experts style ``expert_parallel=ep`` asks for (True: whole experts per rank)."""
     if ep is True:
-        return get_style("ep_dispatch_experts")
+        return get_style("ep_dispatch_experts") if dispatch == "auto" else ExpertsEP(None, dispatch)
     if ep is False or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"expert_parallel={ep!r}: give True (whole experts per rank) or the "
                          "number of expert-parallel ranks, a positive int dividing the "
                          "tensor-parallel size")
-    return ExpertsTP() if ep == 1 else ExpertsEP(ep)
+    if ep == 1 and dispatch == "all_to_all":
+        raise ValueError("expert_dispatch='all_to_all' needs whole experts per rank, but "
+                         "expert_parallel=1 splits every expert's features; use "
+                         "expert_parallel=True")
+    return ExpertsTP() if ep == 1 else ExpertsEP(ep, dispatch)

@@ -83,6 +83,11 @@ class DistributedModelWrapper(nn.Module):
             ``k`` ranks and splits each expert's features over the ``tp/k`` ranks
             that share them (expert parallel x TP inside the experts, the same
             one all-reduce). See docs/moe.md.
+        expert_dispatch: With whole experts per rank (``expert_parallel=True``):
+            ``"all_to_all"`` has each rank route a slice of the tokens to the
+            experts' ranks and back, ``"all_reduce"`` has every rank run its
+            experts on every token routed to them; ``"auto"`` picks per call
+            by the cost model (``torchtp.costmodel.expert_dispatch_times``).
 
     Attributes:
         base_model: The parallelized model.
@@ -105,28 +110,27 @@ class DistributedModelWrapper(nn.Module):
         plan: PlanArg = None, group: ProcessGroup | None = None,
         example_inputs: object = None, *,
         loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
-        expert_parallel: bool | int = False,
+        expert_parallel: bool | int = False, expert_dispatch: str = "auto",
     ) -> None:
         super().__init__()
         group = resolve_group(group)
         error: BaseException | None = None
         ctx, resolved, fingerprint = None, None, {"world_size": world_size}
         detached: list[Detached] = []
+        flags = (loss_parallel, sequence_parallel, expert_parallel, expert_dispatch)
         try:
             checks.refuse_wrapped(model, DistributedModelWrapper)
             ctx = tp_step.place(model, world_size, rank, group)
             if ctx.world_size == 1:  # nothing to split: the model runs whole (decision 106)
-                self._keep_whole(model, ctx, (plan, (loss_parallel, sequence_parallel,
-                                                     expert_parallel), example_inputs, verify_plan))
+                self._keep_whole(model, ctx, (plan, flags, example_inputs, verify_plan))
                 return
-            options = Options(loss_parallel, sequence_parallel, expert_parallel)
+            options = Options(*flags)
             if "peft" in sys.modules:  # PEFT LoRA layers: planned on their base layers
                 detached = detach_adapters(model)
             resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan)
             period = {f"{step_check.ENV} (optimizer-step check period)":
                       step_check.period_from_env()} if ctx.world_size > 1 else {}
-            fingerprint = checks.before_slicing(
-                model, resolved, ctx, (loss_parallel, sequence_parallel, expert_parallel), period)
+            fingerprint = checks.before_slicing(model, resolved, ctx, flags, period)
         except Exception as err:
             # Any rank-local error (e.g. a plan file missing on one node), not only
             # validation errors, must reach the agreement, or the other ranks hang in it.
@@ -169,7 +173,8 @@ class DistributedModelWrapper(nn.Module):
         self.parallelized_layers = []
         self.loss_parallel, self.sequence_parallel = flags[0], False
         self.training = model.training
-        if (plan is not None and plan not in AUTO) or any(flags) or example_inputs is not None:
+        asked = any(flags[:3]) or flags[3] != "auto"  # an option other than the defaults
+        if (plan is not None and plan not in AUTO) or asked or example_inputs is not None:
             self._plan_whole(example_inputs)
 
     def _plan_whole(self, example_inputs: object = None) -> ResolvedPlan:
@@ -288,7 +293,7 @@ class DistributedModelWrapper(nn.Module):
         cls, path: str | os.PathLike[str], plan: PlanArg = None, dtype: torch.dtype | None = None,
         device: torch.device | str | None = None, model_class: type | None = None,
         group: ProcessGroup | None = None, progress: bool = True, verify_plan: bool = True,
-        expert_parallel: bool | int = False,
+        expert_parallel: bool | int = False, expert_dispatch: str = "auto",
     ) -> DistributedModelWrapper:
         """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
 
@@ -308,6 +313,7 @@ class DistributedModelWrapper(nn.Module):
                 CPU copy built from the config, since the model is on meta).
             expert_parallel: As for the constructor; a checkpoint saved with
                 any split of the experts loads into any other.
+            expert_dispatch: As for the constructor.
 
         Raises:
             ValueError: on every rank, for a missing/corrupt/truncated file, a
@@ -318,7 +324,8 @@ class DistributedModelWrapper(nn.Module):
         group = resolve_group(group)
         return from_pretrained(lambda model: cls(model, plan=plan, group=group,
                                                  verify_plan=verify_plan,
-                                                 expert_parallel=expert_parallel), path, plan,
+                                                 expert_parallel=expert_parallel,
+                                                 expert_dispatch=expert_dispatch), path, plan,
                                dtype, device, model_class, group, progress)
 
     def save_sharded(self, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
