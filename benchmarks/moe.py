@@ -1,22 +1,32 @@
-"""Mixture of experts at tp 2: expert parameters per rank, bytes moved, training-step time.
+"""Mixture of experts: expert state per rank, bytes moved per MoE layer, training-step time.
 
 A small random Mixtral (hidden 256, 4 layers, 8 experts of 512 features,
-top-2, vocabulary 1024) on two Gloo processes of one thread each, float32,
-transformers' default experts implementation. Three variants, timed in one
-run, interleaved (order rotated every round, a barrier before every step, the
-slowest rank's time, median over rounds):
+top-2, vocabulary 1024) on ``--world`` Gloo processes (2 or 4) of one thread
+each, float32, transformers' default experts implementation. The variants,
+timed in one run, interleaved (order rotated every round, a barrier before
+every step, the slowest rank's time, median over rounds):
 
-* ``one process``: the unwrapped model, run by rank 0 alone (rank 1 waits);
+* ``one process``: the unwrapped model, run by rank 0 alone (the others wait);
 * ``experts split inside``: ``DistributedModelWrapper(model)`` (``moe_tp_experts``);
-* ``whole experts``: ``DistributedModelWrapper(model, expert_parallel=True)``.
+* ``whole experts, all-reduce`` / ``whole experts, all-to-all``:
+  ``expert_parallel=True`` with ``expert_dispatch="all_reduce"`` / ``"all_to_all"``;
+* ``ep 2 x tp 2`` (``--world 4``): ``expert_parallel=2``;
+* ``transformers DistributedConfig``: transformers' own tensor and expert
+  parallelism, ``from_pretrained(..., distributed_config=DistributedConfig(
+  tp_size=world, ep_size=world))`` (its experts whole per rank, DTensor
+  attention), loaded from a copy of the same weights.
 
 A step is forward + backward + AdamW on a 4 x 64 batch. The table also gives
-each variant's expert parameters on one rank (against ``1/tp`` of the
-experts' total), its bytes of collectives per forward and the largest
-logit difference to the one-process model, and the per-layer cost of the
-check that every rank routes every token alike, timed alone.
+each variant's expert parameters on rank 0 against ``1/(ep*tp)`` of the
+experts' total, its expert state on rank 0 after a step (parameters,
+gradients, AdamW's two moments; the share of the memory that splitting
+experts is for) against the same share, the bytes of collectives one MoE
+layer issues per forward (torchtp's counters; transformers' DTensor
+collectives are not counted) and per forward in all, and the largest logit
+difference to the one-process model, and the per-layer cost of the check
+that every rank routes every token alike, timed alone.
 
-    .venv/bin/python benchmarks/moe.py [--rounds 9]
+    .venv/bin/python benchmarks/moe.py [--rounds 9] [--world 2|4]
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -39,6 +50,7 @@ from torchtp.cli._launch import launch
 CONFIG = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
           "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
           "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 128}
+HF = "transformers DistributedConfig"
 
 
 def _build() -> torch.nn.Module:
@@ -48,16 +60,40 @@ def _build() -> torch.nn.Module:
     return MixtralForCausalLM(MixtralConfig(**CONFIG)).train()
 
 
-def _expert_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+def _expert_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for n, p in model.named_parameters() if ".experts." in n]
 
 
-def _models() -> dict[str, torch.nn.Module]:
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM itself (a torchtp wrapper's ``base_model``; HF's own is its decoder)."""
     import torchtp
 
-    return {"one process": _build(),
-            "experts split inside": torchtp.DistributedModelWrapper(_build()),
-            "whole experts": torchtp.DistributedModelWrapper(_build(), expert_parallel=True)}
+    return model.base_model if isinstance(model, torchtp.DistributedModelWrapper) else model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # transformers' DTensors
+
+
+def _models(world: int, saved: str) -> dict[str, torch.nn.Module]:
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import torchtp
+
+    def wrap(**kw: Any) -> torch.nn.Module:
+        return torchtp.DistributedModelWrapper(_build(), **kw)
+
+    models = {"one process": _build(), "experts split inside": wrap(),
+              "whole experts, all-reduce": wrap(expert_parallel=True,
+                                                expert_dispatch="all_reduce"),
+              "whole experts, all-to-all": wrap(expert_parallel=True,
+                                                expert_dispatch="all_to_all")}
+    if world == 4:
+        models["ep 2 x tp 2"] = wrap(expert_parallel=2)
+    models[HF] = AutoModelForCausalLM.from_pretrained(
+        saved, distributed_config=DistributedConfig(tp_size=world, ep_size=world)).train()
+    return models
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
@@ -66,22 +102,22 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor)
     opt.zero_grad()
 
 
-def _rank(rank: int, world: int, rounds: int) -> dict[str, Any]:
-    import torchtp
-
+def _rank(rank: int, world: int, rounds: int, saved: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    models = _models()
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # transformers' distributed loading reads it
+    models = _models(world, saved)
     ids = torch.randint(0, CONFIG["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(1))
-    total = _expert_params(models["one process"])
+    total = sum(p.numel() for p in _expert_params(models["one process"]))
     info: dict[str, Any] = {"total": total}
     with torch.no_grad():
         want = models["one process"](input_ids=ids).logits
         for name, m in models.items():
-            with torchtp.count_collectives() as c:
-                got = m(input_ids=ids).logits
-            info[name] = {"experts": _expert_params(getattr(m, "base_model", m)),
-                          "bytes": c.bytes_moved(), "err": float((got - want).abs().max())}
+            layer, every, got = _bytes(m, ids)
+            info[name] = {"experts": sum(_local(p).numel()
+                                         for p in _expert_params(_inner(m))),
+                          "layer bytes": layer, "bytes": every,
+                          "err": float((_local(got) - want).abs().max())}
     info["route check us"] = _route_check_alone(models["experts split inside"], ids.numel())
     # The timed steps move the weights; the checks above are done by then.
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in models.items()}
@@ -95,8 +131,33 @@ def _rank(rank: int, world: int, rounds: int) -> dict[str, Any]:
                 _step(models[name], opts[name], ids)
             if r:
                 times[name].append(time.perf_counter() - start)
+    for name, m in models.items():  # parameters, gradients and AdamW moments of the experts
+        held = _expert_params(_inner(m))
+        state = [t for p in held for t in opts[name].state[p].values() if t.dim()]
+        # Parameters, AdamW's moments, and the gradients (zeroed: as large as the parameters).
+        info[name]["state"] = sum(_local(t).numel() for t in [*held, *state, *held])
     info["times"] = times
     return info
+
+
+def _bytes(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """Collective bytes of layer 0's experts module and of the whole forward; the logits."""
+    import torchtp
+
+    experts = _inner(model).model.layers[0].mlp.experts
+    marks: list[int] = []
+    with torchtp.count_collectives() as c:
+        hooks = [experts.register_forward_pre_hook(lambda *_: marks.append(len(c.records))),
+                 experts.register_forward_hook(lambda *_: marks.append(len(c.records)))]
+        try:
+            logits = model(input_ids=ids).logits
+        finally:
+            for h in hooks:
+                h.remove()
+    layer = c.records[marks[0]:marks[1]]
+    size = sum(torch.Size(r.shape).numel() * torch.empty((), dtype=r.dtype).element_size()
+               for r in layer)
+    return size, c.bytes_moved(), logits
 
 
 def _route_check_alone(wrapped: torch.nn.Module, tokens: int, calls: int = 2000) -> float:
@@ -117,14 +178,18 @@ def _table(per_rank: list[dict[str, Any]], load: tuple[float, float]) -> str:
                                                        strict=True)) * 1e3
            for n in info["times"]}
     share = info["total"] / len(per_rank)
-    lines = [f"load average before -> after: {load[0]:.1f} -> {load[1]:.1f}", "",
-             "| variant | step ms | x one process | expert params on rank 0 | x (total / tp) "
-             "| collective bytes per forward | max logit diff |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"{len(per_rank)} ranks; load average before -> after: {load[0]:.1f} -> "
+             f"{load[1]:.1f}", "",
+             "| variant | step ms | x one process | expert params on rank 0 | x (total / ranks) "
+             "| expert state x share | bytes per MoE layer | bytes per forward | max logit diff |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, ms in med.items():
         row = info[name]
-        lines.append(f"| {name} | {ms:.1f} | {ms / med['one process']:.2f} | {row['experts']:,} "
-                     f"| {row['experts'] / share:.2f} | {row['bytes']:,} | {row['err']:.1e} |")
+        layer, every = _counted(name, row["layer bytes"]), _counted(name, row["bytes"])
+        lines.append(
+            f"| {name} | {ms:.1f} | {ms / med['one process']:.2f} | {row['experts']:,} "
+            f"| {row['experts'] / share:.2f} | {row['state'] / (4 * share):.2f} | {layer} "
+            f"| {every} | {row['err']:.1e} |")
     forward_us = med["experts split inside"] * 1e3 / 3  # a step is ~3 forwards' work
     us = info["route check us"]
     lines += ["", f"route check (hash of every token's routes, riding the MoE all-reduce): "
@@ -134,13 +199,21 @@ def _table(per_rank: list[dict[str, Any]], load: tuple[float, float]) -> str:
     return "\n".join(lines)
 
 
+def _counted(name: str, value: int) -> str:
+    """A byte count as the table shows it: transformers' DTensor collectives are not counted."""
+    return "0" if name == "one process" else "n/a" if name == HF else f"{value:,}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--world", type=int, default=2, choices=(2, 4))
     args = parser.parse_args()
     before = os.getloadavg()[0]
-    per_rank = launch(_rank, 2, args.rounds)
+    with tempfile.TemporaryDirectory(prefix="torchtp-moe-") as saved:
+        _build().save_pretrained(saved)  # for transformers' own distributed loading
+        per_rank = launch(_rank, args.world, args.rounds, saved)
     print(_table(per_rank, (before, os.getloadavg()[0])))
 
 

@@ -8,8 +8,11 @@ key-value store, reachable without the group's collectives) whenever ranks may
 disagree:
 
 * **Shape agreement.** Before a collective whose shape or dtype differs from
-  the last one the group agreed on for that op (so the first of each op, and
-  every shape change; every call under ``TP_CHECK_SHAPES=1``), the rank posts
+  the last one the group agreed on for that op and kind of tensor (its
+  number of dimensions and last size: an MoE layer's ``(N, H)`` all-reduce
+  and the attention's ``(B, T, H)`` one are remembered apart, so alternating
+  between them costs no store round trip; the first of each, and every
+  shape change; every call under ``TP_CHECK_SHAPES=1``), the rank posts
   the collective's signature and waits for every rank's. A rank whose shape
   did *not* change is then blocked inside its own collective; while blocked it
   polls the store, sees the request and answers with its signature, so every
@@ -79,7 +82,9 @@ class GroupState:
     rank: int
     size: int
     seq: int = 0  # index of the next torchtp collective
-    agreed: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
+    # (op, dims, last size) -> the signature last agreed for it (see _kind)
+    agreed: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = \
+        field(default_factory=dict)
     last_check: int | None = None
     poisoned: str | None = None
     entries: dict[str, int] = field(default_factory=dict)  # entry_barrier calls per name
@@ -150,11 +155,24 @@ def before(op: str, tensor: torch.Tensor, st: GroupState) -> int:
         raise InconsistentGroupError(st.poisoned)
     n = st.seq
     st.seq = n + 1
-    agreed = st.agreed.get(op)
+    agreed = st.agreed.get(_kind(op, tensor))
     if _logging.CHECK_SHAPES or agreed is None or agreed[0] != tensor.shape \
             or agreed[1] != tensor.dtype:
         _agree_signature(st, n, op, tensor)
     return n
+
+
+def _kind(op: str, tensor: torch.Tensor) -> tuple[str, int, int]:
+    """What a remembered signature is kept per: the op, the tensor's dims and last size.
+
+    Every rank updates its memory at the same agreements, so for one kind all
+    ranks remember the same signature: a rank whose shape differs from it
+    checks, and the others answer from inside their collective. Keeping kinds
+    apart (rather than one signature per op) lets a model that alternates
+    collectives of two kinds skip the check for both; a batch-size change
+    keeps the kind and is still checked.
+    """
+    return op, tensor.dim(), tensor.shape[-1] if tensor.dim() else 0
 
 
 def _signature(op: str, tensor: torch.Tensor) -> str:
@@ -173,7 +191,7 @@ def _agree_signature(st: GroupState, n: int, op: str, tensor: torch.Tensor) -> N
     values = _gather(st, "sig", n, checking=True)
     _compare_signatures(st, n, op, values, dangling=False)
     st.last_check = n
-    st.agreed[op] = (tensor.shape, tensor.dtype)
+    st.agreed[_kind(op, tensor)] = (tensor.shape, tensor.dtype)
 
 
 def _compare_signatures(st: GroupState, n: int, op: str, values: list[str],
