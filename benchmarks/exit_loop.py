@@ -67,13 +67,16 @@ if os.environ.get("EXIT_LOOP_ERROR") == "mismatch":
         raise AssertionError("the input check did not raise")
     except torchtp.RankMismatchError:
         pass
+# The fault comes at step 4: by then every rank remembers the collectives' shapes as
+# agreed (health.before keys them by the 3 collectives before), so the others are
+# inside their next collective, not checking its shape, when the failing rank stops.
 with torch.no_grad():
-    for step in range(3):
-        if failing and step == 1 and how == "input":
+    for step in range(6):
+        if failing and step == 4 and how == "input":
             x = torch.randn(2, 31)  # wrong input on this rank only
-        if failing and step == 1 and how == "raise":
-            raise RuntimeError("boom")  # after the first all-reduce
-        if failing and step == 1 and how == "exit":
+        if failing and step == 4 and how == "raise":
+            raise RuntimeError("boom")  # after four forwards' all-reduces
+        if failing and step == 4 and how == "exit":
             print("bad batch: exiting", file=sys.stderr)
             sys.exit(1)  # no exception reaches sys.excepthook
         y = tp(x)

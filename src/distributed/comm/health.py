@@ -8,10 +8,8 @@ key-value store, reachable without the group's collectives) whenever ranks may
 disagree:
 
 * **Shape agreement.** Before a collective whose shape or dtype differs from
-  the last one the group agreed on for that op and kind of tensor (its
-  number of dimensions and last size: an MoE layer's ``(N, H)`` all-reduce
-  and the attention's ``(B, T, H)`` one are remembered apart, so alternating
-  between them costs no store round trip; the first of each, and every
+  the one the group last agreed on for that op *after the same previous
+  collective*, in forward or in backward (so the first of each, and every
   shape change; every call under ``TP_CHECK_SHAPES=1``), the rank posts
   the collective's signature and waits for every rank's. A rank whose shape
   did *not* change is then blocked inside its own collective; while blocked it
@@ -82,9 +80,10 @@ class GroupState:
     rank: int
     size: int
     seq: int = 0  # index of the next torchtp collective
-    # (op, dims, last size) -> the signature last agreed for it (see _kind)
-    agreed: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = \
+    # (op, previous collective's signature, in backward) -> the signature last agreed there
+    agreed: dict[tuple[str, Any, bool], tuple[torch.Size, torch.dtype]] = \
         field(default_factory=dict)
+    previous: tuple[Any, ...] = ()  # (op, shape, dtype) of this group's last collectives
     last_check: int | None = None
     poisoned: str | None = None
     entries: dict[str, int] = field(default_factory=dict)  # entry_barrier calls per name
@@ -155,24 +154,27 @@ def before(op: str, tensor: torch.Tensor, st: GroupState) -> int:
         raise InconsistentGroupError(st.poisoned)
     n = st.seq
     st.seq = n + 1
-    agreed = st.agreed.get(_kind(op, tensor))
+    # Remembered per (op, previous collectives, forward or backward): ranks in step so
+    # far passed the same previous signatures and are all in a backward or none, so
+    # they all consult the same memory, and a rank whose shape differs from it checks
+    # while the others answer from inside their collective. A model alternating shapes
+    # (an MoE layer's (N, H) all-reduce between the attention's (B, T, H) ones) then
+    # skips the check for all of them; one memory per op would flip and cost a store
+    # round trip on every call.
+    key = (op, st.previous, _torch_compat.in_backward())
+    agreed = st.agreed.get(key)
     if _logging.CHECK_SHAPES or agreed is None or agreed[0] != tensor.shape \
             or agreed[1] != tensor.dtype:
         _agree_signature(st, n, op, tensor)
+        if len(st.agreed) >= _MEMORY:  # shapes that vary step to step: start afresh
+            st.agreed.clear()
+        st.agreed[key] = (tensor.shape, tensor.dtype)
+    st.previous = (*st.previous[1 - _CONTEXT:], (op, tensor.shape, tensor.dtype))
     return n
 
 
-def _kind(op: str, tensor: torch.Tensor) -> tuple[str, int, int]:
-    """What a remembered signature is kept per: the op, the tensor's dims and last size.
-
-    Every rank updates its memory at the same agreements, so for one kind all
-    ranks remember the same signature: a rank whose shape differs from it
-    checks, and the others answer from inside their collective. Keeping kinds
-    apart (rather than one signature per op) lets a model that alternates
-    collectives of two kinds skip the check for both; a batch-size change
-    keeps the kind and is still checked.
-    """
-    return op, tensor.dim(), tensor.shape[-1] if tensor.dim() else 0
+_MEMORY = 512  # remembered signatures per group
+_CONTEXT = 3  # previous collectives a remembered signature is keyed by
 
 
 def _signature(op: str, tensor: torch.Tensor) -> str:
@@ -191,7 +193,6 @@ def _agree_signature(st: GroupState, n: int, op: str, tensor: torch.Tensor) -> N
     values = _gather(st, "sig", n, checking=True)
     _compare_signatures(st, n, op, values, dangling=False)
     st.last_check = n
-    st.agreed[_kind(op, tensor)] = (tensor.shape, tensor.dtype)
 
 
 def _compare_signatures(st: GroupState, n: int, op: str, values: list[str],
