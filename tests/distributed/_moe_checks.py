@@ -181,7 +181,8 @@ def check_one(arch: str, expert_parallel: bool | int = False,
 def check_grouped_mm(rank: int, world_size: int, whole: bool) -> None:
     """float32 at tp 2 with transformers' default experts kernel (grouped_mm), and, with
     ``whole``, whole experts per rank under grouped_mm and under an eager configuration
-    (which then runs transformers' grouped_mm function)."""
+    (which then runs transformers' grouped_mm function), and all-to-all dispatch with
+    float32 and bfloat16 token states."""
     cases = [("grouped_mm", False)] + ([("grouped_mm", True), ("eager", True)] if whole else [])
     batch = _batch()
     for implementation, expert_parallel in cases:
@@ -196,6 +197,33 @@ def check_grouped_mm(rank: int, world_size: int, whole: bool) -> None:
             # float32: the all-reduce sums the ranks' partial outputs in another order.
             torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits,
                                        rtol=1e-5, atol=1e-5)
+    if whole:
+        for dtype in (torch.float32, torch.bfloat16):
+            _dispatch_in_dtype(dtype)
+
+
+def _dispatch_in_dtype(dtype: torch.dtype) -> None:
+    """All-to-all dispatch under grouped_mm with ``dtype`` token states and the router's
+    float32 weights: the experts run in ``dtype`` and the output comes back in it, as
+    transformers' kernel returns it, with its values (weighted sums in float32 in slot
+    order, as the kernel sums them)."""
+    ref = build_moe("mixtral").to(dtype)
+    ref.config._experts_implementation = "grouped_mm"
+    model = build_moe("mixtral").to(dtype)
+    model.config._experts_implementation = "grouped_mm"
+    wrapped = torchtp.DistributedModelWrapper(model, expert_parallel=True,
+                                              expert_dispatch="all_to_all")
+    x = torch.randn(13, 32, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with torch.no_grad():
+        _, weights, index = ref.model.layers[0].mlp.gate(x)  # float32 weights (N, 2)
+        want = ref.model.layers[0].mlp.experts(x, index, weights)
+        got = wrapped.base_model.model.layers[0].mlp.experts(x, index, weights)
+    assert got.dtype == want.dtype == dtype, (got.dtype, want.dtype)
+    # float32: each row's products are the kernel's, sums in the same order; bfloat16:
+    # one rounding of the output (the GEMMs see groups of other sizes).
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else \
+        {"rtol": 1.6e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
 
 
 def check_checkpoints(rank: int, world_size: int, out: str, whole: bool) -> float:

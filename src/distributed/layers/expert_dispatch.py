@@ -52,9 +52,12 @@ def dispatch_combine(module: Any, x: torch.Tensor, index: torch.Tensor, weights:
     Args:
         module: The :class:`~torchtp.layers.experts.ParallelExperts` (group, rank,
             ``expert_starts``, name).
-        x: Token states ``(N, H)``, replicated.
+        x: Token states ``(N, H)``, replicated; the experts run in their dtype.
         index: Every token's ``k`` global expert ids ``(N, k)``, replicated.
-        weights: Their routing weights ``(N, k)`` in ``x``'s dtype, replicated.
+        weights: Their routing weights ``(N, k)``, replicated, in the dtype the
+            weighted outputs are summed in (``x``'s promoted with the router's,
+            as transformers' experts kernels do); the output is cast back to
+            ``x``'s dtype, as theirs is.
         run: ``run(rows (M, H), local ids (M, 1), ones (M, 1))``: each row through
             one of this rank's experts.
     """
@@ -63,21 +66,23 @@ def dispatch_combine(module: Any, x: torch.Tensor, index: torch.Tensor, weights:
     tokens, k = index.shape
     hidden = x.shape[1]
     _check_routes(module, index, group)
-    # (N, H + k): one region node, so one all-gather of both gradients in backward.
-    both = scatter_to_tensor_parallel_region(torch.cat([x, weights], 1), group, dim=0)
-    mine, w = both[:, :hidden], both[:, hidden:]  # (n, H), (n, k)
+    # (N, H + k): one region node, so one all-gather of both gradients in backward (x's
+    # values round-trip exactly through the wider dtype).
+    both = scatter_to_tensor_parallel_region(torch.cat([x.to(weights.dtype), weights], 1),
+                                             group, dim=0)
+    mine, w = both[:, :hidden].to(x.dtype), both[:, hidden:]  # (n, H), (n, k)
     pairs, owner, send, recv = _counts(module, index, rank, size)
     order = torch.argsort(owner[pairs], stable=True)  # (n*k,): this rank's pairs by owner
     rows = mine.index_select(0, order // k)  # (n*k, H), grouped by destination rank
     got = all_to_all_rows(rows, send, recv, group)  # (M, H)
     first = module.expert_starts[rank]
     local = index.reshape(-1)[owner == rank] - first  # (M,): source ranks in order
-    ones = got.new_ones((got.shape[0], 1))
+    ones = w.new_ones((got.shape[0], 1))
     out = run(got, local.unsqueeze(1), ones) if got.shape[0] else got * 0  # (M, H)
     out = out + module._touched(got)  # every expert in the graph: zero grads when starved
     back = all_to_all_rows(out, recv, send, group)  # (n*k, H), in `order`
     unsorted = torch.empty_like(back).index_copy_(0, order, back)  # (n*k, H), pair order
-    y = (unsorted.view(-1, k, hidden) * w.unsqueeze(-1)).sum(1)  # (n, H)
+    y = (unsorted.view(-1, k, hidden) * w.unsqueeze(-1)).sum(1).to(x.dtype)  # (n, H)
     return gather_from_tensor_parallel_region(y, group, dim=0, size=tokens)  # (N, H)
 
 

@@ -56,6 +56,10 @@ class ParallelExperts(ShardedModule):
     output's all-reduce and a difference raises :class:`RankMismatchError` on
     every rank.
 
+    Whole experts per rank with ``dispatch`` ``"all_to_all"`` (or ``"auto"``
+    choosing it for the call) take :func:`~torchtp.layers.expert_dispatch.dispatch_combine`
+    instead: each rank routes a slice of the tokens to the experts' ranks.
+
     Attributes:
         tp_group: The tensor-parallel group.
         tp_world_size: Ranks the intermediate features are split over.
@@ -91,8 +95,7 @@ class ParallelExperts(ShardedModule):
                 x, index, weights, *args, **kwargs)
 
         if self._all_to_all(hidden_states, top_k_index):
-            return dispatch_combine(self, hidden_states.to(dtype), top_k_index, top_k_weights,
-                                    run)
+            return dispatch_combine(self, hidden_states, top_k_index, top_k_weights, run)
         routes = top_k_index  # (N, k) global expert ids, as the router chose them
         x, weights = copy_pair_to_tensor_parallel_region(  # (N, H), (N, k)
             hidden_states, top_k_weights, self.tp_group)
