@@ -44,6 +44,10 @@ from ..core.errors import RankMismatchError
 from ..core.layouts import shard_range, shard_sizes
 
 
+# Eager even inside torch.compile: the counts are data (read on the host), and traced
+# through dynamo with its all-to-alls this path gave wrong gradients upstream of the
+# layer (aot_eager, torch 2.13) while its outputs were right; test_moe_compositions.
+@torch.compiler.disable
 def dispatch_combine(module: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                      run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
                      ) -> torch.Tensor:

@@ -1,0 +1,139 @@
+"""Rank functions: MoE models inside the stacks users train with, against one process.
+
+Each run builds the tiny random Mixtral of ``_moe_checks`` twice from the same
+seed (float64, so no routing choice can flip) and compares the wrapped model,
+driven by the stack, with the unwrapped one driven the same way: under
+``torch.compile``, with PEFT LoRA adapters, and inside ``TensorParallelTrainer``
+(with the router's auxiliary loss). Each split of the experts is run:
+features split inside (the default), whole experts through the all-reduce and
+through all-to-all dispatch; ``splits`` runs the first that many of them
+(older transformers releases refuse whole experts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import torchtp
+
+from ._hf_checks import expected_local
+from ._moe_checks import TOL, _batch, build_moe
+
+SPLITS: list[dict[str, Any]] = [
+    {}, {"expert_parallel": True, "expert_dispatch": "all_reduce"},
+    {"expert_parallel": True, "expert_dispatch": "all_to_all"}]
+
+
+def _grads_match(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module) -> int:
+    """Every gradient of the wrapped model equals this rank's cut of the reference's."""
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, p in wrapped.base_model.named_parameters():
+        if p.grad is None and not p.requires_grad:
+            continue
+        module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, expected_local(module, name.rpartition(".")[2],
+                                                          ref_params[name].grad), **TOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        checked += 1
+    return checked
+
+
+def moe_compile(rank: int, world_size: int, splits: int) -> list[int]:
+    """``torch.compile`` (aot_eager: traced forward and backward) of each split: loss,
+    logits and every gradient equal the unwrapped model run eagerly, twice (the second
+    call runs the cached graphs)."""
+    torch._dynamo.reset()
+    batch = _batch()
+    checked = []
+    for split in SPLITS[:splits]:
+        ref = build_moe("mixtral").train()
+        wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral").train(), **split)
+        compiled = torch.compile(wrapped, backend="aot_eager")
+        for _ in range(2):
+            ref.zero_grad(set_to_none=True)
+            wrapped.zero_grad(set_to_none=True)
+            got, want = compiled(**batch), ref(**batch)
+            torch.testing.assert_close(got.logits, want.logits, **TOL)
+            torch.testing.assert_close(got.loss, want.loss, **TOL)  # with the aux loss
+            got.loss.backward()
+            want.loss.backward()
+            checked.append(_grads_match(wrapped, ref))
+    return checked
+
+
+def moe_peft(rank: int, world_size: int, splits: int) -> list[list[float]]:
+    """LoRA on the attention projections of each split, three AdamW steps on the
+    adapters: the losses and the next logits equal the unwrapped LoRA model's."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora() -> LoraConfig:
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          init_lora_weights="gaussian")
+
+    batch = _batch()
+    losses = []
+    for split in SPLITS[:splits]:
+        base = build_moe("mixtral").train()
+        torch.manual_seed(5)  # the same adapters' initial values on both sides
+        ref = get_peft_model(base, lora())
+        wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral").train(), **split)
+        torch.manual_seed(5)
+        tp = get_peft_model(wrapped.base_model, lora())
+        got, want = [], []
+        for model, seen in ((ref, want), (tp, got)):
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            for _ in range(3):
+                loss = model(**batch).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                seen.append(float(loss))
+        # AdamW normalises each update: float64 reassociation stays ~1e-12 after 3 steps.
+        torch.testing.assert_close(got, want, **TOL)
+        with torch.no_grad():
+            torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
+        losses.append(got)
+    return losses
+
+
+def moe_data(seed: int) -> list[dict[str, torch.Tensor]]:
+    """16 samples of 8 token ids in the MoE models' vocabulary, labels = inputs."""
+    ids = torch.randint(3, 96, (16, 8), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def moe_trainer_reference(out: str) -> list[dict[str, float]]:
+    """The one-process ``transformers.Trainer`` run (call it outside any process group)."""
+    from transformers import Trainer
+
+    from ._trainer_runs import arguments, history
+
+    ref = Trainer(model=build_moe("mixtral").train(), args=arguments(out, 4),
+                  train_dataset=moe_data(1), eval_dataset=moe_data(2))
+    ref.train()
+    return history(ref)
+
+
+def moe_trainer(rank: int, world_size: int, out: str,
+                splits: int) -> list[list[dict[str, float]]]:
+    """``TensorParallelTrainer`` at tp 2 for each split (compare with
+    :func:`moe_trainer_reference`): logged losses (the router's auxiliary loss
+    included), grad norms (max_grad_norm=1.0 clips) and eval losses."""
+    from torchtp.integrations.transformers import TensorParallelTrainer
+
+    from ._trainer_runs import arguments, history
+
+    runs = []
+    for i, split in enumerate(SPLITS[:splits]):
+        trainer = TensorParallelTrainer(
+            model=torchtp.DistributedModelWrapper(build_moe("mixtral").train(), **split),
+            args=arguments(f"{out}/tp{i}", 4), train_dataset=moe_data(1),
+            eval_dataset=moe_data(2))
+        trainer.train()
+        runs.append(history(trainer))
+    return runs
