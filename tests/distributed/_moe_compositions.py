@@ -137,3 +137,50 @@ def moe_trainer(rank: int, world_size: int, out: str,
         trainer.train()
         runs.append(history(trainer))
     return runs
+
+
+def moe_fabric(rank: int, world_size: int, splits: int) -> list[torch.Tensor]:
+    """Lightning Fabric with ``ModelParallelStrategy`` and torchtp's ``parallelize`` (the
+    split passed through), Fabric's TP-aware clipping on every step: the logits after
+    three SGD steps (plain SGD: the update scales with the clip factor, which AdamW's
+    normalised update would hide), for each split (compare with :func:`moe_one_process`)."""
+    import functools
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from torchtp.integrations.lightning import parallelize
+
+    out = []
+    for split in SPLITS[:splits]:
+        strategy = ModelParallelStrategy(parallelize_fn=functools.partial(parallelize, **split),
+                                         tensor_parallel_size=world_size, data_parallel_size=1)
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+        fabric.launch()
+        model = fabric.setup(build_moe("mixtral").train())
+        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+        for _ in range(3):
+            fabric.backward(model(**_batch()).loss)
+            fabric.clip_gradients(model, opt, max_norm=CLIP)
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            out.append(model.eval()(**_batch()).logits)
+    return out
+
+
+CLIP = 0.5  # below the tiny Mixtral's gradient norm: every step is clipped
+LR = 0.5
+
+
+def moe_one_process() -> torch.Tensor:
+    """:func:`moe_fabric`'s loop on the unwrapped model, torch's clipping."""
+    model = build_moe("mixtral").train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(3):
+        model(**_batch()).loss.backward()
+        assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)) > CLIP
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        return model.eval()(**_batch()).logits

@@ -30,12 +30,16 @@ from ..layers import layouts_of
 from ..wrap.wrapper import DistributedModelWrapper
 
 
-def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
+def parallelize(model: nn.Module, device_mesh: Any, **options: Any) -> nn.Module:
     """Tensor-parallel on ``device_mesh["tensor_parallel"]``, FSDP2 on ``["data_parallel"]``.
 
     Args:
         model: A ``LightningModule`` (or any module) holding the model to split.
         device_mesh: Lightning's 2-D mesh ``("data_parallel", "tensor_parallel")``.
+        **options: Keyword arguments for :class:`~torchtp.DistributedModelWrapper`
+            (``plan``, ``expert_parallel``, ...); pass them with
+            ``functools.partial(parallelize, expert_parallel=True)`` as Fabric's
+            ``parallelize_fn``.
 
     Returns:
         ``model``, changed in place (Lightning requires the module back).
@@ -50,7 +54,8 @@ def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
                          f"ModelParallelStrategy mesh with a 'tensor_parallel' dimension, "
                          f"got dims {names}")
     target = next((m for m in model.modules() if is_hf_model(m)), model)
-    DistributedModelWrapper(target, group=device_mesh["tensor_parallel"].get_group())  # in place
+    DistributedModelWrapper(target, group=device_mesh["tensor_parallel"].get_group(),
+                            **options)  # in place
     _make_fabric_clipping_tp_aware()
     if hasattr(model, "configure_gradient_clipping"):
         # Lightning's own clipping would measure only this rank's shards.
