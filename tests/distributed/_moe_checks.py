@@ -433,10 +433,10 @@ def check_resume(rank: int, world_size: int, tmp: str, saved: bool | int,
 
 
 def check_dp_tp(rank: int, world_size: int, expert_parallel: bool | int = False,
-                dispatch: str = "auto") -> dict[str, list[float]]:
-    """dp 2 x tp 2, DDP and FSDP2 over dp around split experts (or whole experts per TP
-    rank, ``expert_parallel``, through ``dispatch``): two AdamW steps on each DP rank's half
-    of the batch equal one process's on the whole batch.
+                dispatch: str = "auto", tp: int = 2) -> dict[str, list[float]]:
+    """dp 2 x tp ``tp``, DDP and FSDP2 over dp around split experts (or the experts placed
+    by ``expert_parallel`` over the TP ranks, through ``dispatch``): two AdamW steps on each
+    DP rank's half of the batch equal one process's on the whole batch.
 
     No router auxiliary loss here: it is a function of the batch's routing statistics,
     so its data-parallel average is not the whole batch's (in any framework).
@@ -444,7 +444,7 @@ def check_dp_tp(rank: int, world_size: int, expert_parallel: bool | int = False,
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    cfg = torchtp.init_tensor_parallel(tp_size=2)
+    cfg = torchtp.init_tensor_parallel(tp_size=tp)
     ids = torch.randint(3, VOCAB, (4, 9), generator=torch.Generator().manual_seed(7))
     ref = build_moe("mixtral", output_router_logits=False).train()
     want = _adamw_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),

@@ -88,6 +88,12 @@ def test_data_parallel_over_whole_experts_with_all_to_all_matches_one_process(ra
     assert all(r["fsdp"] == results[0]["fsdp"] for r in results)
 
 
+def test_dp2_ep2_tp2_matches_one_process(ranks):
+    # 8 processes: dp 2 x (ep 2 x tp 2 inside each TP group of 4), DDP and FSDP2 over dp.
+    results = ranks(check_dp_tp, 8, 2, "auto", 4, timeout=600)
+    assert all(r["ddp"] == results[0]["ddp"] for r in results)
+
+
 def test_all_to_all_ranks_that_route_differently_raise_before_dispatching(ranks):
     got = ranks(check_route_mismatch, 2, True, "all_to_all", timeout=120)
     for message, seconds in got:
