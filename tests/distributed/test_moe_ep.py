@@ -13,14 +13,19 @@ transformers' expert-parallel sentinel (5.24).
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 
 import pytest
 import torch
 import transformers
 
 import torchtp
+from torchtp.checkpoint.fmt import METADATA_FILE
 from torchtp.checkpoint.offline import consolidate
+from torchtp.checkpoint.sources import TorchTPSource
+from torchtp.core.layouts import ParamLayout
 from torchtp.costmodel import expert_dispatch_times, get_hardware
 from torchtp.plans.styles_experts import ExpertsEP
 
@@ -125,6 +130,7 @@ def test_auto_dispatch_picks_all_to_all_only_where_it_moves_less():
 def test_ep2_tp2_checkpoints_reload_at_ep4_tp4_and_one_process(ranks, tmp_path):
     # float32 logits: the reloads sum the same numbers in another order.
     assert max(ranks(check_ep_checkpoints, 4, str(tmp_path), timeout=300)) < 1e-5
+    _two_cut_metadata(tmp_path)
     consolidate(tmp_path / "ep2tp2", tmp_path / "consolidated")
     ids = _moe_batch()["input_ids"]
     want = build_moe("mixtral").float()(input_ids=ids).logits
@@ -135,6 +141,33 @@ def test_ep2_tp2_checkpoints_reload_at_ep4_tp4_and_one_process(ranks, tmp_path):
                 transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "consolidated")(
                     input_ids=ids).logits):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _two_cut_metadata(tmp_path) -> None:
+    """The ep 2 x tp 2 save says it holds blocks; a block missing from it is named."""
+    meta = json.loads((tmp_path / "ep2tp2" / METADATA_FILE).read_text())
+    assert meta["format_version"] == 2  # older releases refuse it by version
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert meta["tensors"][name]["shards"][3] == {
+        "rank": 3, "segments": [[24, 24], [72, 24]], "second": [0, 2, 2]}
+    assert json.loads((tmp_path / "ep4" / METADATA_FILE).read_text())["format_version"] == 1
+    # A metadata file that lists one block fewer: reading the tensor names what is missing.
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "ep2tp2", broken)
+    del meta["tensors"][name]["shards"][3]
+    (broken / METADATA_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"the rank files hold only part of "
+                       r"'model.layers.0.mlp.experts.gate_up_proj' \(9216 of 12288 values\); "
+                       r"the checkpoint is incomplete"):
+        TorchTPSource(str(broken)).read(name)
+
+
+def test_layouts_refuse_a_second_cut_without_a_first_on_another_dim():
+    with pytest.raises(ValueError, match=r"second cut \(0, 0, 2\) needs a first cut along "
+                       r"another dimension \(dim=None\)"):
+        ParamLayout((4, 6), None, (), second=(0, 0, 2))
+    with pytest.raises(ValueError, match=r"dim=0"):
+        ParamLayout((4, 6), 0, ((0, 2),), second=(0, 0, 2))
 
 
 def test_ep2_tp2_training_state_resumes_at_ep2_tp2_and_ep4(ranks, tmp_path):
@@ -154,6 +187,12 @@ def test_ep2_tp2_plans_blocks_of_the_experts():
     assert "expert_parallel=2: experts over 2 ranks, features over tp/2" in \
         wrapped.describe_plan()
     assert repr(ExpertsEP(2)) == "ExpertsEP(ep=2, dispatch='auto')"
+    # Multiples of 2 only (ep 2 must divide tp), up to the other layers' limits.
+    assert 3 not in wrapped.valid_world_sizes and {2, 4} <= set(wrapped.valid_world_sizes)
+    assert all(t % 2 == 0 for t in wrapped.valid_world_sizes)
+    # Alone (tp 1) a script written for expert_parallel=2 runs whole.
+    alone = torchtp.DistributedModelWrapper(build_moe("mixtral"), expert_parallel=2)
+    assert not alone.parallelized_layers
 
 
 def test_expert_parallel_sizes_that_do_not_fit_name_the_valid_values():
@@ -183,9 +222,10 @@ def test_dispatch_choices_that_cannot_work_are_refused():
     def wrap(**kw):
         return torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=4, rank=0, **kw)
 
-    with pytest.raises(ValueError, match=r"expert_dispatch='ring' is not a dispatch path; "
-                       r"valid: \['auto', 'all_reduce', 'all_to_all'\]"):
-        wrap(expert_parallel=True, expert_dispatch="ring")
+    for ep in (True, 1, False):  # checked first, whatever else is asked
+        with pytest.raises(ValueError, match=r"expert_dispatch='ring' is not a dispatch path; "
+                           r"valid: \['auto', 'all_reduce', 'all_to_all'\]"):
+            wrap(expert_parallel=ep, expert_dispatch="ring")
     with pytest.raises(ValueError, match=r"expert_dispatch='all_to_all' chooses how tokens "
                        r"reach whole experts, but expert_parallel is off.*expert_parallel=True"):
         wrap(expert_dispatch="all_to_all")

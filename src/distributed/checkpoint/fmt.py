@@ -13,6 +13,12 @@ tensors only in rank 0's file) and ``torchtp_checkpoint.json``::
      "tensors": {"name": {"shape": [...], "dtype": "F32", "dim": 0 | null,
                           "transposed": false,
                           "shards": [{"rank": 0, "segments": [[start, length], ...]}]}}}
+
+A shard cut along a second dimension as well (a block of experts with their
+share of features: expert parallel x TP inside the experts) also holds
+``"second": [dim, start, length]``; metadata with any such shard has
+``format_version`` 2, so an older torchtp refuses it by version rather than
+misreading it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from typing import Any
 
 METADATA_FILE = "torchtp_checkpoint.json"
 FORMAT = "torchtp-sharded"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+FORMAT_VERSION_ONE_CUT = 1  # written when no shard has a second cut: older releases read it
 _REQUIRED = ("format", "format_version", "tp_size", "files", "tensors")
 
 

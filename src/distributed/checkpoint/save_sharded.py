@@ -11,7 +11,7 @@ from .._version import __version__
 from ..comm.objects import all_gather_object
 from ..core.log import logger
 from .atomic import group_size, make_tmp, publish_agreed, step, validate
-from .fmt import FORMAT, FORMAT_VERSION, METADATA_FILE, rank_file
+from .fmt import FORMAT, FORMAT_VERSION, FORMAT_VERSION_ONE_CUT, METADATA_FILE, rank_file
 from .placements import Placement, checkpoint_local, placements
 from .shard_identity import FINGERPRINT, file_metadata, identity
 from .st_writer import DTYPES, TensorSpec, write_file
@@ -81,14 +81,18 @@ def _write_metadata(tmp: str, wrapper: Any, items: list[Placement],
                     fingerprint: str | None = None) -> None:
     model = wrapper.base_model
     config = getattr(model, "config", None)
-    tensors, aliases = {}, {}
+    tensors, aliases, two_cuts = {}, {}, False
     for p in items:
+        shards = _holders(p.name, layouts)
+        two_cuts = two_cuts or any("second" in s for s in shards)
         tensors[p.name] = {"shape": list(p.layout.full_shape), "dtype": DTYPES[p.tensor.dtype],
                            "dim": p.layout.dim, "transposed": p.layout.transposed,
-                           "shards": _holders(p.name, layouts)}
+                           "shards": shards}
         aliases.update(dict.fromkeys(p.aliases, p.name))
     meta = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "torchtp_version": __version__,
+        "format": FORMAT, "torchtp_version": __version__,
+        # Version 1 unless a shard has a second cut, so older releases still read the rest.
+        "format_version": FORMAT_VERSION if two_cuts else FORMAT_VERSION_ONE_CUT,
         "tp_size": wrapper.world_size, "model_type": getattr(config, "model_type", None),
         "architectures": [type(model).__name__],
         "plan": {"source": wrapper.resolved_plan.source, "rules": dict(wrapper.resolved_plan.rules)},

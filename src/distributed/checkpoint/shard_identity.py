@@ -65,7 +65,9 @@ def identity(wrapper: Any) -> dict[str, Any]:
     wrap_origin = None if agreed is None else origin(agreed)
     fingerprint = hashlib.blake2b(str(wrap_origin).encode(), digest_size=8)
     for p in placements(wrapper.base_model):
-        layout.update(repr((p.name, p.layout.record(), tuple(p.layout.full_shape))).encode())
+        lay = p.layout  # the digest older releases wrote, plus the second cut where there is one
+        key = (p.name, lay.dim, lay.segments, tuple(lay.full_shape))
+        layout.update(repr(key if lay.second is None else (*key, lay.second)).encode())
         if p.layout.dim is None:  # replicated: the same bytes on every rank
             fingerprint.update(f"{p.name}={tensor_digest(p.tensor)};".encode())
     return {"tp_size": wrapper.world_size, "rank": wrapper.rank, "layout": layout.hexdigest(),

@@ -184,9 +184,16 @@ class TorchTPSource(Source):
         every rank file's block put in place."""
         info = self.tensors[name]
         full = torch.empty(info["shape"], dtype=self.dtype(name))
+        covered = torch.zeros(info["shape"], dtype=torch.bool)
         for shard in info["shards"]:
-            place(full, self.files[shard["rank"]].read(name, {}), info["dim"], shard["segments"],
-                  shard.get("second"))
+            part = self.files[shard["rank"]].read(name, {})
+            place(full, part, info["dim"], shard["segments"], shard.get("second"))
+            place(covered, torch.ones(part.shape, dtype=torch.bool), info["dim"],
+                  shard["segments"], shard.get("second"))
+        if not bool(covered.all()):
+            raise ValueError(f"{self.path}: the rank files hold only part of '{name}' "
+                             f"({int(covered.sum())} of {covered.numel()} values); the "
+                             "checkpoint is incomplete")
         return full
 
     def _read_range(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:

@@ -9,8 +9,8 @@ disagree:
 
 * **Shape agreement.** Before a collective whose shape or dtype differs from
   the one the group last agreed on for that op *after the same previous
-  collective*, in forward or in backward (so the first of each, and every
-  shape change; every call under ``TP_CHECK_SHAPES=1``), the rank posts
+  collectives* (so the first of each, and every shape change; every call
+  under ``TP_CHECK_SHAPES=1``), the rank posts
   the collective's signature and waits for every rank's. A rank whose shape
   did *not* change is then blocked inside its own collective; while blocked it
   polls the store, sees the request and answers with its signature, so every
@@ -80,9 +80,8 @@ class GroupState:
     rank: int
     size: int
     seq: int = 0  # index of the next torchtp collective
-    # (op, previous collective's signature, in backward) -> the signature last agreed there
-    agreed: dict[tuple[str, Any, bool], tuple[torch.Size, torch.dtype]] = \
-        field(default_factory=dict)
+    # (op, previous collectives' signatures) -> the signature last agreed there
+    agreed: dict[tuple[str, Any], tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
     previous: tuple[Any, ...] = ()  # (op, shape, dtype) of this group's last collectives
     last_check: int | None = None
     poisoned: str | None = None
@@ -154,14 +153,15 @@ def before(op: str, tensor: torch.Tensor, st: GroupState) -> int:
         raise InconsistentGroupError(st.poisoned)
     n = st.seq
     st.seq = n + 1
-    # Remembered per (op, previous collectives, forward or backward): ranks in step so
-    # far passed the same previous signatures and are all in a backward or none, so
-    # they all consult the same memory, and a rank whose shape differs from it checks
-    # while the others answer from inside their collective. A model alternating shapes
-    # (an MoE layer's (N, H) all-reduce between the attention's (B, T, H) ones) then
-    # skips the check for all of them; one memory per op would flip and cost a store
-    # round trip on every call.
-    key = (op, st.previous, _torch_compat.in_backward())
+    # Remembered per (op, previous collectives): ranks in step so far passed the same
+    # previous signatures (agreed, or equal to agreed ones), so they all consult the
+    # same memory, and a rank whose shape differs from it checks while the others
+    # answer from inside their collective. Nothing rank-local may enter the key (not
+    # even forward vs backward: ranks on different code paths are what this catches).
+    # A model alternating shapes (an MoE layer's (N, H) all-reduce between the
+    # attention's (B, T, H) ones) then skips the check for all of them; one memory per
+    # op would flip and cost a store round trip on every call.
+    key = (op, st.previous)
     agreed = st.agreed.get(key)
     if _logging.CHECK_SHAPES or agreed is None or agreed[0] != tensor.shape \
             or agreed[1] != tensor.dtype:

@@ -141,12 +141,19 @@ class ParamLayout:
     transposed: bool = False
     second: tuple[int, int, int] | None = None
 
-    @cached_property  # read by every forward's input check; the layout never changes
+    def __post_init__(self) -> None:
+        # Readers treat dim=None as replicated, and cut then narrow (or narrow then cut):
+        # a second cut needs a first one, along another dimension.
+        if self.second is not None and (self.dim is None or self.second[0] == self.dim):
+            raise ValueError(f"a layout's second cut {self.second} needs a first cut along "
+                             f"another dimension (dim={self.dim})")
+
+    @cached_property
     def saved_shape(self) -> tuple[int, ...]:
         """Shape of this rank's tensor in checkpoint orientation."""
         return held_shape(self.full_shape, self.dim, self.segments, self.second)
 
-    @cached_property
+    @cached_property  # read by every forward's input check; the layout never changes
     def local_shape(self) -> tuple[int, ...]:
         """Shape of this rank's tensor (in torchtp's orientation)."""
         shape = self.saved_shape

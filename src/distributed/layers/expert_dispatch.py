@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -42,6 +42,10 @@ from ..comm.regions import gather_from_tensor_parallel_region, scatter_to_tensor
 from ..comm.runtime import ProcessGroup
 from ..core.errors import RankMismatchError
 from ..core.layouts import shard_range, shard_sizes
+
+Dispatch = Literal["auto", "all_reduce", "all_to_all"]
+"""How tokens reach whole experts: the all-reduce, the all-to-all, or chosen per call."""
+DISPATCH: tuple[Dispatch, ...] = ("auto", "all_reduce", "all_to_all")
 
 
 # Eager even inside torch.compile: the counts are data (read on the host), and traced

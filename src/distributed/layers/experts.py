@@ -38,7 +38,7 @@ from ..core import log as _log
 from ..core.errors import RankMismatchError
 from ..core.layouts import ParamLayout, shard_offsets
 from ..costmodel import expert_dispatch_times, get_hardware
-from .expert_dispatch import dispatch_combine
+from .expert_dispatch import Dispatch, dispatch_combine
 from .owned import ShardedModule
 
 
@@ -61,8 +61,9 @@ class ParallelExperts(ShardedModule):
     instead: each rank routes a slice of the tokens to the experts' ranks.
 
     Attributes:
-        tp_group: The tensor-parallel group.
-        tp_world_size: Ranks the intermediate features are split over.
+        tp_group: The tensor-parallel group (its all-reduce sums every rank's part).
+        tp_world_size: Its size (the features are split over ``tp_world_size / ep``
+            of them, and the experts over ``ep``).
         tp_rank: This rank.
     """
 
@@ -72,7 +73,7 @@ class ParallelExperts(ShardedModule):
     tp_name: str = "experts"  # the module's name in the model, for errors
     expert_range: tuple[int, int] | None = None  # expert parallel: (first, count) held here
     expert_starts: tuple[int, ...] = ()  # whole experts: every rank's first expert, then E
-    dispatch: str = "all_reduce"  # whole experts: "all_reduce", "all_to_all" or "auto"
+    dispatch: Dispatch = "all_reduce"  # whole experts: "all_reduce", "all_to_all" or "auto"
     # Expert parallel: picks, per call, a function to run instead of the class's forward.
     expert_forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None] | None \
         = None
@@ -204,7 +205,8 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
                   group: ProcessGroup | None, world_size: int, rank: int,
                   expert_range: tuple[int, int] | None = None,
                   forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None]
-                  | None = None, name: str = "experts", dispatch: str = "all_reduce") -> nn.Module:
+                  | None = None, name: str = "experts",
+                  dispatch: Dispatch = "all_reduce") -> nn.Module:
     """Cut ``module``'s expert parameters to this rank's share, in place, and return it.
 
     Args:
@@ -229,7 +231,6 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
     Returns:
         ``module`` itself, now an instance of ``Parallel<its class>``.
     """
-    total = int(module.__dict__.get("num_experts", 0))
     for pname, layout in layouts.items():
         full = getattr(module, pname)
         shard = layout.take(full)  # (E, 2I/tp, H) or (E, H, I/tp), a fresh copy
@@ -239,6 +240,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
                            tp_rank=rank, expert_range=expert_range, expert_forward=forward,
                            tp_name=name, dispatch=dispatch)
     if dispatch != "all_reduce":  # every rank's first expert, then E (balanced, like the cut)
+        total = int(module.__dict__["num_experts"])  # before it becomes this rank's count
         module.__dict__.update(expert_starts=tuple(shard_offsets(total, world_size)))
     if expert_range is not None:  # the forward numbers this rank's experts 0..count-1
         module.__dict__.update(num_experts=expert_range[1])

@@ -38,15 +38,38 @@ class Constraint:
         """Whether tp size ``tp`` satisfies the constraint."""
         return self.replicable or tp in valid_sizes(self.value)
 
+    @property
+    def bound(self) -> int | None:
+        """The largest tp size it allows, or ``None`` (no upper bound)."""
+        return None if self.replicable else self.value
+
     def problem(self, tp: int) -> str:
         """Sentence saying why ``tp`` fails."""
         return (f"{self.where}: {self.what}={self.value} cannot give each of world_size={tp} "
                 "ranks at least one")
 
 
+@dataclass(frozen=True)
+class MultipleOf(Constraint):
+    """The tp size must be a multiple of ``value`` (e.g. the expert-parallel ranks that
+    ``expert_parallel=k`` factors out of the TP group)."""
+
+    def ok(self, tp: int) -> bool:
+        return tp % self.value == 0
+
+    @property
+    def bound(self) -> int | None:
+        return None
+
+    def problem(self, tp: int) -> str:
+        return f"{self.where}: world_size={tp} is not a multiple of {self.what}={self.value}"
+
+
 def valid_tp_sizes(constraints: Iterable[Constraint]) -> list[int]:
     """All tp sizes (up to :data:`torchtp.core.layouts.MAX_TP`) that satisfy every constraint."""
-    return valid_sizes(*[c.value for c in constraints if not c.replicable])
+    items = list(constraints)
+    bounds = [c.bound for c in items if c.bound is not None]
+    return [tp for tp in valid_sizes(*bounds) if all(c.ok(tp) for c in items)]
 
 
 def check(constraints: Iterable[Constraint], tp: int, model_name: str) -> None:

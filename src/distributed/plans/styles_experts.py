@@ -43,13 +43,14 @@ from dataclasses import replace
 from torch import nn
 
 from ..core.layouts import ParamLayout, shard_range
+from ..layers.expert_dispatch import DISPATCH, Dispatch
 from ..layers.experts import shard_experts
-from .constraints import Constraint
+from .constraints import Constraint, MultipleOf
 from .sources import ExpertsLayout, experts_layout
 from .styles import LayerPlan, ParallelStyle, ShardContext, split_constraint
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
-DISPATCH = ("auto", "all_reduce", "all_to_all")
+
 _ALL_REDUCE = ("every rank sees every token (HF's 'all_reduce' expert parallelism): routes to "
                "other ranks' experts are masked, one all-reduce per MoE layer sums the outputs")
 _DISPATCH_DETAIL = {
@@ -143,7 +144,8 @@ def _layouts(module: nn.Module, inter: int, layout: ExpertsLayout,
 
 
 class ExpertsEP(ParallelStyle):
-    """Place whole experts on the TP ranks (expert parallel over the same ranks; one all-reduce).
+    """Place whole experts on the TP ranks (expert parallel over the same ranks), or blocks
+    of experts x features with ``ep``; all-reduce or all-to-all dispatch.
 
     Args:
         ep: Expert-parallel ranks within the TP group: experts are placed over
@@ -161,7 +163,7 @@ class ExpertsEP(ParallelStyle):
     name = "ep_dispatch_experts"
     covers = (GATE_UP, DOWN, f"{GATE_UP}_bias", f"{DOWN}_bias", "up_proj", "up_proj_bias")
 
-    def __init__(self, ep: int | None = None, dispatch: str = "auto") -> None:
+    def __init__(self, ep: int | None = None, dispatch: Dispatch = "auto") -> None:
         if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
             raise ValueError(f"expert_parallel={ep!r}: give the number of expert-parallel ranks "
                              "(a positive int dividing the tensor-parallel size) or True")
@@ -203,14 +205,15 @@ class ExpertsEP(ParallelStyle):
             return repr(self.name)
         return f"ExpertsEP(ep={self.ep}, dispatch={self.dispatch!r})"
 
-    def _dispatch(self, tp: int) -> str:
+    def _dispatch(self, tp: int) -> Dispatch:
         """The dispatch whole experts use at ``tp``: all-to-all moves fewer bytes only when
         ``tp > 2k`` (``k >= 1``), so at ``tp <= 2`` ``"auto"`` is the all-reduce."""
         return "all_reduce" if self.dispatch == "auto" and tp <= 2 else self.dispatch
 
     def _ep(self, tp: int, fqn: str) -> int:
-        """The expert-parallel size at tensor-parallel size ``tp`` (a divisor of it)."""
-        if self.ep is None:
+        """The expert-parallel size at tensor-parallel size ``tp`` (a divisor of it); at tp 1
+        nothing is split, whatever ``ep`` asks for (a script for more ranks run alone)."""
+        if self.ep is None or tp == 1:
             return tp
         if tp % self.ep:
             valid = [d for d in range(1, tp + 1) if tp % d == 0]
@@ -225,6 +228,10 @@ class ExpertsEP(ParallelStyle):
         """Experts over ``ep`` ranks, each expert's features over ``tp/ep`` (blocks)."""
         inner = ctx.world_size // ep
         _, inter, layout = _geometry(module, fqn, self.name)
+        where = f"module '{fqn}' (style {self.name!r})"
+        constraints = (MultipleOf(where, "expert_parallel", ep),
+                       Constraint(where, "intermediate_size x expert_parallel (features of "
+                                  "every expert, over tp/expert_parallel ranks)", inter * ep))
         if experts < ep or inter < inner:
             valid = [d for d in range(1, ctx.world_size + 1)
                      if ctx.world_size % d == 0 and d <= experts and ctx.world_size // d <= inter]
@@ -244,8 +251,8 @@ class ExpertsEP(ParallelStyle):
                   f"tp/ep={inner} ranks ({share} here): gate/up weight rows, down weight columns; "
                   "every rank sees every token, routes to other ranks' experts are masked, one "
                   "all-reduce per MoE layer sums the outputs; the router stays replicated")
-        return LayerPlan(fqn, self.name, (), full, layouts[GATE_UP].local_shape, layouts,
-                         ("all_reduce",), detail)
+        return LayerPlan(fqn, self.name, constraints, full, layouts[GATE_UP].local_shape,
+                         layouts, ("all_reduce",), detail)
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size == 1 or not layer.layouts:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ..layers import grad_sync
+from ..layers.expert_dispatch import DISPATCH, Dispatch
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.registry import get_style
 from ..plans.sources import experts_layout
@@ -39,7 +40,10 @@ class Options:
     """
 
     def __init__(self, loss_parallel: bool, sequence_parallel: bool,
-                 expert_parallel: bool | int = False, expert_dispatch: str = "auto") -> None:
+                 expert_parallel: bool | int = False, expert_dispatch: Dispatch = "auto") -> None:
+        if expert_dispatch not in DISPATCH:
+            raise ValueError(f"expert_dispatch={expert_dispatch!r} is not a dispatch path; "
+                             f"valid: {list(DISPATCH)}")
         self.loss_parallel = loss_parallel
         self.sequence_parallel = sequence_parallel
         self.expert_parallel = expert_parallel
@@ -79,7 +83,7 @@ class Options:
 
 
 def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = True,
-                        dispatch: str = "auto") -> None:
+                        dispatch: Dispatch = "auto") -> None:
     """Give every experts module ``ep_dispatch_experts``, saying why.
 
     Experts the plan splits inside (``moe_tp_experts``) or leaves unplanned
@@ -99,7 +103,7 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
     moved = [name for name in found if name not in plan.assignments
              or isinstance(plan.assignments[name], ExpertsTP)]
     if not found:
-        raise ValueError("expert_parallel=True, but the model has no transformers experts "
+        raise ValueError(f"expert_parallel={ep!r}, but the model has no transformers experts "
                          f"module ({type(model).__name__}; plan source: {plan.source}); drop "
                          "the option")
     why = "expert_parallel=True: whole experts" if ep is True else \
@@ -110,7 +114,7 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
         plan.why[name] = f"{before}; {why}" if before else why
 
 
-def _experts_style(ep: bool | int, dispatch: str) -> ParallelStyle:
+def _experts_style(ep: bool | int, dispatch: Dispatch) -> ParallelStyle:
     """The experts style ``expert_parallel=ep`` asks for (True: whole experts per rank)."""
     if ep is True:
         return get_style("ep_dispatch_experts") if dispatch == "auto" else ExpertsEP(None, dispatch)

@@ -26,6 +26,7 @@ from ..integrations.adapter_hosts import (
 )
 from ..integrations.guards import guard_frameworks
 from ..layers.ddp_guard import check_fsdp
+from ..layers.expert_dispatch import Dispatch
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.resolve import AUTO, PlanArg
 from ..training import rng
@@ -110,7 +111,7 @@ class DistributedModelWrapper(nn.Module):
         plan: PlanArg = None, group: ProcessGroup | None = None,
         example_inputs: object = None, *,
         loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
-        expert_parallel: bool | int = False, expert_dispatch: str = "auto",
+        expert_parallel: bool | int = False, expert_dispatch: Dispatch = "auto",
     ) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -293,7 +294,7 @@ class DistributedModelWrapper(nn.Module):
         cls, path: str | os.PathLike[str], plan: PlanArg = None, dtype: torch.dtype | None = None,
         device: torch.device | str | None = None, model_class: type | None = None,
         group: ProcessGroup | None = None, progress: bool = True, verify_plan: bool = True,
-        expert_parallel: bool | int = False, expert_dispatch: str = "auto",
+        expert_parallel: bool | int = False, expert_dispatch: Dispatch = "auto",
     ) -> DistributedModelWrapper:
         """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
 
