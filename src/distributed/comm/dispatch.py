@@ -9,8 +9,10 @@ all_to_all_rows     all-to-all: ``send[j]`` rows to rank   all-to-all of the gra
 
 A dispatch (token states to the ranks holding their experts) and its combine
 (expert outputs back) are two calls with swapped counts. The counts differ
-per rank and per call, so the caller agrees on them first
-(:func:`torchtp.layers.expert_dispatch` exchanges them with a route hash).
+per rank and per call and must be consistent across ranks (``recv[j]`` here
+is rank ``j``'s ``send[me]``): the caller makes sure they are first
+(:mod:`torchtp.layers.expert_dispatch` computes them from routes every rank
+holds, after comparing a hash of those routes).
 With a group of size 1 the rows are returned as they are.
 """
 
