@@ -50,9 +50,11 @@ def moe_compile(rank: int, world_size: int, splits: int) -> list[int]:
     torch._dynamo.reset()
     batch = _batch()
     checked = []
+    router = _router_logits_compile(batch)
     for split in SPLITS[:splits]:
-        ref = build_moe("mixtral").train()
-        wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral").train(), **split)
+        ref = build_moe("mixtral", output_router_logits=router).train()
+        wrapped = torchtp.DistributedModelWrapper(
+            build_moe("mixtral", output_router_logits=router).train(), **split)
         compiled = torch.compile(wrapped, backend="aot_eager")
         for _ in range(2):
             ref.zero_grad(set_to_none=True)
@@ -64,6 +66,23 @@ def moe_compile(rank: int, world_size: int, splits: int) -> list[int]:
             want.loss.backward()
             checked.append(_grads_match(wrapped, ref))
     return checked
+
+
+def _router_logits_compile(batch: dict[str, torch.Tensor]) -> bool:
+    """Whether this transformers release compiles Mixtral with ``output_router_logits``.
+
+    5.3.0's router-logit capture does not survive dynamo: the unwrapped model
+    itself fails (``IndexError`` in ``load_balancing_loss_func``), so there the
+    compile check runs without the auxiliary loss.
+    """
+    torch._dynamo.reset()
+    try:
+        torch.compile(build_moe("mixtral").train(), backend="aot_eager")(**batch)
+    except IndexError:
+        return False
+    finally:
+        torch._dynamo.reset()
+    return True
 
 
 def moe_peft(rank: int, world_size: int, splits: int) -> list[list[float]]:
