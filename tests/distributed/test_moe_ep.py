@@ -20,10 +20,11 @@ import shutil
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 import torchtp
 from torchtp.checkpoint.fmt import METADATA_FILE
-from torchtp.checkpoint.offline import consolidate
+from torchtp.checkpoint.offline import consolidate, reshard
 from torchtp.checkpoint.sources import TorchTPSource
 from torchtp.core.layouts import ParamLayout
 from torchtp.costmodel import expert_dispatch_times, get_hardware
@@ -141,6 +142,14 @@ def test_ep2_tp2_checkpoints_reload_at_ep4_tp4_and_one_process(ranks, tmp_path):
                 transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "consolidated")(
                     input_ids=ids).logits):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Offline: resharded to tp 3 (every expert's 48 features as 16/16/16) and consolidated
+    # again, every tensor is the one saved at ep 2 x tp 2, bit for bit.
+    reshard(tmp_path / "ep2tp2", tmp_path / "tp3", tp=3)
+    consolidate(tmp_path / "tp3", tmp_path / "tp3-consolidated")
+    saved, again = (load_file(tmp_path / d / "model.safetensors")
+                    for d in ("consolidated", "tp3-consolidated"))
+    assert saved.keys() == again.keys()
+    assert all(torch.equal(saved[k], again[k]) for k in saved)
 
 
 def _two_cut_metadata(tmp_path) -> None:
