@@ -210,3 +210,27 @@ def test_reshard_and_consolidate_through_the_torchtp_command(tmp_path):
     for (name, p), (_, q) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
     assert main(["reshard", str(tmp_path / "missing"), str(tmp_path / "x"), "--tp", "2"]) == 2
+
+
+def test_plan_places_experts_as_the_wrapper_would(capsys, tmp_path):
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=48, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "4", "--expert-parallel", "2",
+                           "--json")
+    report = json.loads(out)
+    experts = [r for r in report["layers"] if r["module"] == "model.layers.0.mlp.experts"]
+    # ep 2 x tp 2: every rank holds 2 of the 4 experts and half of each one's 48 features.
+    assert code == 0 and experts == [{
+        "module": "model.layers.0.mlp.experts", "style": "ep_dispatch_experts",
+        "full": [4, 96, 32], "local": [2, 48, 32], "local_per_rank": [[2, 48, 32]] * 4}]
+    assert report["valid_tp_sizes"] == [2, 4]  # multiples of expert_parallel=2, <= 4 heads
+    code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "2", "--expert-parallel",
+                           "true", "--expert-dispatch", "all_to_all")
+    assert code == 0 and "4x96x32      2x96x32" in out
+    assert "collectives per forward: 3 x all_reduce, 5 x all_gather, 4 x all_to_all" in out
+    code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "4", "--expert-parallel",
+                           "3")
+    assert code == 1 and "expert_parallel=3 does not divide the tensor-parallel size" in out

@@ -14,7 +14,9 @@ from typing import Any
 
 from torch import nn
 
+from ..layers.expert_dispatch import DISPATCH, Dispatch
 from ..plans import ResolvedPlan, ShardContext, resolve_plan, valid_tp_sizes
+from ..training.options import Options
 from ._common import PLAN_HELP, CliError, dump_json, human_bytes, plan_choice, positive_int, table
 from ._hf import build_model, load_config, parse_dtype
 
@@ -23,6 +25,7 @@ EXAMPLES = """examples:
   torchtp plan ./Llama-3.2-1B --tp 2
   torchtp plan ./Llama-3.2-1B/config.json --tp 4 --json
   torchtp plan ./Phi-3-mini --tp 2 --plan builtin     # torchtp's packed plan instead of HF's
+  torchtp plan ./Mixtral-8x7B --tp 8 --expert-parallel 4   # experts over 4 x features over 2
 exit status: 0 when the model splits at --tp, 1 when there are blockers, 2 on bad input
 """
 
@@ -35,25 +38,38 @@ def register(sub: Any) -> None:
     p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's, else float32)")
     p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
+    p.add_argument("--expert-parallel", type=expert_parallel_arg, default=False, metavar="true|K",
+                   help="MoE models: whole experts per rank (true) or experts over K ranks x "
+                        "features over tp/K (as DistributedModelWrapper(expert_parallel=...))")
+    p.add_argument("--expert-dispatch", choices=DISPATCH, default="auto",
+                   help="with whole experts: how tokens reach them (default auto)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
 
 
-def analyze(path: str, tp: int, dtype_name: str | None = None,
-            plan: str | None = None) -> dict[str, Any]:
+def expert_parallel_arg(text: str) -> bool | int:
+    """argparse type for ``--expert-parallel``: ``true`` or a positive integer."""
+    return True if text.lower() == "true" else positive_int(text)
+
+
+def analyze(path: str, tp: int, dtype_name: str | None = None, plan: str | None = None,
+            expert_parallel: bool | int = False,
+            expert_dispatch: Dispatch = "auto") -> dict[str, Any]:
     """The plan report as data (used by ``plan``, ``verify``, ``bench`` and ``demo``).
 
-    Resolves the plan as ``DistributedModelWrapper(model)`` does
-    (:func:`torchtp.plans.resolve_plan`), on a meta-device model, but collects
-    every blocker instead of stopping at the first; the wrapper's strict check
-    has the last word, so ``plan`` never says "works" where the wrapper would refuse.
+    Resolves the plan as ``DistributedModelWrapper(model, expert_parallel=...,
+    expert_dispatch=...)`` does (:func:`torchtp.plans.resolve_plan` with the
+    wrapper's option edits), on a meta-device model, but collects every blocker
+    instead of stopping at the first; the wrapper's strict check has the last
+    word, so ``plan`` never says "works" where the wrapper would refuse.
     """
     config = load_config(path)
     dtype = parse_dtype(dtype_name, config)
     model = build_model(config, dtype, device="meta")
     ctx = ShardContext(tp, 0, None, type(model).__name__)
+    adjust = Options(False, False, expert_parallel, expert_dispatch).adjust
     try:
-        resolved = resolve_plan(model, plan, ctx, strict=False)
+        resolved = resolve_plan(model, plan, ctx, strict=False, adjust=adjust)
     except (TypeError, ValueError) as err:
         raise CliError(f"{path}: torchtp cannot plan this model: {err}") from None
     blockers = [str(err) for err in resolved.problems]
@@ -61,7 +77,7 @@ def analyze(path: str, tp: int, dtype_name: str | None = None,
     blockers += found
     if not blockers:
         try:
-            resolve_plan(model, plan, ctx)
+            resolve_plan(model, plan, ctx, adjust=adjust)
         except (TypeError, ValueError) as err:
             blockers = [str(err)]
     full, by_rank = _param_bytes(model, layouts, tp)
@@ -171,7 +187,8 @@ def render(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit status 1 when there are blockers."""
-    report = analyze(args.path, args.tp, args.dtype, args.plan)
+    report = analyze(args.path, args.tp, args.dtype, args.plan, args.expert_parallel,
+                     args.expert_dispatch)
     print(dump_json(report) if args.json else render(report))
     return 1 if report["blockers"] else 0
 
