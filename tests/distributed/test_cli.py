@@ -234,3 +234,9 @@ def test_plan_places_experts_as_the_wrapper_would(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "4", "--expert-parallel",
                            "3")
     assert code == 1 and "expert_parallel=3 does not divide the tensor-parallel size" in out
+    # verify runs the same options on real ranks: whole experts through all-to-all dispatch.
+    code, out, _ = run_cli(capsys, "verify", str(tmp_path), "--tp", "2", "--grad",
+                           "--expert-parallel", "true", "--expert-dispatch", "all_to_all", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"], report
+    assert report["ranks"][0]["collectives_per_forward"]["all_to_all"] == 4  # 2 per MoE layer

@@ -93,11 +93,32 @@ PLAN_HELP = ("which plan: auto (as DistributedModelWrapper(model): the model's H
              "the architecture), or a YAML/JSON plan file (default: auto)")
 
 
+def add_expert_options(p: Any) -> None:
+    """``--expert-parallel`` and ``--expert-dispatch`` (MoE models; see docs/moe.md)."""
+    p.add_argument("--expert-parallel", type=expert_parallel_arg, default=False, metavar="true|K",
+                   help="MoE models: whole experts per rank (true) or experts over K ranks x "
+                        "features over tp/K (as DistributedModelWrapper(expert_parallel=...))")
+    p.add_argument("--expert-dispatch", choices=("auto", "all_reduce", "all_to_all"),
+                   default="auto", help="with whole experts: how tokens reach them (default auto)")
+
+
+def expert_parallel_arg(text: str) -> bool | int:
+    """argparse type for ``--expert-parallel``: ``true`` or a positive integer."""
+    return True if text.lower() == "true" else positive_int(text)
+
+
+def experts_of(args: Any) -> dict[str, Any]:
+    """The wrapper's expert options from parsed arguments (defaults where a command has none)."""
+    return {"expert_parallel": getattr(args, "expert_parallel", False),
+            "expert_dispatch": getattr(args, "expert_dispatch", "auto")}
+
+
 def add_rank_options(p: Any) -> None:
     """Options every command that launches rank processes shares (``verify``, ``bench``)."""
     p.add_argument("--dtype", default=None, help="float32 (default for CPU), bfloat16, float16")
     p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE",
                    help=PLAN_HELP)
+    add_expert_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and tokens")
     p.add_argument("--backend", default="auto", help="auto (nccl with one GPU per rank, else gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")

@@ -44,13 +44,14 @@ def rank_device() -> torch.device:
     return default_device()
 
 
-def wrap(model: nn.Module, plan: str | None = None) -> DistributedModelWrapper:
-    """Shard ``model`` across the running process group (``plan``: None, "builtin" or a file)."""
-    return DistributedModelWrapper(model, plan=plan)
+def wrap(model: nn.Module, plan: str | None = None, **experts: Any) -> DistributedModelWrapper:
+    """Shard ``model`` across the running process group (``plan``: None, "builtin" or a file;
+    ``experts``: the wrapper's ``expert_parallel``/``expert_dispatch``)."""
+    return DistributedModelWrapper(model, plan=plan, **experts)
 
 
-def load_sharded(path: str, dtype_name: str | None, seed: int,
-                 plan: str | None = None) -> tuple[DistributedModelWrapper, Any]:
+def load_sharded(path: str, dtype_name: str | None, seed: int, plan: str | None = None,
+                 experts: dict[str, Any] | None = None) -> tuple[DistributedModelWrapper, Any]:
     """This rank's shard of the model: read from the checkpoint if ``path`` has weights.
 
     With weights, :meth:`DistributedModelWrapper.from_pretrained` reads only this
@@ -59,11 +60,11 @@ def load_sharded(path: str, dtype_name: str | None, seed: int,
     """
     if not has_weights(path):
         model, config = load_model(path, dtype_name, seed)
-        return wrap(model, plan), config
+        return wrap(model, plan, **(experts or {})), config
     config = load_config(path)
     wrapped = DistributedModelWrapper.from_pretrained(
         path, plan=plan, dtype=parse_dtype(dtype_name, config), device=rank_device(),
-        progress=False)
+        progress=False, **(experts or {}))
     return wrapped.eval(), config
 
 

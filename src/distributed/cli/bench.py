@@ -10,7 +10,15 @@ from typing import Any
 
 import torch
 
-from ._common import add_rank_options, dump_json, human_bytes, positive_int, progress, table
+from ._common import (
+    add_rank_options,
+    dump_json,
+    experts_of,
+    human_bytes,
+    positive_int,
+    progress,
+    table,
+)
 from ._launch import launch, pick_backend
 from ._ranks import barrier, load_sharded, peak_device_bytes, peak_rss_bytes, random_tokens, say
 from .plan import require_splittable
@@ -54,7 +62,8 @@ def _decode_step(model: Any, previous: Any) -> Any:
 
 def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     say(rank, f"loading {args['path']} on {world} rank(s)")
-    model, config = load_sharded(args["path"], args["dtype"], args["seed"], args["plan"])
+    model, config = load_sharded(args["path"], args["dtype"], args["seed"], args["plan"],
+                                    args["experts"])
     ids = random_tokens(config.vocab_size, args["batch"], args["seq"], args["seed"] + 1)
     prefill, decode = [], []
     with torch.inference_mode():
@@ -85,11 +94,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ._hf import load_config
 
     load_config(args.path)  # fail fast, before any process starts
-    require_splittable(args.path, args.tp, args.dtype, args.plan)
+    require_splittable(args.path, args.tp, args.dtype, args.plan, experts_of(args))
     backend = pick_backend(args.tp, args.backend)
     progress(f"bench: launching {args.tp} {backend} process(es), {args.threads} thread(s) each")
-    per_rank = launch(_rank, args.tp, {k: getattr(args, k) for k in (
+    per_rank = launch(_rank, args.tp, {**{k: getattr(args, k) for k in (
         "path", "dtype", "seed", "batch", "seq", "new_tokens", "reps", "plan")},
+        "experts": experts_of(args)},
         backend=backend, threads=args.threads, timeout=args.timeout)
     return {"path": args.path, "tp": args.tp, "backend": backend, "batch": args.batch,
             "seq": args.seq, "threads_per_rank": args.threads,

@@ -14,10 +14,19 @@ from typing import Any
 
 from torch import nn
 
-from ..layers.expert_dispatch import DISPATCH, Dispatch
+from ..layers.expert_dispatch import Dispatch
 from ..plans import ResolvedPlan, ShardContext, resolve_plan, valid_tp_sizes
 from ..training.options import Options
-from ._common import PLAN_HELP, CliError, dump_json, human_bytes, plan_choice, positive_int, table
+from ._common import (
+    PLAN_HELP,
+    CliError,
+    add_expert_options,
+    dump_json,
+    human_bytes,
+    plan_choice,
+    positive_int,
+    table,
+)
 from ._hf import build_model, load_config, parse_dtype
 
 HELP = "show the TP plan, per-rank memory and blockers (meta device, no weights read)"
@@ -38,18 +47,9 @@ def register(sub: Any) -> None:
     p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's, else float32)")
     p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
-    p.add_argument("--expert-parallel", type=expert_parallel_arg, default=False, metavar="true|K",
-                   help="MoE models: whole experts per rank (true) or experts over K ranks x "
-                        "features over tp/K (as DistributedModelWrapper(expert_parallel=...))")
-    p.add_argument("--expert-dispatch", choices=DISPATCH, default="auto",
-                   help="with whole experts: how tokens reach them (default auto)")
+    add_expert_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
-
-
-def expert_parallel_arg(text: str) -> bool | int:
-    """argparse type for ``--expert-parallel``: ``true`` or a positive integer."""
-    return True if text.lower() == "true" else positive_int(text)
 
 
 def analyze(path: str, tp: int, dtype_name: str | None = None, plan: str | None = None,
@@ -193,13 +193,14 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report["blockers"] else 0
 
 
-def require_splittable(path: str, tp: int, dtype_name: str | None, plan: str | None = None) -> None:
+def require_splittable(path: str, tp: int, dtype_name: str | None, plan: str | None = None,
+                       experts: dict[str, Any] | None = None) -> None:
     """Fail fast, before any process starts, when ``tp`` cannot split the model.
 
     Raises:
         CliError: the first blocker, how many more, and the valid tp sizes.
     """
-    report = analyze(path, tp, dtype_name, plan)
+    report = analyze(path, tp, dtype_name, plan, **(experts or {}))
     blockers = report["blockers"]
     if blockers:
         more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""

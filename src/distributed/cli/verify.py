@@ -10,7 +10,15 @@ from torch import nn
 
 from ..comm.ops import count_collectives
 from ..layers import layouts_of
-from ._common import add_rank_options, dump_json, human_bytes, positive_int, progress, table
+from ._common import (
+    add_rank_options,
+    dump_json,
+    experts_of,
+    human_bytes,
+    positive_int,
+    progress,
+    table,
+)
 from ._launch import launch, pick_backend
 from ._ranks import load_model, load_sharded, peak_device_bytes, peak_rss_bytes, random_tokens, say
 from .plan import require_splittable
@@ -74,7 +82,8 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     if args["grad"]:
         want.loss.backward()
     say(rank, f"loading this rank's shard (tp={world}) and running the sharded model")
-    wrapped, _ = load_sharded(args["path"], args["dtype"], args["seed"], args["plan"])
+    wrapped, _ = load_sharded(args["path"], args["dtype"], args["seed"], args["plan"],
+                                    args["experts"])
     with torch.set_grad_enabled(args["grad"]), count_collectives() as counter:
         got = wrapped(ids, labels=ids if args["grad"] else None)
     result = {"rank": rank, "collectives_per_forward": dict(counter.counts),
@@ -95,13 +104,13 @@ def run_verify(args: argparse.Namespace) -> dict[str, Any]:
 
     config = load_config(args.path)  # fail fast, before any process starts
     dtype = parse_dtype(args.dtype, config)
-    require_splittable(args.path, args.tp, args.dtype, args.plan)
+    require_splittable(args.path, args.tp, args.dtype, args.plan, experts_of(args))
     tol = args.tol if args.tol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     backend = pick_backend(args.tp, args.backend)
     progress(f"verify: launching {args.tp} {backend} process(es)")
     per_rank = launch(_rank, args.tp, {"path": args.path, "dtype": args.dtype, "grad": args.grad,
                                        "batch": args.batch, "seq": args.seq, "seed": args.seed,
-                                       "plan": args.plan},
+                                       "plan": args.plan, "experts": experts_of(args)},
                       backend=backend, timeout=args.timeout)
     worst = max(max(r["logits_error"][1], r.get("grad_error", (0, 0))[1]) for r in per_rank)
     return {"path": args.path, "tp": args.tp, "backend": backend, "dtype": str(dtype),
