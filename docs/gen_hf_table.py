@@ -49,18 +49,7 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str]) -> int:
-    text = table()
-    if "--write" not in argv:
-        print(text)
-        return 0
-    page = ROOT / "docs" / "hf.md"
-    content = page.read_text()
-    head, _, rest = content.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    page.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from generated_section import main
+
+    sys.exit(main(sys.argv[1:], table, ROOT / "docs" / "hf.md", BEGIN, END))

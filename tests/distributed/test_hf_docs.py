@@ -1,34 +1,35 @@
-"""docs/hf.md's architecture table is generated from the tests and must be current."""
+"""The generated tables of docs/hf.md and docs/moe.md must be current."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_hf_table_is_up_to_date():
+def _generated(generator: str, page: str) -> tuple[str, Any]:
+    """The page's generated section as it stands, and the generator's ``table``."""
     sys.path.insert(0, str(ROOT / "docs"))
     try:
-        from gen_hf_table import BEGIN, END, table
+        gen = importlib.import_module(generator)
+        from generated_section import section
     finally:
         sys.path.pop(0)
-    page = (ROOT / "docs" / "hf.md").read_text()
-    current = page.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    return section(ROOT / "docs" / page, gen.BEGIN, gen.END), gen.table
+
+
+def test_hf_table_is_up_to_date():
+    current, table = _generated("gen_hf_table", "hf.md")
     assert current == table(), "docs/hf.md is stale: run python docs/gen_hf_table.py --write"
 
 
 def test_moe_table_is_up_to_date():
     import transformers
 
-    sys.path.insert(0, str(ROOT / "docs"))
-    try:
-        from gen_moe_table import BEGIN, END, table
-    finally:
-        sys.path.pop(0)
-    page = (ROOT / "docs" / "moe.md").read_text()
-    current = page.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    current, table = _generated("gen_moe_table", "moe.md")
     fresh = table()
     if f"Generated with transformers {transformers.__version__} " not in current:
         # Another release (make compat): the page describes the pinned one; the
