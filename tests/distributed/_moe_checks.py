@@ -226,6 +226,21 @@ def _dispatch_in_dtype(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, want, **tol)
 
 
+def _reload(path: str, expert_parallel: bool | int, full: dict[str, torch.Tensor],
+            saved: nn.Module, ids: torch.Tensor) -> tuple[nn.Module, float]:
+    """``from_pretrained(path, expert_parallel=...)``: every parameter is this rank's cut of
+    ``full``, bit for bit; returns the model and its largest logit difference to ``saved``."""
+    again = torchtp.DistributedModelWrapper.from_pretrained(
+        path, progress=False, expert_parallel=expert_parallel)
+    for name, p in again.base_model.named_parameters():
+        module = again.base_model.get_submodule(name.rpartition(".")[0])
+        assert torch.equal(p, expected_local(module, name.rpartition(".")[2], full[name])), \
+            (path, expert_parallel, name)
+    with torch.no_grad():
+        diff = float((again(input_ids=ids).logits - saved(input_ids=ids).logits).abs().max())
+    return again, diff
+
+
 def check_checkpoints(rank: int, world_size: int, out: str, whole: bool) -> float:
     """tp 2 saves (sharded and consolidated HF); the sharded one reloads at tp 2 equal, and,
     with ``whole``, into whole experts per rank (and their save back into split experts).
@@ -246,15 +261,8 @@ def check_checkpoints(rank: int, world_size: int, out: str, whole: bool) -> floa
         loads += [(os.path.join(out, "sharded"), True), (os.path.join(out, "whole"), False)]
     worst = 0.0
     for path, expert_parallel in loads:
-        again = torchtp.DistributedModelWrapper.from_pretrained(
-            path, progress=False, expert_parallel=expert_parallel)
-        for name, p in again.base_model.named_parameters():  # this rank's cut, bit for bit
-            module = again.base_model.get_submodule(name.rpartition(".")[0])
-            assert torch.equal(p, expected_local(module, name.rpartition(".")[2], full[name])), \
-                (path, expert_parallel, name)
-        with torch.no_grad():
-            worst = max(worst, float((again(input_ids=ids).logits
-                                      - wrapped(input_ids=ids).logits).abs().max()))
+        again, diff = _reload(path, expert_parallel, full, wrapped, ids)
+        worst = max(worst, diff)
         if expert_parallel:
             again.save_sharded(os.path.join(out, "whole"))
     return worst
@@ -285,15 +293,8 @@ def check_ep_checkpoints(rank: int, world_size: int, out: str) -> float:
     worst = 0.0
     for path, expert_parallel in [("ep2tp2", 2), ("ep2tp2", True), ("ep2tp2", False),
                                   ("ep4", 2)]:
-        again = torchtp.DistributedModelWrapper.from_pretrained(
-            os.path.join(out, path), progress=False, expert_parallel=expert_parallel)
-        for name, p in again.base_model.named_parameters():  # this rank's cut, bit for bit
-            module = again.base_model.get_submodule(name.rpartition(".")[0])
-            assert torch.equal(p, expected_local(module, name.rpartition(".")[2], full[name])), \
-                (path, expert_parallel, name)
-        with torch.no_grad():
-            worst = max(worst, float((again(input_ids=ids).logits
-                                      - wrapped(input_ids=ids).logits).abs().max()))
+        again, diff = _reload(os.path.join(out, path), expert_parallel, full, wrapped, ids)
+        worst = max(worst, diff)
         if expert_parallel is True:
             again.save_sharded(os.path.join(out, "ep4"))
     return worst
