@@ -95,10 +95,12 @@ PLAN_HELP = ("which plan: auto (as DistributedModelWrapper(model): the model's H
 
 def add_expert_options(p: Any) -> None:
     """``--expert-parallel`` and ``--expert-dispatch`` (MoE models; see docs/moe.md)."""
+    from ..layers.expert_dispatch import DISPATCH
+
     p.add_argument("--expert-parallel", type=expert_parallel_arg, default=False, metavar="true|K",
                    help="MoE models: whole experts per rank (true) or experts over K ranks x "
                         "features over tp/K (as DistributedModelWrapper(expert_parallel=...))")
-    p.add_argument("--expert-dispatch", choices=("auto", "all_reduce", "all_to_all"),
+    p.add_argument("--expert-dispatch", choices=DISPATCH,
                    default="auto", help="with whole experts: how tokens reach them (default auto)")
 
 

@@ -93,6 +93,14 @@ class ExpertsTP(ParallelStyle):
                              name=layer.fqn)
 
 
+def check_expert_parallel(ep: object) -> None:
+    """Raise unless ``ep`` is ``True`` or a positive int (``expert_parallel``'s values)."""
+    if ep is True or (isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1):
+        return
+    raise ValueError(f"expert_parallel={ep!r}: give True (whole experts per rank) or the number "
+                     "of expert-parallel ranks, a positive int dividing the tensor-parallel size")
+
+
 def _layout(module: nn.Module, fqn: str, style: str) -> ExpertsLayout:
     """The family's description of an experts module, or a TypeError saying what is needed."""
     layout = experts_layout(module)
@@ -164,9 +172,8 @@ class ExpertsEP(ParallelStyle):
     covers = (GATE_UP, DOWN, f"{GATE_UP}_bias", f"{DOWN}_bias", "up_proj", "up_proj_bias")
 
     def __init__(self, ep: int | None = None, dispatch: Dispatch = "auto") -> None:
-        if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
-            raise ValueError(f"expert_parallel={ep!r}: give the number of expert-parallel ranks "
-                             "(a positive int dividing the tensor-parallel size) or True")
+        if ep is not None:
+            check_expert_parallel(ep)
         if dispatch not in DISPATCH:
             raise ValueError(f"expert_dispatch={dispatch!r} is not a dispatch path; valid: "
                              f"{list(DISPATCH)}")

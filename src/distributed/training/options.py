@@ -17,7 +17,7 @@ from ..plans import ResolvedPlan, ShardContext
 from ..plans.registry import get_style
 from ..plans.sources import experts_layout
 from ..plans.styles import ParallelStyle
-from ..plans.styles_experts import ExpertsEP, ExpertsTP
+from ..plans.styles_experts import ExpertsEP, ExpertsTP, check_expert_parallel
 from ..plans.styles_sp import SequenceParallel
 
 if TYPE_CHECKING:
@@ -116,12 +116,9 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
 
 def _experts_style(ep: bool | int, dispatch: Dispatch) -> ParallelStyle:
     """The experts style ``expert_parallel=ep`` asks for (True: whole experts per rank)."""
+    check_expert_parallel(ep)
     if ep is True:
         return get_style("ep_dispatch_experts") if dispatch == "auto" else ExpertsEP(None, dispatch)
-    if ep is False or not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"expert_parallel={ep!r}: give True (whole experts per rank) or the "
-                         "number of expert-parallel ranks, a positive int dividing the "
-                         "tensor-parallel size")
     if ep == 1 and dispatch == "all_to_all":
         raise ValueError("expert_dispatch='all_to_all' needs whole experts per rank, but "
                          "expert_parallel=1 splits every expert's features; use "
