@@ -5,7 +5,8 @@ down), joins a Gloo group through a file store under the test's ``tmp_path``
 with a short collective timeout, and writes its result or traceback to a
 file. The parent enforces a hard wall-clock deadline, kills what is left, and
 raises :class:`RankFailure` with every failing rank's traceback, earliest first.
-A run whose group could not be joined on some rank is started again once.
+A run whose group could not be joined on some rank is started again, after a
+pause, and the last time from freshly spawned processes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ from typing import Any
 # Ranks that still run this long after another rank failed are killed: Gloo's
 # own timeout would end them too, but only after gloo_timeout.
 FAILURE_GRACE_S = 5.0
-# Runs started when the harness's own init_process_group fails on a rank.
-INIT_ATTEMPTS = 3  # twice in a row seen once on the busy 2-core CI machine
+# How each run is started when the harness's own init_process_group fails on a
+# rank (Gloo's connectFullMesh "Connection closed by peer", 3 times in a row
+# within 0.5 s on the busy 2-core CI machine): the same fork server twice, then
+# processes that share nothing with it. Spawned ranks import torch themselves
+# (seconds), which is why spawn is kept for the last attempt.
+START_METHODS = ("forkserver", "forkserver", "spawn")
+# Seconds between attempts, so whatever broke the rendezvous has time to clear.
+RETRY_PAUSE_S = 2.0
 
 
 class RankFailure(AssertionError):
@@ -88,10 +95,11 @@ def _read(path: Path) -> _Outcome | None:
     return pickle.loads(path.read_bytes()) if path.exists() else None
 
 
-def _context() -> mp.context.BaseContext:
-    ctx = mp.get_context("forkserver")
-    # Children fork from a server that imported torch once: starts take ms, not s.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torchtp"])
+def _context(method: str) -> mp.context.BaseContext:
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # Children fork from a server that imported torch once: starts take ms, not s.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torchtp"])
     return ctx
 
 
@@ -117,10 +125,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, tmp_path: Pat
     Raises:
         RankFailure: a rank raised, died, or the deadline passed.
     """
-    for attempt in range(INIT_ATTEMPTS):
+    for attempt, method in enumerate(START_METHODS):
         workdir = tmp_path / f"ranks-{time.monotonic_ns()}"
         workdir.mkdir(parents=True)
-        ctx = _context()
+        ctx = _context(method)
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(fn, r, world_size, args, str(workdir), init, gloo_timeout,
                                    dict(env or {})))
@@ -131,14 +139,29 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, tmp_path: Pat
         hung = _wait(procs, workdir, start + timeout)
         outcomes = [_read(workdir / f"rank{r}.pkl") for r in range(world_size)]
         unstarted = [o for o in outcomes if o is not None and not o.started]
-        if not unstarted or attempt == INIT_ATTEMPTS - 1:
+        if not unstarted or attempt == len(START_METHODS) - 1:
             break
-        # The harness's own rendezvous failed on a rank (Gloo's TCP mesh on a busy
-        # shared machine; fn never ran there): discard this run, start all afresh.
-        print(f"run_ranks: rank {unstarted[0].rank}'s init_process_group failed; "
-              f"starting all {world_size} ranks again:\n{unstarted[0].value}", file=sys.stderr)
+        # The harness's own rendezvous failed on a rank (fn never ran there):
+        # discard this run, say what every rank saw, start all afresh.
+        print(f"run_ranks: attempt {attempt + 1} ({method}) could not start the group; "
+              f"starting all {world_size} ranks again with {START_METHODS[attempt + 1]}:\n"
+              + _summary(outcomes, procs, start), file=sys.stderr)
+        time.sleep(RETRY_PAUSE_S * (attempt + 1))
     _raise_failures(outcomes, procs, hung, start, timeout)
     return [o.value for o in outcomes if o is not None]
+
+
+def _summary(outcomes: list[_Outcome | None], procs: list[Any], start: float) -> str:
+    """One line or traceback per rank: how far it got in this attempt."""
+    lines = []
+    for r, o in enumerate(outcomes):
+        if o is None:
+            lines.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+        else:
+            state = "ok" if o.ok else ("init failed" if not o.started else "fn failed")
+            lines.append(f"rank {r}: {state} at +{o.finished_at - start:.2f}s"
+                         + ("" if o.ok else f"\n{o.value}"))
+    return "\n".join(lines)
 
 
 def _wait(procs: list[Any], workdir: Path, deadline: float) -> list[int]:

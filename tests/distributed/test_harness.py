@@ -68,3 +68,11 @@ def test_rank_raising_before_collective_does_not_hang_the_others(ranks):
     with pytest.raises(RankFailure, match=r"(?s)^.*?rank 1 failed.*broke before the all-reduce"):
         ranks(_rank1_raises_before_collective, 2, timeout=60, gloo_timeout=5)
     assert time.monotonic() - start < 30
+
+
+def test_the_last_attempt_starts_from_spawned_processes(ranks, monkeypatch):
+    # Spawn is only reached after two failed rendezvous, so run it on its own here.
+    from . import harness
+
+    monkeypatch.setattr(harness, "START_METHODS", ("spawn",))
+    assert ranks(_return_rank_sum, 2) == [1.0, 1.0]
