@@ -324,55 +324,6 @@ def check_generate(rank: int, world_size: int, splits: list[bool | str]) -> list
     return out
 
 
-class _Expert(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(hidden, inter), nn.Linear(inter, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x)))
-
-
-class HandMoE(nn.Module):
-    """A hand-written MoE block: a router Linear and an ``nn.ModuleList`` of expert MLPs."""
-
-    def __init__(self, hidden: int = 16, inter: int = 32, experts: int = 4, k: int = 2) -> None:
-        super().__init__()
-        self.inp, self.out = nn.Linear(8, hidden), nn.Linear(hidden, 8)
-        self.router = nn.Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList(_Expert(hidden, inter) for _ in range(experts))
-        self.k = k
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = self.inp(x).reshape(-1, self.router.in_features)  # (N, H)
-        weights, index = self.router(flat).softmax(-1).topk(self.k, -1)  # (N, k)
-        out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            token, slot = (index == e).nonzero(as_tuple=True)
-            if token.numel():  # the same on every rank: routing is replicated
-                out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
-        return self.out(out.reshape(*x.shape[:-1], -1))
-
-
-def check_hand_moe(rank: int, world_size: int) -> list[str]:
-    """The automatic plan on a hand-written MoE: outputs and every gradient equal one process's."""
-    torch.manual_seed(0)
-    ref = HandMoE().double()
-    torch.manual_seed(0)
-    wrapped = torchtp.DistributedModelWrapper(HandMoE().double())
-    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    want, got = ref(x), wrapped(x)
-    torch.testing.assert_close(got, want, **TOL)
-    want.square().sum().backward()
-    got.square().sum().backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in wrapped.base_model.named_parameters():
-        module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
-        torch.testing.assert_close(p.grad, expected_local(module, name.rpartition(".")[2],
-                                                          ref_params[name].grad), **TOL)
-    return wrapped.parallelized_layers
-
-
 def check_route_mismatch(rank: int, world_size: int, expert_parallel: bool,
                          dispatch: str = "auto") -> tuple[str, float]:
     """Rank 1's router differs after wrapping: the forward raises on every rank, naming it."""

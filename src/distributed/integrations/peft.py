@@ -120,6 +120,14 @@ class TensorParallelLoraLinear(LoraLinear):
             raise ValueError(f"{self._name()}: LoRA adapters with sequence_parallel=True are not "
                              "supported; wrap with sequence_parallel=False (loss_parallel=True "
                              "works with LoRA)")
+        if getattr(base, "partial_output", False):
+            # Its output is summed later with other layers' partials: a full LoRA
+            # delta added here would be counted once per rank.
+            raise ValueError(f"{self._name()}: LoRA adapters on a 'rowwise_partial' layer (weight "
+                             f"columns = in_features split over world_size={base.world_size}, "
+                             "output reduced later with other experts') are not supported; "
+                             "pass plan={...: 'rowwise'} for it, or leave it out of "
+                             "target_modules")
         group = require_group(self._name, base.group, base.world_size)
         if isinstance(base, RowParallelLinear):
             return self._forward_rows(base, x, active, group)

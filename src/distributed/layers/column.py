@@ -53,6 +53,12 @@ class ColumnParallelLinear(ParallelLinear):
             output along this (sequence) dimension instead of all-reducing it,
             so each rank gets its sequence shard; the bias is then added to the
             shard and its gradient is summed over the TP group.
+        partial_output: Set by the ``"rowwise_partial"`` style: return this
+            rank's partial sum without reducing it, because a later all-reduce
+            (a ``"reduce_output"``/``"reduce_input"`` module) sums several such
+            layers at once (a hand-written MoE's experts). The bias is added on
+            rank 0 only, so the later sum adds it once; its gradient is the
+            full one on every rank.
 
     Raises:
         ValueError: ``in_features`` is smaller than ``world_size`` (the
@@ -61,6 +67,7 @@ class ColumnParallelLinear(ParallelLinear):
     """
 
     sequence_dim: int | None = None
+    partial_output: bool = False
     split_dim = 1
 
     def __init__(
@@ -144,6 +151,9 @@ class ColumnParallelLinear(ParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
         partial = F.linear(x, self.weight)  # (..., out), this rank's partial sum
+        if self.partial_output:  # summed later, with other layers' partials
+            return partial if self.bias is None else _BiasOnce.apply(partial, self.bias,
+                                                                      self.rank == 0)
         if self.sequence_dim is not None:  # (B, S, out): this rank's sequence shard
             y = reduce_scatter_to_sequence_shards(partial, group, self.sequence_dim)
         else:  # partial is our own temporary, so the all-reduce may write into it.
@@ -155,4 +165,25 @@ class ColumnParallelLinear(ParallelLinear):
         return y
 
     def extra_repr(self) -> str:
-        return f"{self._split_repr()}, input_is_parallel={self.input_is_parallel}"
+        partial = ", partial_output=True" if self.partial_output else ""
+        return f"{self._split_repr()}, input_is_parallel={self.input_is_parallel}{partial}"
+
+
+class _BiasOnce(torch.autograd.Function):
+    """Add the bias to a partial sum on one rank only; its gradient on every rank.
+
+    forward: ``partial + bias`` on the first rank, ``partial`` elsewhere, so the
+    sum over ranks adds it once. backward: the output's gradient is the same on
+    every rank (the later all-reduce's backward is the identity), so each rank
+    sums it into the full bias gradient, as ``nn.Linear`` would; no collective.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, partial: torch.Tensor,
+                bias: torch.Tensor, first: bool) -> torch.Tensor:
+        return partial + bias if first else partial.clone()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, grad.reshape(-1, grad.shape[-1]).sum(0), None

@@ -45,8 +45,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ..core.layouts import cut
 from .attention_local import local_overrides, narrow_head_biases
-from .dataflow import Inputs, Region, Trace, probe_mode, record
+from .dataflow import Inputs, Region, Trace, differs, probe_mode, record
 from .heads import HeadInfo, head_info, head_parts, is_attention, query_part
+from .late_reduce import late_reduces
 from .linear_view import linear_view
 from .resolved import Rules
 from .styles import Colwise, ParallelStyle, ReplicatedWithGradAllreduce, Rowwise, ShardContext
@@ -102,10 +103,12 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
     trace = _probe(model, example_inputs, rules.notes)
     styles: dict[str, ParallelStyle | str] = {}
     blocked: dict[str, str] = {}  # attention projections that cannot pair: why
+    consumers: list[str] = []
     if trace is not None:
         for pair in _confirmed(model, trace, linears, tied, ctx, rules, config, blocked):
             if _pair_pays(pair, trace, linears, memory, rules):
                 _take(pair, styles, rules)
+                consumers.append(pair.consumer)
     for name, module in linears.items():
         if name in rules.why:  # in a pair that was refused: kept whole, no collective at all
             styles.setdefault(name, "replicate")
@@ -114,6 +117,8 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
         elif name not in styles:
             styles[name], rules.why[name] = _lone(name, module, id(module) in tied, trace, ctx,
                                                    memory, rules.notes)
+    if trace is not None:  # a hand-written MoE's experts: one all-reduce, not one each
+        late_reduces(model, trace, consumers, styles, rules, ctx)
     order = list(dict(model.named_modules()))
     rules.rules = {n: styles[n] for n in sorted(styles, key=order.index)}
     return rules
@@ -429,25 +434,8 @@ def _simulate(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardConte
             if verdict[pair.consumer] is None:
                 want = _cut(trace.calls[pair.consumer][0].input, pair.styles[pair.consumer],
                             model, pair.consumer, local, dim=1)
-                verdict[pair.consumer] = _differs(seen.get(pair.consumer), want, rank)
+                verdict[pair.consumer] = differs(seen.get(pair.consumer), want, rank)
     return verdict, True
-
-
-def _differs(got: torch.Tensor | None, want: torch.Tensor, rank: int) -> str | None:
-    if got is None:
-        return f"rank {rank}: not called"
-    if got.shape != want.shape:
-        return f"rank {rank}: shape {tuple(got.shape)} instead of {tuple(want.shape)}"
-    # Same ops on the same numbers, only fewer heads/features per call: any
-    # difference beyond reordered float sums means the split is wrong. In bf16/fp16
-    # (a model on the GPU) kernels picked per shape may round differently: a few
-    # ulps of the largest value; a wrong split differs by the values themselves.
-    scale = want.abs().max().item() if want.numel() else 0.0
-    ulps = 8 * torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
-    if not torch.allclose(got, want, rtol=max(1e-4, ulps), atol=max(1e-5, ulps) * max(scale, 1.0)):
-        diff = (got - want).abs().max().item()
-        return f"rank {rank}: differs by up to {diff:.3g}"
-    return None
 
 
 def _cut(full: torch.Tensor, style: ParallelStyle, model: nn.Module, name: str,

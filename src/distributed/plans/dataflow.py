@@ -74,19 +74,28 @@ class Trace:
         order: Modules in the order of their first call.
         roots: Autograd nodes of the model's outputs.
         inputs: The probe's inputs, as given.
+        outputs: The model's output tensors, detached.
+        returned: Per other module (``""``: the model) that returned one tensor
+            once, that tensor detached and its autograd node, in the order the
+            modules returned.
     """
 
     calls: dict[str, list[Call]]
     order: list[str]
     roots: list[Any]
     inputs: Inputs = ((), {})
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    returned: dict[str, tuple[torch.Tensor, Any]] = field(default_factory=dict)
     _consumers: dict[int, set[int]] | None = None
     _keep: dict[int, Any] = field(default_factory=dict)  # holding nodes keeps their ids unique
 
     def region(self, name: str) -> Region:
         """Walk back from ``name``'s input to the tagged producer outputs."""
+        return self.region_from(self.calls[name][0].input_node)
+
+    def region_from(self, start: Any) -> Region:
+        """Walk back from autograd node ``start`` to the tagged producer outputs."""
         found = Region()
-        start = self.calls[name][0].input_node
         stack = [start]
         while stack:
             node = stack.pop()
@@ -152,8 +161,10 @@ def record(model: nn.Module, inputs: Inputs) -> Trace:
         Exception: whatever the model's forward raises on ``inputs``.
     """
     calls: dict[str, list[Call]] = {}
-    hooks = [mod.register_forward_hook(_recorder(name, calls))
-             for name, mod in model.named_modules() if linear_view(mod) is not None]
+    returned: dict[str, list[tuple[torch.Tensor, Any]]] = {}
+    hooks = [mod.register_forward_hook(_recorder(name, calls) if linear_view(mod) is not None
+                                       else _returns(name, returned))
+             for name, mod in model.named_modules()]
     args, kwargs = inputs
     try:
         with probe_mode(model), torch.enable_grad():
@@ -162,8 +173,18 @@ def record(model: nn.Module, inputs: Inputs) -> Trace:
     finally:
         for h in hooks:
             h.remove()
-    roots = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
-    return Trace(calls, list(calls), roots, inputs)
+    outs = output_tensors(out)
+    roots = [t.grad_fn for t in outs if t.grad_fn is not None]
+    once = {n: r[0] for n, r in returned.items() if len(r) == 1 and r[0][1] is not None}
+    return Trace(calls, list(calls), roots, inputs, [t.detach() for t in outs], once)
+
+
+def _returns(name: str, returned: dict[str, list[tuple[torch.Tensor, Any]]]
+             ) -> Callable[..., None]:
+    def hook(_mod: nn.Module, _args: tuple[Any, ...], out: object) -> None:
+        entry = (out.detach(), out.grad_fn) if isinstance(out, torch.Tensor) else (None, None)
+        returned.setdefault(name, []).append(entry)  # type: ignore[arg-type]
+    return hook
 
 
 def _recorder(name: str, calls: dict[str, list[Call]]) -> Callable[..., None]:
@@ -202,14 +223,32 @@ def _needing_grad(values: tuple[Any, ...]) -> tuple[Any, ...]:
                  and v.is_floating_point() else v for v in values)
 
 
-def _tensors(out: object) -> list[torch.Tensor]:
+def output_tensors(out: object) -> list[torch.Tensor]:
     """Every tensor in a (nested) forward output: tensors, tuples, lists, dicts, dataclasses."""
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, Mapping):
-        return [t for v in out.values() for t in _tensors(v)]
+        return [t for v in out.values() for t in output_tensors(v)]
     if isinstance(out, (tuple, list)):
-        return [t for v in out for t in _tensors(v)]
+        return [t for v in out for t in output_tensors(v)]
     if hasattr(out, "__dataclass_fields__"):
-        return [t for k in out.__dataclass_fields__ for t in _tensors(getattr(out, k))]
+        return [t for k in out.__dataclass_fields__ for t in output_tensors(getattr(out, k))]
     return []
+
+
+def differs(got: torch.Tensor | None, want: torch.Tensor, rank: int) -> str | None:
+    """Why ``got`` (one rank's probe value) is not ``want``, or ``None`` when it is."""
+    if got is None:
+        return f"rank {rank}: not called"
+    if got.shape != want.shape:
+        return f"rank {rank}: shape {tuple(got.shape)} instead of {tuple(want.shape)}"
+    # Same ops on the same numbers, only fewer heads/features per call: any
+    # difference beyond reordered float sums means the split is wrong. In bf16/fp16
+    # (a model on the GPU) kernels picked per shape may round differently: a few
+    # ulps of the largest value; a wrong split differs by the values themselves.
+    scale = want.abs().max().item() if want.numel() else 0.0
+    ulps = 8 * torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
+    if not torch.allclose(got, want, rtol=max(1e-4, ulps), atol=max(1e-5, ulps) * max(scale, 1.0)):
+        diff = (got - want).abs().max().item()
+        return f"rank {rank}: differs by up to {diff:.3g}"
+    return None

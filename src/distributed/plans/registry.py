@@ -13,6 +13,7 @@ from .styles import (
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
 from .styles_experts import ExpertsEP, ExpertsTP
 from .styles_heads import HeadSplit
+from .styles_partial import PartialGradOutput, ReduceInput, ReduceOutput, RowwisePartial
 from .styles_sp import SequenceParallel
 
 _EP = ("a bare expert parameter is planned by its experts module's style "
@@ -25,6 +26,10 @@ STYLES: dict[str, ParallelStyle] = {
     "rowwise": Rowwise(),
     "rowwise_split_input": Rowwise(split_input=True),
     "rowwise_rep": Rowwise(split_input=True),
+    "rowwise_partial": RowwisePartial(),
+    "reduce_output": ReduceOutput(),
+    "reduce_input": ReduceInput(),
+    "partial_grad_output": PartialGradOutput(),
     "replicate": Replicate(),
     "keep_full_weight": Replicate(),
     "packed_colwise": HeadSplit(),

@@ -211,7 +211,7 @@ class Rowwise(LinearStyle):
             ``rowwise_split_input`` style); otherwise it is already sharded.
     """
 
-    collectives = ("all_reduce",)
+    collectives: tuple[str, ...] = ("all_reduce",)
 
     def __init__(self, split_input: bool = False) -> None:
         self.split_input = split_input

@@ -1,0 +1,237 @@
+"""One all-reduce for several row-split Linears whose outputs are only summed.
+
+A hand-written MoE (a router ``nn.Linear`` and an ``nn.ModuleList`` of expert
+MLPs) weights each expert's output and adds it into one tensor. The automatic
+plan pairs every expert's ``up``/``down`` (``colwise``/``rowwise``), so each
+expert that gets tokens all-reduces its output. Here those ``down`` Linears
+(the *parts*) become ``rowwise_partial`` instead, and one all-reduce sums the
+combined tensor where it is complete (the *point*): the output of the
+innermost module that returns it (``reduce_output``), or the input of the
+replicated Linear that reads it (``reduce_input``). A replicated Linear whose
+output only multiplies the partial sums on the way (the router) gets
+``partial_grad_output``, because on each rank its gradient then covers only
+that rank's part.
+
+Checked on the recorded graph first, then by a probe:
+
+* graph: between the parts and the point there is no parameter or model
+  input (its gradient would be partial too), and nothing outside reads the
+  parts' outputs, anything computed from them before the point, or the
+  router's outputs (an auxiliary loss on the router logits would get its
+  gradient summed ``tp`` times);
+* probe, for every rank: the model runs with each part returning that rank's
+  partial sum (bias on rank 0 only) and the point replaced by the recorded
+  full value; the values at the point, summed over the ranks, must equal the
+  recorded value (a residual or shared term added before the point would be
+  counted ``tp`` times), and the model's outputs must equal the recorded ones
+  on every rank (nothing else saw a partial sum).
+
+A point that fails keeps its parts' own all-reduces; ``describe_plan()``
+notes why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .dataflow import Region, Trace, differs, output_tensors, probe_mode
+from .linear_view import linear_view
+from .resolved import Rules
+from .styles import ParallelStyle, Rowwise, ShardContext
+from .styles_partial import PartialGradOutput, ReduceInput, ReduceOutput, RowwisePartial
+
+
+@dataclass
+class Point:
+    """Where a combined partial sum could be reduced.
+
+    Attributes:
+        name: The module.
+        reads: ``True``: the Linear's input; ``False``: the module's output.
+        node: The autograd node of that tensor.
+        value: The tensor recorded by the probe forward (full, unsplit).
+        region: What lies between it and the Linears that produce it.
+    """
+
+    name: str
+    reads: bool
+    node: Any
+    value: torch.Tensor
+    region: Region
+
+
+def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
+                 styles: dict[str, ParallelStyle | str], rules: Rules, ctx: ShardContext) -> None:
+    """Reduce the outputs of the ``rowwise`` ``consumers`` once where they are summed.
+
+    Updates ``styles`` and ``rules.why``/``rules.notes`` in place.
+    """
+    if ctx.world_size == 1:
+        return
+    plain = {c for c in consumers if type(styles.get(c)) is Rowwise}
+    used: set[str] = set()
+    for point in _points(model, trace, plain):
+        parts = sorted(point.region.producers & plain, key=trace.order.index)
+        if point.region.producers & used:
+            continue
+        routers = sorted(point.region.producers - plain, key=trace.order.index)
+        problem = _graph_problem(trace, point, parts, routers, styles) \
+            or _probe_problem(model, trace, point, parts, ctx)
+        if problem is not None:
+            rules.notes.append(f"{parts} keep one all-reduce each: summing them once at "
+                               f"'{point.name}' {problem}")
+            continue
+        _take(point, parts, routers, styles, rules)
+        used.update(parts)
+
+
+def _points(model: nn.Module, trace: Trace, plain: set[str]) -> list[Point]:
+    """Tensors fed by at least two of the ``plain`` consumers, the smallest region first."""
+    found: list[Point] = []
+    for name, (value, node) in trace.returned.items():
+        # Not the model's own output (nothing after it to reduce in), and only
+        # modules that hold two of the Linears (walking back is not free).
+        if name and sum(c.startswith(f"{name}.") for c in plain) >= 2:
+            found.append(Point(name, False, node, value, trace.region_from(node)))
+    for name in trace.order:
+        call = trace.calls[name]
+        if len(call) == 1 and call[0].input_node is not None and name not in plain:
+            found.append(Point(name, True, call[0].input_node, call[0].input,
+                               trace.region(name)))
+    found = [p for p in found if len(p.region.producers & plain) >= 2]
+    return sorted(found, key=lambda p: (len(p.region.producers), len(p.region.nodes)))
+
+
+def _graph_problem(trace: Trace, point: Point, parts: list[str], routers: list[str],
+                   styles: dict[str, ParallelStyle | str]) -> str | None:
+    """Why the recorded graph does not allow one reduction at ``point``, if it does not."""
+    region = point.region
+    if region.leaves:
+        return ("is not possible: a parameter or an input is read on the way, and its "
+                "gradient would cover only this rank's part")
+    # Lone Linears (a string style: gathered, input-split or replicated) may stay
+    # whole instead; members of confirmed pairs (style objects) may not.
+    if (point.reads and not isinstance(styles.get(point.name), str)) or (
+            not point.reads and point.name in styles):
+        return f"is not possible: '{point.name}' is split itself"
+    split = [r for r in routers if not isinstance(styles.get(r), str)]
+    if split:
+        return f"is not possible: {split} on the way are split themselves"
+    users = trace.consumers()
+    inside = set(region.nodes)
+    outs = {id(trace.calls[n][0].output_node): n for n in [*parts, *routers]}
+    for node_id, name in outs.items():
+        if not users.get(node_id, set()) <= inside:
+            what = "an auxiliary loss on the router logits?" if name in routers else "a residual?"
+            return f"is not possible: '{name}''s output is also read elsewhere ({what})"
+    for node_id in inside - {id(point.node)}:
+        if not users.get(node_id, set()) <= inside:
+            return "is not possible: a tensor on the way is also read elsewhere"
+    return None
+
+
+def _probe_problem(model: nn.Module, trace: Trace, point: Point, parts: list[str],
+                   ctx: ShardContext) -> str | None:
+    """Run every rank's partial sums up to ``point`` (see the module docstring)."""
+    total: torch.Tensor | None = None
+    for rank in range(ctx.world_size):
+        local = ShardContext(ctx.world_size, rank, None, ctx.model_name)
+        seen: list[torch.Tensor] = []
+        try:
+            with _partial_run(model, point, parts, local, seen), torch.no_grad():
+                args, kwargs = trace.inputs
+                outs = output_tensors(model(*args, **kwargs))
+        except Exception as err:  # the local computation does not even run
+            return f"failed in the probe (rank {rank}: {type(err).__name__}: {err})"
+        if len(seen) != 1:
+            return f"failed in the probe (rank {rank}: reached {len(seen)} times)"
+        for got, want in zip(outs, trace.outputs, strict=False):
+            why = differs(got, want, rank)
+            if why is not None:
+                return f"changes the model's outputs ({why}): a partial sum is read elsewhere"
+        total = seen[0] if total is None else total + seen[0]
+    why = differs(total, point.value, 0)
+    if why is not None:
+        return (f"does not give the full value ({why.split(': ', 1)[1]}): something added "
+                "before that point (a residual, a shared term) is not split")
+    return None
+
+
+@contextlib.contextmanager
+def _partial_run(model: nn.Module, point: Point, parts: list[str], ctx: ShardContext,
+                 seen: list[torch.Tensor]) -> Iterator[None]:
+    """Parts return this rank's partial sums; the point records its value, then goes on full."""
+    handles: list[RemovableHandle] = []
+    try:
+        for name in parts:
+            module = model.get_submodule(name)
+            handles.append(module.register_forward_hook(_partial_hook(module, name, ctx)))
+        target = model.get_submodule(point.name)
+        if point.reads:
+            handles.append(target.register_forward_pre_hook(_seen_input(point.value, seen)))
+        else:
+            handles.append(target.register_forward_hook(_seen_output(point.value, seen)))
+        with probe_mode(model):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _partial_hook(module: nn.Module, name: str, ctx: ShardContext) -> Any:
+    """This rank's partial sum: the module on its input columns only, bias on rank 0."""
+    view = linear_view(module)
+    assert view is not None
+    start, length = RowwisePartial().column_segments(view, ctx)[0]
+    bias = getattr(module, "bias", None)
+
+    def hook(_m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        mask = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
+        mask[start:start + length] = 1
+        # The module's own forward on this rank's columns: (..., out) partial sum.
+        partial = type(module).forward(module, x * mask)
+        if isinstance(bias, torch.Tensor) and ctx.rank != 0:
+            partial = partial - bias
+        return partial
+    return hook
+
+
+def _seen_input(full: torch.Tensor, seen: list[torch.Tensor]) -> Any:
+    def hook(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        seen.append(args[0].clone())
+        return (full.clone(), *args[1:])
+    return hook
+
+
+def _seen_output(full: torch.Tensor, seen: list[torch.Tensor]) -> Any:
+    def hook(_m: nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
+        seen.append(out.clone())
+        return full.clone()
+    return hook
+
+
+def _take(point: Point, parts: list[str], routers: list[str],
+          styles: dict[str, ParallelStyle | str], rules: Rules) -> None:
+    """Record the styles and their reasons."""
+    where = f"the input of '{point.name}'" if point.reads else f"the output of '{point.name}'"
+    for name in parts:
+        styles[name] = RowwisePartial()
+        rules.why[name] = (f"dataflow: one of {len(parts)} row-split Linears whose outputs are "
+                           f"only summed; left as partial sums, reduced once at {where}")
+    lone = [n for n in [point.name, *routers] if isinstance(styles.get(n), str)]
+    rules.notes[:] = [n for n in rules.notes if not any(n.startswith(f"'{x}' ") for x in lone)]
+    styles[point.name] = ReduceInput() if point.reads else ReduceOutput()
+    rules.why[point.name] = (f"dataflow: {where} sums the partial outputs of {len(parts)} "
+                             f"Linears ({parts[0]}, ...): one all-reduce instead of {len(parts)}")
+    for name in routers:
+        styles[name] = PartialGradOutput()
+        rules.why[name] = (f"dataflow: its output multiplies the partial sums before {where}; "
+                           "replicated, its output's gradient summed over the group")

@@ -1,0 +1,125 @@
+"""Styles for partial sums reduced late: one all-reduce for several row-split Linears.
+
+A hand-written MoE calls each expert's MLP on its own tokens and sums the
+weighted outputs. With every expert's ``down`` split by weight columns
+(``rowwise``), each one all-reduces its output: one collective per expert.
+Summing is linear, so the experts may instead leave their outputs as partial
+sums (``rowwise_partial``) and one all-reduce of the combined output
+(``reduce_output`` on the module that returns it, or ``reduce_input`` on the
+Linear that reads it) sums them all. A replicated module whose output
+multiplies those partial sums before the reduction (the router's weights)
+gets a partial gradient on each rank; ``partial_grad_output`` sums it in
+backward. The automatic plan (:mod:`torchtp.plans.late_reduce`) confirms all
+of this on the real model before using it; a hand-written plan that uses
+these styles is the user's responsibility.
+
+=========================  ==============================================  ===========================
+style                      forward                                         backward
+=========================  ==============================================  ===========================
+``rowwise_partial``        weight columns (in_features) split, no reduce   nothing extra
+``reduce_output``          all-reduce the module's output                  identity
+``reduce_input``           all-reduce the module's first input             identity
+``partial_grad_output``    identity (module replicated)                    all-reduce the output's grad
+=========================  ==============================================  ===========================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.regions import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from ..comm.runtime import ProcessGroup
+from ..layers import ColumnParallelLinear
+from .styles import LayerPlan, ParallelStyle, Rowwise, ShardContext
+
+
+class RowwisePartial(Rowwise):
+    """``rowwise`` whose output stays this rank's partial sum (a later style reduces it)."""
+
+    collectives = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "rowwise_partial"
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        swapped = super().apply(module, layer, ctx)
+        assert isinstance(swapped, ColumnParallelLinear)
+        swapped.partial_output = True
+        return swapped
+
+
+def _tensor_output(fqn: str, style: str, out: object) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"module '{fqn}' (style {style!r}) returned {type(out).__name__}; the "
+                        "style needs a single tensor output; plan it 'replicate' or reduce "
+                        "where a tensor is returned")
+    return out
+
+
+class ReduceOutput(ParallelStyle):
+    """The module's output is a partial sum over the group: all-reduce it after the forward."""
+
+    name = "reduce_output"
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size > 1:
+            module.register_forward_hook(_reduce_output(layer.fqn, ctx.group))
+        return module
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        return LayerPlan(fqn, self.name, collectives=("all_reduce",))
+
+
+class ReduceInput(ParallelStyle):
+    """The module's first input is a partial sum: all-reduce it before the forward."""
+
+    name = "reduce_input"
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size > 1:
+            module.register_forward_pre_hook(_reduce_input(layer.fqn, ctx.group))
+        return module
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        planned = super().plan(module, fqn, ctx)
+        return LayerPlan(fqn, self.name, full=planned.full, local=planned.local,
+                         collectives=("all_reduce",))
+
+
+class PartialGradOutput(ParallelStyle):
+    """Replicated module whose output meets partial sums: sum its output's gradient in backward."""
+
+    name = "partial_grad_output"
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size > 1:
+            module.register_forward_hook(_grad_summed(layer.fqn, ctx.group))
+        return module
+
+
+def _reduce_output(fqn: str, group: ProcessGroup | None) -> Any:
+    def hook(_m: nn.Module, _args: object, out: object) -> torch.Tensor:
+        return reduce_from_tensor_parallel_region(_tensor_output(fqn, "reduce_output", out),
+                                                  group)
+    return hook
+
+
+def _reduce_input(fqn: str, group: ProcessGroup | None) -> Any:
+    def hook(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not args:
+            raise TypeError(f"module '{fqn}' (style 'reduce_input') was called without a "
+                            "positional input to reduce")
+        x = _tensor_output(fqn, "reduce_input", args[0])
+        return (reduce_from_tensor_parallel_region(x, group), *args[1:])
+    return hook
+
+
+def _grad_summed(fqn: str, group: ProcessGroup | None) -> Any:
+    def hook(_m: nn.Module, _args: object, out: object) -> torch.Tensor:
+        return copy_to_tensor_parallel_region(_tensor_output(fqn, "partial_grad_output", out),
+                                              group)
+    return hook

@@ -1,0 +1,159 @@
+"""Hand-written MoEs (a router Linear and an ``nn.ModuleList`` of expert MLPs), run per rank.
+
+Three ways people write the combine:
+
+* ``inline``: the model sums the weighted expert outputs itself and feeds the
+  sum to its next Linear (the reduction goes to that Linear's input);
+* ``block``: an MoE module returns the routed experts plus a shared expert,
+  and the block adds it to a residual (the reduction goes to the module's
+  output, before the residual);
+* ``aux``: the same module also returns the router logits for an auxiliary
+  loss, so the router's gradient is not only partial: each expert keeps its
+  own all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import torchtp
+
+from ._hf_checks import expected_local
+
+TOL = {"rtol": 1e-9, "atol": 1e-11}  # float64: reordered sums of 16-32 terms only
+
+
+class _Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, inter), nn.Linear(inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))  # (n, H)
+
+
+def _combine(flat: torch.Tensor, logits: torch.Tensor, experts: nn.ModuleList, k: int
+             ) -> torch.Tensor:
+    """The weighted sum of each token's top-``k`` experts: ``(N, H)``."""
+    weights, index = logits.softmax(-1).topk(k, -1)  # (N, k)
+    out = torch.zeros_like(flat)
+    for e, expert in enumerate(experts):
+        token, slot = (index == e).nonzero(as_tuple=True)
+        if token.numel():  # the same on every rank: routing is replicated
+            out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+    return out
+
+
+class HandMoE(nn.Module):
+    """The combine written inline; its sum feeds ``out``."""
+
+    def __init__(self, hidden: int = 16, inter: int = 32, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, hidden), nn.Linear(hidden, 8)
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(hidden, inter) for _ in range(experts))
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.inp(x).reshape(-1, self.router.in_features)  # (N, H)
+        out = _combine(flat, self.router(flat), self.experts, self.k)
+        return self.out(out.reshape(*x.shape[:-1], -1))
+
+
+class MoELayer(nn.Module):
+    """Routed experts plus a shared expert; with ``aux`` also the router logits."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, k: int, aux: bool) -> None:
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(hidden, inter) for _ in range(experts))
+        self.shared = _Expert(hidden, inter)
+        self.k, self.aux = k, aux
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        flat = h.reshape(-1, h.shape[-1])  # (N, H)
+        logits = self.router(flat)  # (N, E)
+        out = (_combine(flat, logits, self.experts, self.k) + self.shared(flat)).view_as(h)
+        return (out, logits) if self.aux else out
+
+
+class HandMoEBlock(nn.Module):
+    """``h + moe(h)`` between two Linears; ``aux``: the loss also reads the router logits."""
+
+    def __init__(self, hidden: int = 16, inter: int = 32, experts: int = 4, k: int = 2,
+                 aux: bool = False) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, hidden), nn.Linear(hidden, 8)
+        self.moe = MoELayer(hidden, inter, experts, k, aux)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)  # (B, T, H)
+        moe = self.moe(h)
+        if isinstance(moe, tuple):
+            routed, logits = moe
+            aux = logits.softmax(-1).mean(0).square().sum()  # a load-balancing-style term
+            return self.out(h + routed) + aux
+        return self.out(h + moe)
+
+
+MODELS = {"inline": HandMoE, "block": HandMoEBlock,
+          "aux": lambda: HandMoEBlock(aux=True)}
+
+
+def check_hand_moe(rank: int, world_size: int, kind: str) -> dict[str, object]:
+    """The automatic plan on a hand-written MoE against one process, two SGD steps.
+
+    Returns the plan's styles and reasons, and the forward's and backward's
+    collective counts.
+    """
+    torch.manual_seed(0)
+    ref = MODELS[kind]().double()
+    torch.manual_seed(0)
+    wrapped = torchtp.DistributedModelWrapper(MODELS[kind]().double())
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    counts = []
+    for _ in range(2):
+        with torchtp.count_collectives() as fwd:
+            got = wrapped(x)
+        want = ref(x)
+        torch.testing.assert_close(got, want, **TOL)
+        with torchtp.count_collectives() as bwd:
+            got.square().sum().backward()
+        want.square().sum().backward()
+        _check_grads(wrapped, ref)
+        counts.append((dict(fwd.counts), dict(bwd.counts)))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    plan = wrapped.resolved_plan
+    return {"styles": {n: s.name for n, s in plan.assignments.items()}, "why": dict(plan.why),
+            "notes": list(plan.notes), "counts": counts}
+
+
+def _check_grads(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module) -> None:
+    ref_params = dict(ref.named_parameters())
+    for name, p in wrapped.base_model.named_parameters():
+        module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
+        want = ref_params[name].grad
+        assert (p.grad is None) == (want is None), name
+        if want is not None:
+            torch.testing.assert_close(p.grad, expected_local(module, name.rpartition(".")[2],
+                                                              want), **TOL, msg=name)
+
+
+def check_lora_on_partial_refused(rank: int, world_size: int) -> str:
+    """LoRA on a ``rowwise_partial`` expert raises on every rank, naming the fix."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    wrapped = torchtp.DistributedModelWrapper(HandMoEBlock().double())
+    model = get_peft_model(wrapped.base_model, LoraConfig(r=2, target_modules=["down"]))
+    try:
+        model(torch.randn(2, 3, 8, dtype=torch.float64))
+    except ValueError as err:
+        return str(err)
+    raise AssertionError("LoRA on a partial-sum layer ran")
