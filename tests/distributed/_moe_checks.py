@@ -421,3 +421,23 @@ def check_dp_tp(rank: int, world_size: int, expert_parallel: bool | int = False,
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
         out[kind] = got
     return out
+
+
+def check_hub_layout(rank: int, world_size: int, out: str, arch: str,
+                     splits: tuple[bool | int, ...]) -> dict[str, object]:
+    """transformers' own ``save_pretrained`` (each expert its own tensors, as on the Hub)
+    reloaded by ``from_pretrained`` into each split: every parameter is this rank's cut
+    of the saved one, bit for bit; the files' expert keys and each split's logit difference."""
+    import os
+
+    from safetensors import safe_open
+
+    model = build_moe(arch).float()
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    if rank == 0:
+        model.save_pretrained(out)
+    dist.barrier()
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        keys = sorted(k for k in f.keys() if ".experts." in k and "layers.0." in k)  # noqa: SIM118
+    ids = _batch()["input_ids"]
+    return {"keys": keys, "diffs": [_reload(out, ep, full, model, ids)[1] for ep in splits]}

@@ -26,6 +26,7 @@ from ._moe_checks import (
     check_dp_tp,
     check_generate,
     check_grouped_mm,
+    check_hub_layout,
     check_moe,
     check_resume,
     check_route_mismatch,
@@ -203,3 +204,16 @@ def test_tp1_keeps_the_experts_whole():
     assert wrapped.resolved_plan.layers["model.layers.0.mlp.experts"].style == "moe_tp_experts"
     assert torch.equal(wrapped(input_ids=torch.tensor([[3, 4, 5]])).logits,
                        build_moe("mixtral")(input_ids=torch.tensor([[3, 4, 5]])).logits)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_hub_checkpoints_with_one_tensor_per_expert_load_into_every_split(ranks, tmp_path, arch):
+    # transformers writes (and the Hub holds) experts.{e}.w1/w2/w3 (Mixtral, under
+    # block_sparse_moe) or experts.{e}.gate_proj/up_proj/down_proj; torchtp reads only
+    # this rank's experts and rows into the 3-D parameters. float32: sums reordered.
+    splits = (False, True) if _sentinel() else (False,)
+    out = ranks(check_hub_layout, 2, str(tmp_path / arch), arch, splits, timeout=180)[0]
+    per_expert = {"mixtral": "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                  "qwen3_moe": "model.layers.0.mlp.experts.0.gate_proj.weight"}[arch]
+    assert per_expert in out["keys"]
+    assert max(out["diffs"]) < 1e-5

@@ -31,6 +31,7 @@ from ..guards.agreement import agree
 from ..guards.fingerprints import tensor_digest
 from ..layers import grad_sync
 from .build import build_on_meta, load_config
+from .expert_files import merged_experts
 from .placements import Placement, placements
 from .sources import Source, TorchTPSource, open_source, read_layout
 
@@ -79,6 +80,8 @@ def from_pretrained(
     wrapper = _wrap(wrap, model, group, source)
     found, error = None, None
     try:
+        # Hub MoE checkpoints keep each expert as its own tensors: read them merged.
+        source = merged_experts(source, wrapper.base_model)
         found = _check(wrapper.base_model, source, config)
     except ValueError as err:
         error = err

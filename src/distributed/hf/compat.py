@@ -280,3 +280,51 @@ def expert_parallel_forward(module: nn.Module, dtype: torch.dtype) -> Any:
     if dtype in (torch.float32, torch.bfloat16, torch.float16):
         return moe.grouped_mm_experts_forward
     return moe.batched_mm_experts_forward
+
+
+def expert_checkpoint_conversions(model: nn.Module) -> tuple[
+        list[tuple[tuple[str, ...], str]], list[tuple[tuple[str, ...], str, int | None]],
+        list[tuple[str, ...]]]:
+    """transformers' declared renamings and per-expert merges for ``model``'s checkpoints.
+
+    Hub MoE checkpoints keep each expert as its own tensors
+    (``...experts.3.w1.weight``); transformers >= 5 merges them into 3-D
+    parameters while loading, as ``get_model_conversion_mapping`` (also used by
+    PEFT) declares. Returned:
+
+    * renamings: ``(regex patterns, replacement)``, applied to every key in order;
+    * merges: ``(source patterns, target, concat_dim)``: a pattern's ``*`` is the
+      expert index; the experts are stacked on a new dim 0, and with
+      ``concat_dim`` the sources (e.g. gate and up) are concatenated along that
+      dim of the stacked tensor first;
+    * others: source patterns of conversions torchtp does not read.
+
+    Empty lists where the release has no such mapping.
+
+    Checked: transformers 5.23.0, 5.24.0 (``WeightRenaming``, ``WeightConverter``
+    with ``MergeModulelist(dim=0)`` then ``Concatenate(dim=1)``, their
+    ``_original_*_patterns``); 5.3.0 has none for these models.
+    """
+    try:
+        from transformers import conversion_mapping
+        from transformers import core_model_loading as cml
+    except ImportError:
+        return [], [], []
+    get = getattr(conversion_mapping, "get_model_conversion_mapping", None)
+    if get is None:
+        return [], [], []
+    renames, merges, others = [], [], []
+    for c in get(model):
+        sources = tuple(getattr(c, "_original_source_patterns", c.source_patterns))
+        targets = tuple(getattr(c, "_original_target_patterns", c.target_patterns))
+        ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(c, "operations", [])]
+        if getattr(c, "scope_prefix", None):
+            others.append(sources)
+        elif type(c) is cml.WeightRenaming and len(targets) == 1:
+            renames.append((sources, targets[0]))
+        elif type(c) is cml.WeightConverter and len(targets) == 1 and ops in (
+                [("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+            merges.append((sources, targets[0], 1 if len(ops) == 2 else None))
+        else:
+            others.append(sources)
+    return renames, merges, others
