@@ -4,7 +4,7 @@ Each run builds the tiny random Mixtral of ``_moe_checks`` twice from the same
 seed (float64, so no routing choice can flip) and compares the wrapped model,
 driven by the stack, with the unwrapped one driven the same way: under
 ``torch.compile``, with PEFT LoRA adapters, and inside ``TensorParallelTrainer``
-(with the router's auxiliary loss). Each split of the experts is run:
+(with the router's auxiliary loss), Lightning Fabric and accelerate's loop. Each split of the experts is run:
 features split inside (the default), whole experts through the all-reduce and
 through all-to-all dispatch; ``splits`` runs the first that many of them
 (older transformers releases refuse whole experts).
@@ -181,6 +181,28 @@ def moe_fabric(rank: int, world_size: int, splits: int) -> list[torch.Tensor]:
         for _ in range(3):
             fabric.backward(model(**_batch()).loss)
             fabric.clip_gradients(model, opt, max_norm=CLIP)
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            out.append(model.eval()(**_batch()).logits)
+    return out
+
+
+def moe_accelerate(rank: int, world_size: int, splits: int) -> list[torch.Tensor]:
+    """The accelerate loop docs/integrations.md documents (the model kept out of
+    ``prepare``, the optimizer prepared, ``accelerator.backward``, torchtp's clipping, the
+    same batches on every TP rank): the logits after three SGD steps, for each split
+    (compare with :func:`moe_one_process`)."""
+    from accelerate import Accelerator
+
+    out = []
+    for split in SPLITS[:splits]:
+        acc = Accelerator(cpu=True)
+        model = torchtp.DistributedModelWrapper(build_moe("mixtral").train(), **split)
+        opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=LR))
+        for _ in range(3):
+            acc.backward(model(**_batch()).loss)
+            assert float(torchtp.clip_grad_norm_(model.parameters(), CLIP)) > CLIP
             opt.step()
             opt.zero_grad()
         with torch.no_grad():

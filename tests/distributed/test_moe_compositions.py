@@ -14,6 +14,7 @@ import torch
 
 from ._moe_compositions import (
     SPLITS,
+    moe_accelerate,
     moe_compile,
     moe_fabric,
     moe_one_process,
@@ -64,4 +65,13 @@ def test_lightning_fabric_on_an_moe_model_matches_one_process(ranks):
         for got in per_split:
             # torchtp's clip computes the total norm in float32 (docs/training.md), torch's in
             # float64 here: the clip factors differ at float32 rounding, ~1e-7 relative.
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_accelerates_documented_loop_on_an_moe_model_matches_one_process(ranks):
+    want = moe_one_process()
+    for per_split in ranks(moe_accelerate, 2, _splits(), timeout=300):
+        assert len(per_split) == _splits()
+        for got in per_split:
+            # As for Fabric: torchtp's norm in float32, torch's in float64 here.
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
