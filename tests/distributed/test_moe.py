@@ -169,7 +169,8 @@ def test_bare_expert_parameters_and_pointless_expert_parallel_are_refused():
             build_moe("mixtral"), world_size=2, rank=0,
             plan={"model.layers.*.mlp.experts": "grouped_gemm"})
     with pytest.raises(ValueError, match=r"expert_parallel=True, but the model has no "
-                       r"transformers experts module \(Sequential"):
+                       r"transformers experts module and no hand-written experts that the "
+                       r"automatic plan sums once \(an nn.ModuleList of expert MLPs; Sequential"):
         torchtp.DistributedModelWrapper(nn.Sequential(nn.Linear(4, 4)), world_size=2, rank=0,
                                         expert_parallel=True)
 

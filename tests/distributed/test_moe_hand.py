@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._hand_moe import check_hand_moe
+from ._hand_moe import check_hand_moe, check_hand_moe_ep
 
 EXPERTS = [f"experts.{e}.down" for e in range(4)]
 
@@ -60,3 +60,44 @@ def test_lora_on_an_expert_left_as_a_partial_sum_is_refused_on_every_rank(ranks)
     for msg in ranks(check_lora_on_partial_refused, 2):
         assert "LoRA adapters on a 'rowwise_partial' layer" in msg
         assert "plan={...: 'rowwise'}" in msg
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_parallel_places_each_expert_whole_on_one_rank(ranks, world_size):
+    # 4 experts in a ModuleList: 2 per rank at ep 2, 1 at ep 4; the shared expert
+    # (not in a list) stays split by features; one all-reduce per MoE layer.
+    outs = ranks(check_hand_moe_ep, world_size, "block", timeout=240)
+    per_rank = 4 // world_size
+    held = [out["held"] for out in outs]
+    assert held == [[f"moe.experts.{r * per_rank + i}" for i in range(per_rank)]
+                    for r in range(world_size)]
+    styles = outs[0]["styles"]
+    assert styles["moe.experts.0.up"] == styles["moe.experts.3.down"] == "ep_whole_expert"
+    assert styles["moe.shared.down"] == "rowwise_partial"
+    for out in outs:
+        for fwd in out["counts"]:
+            assert fwd.get("all_reduce") == 1, fwd
+
+
+def test_expert_parallel_on_an_inline_moe(ranks):
+    outs = ranks(check_hand_moe_ep, 2, "inline", timeout=180)
+    assert [o["held"] for o in outs] == [["experts.0", "experts.1"], ["experts.2", "experts.3"]]
+
+
+def test_whole_experts_save_sharded_and_consolidate_bit_for_bit(ranks, tmp_path):
+    from ._hand_moe import check_hand_moe_ep_checkpoint
+
+    names = ranks(check_hand_moe_ep_checkpoint, 2, str(tmp_path), timeout=180)[0]
+    assert "moe.experts.3.down.weight" in names
+
+
+def test_expert_parallel_k_on_a_hand_written_moe_is_refused():
+    import torchtp
+
+    from ._hand_moe import HandMoEBlock
+
+    with pytest.raises(ValueError, match=r"expert_parallel=2, expert_dispatch='auto': a "
+                       r"hand-written MoE \(HandMoEBlock\) places whole experts over the TP "
+                       r"group .*use expert_parallel=True"):
+        torchtp.DistributedModelWrapper(HandMoEBlock(), world_size=2, rank=0,
+                                        expert_parallel=2)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..hf import compat
 from .sources import HFSource, Segments, Source
 
 
@@ -98,6 +97,8 @@ def merged_experts(source: Source, model: nn.Module) -> Source:
     """
     if not isinstance(source, HFSource):
         return source
+    from ..hf import compat  # here: wrapping a plain model imports nothing of torchtp.hf
+
     renames, merges, _ = compat.expert_checkpoint_conversions(model)
     patterns = [(tuple(re.compile(re.escape(p).replace(r"\*", r"(\d+)")) for p in sources),
                  target, concat) for sources, target, concat in merges]

@@ -115,6 +115,8 @@ def valid_sizes(*units: int, limit: int = MAX_TP) -> list[int]:
 def cut(t: torch.Tensor, dim: int, segments: Sequence[tuple[int, int]]) -> torch.Tensor:
     """``segments`` of ``t`` along ``dim``, concatenated (a view when there is one segment)."""
     parts = [t.narrow(dim, s, n) for s, n in segments]
+    if not parts:  # holds nothing along dim (a whole expert that lives on another rank)
+        return t.narrow(dim, 0, 0)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 

@@ -88,7 +88,7 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
             rules.notes.append(f"{parts} keep one all-reduce each: summing them once at "
                                f"'{point.name}' {problem}")
             continue
-        _take(point, parts, routers, styles, rules)
+        _take(trace, point, parts, routers, styles, rules)
         used.update(parts)
 
 
@@ -218,12 +218,13 @@ def _seen_output(full: torch.Tensor, seen: list[torch.Tensor]) -> Any:
     return hook
 
 
-def _take(point: Point, parts: list[str], routers: list[str],
+def _take(trace: Trace, point: Point, parts: list[str], routers: list[str],
           styles: dict[str, ParallelStyle | str], rules: Rules) -> None:
     """Record the styles and their reasons."""
     where = f"the input of '{point.name}'" if point.reads else f"the output of '{point.name}'"
     for name in parts:
-        styles[name] = RowwisePartial()
+        styles[name] = RowwisePartial(tuple(sorted(trace.region(name).producers,
+                                                   key=trace.order.index)))
         rules.why[name] = (f"dataflow: one of {len(parts)} row-split Linears whose outputs are "
                            f"only summed; left as partial sums, reduced once at {where}")
     lone = [n for n in [point.name, *routers] if isinstance(styles.get(n), str)]

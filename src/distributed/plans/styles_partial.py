@@ -37,13 +37,21 @@ from .styles import LayerPlan, ParallelStyle, Rowwise, ShardContext
 
 
 class RowwisePartial(Rowwise):
-    """``rowwise`` whose output stays this rank's partial sum (a later style reduces it)."""
+    """``rowwise`` whose output stays this rank's partial sum (a later style reduces it).
+
+    Args:
+        producers: The Linears that feed it (an expert's up/gate projections),
+            when the automatic plan found them: ``expert_parallel=True`` places
+            such an expert whole on one rank instead
+            (:mod:`torchtp.plans.styles_whole_expert`).
+    """
 
     collectives = ()
 
-    def __init__(self) -> None:
+    def __init__(self, producers: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.name = "rowwise_partial"
+        self.producers = producers
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         swapped = super().apply(module, layer, ctx)

@@ -19,6 +19,7 @@ from ..plans.sources import experts_layout
 from ..plans.styles import ParallelStyle
 from ..plans.styles_experts import ExpertsEP, ExpertsTP, check_expert_parallel
 from ..plans.styles_sp import SequenceParallel
+from ..plans.styles_whole_expert import whole_experts
 
 if TYPE_CHECKING:
     from ..hf.sequence_parallel import SequencePlan
@@ -103,9 +104,8 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
     moved = [name for name in found if name not in plan.assignments
              or isinstance(plan.assignments[name], ExpertsTP)]
     if not found:
-        raise ValueError(f"expert_parallel={ep!r}, but the model has no transformers experts "
-                         f"module ({type(model).__name__}; plan source: {plan.source}); drop "
-                         "the option")
+        _place_hand_written(model, plan, ep, dispatch)
+        return
     why = "expert_parallel=True: whole experts" if ep is True else \
         f"expert_parallel={ep}: experts over {ep} ranks, features over tp/{ep}"
     for name in moved:
@@ -124,3 +124,31 @@ def _experts_style(ep: bool | int, dispatch: Dispatch) -> ParallelStyle:
                          "expert_parallel=1 splits every expert's features; use "
                          "expert_parallel=True")
     return ExpertsTP() if ep == 1 else ExpertsEP(ep, dispatch)
+
+
+def _place_hand_written(model: nn.Module, plan: ResolvedPlan, ep: bool | int,
+                        dispatch: Dispatch) -> None:
+    """Whole experts per rank for a hand-written MoE the automatic plan sums once.
+
+    Raises:
+        ValueError: the model has no such experts, or ``ep``/``dispatch`` ask for
+            more than whole experts over the TP group through the one all-reduce.
+    """
+    if ep is not True or dispatch == "all_to_all":
+        raise ValueError(f"expert_parallel={ep!r}, expert_dispatch={dispatch!r}: a hand-written "
+                         f"MoE ({type(model).__name__}) places whole experts over the TP group "
+                         "and sums them with one all-reduce only; use expert_parallel=True and "
+                         "expert_dispatch='auto' or 'all_reduce'")
+    lists = whole_experts(model, plan)
+    if not lists:
+        raise ValueError(f"expert_parallel={ep!r}, but the model has no transformers experts "
+                         f"module and no hand-written experts that the automatic plan sums once "
+                         f"(an nn.ModuleList of expert MLPs; {type(model).__name__}, plan source: "
+                         f"{plan.source}); drop the option")
+    for parent, experts in lists.items():
+        for expert in experts:
+            for name in plan.assignments:
+                if name.startswith(f"{expert}."):
+                    plan.why[name] = (f"expert_parallel=True: '{parent}' holds {len(experts)} "
+                                      "experts, each whole on one rank of the TP group "
+                                      "(shard_range), zeros elsewhere; summed once")
