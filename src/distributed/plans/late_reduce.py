@@ -77,7 +77,7 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
         return
     plain = {c for c in consumers if type(styles.get(c)) is Rowwise}
     used: set[str] = set()
-    for point in _points(model, trace, plain):
+    for point in _points(trace, plain):
         parts = sorted(point.region.producers & plain, key=trace.order.index)
         if point.region.producers & used:
             continue
@@ -92,7 +92,7 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
         used.update(parts)
 
 
-def _points(model: nn.Module, trace: Trace, plain: set[str]) -> list[Point]:
+def _points(trace: Trace, plain: set[str]) -> list[Point]:
     """Tensors fed by at least two of the ``plain`` consumers, the smallest region first."""
     found: list[Point] = []
     for name, (value, node) in trace.returned.items():
