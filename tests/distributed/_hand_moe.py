@@ -161,13 +161,14 @@ def check_lora_on_partial_refused(rank: int, world_size: int) -> str:
     raise AssertionError("LoRA on a partial-sum layer ran")
 
 
-def check_hand_moe_ep(rank: int, world_size: int, kind: str) -> dict[str, object]:
-    """``expert_parallel=True`` on a hand-written MoE: whole experts per rank, against one
+def check_hand_moe_ep(rank: int, world_size: int, kind: str,
+                      ep: bool | int = True) -> dict[str, object]:
+    """``expert_parallel=ep`` on a hand-written MoE: experts over blocks of ranks, against one
     process (outputs, every gradient, two SGD steps); the experts this rank holds."""
     torch.manual_seed(0)
     ref = MODELS[kind]().double()
     torch.manual_seed(0)
-    wrapped = torchtp.DistributedModelWrapper(MODELS[kind]().double(), expert_parallel=True)
+    wrapped = torchtp.DistributedModelWrapper(MODELS[kind]().double(), expert_parallel=ep)
     x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
@@ -186,7 +187,7 @@ def check_hand_moe_ep(rank: int, world_size: int, kind: str) -> dict[str, object
         opt.zero_grad()
         ref_opt.zero_grad()
     held = sorted({n.rsplit(".", 2)[0] for n, p in wrapped.base_model.named_parameters()
-                   if "experts." in n and p.numel()})
+                   if "experts." in n and n.endswith("weight") and p.numel()})
     return {"held": held, "counts": counts,
             "styles": {n: s.name for n, s in wrapped.resolved_plan.assignments.items()}}
 

@@ -72,7 +72,8 @@ def test_expert_parallel_places_each_expert_whole_on_one_rank(ranks, world_size)
     assert held == [[f"moe.experts.{r * per_rank + i}" for i in range(per_rank)]
                     for r in range(world_size)]
     styles = outs[0]["styles"]
-    assert styles["moe.experts.0.up"] == styles["moe.experts.3.down"] == "ep_whole_expert"
+    assert styles["moe.experts.0.up"] == "ep_expert_rows"
+    assert styles["moe.experts.3.down"] == "ep_expert_columns"
     assert styles["moe.shared.down"] == "rowwise_partial"
     for out in outs:
         for fwd in out["counts"]:
@@ -91,13 +92,27 @@ def test_whole_experts_save_sharded_and_consolidate_bit_for_bit(ranks, tmp_path)
     assert "moe.experts.3.down.weight" in names
 
 
-def test_expert_parallel_k_on_a_hand_written_moe_is_refused():
+def test_experts_over_two_blocks_of_two_ranks(ranks):
+    # expert_parallel=2 at 4 ranks: experts 0-1 on ranks 0-1, 2-3 on ranks 2-3, each
+    # split by features inside its block (ep 2 x tp 2).
+    outs = ranks(check_hand_moe_ep, 4, "block", 2, timeout=240)
+    assert [o["held"] for o in outs] == [["moe.experts.0", "moe.experts.1"]] * 2 + \
+        [["moe.experts.2", "moe.experts.3"]] * 2
+    assert outs[0]["styles"]["moe.experts.0.up"] == "ep_expert_rows"
+    assert outs[0]["styles"]["moe.experts.0.down"] == "ep_expert_columns"
+    for out in outs:
+        for fwd in out["counts"]:
+            assert fwd.get("all_reduce") == 1, fwd
+
+
+def test_expert_parallel_that_does_not_divide_the_group_is_refused():
     import torchtp
 
     from ._hand_moe import HandMoEBlock
 
-    with pytest.raises(ValueError, match=r"expert_parallel=2, expert_dispatch='auto': a "
-                       r"hand-written MoE \(HandMoEBlock\) places whole experts over the TP "
-                       r"group .*use expert_parallel=True"):
-        torchtp.DistributedModelWrapper(HandMoEBlock(), world_size=2, rank=0,
-                                        expert_parallel=2)
+    with pytest.raises(ValueError, match=r"expert_parallel=3, expert_dispatch='auto': a "
+                       r"hand-written MoE \(HandMoEBlock\) shares its experts out over blocks "
+                       r"of the TP group \(world_size=4\).*expert_parallel=True or one of "
+                       r"\[1, 2, 4\]"):
+        torchtp.DistributedModelWrapper(HandMoEBlock(), world_size=4, rank=0,
+                                        expert_parallel=3)

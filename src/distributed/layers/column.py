@@ -56,9 +56,9 @@ class ColumnParallelLinear(ParallelLinear):
         partial_output: Set by the ``"rowwise_partial"`` style: return this
             rank's partial sum without reducing it, because a later all-reduce
             (a ``"reduce_output"``/``"reduce_input"`` module) sums several such
-            layers at once (a hand-written MoE's experts). The bias is added on
-            rank 0 only, so the later sum adds it once; its gradient is the
-            full one on every rank.
+            layers at once (a hand-written MoE's experts). The (replicated)
+            bias is added on rank 0 only, so the later sum adds it once; its
+            gradient is the full one on every rank.
 
     Raises:
         ValueError: ``in_features`` is smaller than ``world_size`` (the
@@ -152,8 +152,8 @@ class ColumnParallelLinear(ParallelLinear):
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
         partial = F.linear(x, self.weight)  # (..., out), this rank's partial sum
         if self.partial_output:  # summed later, with other layers' partials
-            return partial if self.bias is None else _BiasOnce.apply(partial, self.bias,
-                                                                      self.rank == 0)
+            return partial if self.bias is None else _BiasOnce.apply(
+                partial, self.bias, self.rank == 0)
         if self.sequence_dim is not None:  # (B, S, out): this rank's sequence shard
             y = reduce_scatter_to_sequence_shards(partial, group, self.sequence_dim)
         else:  # partial is our own temporary, so the all-reduce may write into it.

@@ -19,7 +19,7 @@ from ..plans.sources import experts_layout
 from ..plans.styles import ParallelStyle
 from ..plans.styles_experts import ExpertsEP, ExpertsTP, check_expert_parallel
 from ..plans.styles_sp import SequenceParallel
-from ..plans.styles_whole_expert import whole_experts
+from ..plans.styles_whole_expert import place_experts
 
 if TYPE_CHECKING:
     from ..hf.sequence_parallel import SequencePlan
@@ -55,7 +55,8 @@ class Options:
         """Before the checks: place whole experts; vocab-split the LM head; mark the norms
         sequence-parallel."""
         if self.expert_parallel is not False:
-            place_whole_experts(model, plan, self.expert_parallel, self.expert_dispatch)
+            place_whole_experts(model, plan, self.expert_parallel, self.expert_dispatch,
+                                ctx.world_size)
         elif self.expert_dispatch != "auto":
             raise ValueError(f"expert_dispatch={self.expert_dispatch!r} chooses how tokens reach "
                              "whole experts, but expert_parallel is off (every expert's "
@@ -84,7 +85,7 @@ class Options:
 
 
 def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = True,
-                        dispatch: Dispatch = "auto") -> None:
+                        dispatch: Dispatch = "auto", world_size: int = 1) -> None:
     """Give every experts module ``ep_dispatch_experts``, saying why.
 
     Experts the plan splits inside (``moe_tp_experts``) or leaves unplanned
@@ -93,6 +94,10 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
     (an int) places them over ``k`` ranks with each expert's features split over
     ``tp/k`` (:class:`~torchtp.plans.styles_experts.ExpertsEP`); ``k = 1`` is the
     plain feature split (``moe_tp_experts``). ``dispatch`` is ``ExpertsEP``'s.
+
+    A model without such modules gets its hand-written experts placed instead
+    (an ``nn.ModuleList`` of expert MLPs the automatic plan sums once, over
+    ``world_size``'s TP group, :mod:`torchtp.plans.styles_whole_expert`).
 
     Raises:
         ValueError: ``ep`` is neither a bool nor a positive int, or the model
@@ -104,7 +109,7 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
     moved = [name for name in found if name not in plan.assignments
              or isinstance(plan.assignments[name], ExpertsTP)]
     if not found:
-        _place_hand_written(model, plan, ep, dispatch)
+        _place_hand_written(model, plan, ep, dispatch, world_size)
         return
     why = "expert_parallel=True: whole experts" if ep is True else \
         f"expert_parallel={ep}: experts over {ep} ranks, features over tp/{ep}"
@@ -127,28 +132,34 @@ def _experts_style(ep: bool | int, dispatch: Dispatch) -> ParallelStyle:
 
 
 def _place_hand_written(model: nn.Module, plan: ResolvedPlan, ep: bool | int,
-                        dispatch: Dispatch) -> None:
-    """Whole experts per rank for a hand-written MoE the automatic plan sums once.
+                        dispatch: Dispatch, world_size: int) -> None:
+    """Experts over ``ep`` blocks of the TP group for a hand-written MoE the automatic plan
+    sums once (:mod:`torchtp.plans.styles_whole_expert`).
 
     Raises:
-        ValueError: the model has no such experts, or ``ep``/``dispatch`` ask for
-            more than whole experts over the TP group through the one all-reduce.
+        ValueError: the model has no such experts, ``ep`` does not divide the TP
+            size, or all-to-all dispatch is asked for (the one all-reduce only).
     """
-    if ep is not True or dispatch == "all_to_all":
+    k = world_size if ep is True else int(ep)
+    valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if dispatch == "all_to_all" or world_size % k:
         raise ValueError(f"expert_parallel={ep!r}, expert_dispatch={dispatch!r}: a hand-written "
-                         f"MoE ({type(model).__name__}) places whole experts over the TP group "
-                         "and sums them with one all-reduce only; use expert_parallel=True and "
-                         "expert_dispatch='auto' or 'all_reduce'")
-    lists = whole_experts(model, plan)
+                         f"MoE ({type(model).__name__}) shares its experts out over blocks of "
+                         f"the TP group (world_size={world_size}) and sums them with one "
+                         f"all-reduce; use expert_dispatch='auto' or 'all_reduce' and "
+                         f"expert_parallel=True or one of {valid}")
+    lists = place_experts(model, plan, k)
     if not lists:
         raise ValueError(f"expert_parallel={ep!r}, but the model has no transformers experts "
                          f"module and no hand-written experts that the automatic plan sums once "
                          f"(an nn.ModuleList of expert MLPs; {type(model).__name__}, plan source: "
                          f"{plan.source}); drop the option")
+    per = world_size // k
     for parent, experts in lists.items():
         for expert in experts:
             for name in plan.assignments:
                 if name.startswith(f"{expert}."):
-                    plan.why[name] = (f"expert_parallel=True: '{parent}' holds {len(experts)} "
-                                      "experts, each whole on one rank of the TP group "
-                                      "(shard_range), zeros elsewhere; summed once")
+                    plan.why[name] = (f"expert_parallel={ep!r}: '{parent}' holds {len(experts)} "
+                                      f"experts over {k} blocks of {per} rank(s) (shard_range), "
+                                      "each expert split by features inside its block and "
+                                      "absent elsewhere; summed once")
