@@ -217,3 +217,24 @@ def check_hand_moe_ep_checkpoint(rank: int, world_size: int, out: str) -> list[s
     for name, tensor in want.items():
         assert torch.equal(saved[name], tensor), name
     return sorted(saved)
+
+
+def check_hand_route_mismatch(rank: int, world_size: int, ep: bool) -> tuple[str, float]:
+    """Rank 1's router differs after wrapping: the forward raises on every rank, naming it."""
+    import time
+
+    from torchtp.core.errors import RankMismatchError
+
+    torch.manual_seed(0)
+    wrapped = torchtp.DistributedModelWrapper(HandMoEBlock().double(), expert_parallel=ep)
+    if rank == 1:
+        with torch.no_grad():
+            wrapped.base_model.moe.router.weight.neg_()
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            wrapped(torch.randn(2, 3, 8, dtype=torch.float64,
+                                generator=torch.Generator().manual_seed(1)))
+    except RankMismatchError as err:
+        return str(err), time.monotonic() - start
+    raise AssertionError("different routes were not detected")

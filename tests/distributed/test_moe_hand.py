@@ -116,3 +116,15 @@ def test_expert_parallel_that_does_not_divide_the_group_is_refused():
                        r"\[1, 2, 4\]"):
         torchtp.DistributedModelWrapper(HandMoEBlock(), world_size=4, rank=0,
                                         expert_parallel=3)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_a_router_that_differs_on_one_rank_raises_on_every_rank(ranks, ep):
+    # Every all-reduce keeps its shape, so nothing else would fail: a hash of each
+    # token's ranking of the experts rides the MoE's one all-reduce.
+    from ._hand_moe import check_hand_route_mismatch
+
+    for msg, seconds in ranks(check_hand_route_mismatch, 2, ep):
+        assert "'moe.router' (style 'partial_grad_output'): the tensor-parallel ranks ranked " \
+               "the experts differently (world_size=2)" in msg
+        assert seconds < 30, seconds

@@ -14,6 +14,7 @@ A collective that is slow watches the store for another rank's failure (see
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -186,6 +187,23 @@ def cancel_ride(group: ProcessGroup | None, ride: Ride) -> None:
     waiting = _RIDES.get(dist.group.WORLD if group is None else group)
     if waiting is not None and ride in waiting:
         waiting.remove(ride)
+
+
+def ride_hash(group: ProcessGroup | None, data: bytes, device: torch.device) -> Ride:
+    """Ride the 64 bits of a blake2b hash of ``data`` (values 0 or 1) on the next all-reduce.
+
+    Read the verdict with :func:`ride_agrees` after that all-reduce ran.
+    """
+    bits = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return ride_next_all_reduce(group, [float(bits >> i & 1) for i in range(64)], device)
+
+
+def ride_agrees(group: ProcessGroup | None, ride: Ride, size: int) -> bool:
+    """Whether every rank of ``group`` (``size`` ranks) rode the same hash (:func:`ride_hash`).
+
+    Every rank reads the same sums, so every rank gives the same verdict.
+    """
+    return all(v in (0.0, float(size)) for v in ride_result(group, ride))
 
 
 def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:

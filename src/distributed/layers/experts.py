@@ -24,7 +24,6 @@ a subclass of it that adds the region operators around that forward.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -137,14 +136,11 @@ class ParallelExperts(ShardedModule):
                 or not _log.CHECK_INPUTS:
             return None  # (one rank: no all-reduce would carry it)
         data = routes.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-        bits = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-        return _comm.ride_next_all_reduce(self.tp_group, [float(bits >> i & 1) for i in range(64)],
-                                          routes.device)
+        return _comm.ride_hash(self.tp_group, data, routes.device)
 
     def _check_routes(self, ride: _comm.Ride) -> None:
         """Raise on every rank if the ranks' route hashes differ (they all read the same sums)."""
-        sums = _comm.ride_result(self.tp_group, ride)
-        if all(v in (0.0, self.tp_world_size) for v in sums):
+        if _comm.ride_agrees(self.tp_group, ride, self.tp_world_size):
             return
         raise RankMismatchError(
             f"'{self.tp_name}' ({type(self).__name__}): the tensor-parallel ranks routed tokens to "

@@ -30,8 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..comm import ops as _comm
 from ..comm.regions import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
-from ..comm.runtime import ProcessGroup
+from ..comm.runtime import ProcessGroup, group_size
+from ..core import log as _log
+from ..core.errors import RankMismatchError
 from ..layers import ColumnParallelLinear
 from .styles import LayerPlan, ParallelStyle, Rowwise, ShardContext
 
@@ -111,8 +114,9 @@ class PartialGradOutput(ParallelStyle):
 
 def _reduce_output(fqn: str, group: ProcessGroup | None) -> Any:
     def hook(_m: nn.Module, _args: object, out: object) -> torch.Tensor:
-        return reduce_from_tensor_parallel_region(_tensor_output(fqn, "reduce_output", out),
-                                                  group)
+        y = reduce_from_tensor_parallel_region(_tensor_output(fqn, "reduce_output", out), group)
+        _check_routes(group)
+        return y
     return hook
 
 
@@ -121,13 +125,53 @@ def _reduce_input(fqn: str, group: ProcessGroup | None) -> Any:
         if not args:
             raise TypeError(f"module '{fqn}' (style 'reduce_input') was called without a "
                             "positional input to reduce")
-        x = _tensor_output(fqn, "reduce_input", args[0])
-        return (reduce_from_tensor_parallel_region(x, group), *args[1:])
+        x = reduce_from_tensor_parallel_region(_tensor_output(fqn, "reduce_input", args[0]),
+                                               group)
+        _check_routes(group)
+        return (x, *args[1:])
     return hook
 
 
 def _grad_summed(fqn: str, group: ProcessGroup | None) -> Any:
     def hook(_m: nn.Module, _args: object, out: object) -> torch.Tensor:
-        return copy_to_tensor_parallel_region(_tensor_output(fqn, "partial_grad_output", out),
-                                              group)
+        y = _tensor_output(fqn, "partial_grad_output", out)
+        _ride_routes(fqn, y, group)
+        return copy_to_tensor_parallel_region(y, group)
     return hook
+
+
+# Per group, the routers whose routes ride the next all-reduce: the reduction point
+# that follows them reads the verdict (every rank reaches it, so every rank decides).
+_ROUTES: dict[object, list[tuple[str, _comm.Ride]]] = {}
+_RANKED = 8  # experts ranked per token in the hash: top-k choices for k <= 8
+
+
+def _ride_routes(fqn: str, logits: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Put a hash of every token's ranking of the router's outputs on the next all-reduce.
+
+    The router is replicated: every rank computes its outputs from its own copy
+    of the weights and of the token states. Ranks that disagree would send
+    different tokens to the experts and sum inconsistent partial sums (the
+    forward would not fail: every all-reduce keeps its shape). Ranking, not the
+    values, is hashed, so a rounding difference that changes no choice passes.
+    Off under ``torch.compile``, for one rank and with ``TP_CHECK_INPUTS=0``.
+    """
+    if group is None or group_size(group) == 1 or torch.compiler.is_compiling() \
+            or not _log.CHECK_INPUTS or not logits.numel():
+        return
+    ranked = logits.detach().topk(min(_RANKED, logits.shape[-1]), -1).indices  # (..., <=8)
+    data = ranked.to("cpu", torch.int64).contiguous().numpy().tobytes()
+    _ROUTES.setdefault(group, []).append((fqn, _comm.ride_hash(group, data, logits.device)))
+
+
+def _check_routes(group: ProcessGroup | None) -> None:
+    """After a reduction: raise on every rank if a router's ranking differed across ranks."""
+    for fqn, ride in _ROUTES.pop(group, []):
+        if not _comm.ride_agrees(group, ride, group_size(group)):
+            raise RankMismatchError(
+                f"'{fqn}' (style 'partial_grad_output'): the tensor-parallel ranks ranked the "
+                f"experts differently (world_size={group_size(group)}); every rank computes "
+                "the routes from its own copy of this router and of the token states, so one "
+                "of them differs across ranks (a replicated weight changed on one rank, "
+                "non-deterministic kernels, different inputs); compare its weights across "
+                "the ranks (torchtp's optimizer-step check, TP_STEP_CHECK, does at every step)")
