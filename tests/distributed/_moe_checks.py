@@ -441,3 +441,28 @@ def check_hub_layout(rank: int, world_size: int, out: str, arch: str,
         keys = sorted(k for k in f.keys() if ".experts." in k and "layers.0." in k)  # noqa: SIM118
     ids = _batch()["input_ids"]
     return {"keys": keys, "diffs": [_reload(out, ep, full, model, ids)[1] for ep in splits]}
+
+
+def check_mesh_ep(rank: int, world_size: int, sentinel: bool) -> dict[str, object]:
+    """``init_parallel(tp=4, ep=...)``: a bad ``ep`` refused, ``ep=2`` the experts' default
+    split (transformers' experts, a hand-written MoE), a dense model unaffected."""
+    from ._hand_moe import HandMoEBlock
+
+    try:
+        torchtp.init_parallel(tp=world_size, ep=3)
+        bad = ""
+    except ValueError as err:
+        bad = str(err)
+    cfg = torchtp.init_parallel(tp=world_size, ep=2)
+    out: dict[str, object] = {"bad": bad, "ep_size": cfg.ep_size}
+    if sentinel:
+        style = torchtp.DistributedModelWrapper(build_moe("mixtral")).resolved_plan.assignments[
+            "model.layers.0.mlp.experts"]
+        out["hf"] = (type(style).__name__, getattr(style, "ep", None))
+    hand = torchtp.DistributedModelWrapper(HandMoEBlock())
+    out["hand"] = hand.resolved_plan.assignments["moe.experts.0.up"].name
+    dense = torchtp.DistributedModelWrapper(nn.Sequential(nn.Linear(8, 16), nn.ReLU(),
+                                                          nn.Linear(16, 8)))
+    out["dense"] = {n: s.name for n, s in dense.resolved_plan.assignments.items()}
+    out["notes"] = [n for n in dense.resolved_plan.notes if "ep=" in n]
+    return out

@@ -247,3 +247,18 @@ def test_expert_parallel_1_is_the_feature_split():
     wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=2, rank=0,
                                               expert_parallel=1)
     assert wrapped.resolved_plan.layers["model.layers.0.mlp.experts"].style == "moe_tp_experts"
+
+
+def test_init_parallel_ep_is_the_experts_default_split(ranks):
+    from ._moe_checks import check_mesh_ep
+    from .test_moe import _sentinel
+
+    for out in ranks(check_mesh_ep, 4, _sentinel(), timeout=180):
+        assert "init_parallel: ep=3 must divide tp=4" in out["bad"]
+        assert "valid ep values: [1, 2, 4]" in out["bad"]
+        assert out["ep_size"] == 2
+        if "hf" in out:
+            assert out["hf"] == ("ExpertsEP", 2)
+        assert out["hand"] == "ep_expert_rows"
+        assert out["dense"] == {"0": "colwise", "2": "rowwise"}
+        assert out["notes"] == ["init_parallel(ep=2): the model has no experts; nothing placed"]

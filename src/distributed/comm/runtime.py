@@ -54,6 +54,10 @@ class TensorParallelConfig:
             when ``dp_size == 1``.
         mesh: The ``DeviceMesh`` of shape ``(dp_size, tp_size)`` with dim names
             ``("dp", "tp")``, or ``None`` without ``tp_size``.
+        ep_size: How many blocks the experts of a mixture-of-experts model are
+            shared out over inside each TP group (``init_parallel(ep=...)``);
+            the default of ``DistributedModelWrapper(expert_parallel=...)``.
+            1: every expert's features split over the whole TP group.
     """
 
     world_size: int = 1
@@ -66,6 +70,7 @@ class TensorParallelConfig:
     dp_rank: int = 0
     dp_group: ProcessGroup | None = None
     mesh: DeviceMesh | None = None
+    ep_size: int = 1
 
     @property
     def tp_size(self) -> int:
@@ -160,8 +165,8 @@ def _adopt(local_rank: int, sizes: dict[str, int | None], who: str,
 
 
 def init_parallel(
-    *, tp: int | None = None, dp: int | None = None, backend: str | None = None,
-    timeout: float | timedelta | None = None,
+    *, tp: int | None = None, dp: int | None = None, ep: int | None = None,
+    backend: str | None = None, timeout: float | timedelta | None = None,
 ) -> TensorParallelConfig:
     """Start (or adopt) the default process group laid out as one named mesh.
 
@@ -181,6 +186,14 @@ def init_parallel(
         tp: Ranks per tensor-parallel group; ``None``: the whole world (or
             ``W / dp`` when ``dp`` is given).
         dp: Data-parallel replicas; ``None``: what ``tp`` leaves.
+        ep: Expert parallelism folded into each TP group (Megatron's "parallel
+            folding": the same ranks, grouped differently for the experts):
+            the experts of an MoE model are shared out over ``ep`` blocks of
+            ``tp / ep`` consecutive ranks, each expert's features split inside
+            its block. Must divide ``tp``; ``None`` or 1: every expert's
+            features over the whole TP group. Recorded as ``cfg.ep_size``, the
+            default of ``DistributedModelWrapper(expert_parallel=...)``; dense
+            layers are unaffected (docs/moe.md).
         backend: ``"nccl"``, ``"gloo"`` or ``"cpu:gloo,cuda:nccl"`` (both: CPU
             tensors over Gloo, CUDA tensors over NCCL); ``None`` picks ``nccl``
             when CUDA is available and ``gloo`` otherwise. A backend with NCCL
@@ -201,7 +214,8 @@ def init_parallel(
             sizes do not multiply to the world size (naming the valid values),
             on every rank before any group is created.
     """
-    return _init({"dp": dp, "tp": tp}, backend, timeout, "init_parallel", {})
+    cfg = _init({"dp": dp, "tp": tp}, backend, timeout, "init_parallel", {}, ep)
+    return cfg
 
 
 def init_tensor_parallel(
@@ -239,17 +253,27 @@ def init_tensor_parallel(
 
 def _init(sizes: dict[str, int | None], backend: str | None,
           timeout: float | timedelta | None, who: str,
-          spelling: dict[str, str]) -> TensorParallelConfig:
-    """Start or adopt the default group and lay it out as the mesh of ``sizes``."""
+          spelling: dict[str, str], ep: int | None = None) -> TensorParallelConfig:
+    """Start or adopt the default group and lay it out as the mesh of ``sizes``; record ``ep``."""
     global _CONFIG
+    _CONFIG = _start(sizes, backend, timeout, who, spelling, ep)
+    if ep not in (None, 1):
+        _CONFIG = replace(_CONFIG, ep_size=ep)  # validated by _start
+    return _CONFIG
+
+
+def _start(sizes: dict[str, int | None], backend: str | None,
+           timeout: float | timedelta | None, who: str,
+           spelling: dict[str, str], ep: int | None) -> TensorParallelConfig:
     configure_from_env()
     if timeout is not None:
         set_collective_timeout(timeout.total_seconds() if isinstance(timeout, timedelta)
                                else float(timeout))
     local_rank = _env_int("LOCAL_RANK", 0)
     if dist.is_available() and dist.is_initialized():
-        _CONFIG = _adopt(local_rank, sizes, who, spelling)
-        return _CONFIG
+        cfg = _adopt(local_rank, sizes, who, spelling)
+        check_ep(ep, cfg.world_size, who)
+        return cfg
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     if world_size < 1 or not 0 <= rank < world_size:
@@ -263,9 +287,9 @@ def _init(sizes: dict[str, int | None], backend: str | None,
             raise ValueError(f"{shown} needs {prod(wanted.values())} ranks, but WORLD_SIZE=1; "
                              f"launch with torchrun --nproc-per-node {prod(wanted.values())} "
                              f"or use {one}")
-        _CONFIG = TensorParallelConfig()
+        check_ep(ep, 1, who)
         logger.debug("%s: no torchrun environment, world_size=1", who)
-        return _CONFIG
+        return TensorParallelConfig()
     chosen = _pick_backend(backend)
     if "nccl" in chosen:  # "nccl" or "cpu:gloo,cuda:nccl": this rank computes on its GPU
         torch.cuda.set_device(local_rank)
@@ -273,13 +297,30 @@ def _init(sizes: dict[str, int | None], backend: str | None,
     if any(v is not None for v in sizes.values()):
         from .mesh import mesh_sizes
 
-        mesh_sizes(world_size, sizes, who, spelling)  # refuse before any process waits
+        check_ep(ep, mesh_sizes(world_size, sizes, who, spelling)["tp"], who)  # before waiting
+    else:
+        check_ep(ep, world_size, who)
     dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, **kwargs)
     # We started the group, so we end it at exit (see shutdown_tensor_parallel).
     _health.end_at_exit(shutdown_tensor_parallel)
-    _CONFIG = _with_mesh(_config_from_group(local_rank), sizes, who, spelling)
-    logger.debug("%s: %s", who, _CONFIG)
-    return _CONFIG
+    cfg = _with_mesh(_config_from_group(local_rank), sizes, who, spelling)
+    logger.debug("%s: %s", who, cfg)
+    return cfg
+
+
+def check_ep(ep: int | None, tp: int, who: str = "init_parallel") -> None:
+    """Raise unless ``ep`` (experts' blocks per TP group) divides the TP size ``tp``.
+
+    Raises:
+        ValueError: naming the valid ``ep`` values; the same verdict on every
+            rank, before any process group is created.
+    """
+    if ep is None:
+        return
+    valid = [d for d in range(1, tp + 1) if tp % d == 0]
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or tp % ep:
+        raise ValueError(f"{who}: ep={ep!r} must divide tp={tp} (the experts are shared out "
+                         f"over ep blocks of each TP group's ranks); valid ep values: {valid}")
 
 
 def shutdown_tensor_parallel() -> None:

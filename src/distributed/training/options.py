@@ -38,10 +38,14 @@ class Options:
             ``tp/k`` (``ExpertsEP(ep=k)``).
         expert_dispatch: How tokens reach whole experts (``"auto"``,
             ``"all_reduce"``, ``"all_to_all"``; see ``ExpertsEP``).
+        experts_required: A model without experts is an error (the caller asked
+            for ``expert_parallel``); ``False`` when it came from the mesh
+            (``init_parallel(ep=...)``), which dense models ignore.
     """
 
     def __init__(self, loss_parallel: bool, sequence_parallel: bool,
-                 expert_parallel: bool | int = False, expert_dispatch: Dispatch = "auto") -> None:
+                 expert_parallel: bool | int = False, expert_dispatch: Dispatch = "auto",
+                 experts_required: bool = True) -> None:
         if expert_dispatch not in DISPATCH:
             raise ValueError(f"expert_dispatch={expert_dispatch!r} is not a dispatch path; "
                              f"valid: {list(DISPATCH)}")
@@ -49,6 +53,7 @@ class Options:
         self.sequence_parallel = sequence_parallel
         self.expert_parallel = expert_parallel
         self.expert_dispatch = expert_dispatch
+        self.experts_required = experts_required
         self.sequence: SequencePlan | None = None
 
     def adjust(self, model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> None:
@@ -56,7 +61,7 @@ class Options:
         sequence-parallel."""
         if self.expert_parallel is not False:
             place_whole_experts(model, plan, self.expert_parallel, self.expert_dispatch,
-                                ctx.world_size)
+                                ctx.world_size, self.experts_required)
         elif self.expert_dispatch != "auto":
             raise ValueError(f"expert_dispatch={self.expert_dispatch!r} chooses how tokens reach "
                              "whole experts, but expert_parallel is off (every expert's "
@@ -85,7 +90,8 @@ class Options:
 
 
 def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = True,
-                        dispatch: Dispatch = "auto", world_size: int = 1) -> None:
+                        dispatch: Dispatch = "auto", world_size: int = 1,
+                        required: bool = True) -> None:
     """Give every experts module ``ep_dispatch_experts``, saying why.
 
     Experts the plan splits inside (``moe_tp_experts``) or leaves unplanned
@@ -109,7 +115,7 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
     moved = [name for name in found if name not in plan.assignments
              or isinstance(plan.assignments[name], ExpertsTP)]
     if not found:
-        _place_hand_written(model, plan, ep, dispatch, world_size)
+        _place_hand_written(model, plan, ep, dispatch, world_size, required)
         return
     why = "expert_parallel=True: whole experts" if ep is True else \
         f"expert_parallel={ep}: experts over {ep} ranks, features over tp/{ep}"
@@ -132,7 +138,7 @@ def _experts_style(ep: bool | int, dispatch: Dispatch) -> ParallelStyle:
 
 
 def _place_hand_written(model: nn.Module, plan: ResolvedPlan, ep: bool | int,
-                        dispatch: Dispatch, world_size: int) -> None:
+                        dispatch: Dispatch, world_size: int, required: bool = True) -> None:
     """Experts over ``ep`` blocks of the TP group for a hand-written MoE the automatic plan
     sums once (:mod:`torchtp.plans.styles_whole_expert`).
 
@@ -149,6 +155,9 @@ def _place_hand_written(model: nn.Module, plan: ResolvedPlan, ep: bool | int,
                          f"all-reduce; use expert_dispatch='auto' or 'all_reduce' and "
                          f"expert_parallel=True or one of {valid}")
     lists = place_experts(model, plan, k)
+    if not lists and not required:  # init_parallel(ep=...) on a model without experts
+        plan.notes.append(f"init_parallel(ep={k}): the model has no experts; nothing placed")
+        return
     if not lists:
         raise ValueError(f"expert_parallel={ep!r}, but the model has no transformers experts "
                          f"module and no hand-written experts that the automatic plan sums once "

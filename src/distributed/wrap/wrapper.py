@@ -15,7 +15,7 @@ from ..checkpoint.load import from_pretrained
 from ..checkpoint.param_count import parameter_summary
 from ..checkpoint.save_pretrained import save_pretrained
 from ..checkpoint.save_sharded import save_sharded
-from ..comm.runtime import ProcessGroup, resolve_group
+from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_group
 from ..core.torch_compat import registered_child
 from ..guards import checks, forward_guard, hooks, step_check
 from ..integrations.adapter_hosts import (
@@ -83,7 +83,10 @@ class DistributedModelWrapper(nn.Module):
             features; an int ``k`` dividing the tp size places the experts over
             ``k`` ranks and splits each expert's features over the ``tp/k`` ranks
             that share them (expert parallel x TP inside the experts, the same
-            one all-reduce). See docs/moe.md.
+            one all-reduce). ``None`` (default): ``init_parallel(ep=k)``'s ``k``
+            when the model is split over that mesh's TP group (``True`` when
+            ``k`` is the whole group), applied only if the model has experts;
+            otherwise ``False``. See docs/moe.md.
         expert_dispatch: With whole experts per rank (``expert_parallel=True``):
             ``"all_to_all"`` has each rank route a slice of the tokens to the
             experts' ranks and back, ``"all_reduce"`` has every rank run its
@@ -111,13 +114,14 @@ class DistributedModelWrapper(nn.Module):
         plan: PlanArg = None, group: ProcessGroup | None = None,
         example_inputs: object = None, *,
         loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
-        expert_parallel: bool | int = False, expert_dispatch: Dispatch = "auto",
+        expert_parallel: bool | int | None = None, expert_dispatch: Dispatch = "auto",
     ) -> None:
         super().__init__()
         group = resolve_group(group)
         error: BaseException | None = None
         ctx, resolved, fingerprint = None, None, {"world_size": world_size}
         detached: list[Detached] = []
+        expert_parallel, required = _experts_option(expert_parallel, group)
         flags = (loss_parallel, sequence_parallel, expert_parallel, expert_dispatch)
         try:
             checks.refuse_wrapped(model, DistributedModelWrapper)
@@ -125,7 +129,7 @@ class DistributedModelWrapper(nn.Module):
             if ctx.world_size == 1:  # nothing to split: the model runs whole (decision 106)
                 self._keep_whole(model, ctx, (plan, flags, example_inputs, verify_plan))
                 return
-            options = Options(*flags)
+            options = Options(*flags, experts_required=required)
             if "peft" in sys.modules:  # PEFT LoRA layers: planned on their base layers
                 detached = detach_adapters(model)
             resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan)
@@ -294,7 +298,7 @@ class DistributedModelWrapper(nn.Module):
         cls, path: str | os.PathLike[str], plan: PlanArg = None, dtype: torch.dtype | None = None,
         device: torch.device | str | None = None, model_class: type | None = None,
         group: ProcessGroup | None = None, progress: bool = True, verify_plan: bool = True,
-        expert_parallel: bool | int = False, expert_dispatch: Dispatch = "auto",
+        expert_parallel: bool | int | None = None, expert_dispatch: Dispatch = "auto",
     ) -> DistributedModelWrapper:
         """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
 
@@ -361,3 +365,18 @@ class DistributedModelWrapper(nn.Module):
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, "
                 f"parallelized_layers={len(self.parallelized_layers)}")
+
+
+def _experts_option(asked: bool | int | None, group: ProcessGroup | None
+                    ) -> tuple[bool | int, bool]:
+    """The experts' split, and whether the model must have experts for it.
+
+    As asked; else ``init_parallel(ep=k)``'s ``k`` for the mesh's TP group (a
+    default that leaves models without experts alone); else ``False``.
+    """
+    if asked is not None:
+        return asked, True
+    cfg = get_tensor_parallel_config()
+    if cfg.ep_size > 1 and group is cfg.group:
+        return (True if cfg.ep_size == cfg.world_size else cfg.ep_size), False
+    return False, True
