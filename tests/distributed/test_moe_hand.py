@@ -128,3 +128,10 @@ def test_a_router_that_differs_on_one_rank_raises_on_every_rank(ranks, ep):
         assert "'moe.router' (style 'partial_grad_output'): the tensor-parallel ranks ranked " \
                "the experts differently (world_size=2)" in msg
         assert seconds < 30, seconds
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_compiled_hand_written_moe_matches_one_process(ranks, ep):
+    from ._hand_moe import check_hand_moe_compiled
+
+    assert ranks(check_hand_moe_compiled, 2, ep, timeout=300) == [2, 2]
