@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("guards and training", ("guards", "training")),
     ("checkpoint", ("checkpoint",)),
     ("framework integrations the wrapper uses", ("integrations",)),
-    ("wrap", ("wrap",)),
+    ("wrap", ("wrap", "pipeline")),
 ]
 # What users call: they may import anything.
 ENTRY_POINTS = ("", "__main__", "tensor_parallel", "cli", "integrations.lightning",

@@ -1,0 +1,18 @@
+"""Layer 7, beside the wrapper: pipeline parallelism on ``torch.distributed.pipelining``.
+
+:func:`~torchtp.pipeline.stage.decoder_stage` turns a HuggingFace decoder LM
+into this rank's stage (its share of the decoder layers; the embeddings on the
+first stage, the final norm and LM head on the last);
+:class:`~torchtp.pipeline.schedule.PipelineSchedule` runs PyTorch's schedules
+over the stages with a token-mean loss over the whole batch. See
+docs/pipeline.md.
+
+May import: every layer below (not ``integrations``' entry points, ``cli``).
+"""
+
+from __future__ import annotations
+
+from .schedule import SCHEDULES, PipelineSchedule
+from .stage import DecoderStage, decoder_stage, stage_layers
+
+__all__ = ["SCHEDULES", "DecoderStage", "PipelineSchedule", "decoder_stage", "stage_layers"]

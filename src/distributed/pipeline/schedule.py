@@ -1,0 +1,105 @@
+"""Run a decoder LM's pipeline stages with PyTorch's schedules, loss as one process has it.
+
+``torch.distributed.pipelining`` does the sends, receives and the order of
+microbatch forwards and backwards. torchtp adds what makes the result the
+unsplit model's:
+
+* the loss is the token mean over the **whole batch**: each microbatch's
+  summed cross-entropy (labels shifted as HuggingFace's causal-LM loss does,
+  ``ignore_index`` skipped) is divided by the number of counted tokens in the
+  whole batch, and the schedule does not rescale gradients, so padding spread
+  unevenly over the microbatches changes nothing;
+* the batch and the microbatch count are checked on every rank before the
+  first send (every stage is given the same batch), so a bad shape raises
+  everywhere instead of leaving a stage waiting in a receive.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from ..comm.runtime import ProcessGroup
+from .stage import DecoderStage
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+"""Schedule names (case-insensitive) and PyTorch's classes."""
+
+
+class PipelineSchedule:
+    """One training step's forward and backward over every stage.
+
+    Args:
+        stage: This rank's :class:`~torchtp.pipeline.stage.DecoderStage`.
+        microbatches: Microbatches per step (the batch must divide into them;
+            ``"1f1b"`` needs at least as many as stages).
+        schedule: A name of :data:`SCHEDULES`.
+        group: The pipeline's process group (stage ``i`` is its rank ``i``);
+            ``None``: the default group.
+        ignore_index: Labels not counted in the loss.
+
+    Raises:
+        ValueError: an unknown schedule or a microbatch count the schedule
+            cannot run (the same verdict on every rank: it depends on the
+            arguments only).
+    """
+
+    def __init__(self, stage: DecoderStage, microbatches: int, schedule: str = "1f1b",
+                 group: ProcessGroup | None = None, ignore_index: int = -100) -> None:
+        cls = SCHEDULES.get(schedule.lower())
+        if cls is None:
+            raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; valid: "
+                             f"{sorted(SCHEDULES)}")
+        if microbatches < 1 or (cls is Schedule1F1B and microbatches < stage.stages):
+            need = stage.stages if cls is Schedule1F1B else 1
+            raise ValueError(f"microbatches={microbatches}: schedule {schedule!r} over "
+                             f"{stage.stages} stages needs at least {need}")
+        self.stage, self.microbatches, self.ignore_index = stage, microbatches, ignore_index
+        device = next(stage.parameters()).device
+        self._pipe = PipelineStage(stage, stage.stage, stage.stages, device, group=group)
+        self._schedule = cls(self._pipe, n_microbatches=microbatches, loss_fn=self._loss,
+                             scale_grads=False)
+        self._counted = torch.ones(())
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of the batch; gradients accumulate in this stage's parameters.
+
+        Args:
+            input_ids: ``(B, T)`` token ids, the same on every stage (the first reads them).
+            labels: ``(B, T)``, the same on every stage (the last reads them);
+                shifted by one inside, as HuggingFace's causal-LM loss does.
+
+        Returns:
+            On the last stage the batch's loss (token mean, as one process computes
+            it), ``None`` on the others.
+
+        Raises:
+            ValueError: shapes that differ or a batch that does not split into the
+                microbatches, on every rank before the first send.
+        """
+        if input_ids.shape != labels.shape or input_ids.dim() != 2 \
+                or input_ids.shape[0] % self.microbatches:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels "
+                             f"{tuple(labels.shape)}: give both as (batch, tokens) with a batch "
+                             f"that divides into microbatches={self.microbatches}")
+        # Tokens the loss counts in the whole batch (labels shifted by one).
+        self._counted = (labels[:, 1:] != self.ignore_index).sum()
+        if self.stage.is_first:
+            self._schedule.step(input_ids)
+            return None
+        if not self.stage.is_last:
+            self._schedule.step()
+            return None
+        losses: list[torch.Tensor] = []
+        self._schedule.step(target=labels, losses=losses)
+        return torch.stack(losses).sum()
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One microbatch's share of the batch's token-mean loss: ``(b, T, V)``, ``(b, T)``."""
+        shifted = logits[:, :-1].reshape(-1, logits.shape[-1])  # (b*(T-1), V)
+        # At least float32, as HuggingFace's loss upcasts half-precision logits.
+        shifted = shifted.to(torch.promote_types(shifted.dtype, torch.float32))
+        summed = F.cross_entropy(shifted, labels[:, 1:].reshape(-1),
+                                 ignore_index=self.ignore_index, reduction="sum")
+        return summed / self._counted

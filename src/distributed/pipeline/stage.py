@@ -1,0 +1,154 @@
+"""One pipeline stage of a HuggingFace decoder LM: its share of the decoder layers.
+
+The stage keeps the model's own modules and names: the decoder layers of other
+stages are replaced by :class:`_Elsewhere` (no parameters; it hands the hidden
+states on unchanged, so the model's own forward, with its rotary embeddings
+and causal mask, runs as written), the embeddings live only on the first
+stage and the final norm and LM head only on the last. Parameter names stay
+the unsplit model's (``model.layers.5.mlp.up_proj.weight`` on the stage that
+holds layer 5), so checkpoints and references line up.
+
+The first stage reads token ids ``(B, T)``; every stage hands on hidden states
+``(B, T, H)``; the last returns logits ``(B, T, V)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.layouts import shard_range
+
+
+def stage_layers(num_layers: int, stages: int, split: Sequence[int] | None = None
+                 ) -> list[range]:
+    """Which decoder layers each stage holds.
+
+    Args:
+        num_layers: Decoder layers of the model.
+        stages: Pipeline stages.
+        split: Layers per stage (summing to ``num_layers``); ``None``: the one
+            balanced split rule (:func:`~torchtp.core.layouts.shard_range`:
+            7 layers over 2 stages -> 4 and 3).
+
+    Raises:
+        ValueError: fewer layers than stages, or a ``split`` that does not give
+            every stage at least one layer and sum to ``num_layers``.
+    """
+    if split is None:
+        if num_layers < stages:
+            raise ValueError(f"{num_layers} decoder layers cannot fill {stages} pipeline "
+                             f"stages (each needs one); use at most {num_layers} stages")
+        ranges = [shard_range(num_layers, stages, s) for s in range(stages)]
+        return [range(start, start + n) for start, n in ranges]
+    if len(split) != stages or sum(split) != num_layers or min(split) < 1:
+        raise ValueError(f"split={list(split)}: give {stages} positive layer counts summing to "
+                         f"the model's {num_layers} decoder layers")
+    starts = [sum(split[:s]) for s in range(stages)]
+    return [range(a, a + n) for a, n in zip(starts, split, strict=True)]
+
+
+class _Elsewhere(nn.Module):
+    """A decoder layer that lives on another stage: hands the hidden states on unchanged."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states
+
+    def extra_repr(self) -> str:
+        return f"layer {self.index}: on another pipeline stage"
+
+
+class DecoderStage(nn.Module):
+    """This rank's stage of a decoder LM (see the module docstring).
+
+    forward: first stage ``(B, T)`` token ids, others ``(B, T, H)`` hidden states
+    -> ``(B, T, H)``, or ``(B, T, V)`` logits on the last stage.
+
+    Attributes:
+        model: The causal LM, holding only this stage's parameters.
+        stage: This stage's index; ``stages``: how many there are.
+        layers: The decoder layers this stage holds.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, stages: int, layers: range) -> None:
+        super().__init__()
+        self.model, self.stage, self.stages, self.layers = model, stage, stages, layers
+
+    @property
+    def is_first(self) -> bool:
+        """This stage reads the token ids (it holds the embeddings)."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """This stage returns logits (it holds the final norm and the LM head)."""
+        return self.stage == self.stages - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lm: Any = self.model  # a HuggingFace causal LM (its methods are untyped)
+        decoder = lm.get_decoder()
+        # The model's own decoder forward: position ids, rotary embeddings and the
+        # causal mask are rebuilt from the input's shape on every stage.
+        out = decoder(input_ids=x) if self.is_first else decoder(inputs_embeds=x)
+        hidden = out.last_hidden_state  # (B, T, H)
+        return lm.get_output_embeddings()(hidden) if self.is_last else hidden  # (B, T, V)
+
+    def extra_repr(self) -> str:
+        return (f"stage {self.stage} of {self.stages}, decoder layers "
+                f"{self.layers.start}..{self.layers.stop - 1}")
+
+
+def decoder_stage(model: Any, stage: int, stages: int,
+                  split: Sequence[int] | None = None) -> DecoderStage:
+    """Turn ``model`` (in place) into pipeline stage ``stage`` of ``stages``.
+
+    Args:
+        model: A HuggingFace causal LM whose decoder (``get_decoder()``) keeps its
+            blocks in ``layers`` and its final norm in ``norm`` (Llama, Mistral,
+            Qwen2/3, their MoE variants...).
+        stage: This rank's stage.
+        stages: Pipeline stages.
+        split: Decoder layers per stage; ``None``: balanced (:func:`stage_layers`).
+
+    Raises:
+        ValueError: the model lacks that structure, ties its input and output
+            embeddings (the two stages holding them would need their gradients
+            summed: not supported yet), or the split is invalid.
+    """
+    decoder = _decoder(model)
+    layers = decoder.layers
+    ranges = stage_layers(len(layers), stages, split)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if tied and stages > 1:
+        raise ValueError(f"{type(model).__name__} ties its input and output embeddings "
+                         "(tie_word_embeddings=True): the first and last pipeline stages would "
+                         "each hold a copy whose gradients must be summed, which torchtp's "
+                         "pipeline does not do yet; untie them or use stages=1")
+    mine = ranges[stage]
+    for i in range(len(layers)):
+        if i not in mine:
+            layers[i] = _Elsewhere(i)
+    if stage != 0:
+        decoder.embed_tokens = None  # only the first stage reads token ids
+    if stage != stages - 1:
+        decoder.norm = nn.Identity()  # the final norm belongs to the last stage
+        model.set_output_embeddings(None)
+    return DecoderStage(model, stage, stages, mine)
+
+
+def _decoder(model: Any) -> Any:
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    if decoder is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList) \
+            or not hasattr(decoder, "norm") or model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__}: decoder_stage needs a HuggingFace causal LM "
+                         "whose decoder holds its blocks in `layers` (an nn.ModuleList), its "
+                         "final norm in `norm` and an output embedding (the LM head)")
+    return decoder

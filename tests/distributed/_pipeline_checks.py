@@ -1,0 +1,84 @@
+"""Rank functions: a tiny HF Llama trained as pipeline stages against one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtp.pipeline import PipelineSchedule, decoder_stage
+
+VOCAB = 64
+TOL = {"rtol": 1e-10, "atol": 1e-12}  # float64: the same sums, only in other processes
+
+
+def build_llama(layers: int = 4, tied: bool = False) -> nn.Module:
+    """A tiny random Llama in float64 (same seed: the same weights on every rank)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config).double()
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(4, 8)`` token ids and labels with padding spread unevenly over the rows."""
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[0, 5:] = -100  # row 0: 4 counted tokens, row 1: 7, row 2: 1, row 3: 7
+    labels[2, 2:] = -100
+    return ids, labels
+
+
+def reference_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One process: the causal-LM loss as HF defines it (labels shifted by one, token mean
+    over the batch), in float64 (HF's own ``.loss`` upcasts to float32 only)."""
+    logits = model(input_ids=ids).logits[:, :-1]  # (B, T-1, V)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1),
+                                       ignore_index=-100)
+
+
+def check_pipeline(rank: int, world_size: int, schedule: str, layers: int,
+                   microbatches: int, steps: int = 2) -> list[Any]:
+    """``steps`` AdamW steps as ``world_size`` stages; every loss (last stage), every
+    gradient and every parameter after the steps equal to one process's."""
+    ref, model = build_llama(layers), build_llama(layers)
+    stage = decoder_stage(model, rank, world_size)
+    pipe = PipelineSchedule(stage, microbatches, schedule)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    want = dict(ref.named_parameters())
+    losses = []
+    for step in range(steps):
+        ids, labels = batch(step)
+        loss = pipe.step(ids, labels)
+        ref_loss = reference_loss(ref, ids, labels)
+        ref_loss.backward()
+        if stage.is_last:
+            assert loss is not None
+            torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+            losses.append(float(loss.detach()))
+        for name, p in stage.model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name].grad, **TOL, msg=name)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, p in stage.model.named_parameters():
+        torch.testing.assert_close(p, want[name], **TOL, msg=name)
+    return [list(stage.layers), losses, sum(1 for _ in stage.parameters())]
+
+
+def check_bad_microbatches(rank: int, world_size: int) -> str:
+    """A batch of 3 rows over 2 microbatches: refused on every stage before any send."""
+    stage = decoder_stage(build_llama(), rank, world_size)
+    pipe = PipelineSchedule(stage, 2, "gpipe")
+    ids, labels = batch(0)
+    try:
+        pipe.step(ids[:3], labels[:3])
+    except ValueError as err:
+        return str(err)
+    raise AssertionError("an uneven batch was not refused")

@@ -1,0 +1,53 @@
+"""Pipeline parallelism (torchtp.pipeline) on a tiny HF Llama against one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchtp.pipeline import PipelineSchedule, decoder_stage, stage_layers
+
+from ._pipeline_checks import build_llama, check_bad_microbatches, check_pipeline
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_train_like_one_process(ranks, schedule):
+    # 4 microbatches of one row each: the rows count 4, 7, 1 and 7 tokens, so a
+    # per-microbatch mean would weigh them wrongly; the loss is the batch's token mean.
+    out = ranks(check_pipeline, 2, schedule, 4, 4, timeout=240)
+    assert [o[0] for o in out] == [[0, 1], [2, 3]]
+    assert out[0][1] == [] and len(out[1][1]) == 2  # the loss lives on the last stage
+
+
+def test_four_uneven_stages_train_like_one_process(ranks):
+    # 6 layers over 4 stages: 2, 2, 1, 1 (the balanced split rule).
+    out = ranks(check_pipeline, 4, "1f1b", 6, 4, 1, timeout=300)
+    assert [o[0] for o in out] == [[0, 1], [2, 3], [4], [5]]
+
+
+def test_a_batch_that_does_not_split_is_refused_on_every_stage(ranks):
+    for msg in ranks(check_bad_microbatches, 2):
+        assert "input_ids (3, 8) and labels (3, 8): give both as (batch, tokens) with a " \
+               "batch that divides into microbatches=2" in msg
+
+
+def test_stage_splits():
+    assert stage_layers(7, 2) == [range(0, 4), range(4, 7)]
+    assert stage_layers(7, 2, [2, 5]) == [range(0, 2), range(2, 7)]
+    with pytest.raises(ValueError, match=r"split=\[3, 3\]: give 2 positive layer counts "
+                                         r"summing to the model's 7 decoder layers"):
+        stage_layers(7, 2, [3, 3])
+    with pytest.raises(ValueError, match=r"3 decoder layers cannot fill 4 pipeline stages"):
+        stage_layers(3, 4)
+
+
+def test_tied_embeddings_and_bad_schedules_are_refused():
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM ties its input and output "
+                                         r"embeddings .*untie them or use stages=1"):
+        decoder_stage(build_llama(tied=True), 0, 2)
+    stage = decoder_stage(build_llama(), 0, 2)
+    with pytest.raises(ValueError, match=r"schedule='zb' is not a pipeline schedule; "
+                                         r"valid: \['1f1b', 'gpipe'\]"):
+        PipelineSchedule(stage, 4, "zb")
+    with pytest.raises(ValueError, match=r"microbatches=1: schedule '1f1b' over 2 stages "
+                                         r"needs at least 2"):
+        PipelineSchedule(stage, 1, "1f1b")
