@@ -61,10 +61,28 @@ class HandMoE(nn.Module):
         return self.out(out.reshape(*x.shape[:-1], -1))
 
 
-class MoELayer(nn.Module):
-    """Routed experts plus a shared expert; with ``aux`` also the router logits."""
+class _AddAuxiliaryLoss(torch.autograd.Function):
+    """DeepSeek's trick: ``x`` unchanged in forward, gradient 1 for ``loss`` in backward."""
 
-    def __init__(self, hidden: int, inter: int, experts: int, k: int, aux: bool) -> None:
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,
+                loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape  # type: ignore[attr-defined]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.loss_shape, dtype=grad.dtype)  # type: ignore[attr-defined]
+
+
+class MoELayer(nn.Module):
+    """Routed experts plus a shared expert. ``aux``: also return the router logits;
+    ``"kept"``: keep a load-balancing loss on the module (fairseq's ``self.l_aux``);
+    ``"attached"``: attach it to the output (DeepSeek's ``AddAuxiliaryLoss``)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, k: int,
+                 aux: bool | str) -> None:
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(_Expert(hidden, inter) for _ in range(experts))
@@ -75,14 +93,19 @@ class MoELayer(nn.Module):
         flat = h.reshape(-1, h.shape[-1])  # (N, H)
         logits = self.router(flat)  # (N, E)
         out = (_combine(flat, logits, self.experts, self.k) + self.shared(flat)).view_as(h)
-        return (out, logits) if self.aux else out
+        balance = logits.softmax(-1).mean(0).square().sum()  # a load-balancing-style term
+        if self.aux == "kept":
+            self.l_aux = balance
+        elif self.aux == "attached":
+            out = _AddAuxiliaryLoss.apply(out, balance)
+        return (out, logits) if self.aux is True else out
 
 
 class HandMoEBlock(nn.Module):
     """``h + moe(h)`` between two Linears; ``aux``: the loss also reads the router logits."""
 
     def __init__(self, hidden: int = 16, inter: int = 32, experts: int = 4, k: int = 2,
-                 aux: bool = False) -> None:
+                 aux: bool | str = False) -> None:
         super().__init__()
         self.inp, self.out = nn.Linear(8, hidden), nn.Linear(hidden, 8)
         self.moe = MoELayer(hidden, inter, experts, k, aux)
@@ -98,7 +121,18 @@ class HandMoEBlock(nn.Module):
 
 
 MODELS = {"inline": HandMoE, "block": HandMoEBlock,
-          "aux": lambda: HandMoEBlock(aux=True)}
+          "aux": lambda: HandMoEBlock(aux=True),
+          "kept": lambda: HandMoEBlock(aux="kept"),
+          "attached": lambda: HandMoEBlock(aux="attached"),
+          # 16 experts, top-1: the probe's 8 tokens leave some experts uncalled.
+          "sparse": lambda: HandMoEBlock(experts=16, k=1)}
+
+
+def _loss(model: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """The training loss: the outputs' squares, plus a loss a module kept (``l_aux``)."""
+    kept = [m.l_aux for m in model.modules() if isinstance(getattr(m, "l_aux", None),
+                                                           torch.Tensor)]
+    return out.square().sum() + sum(kept, torch.zeros((), dtype=out.dtype))
 
 
 def check_hand_moe(rank: int, world_size: int, kind: str) -> dict[str, object]:
@@ -121,8 +155,8 @@ def check_hand_moe(rank: int, world_size: int, kind: str) -> dict[str, object]:
         want = ref(x)
         torch.testing.assert_close(got, want, **TOL)
         with torchtp.count_collectives() as bwd:
-            got.square().sum().backward()
-        want.square().sum().backward()
+            _loss(wrapped.base_model, got).backward()
+        _loss(ref, want).backward()
         _check_grads(wrapped, ref)
         counts.append((dict(fwd.counts), dict(bwd.counts)))
         opt.step()
@@ -258,3 +292,31 @@ def check_hand_moe_compiled(rank: int, world_size: int, ep: bool) -> int:
         for p in [*wrapped.parameters(), *ref.parameters()]:
             p.grad = None
     return 2
+
+
+def check_router_called_on_one_rank(rank: int, world_size: int) -> bool:
+    """Rank 0 alone calls the router (logging routing statistics, say), then both run the
+    model: the same collectives on every rank, and the outputs equal one process's."""
+    torch.manual_seed(0)
+    ref = HandMoEBlock().double()
+    torch.manual_seed(0)
+    wrapped = torchtp.DistributedModelWrapper(HandMoEBlock().double())
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if rank == 0:
+        with torch.no_grad():
+            wrapped.base_model.moe.router(torch.randn(4, 16, dtype=torch.float64))
+    torch.testing.assert_close(wrapped(x), ref(x), **TOL)
+    return True
+
+
+def check_lora_on_router_refused(rank: int, world_size: int) -> str:
+    """LoRA on the router (its output's gradient is summed over the group): refused."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    wrapped = torchtp.DistributedModelWrapper(HandMoEBlock().double())
+    try:
+        get_peft_model(wrapped.base_model, LoraConfig(r=2, target_modules=["router"]))
+    except ValueError as err:
+        return str(err)
+    raise AssertionError("LoRA on a partial_grad_output router was built")

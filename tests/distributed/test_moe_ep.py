@@ -261,4 +261,6 @@ def test_init_parallel_ep_is_the_experts_default_split(ranks):
             assert out["hf"] == ("ExpertsEP", 2)
         assert out["hand"] == "ep_expert_rows"
         assert out["dense"] == {"0": "colwise", "2": "rowwise"}
-        assert out["notes"] == ["init_parallel(ep=2): the model has no experts; nothing placed"]
+        assert out["notes"] == ["init_parallel(ep=2): no experts placed (no transformers "
+                                "experts module, and no hand-written experts the automatic plan "
+                                "sums once; the other notes say why, if it has some)"]

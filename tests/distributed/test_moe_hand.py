@@ -11,12 +11,13 @@ EXPERTS = [f"experts.{e}.down" for e in range(4)]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every kind at tp 2 (one 2-process run per kind, shared by the tests below)."""
+    """Every kind at tp 2 (one 2-process run per kind, shared by the tests below); each run
+    checks outputs, every gradient and two SGD steps against one process."""
     from .harness import run_ranks
 
     return {kind: run_ranks(check_hand_moe, 2, kind, tmp_path=tmp_path_factory.mktemp(kind),
                             timeout=180)
-            for kind in ("inline", "block", "aux")}
+            for kind in ("inline", "block", "aux", "kept", "attached", "sparse")}
 
 
 def test_inline_combine_is_reduced_once_at_the_next_linears_input(runs):
@@ -135,3 +136,49 @@ def test_compiled_hand_written_moe_matches_one_process(ranks, ep):
     from ._hand_moe import check_hand_moe_compiled
 
     assert ranks(check_hand_moe_compiled, 2, ep, timeout=300) == [2, 2]
+
+
+@pytest.mark.parametrize("kind", ["kept", "attached"])
+def test_an_aux_loss_the_graph_does_not_show_keeps_one_all_reduce_per_expert(runs, kind):
+    # fairseq keeps the balancing loss on the module (self.l_aux), DeepSeek attaches it to
+    # the output with a custom function: summing the router's gradient would count the
+    # aux loss's full gradient once per rank. The training-mode gradient probe sees both.
+    out = runs[kind][0]
+    assert "moe" not in out["styles"] and out["styles"]["moe.experts.0.down"] == "rowwise"
+    assert any("also reaches the loss other than through the weighted sum" in n
+               for n in out["notes"])
+
+
+def test_experts_the_probe_never_reached_keep_one_all_reduce_each(runs):
+    # 16 experts, top-1, 8 probe tokens: uncalled experts stay replicated, and summing the
+    # others once would count a replicated expert's full output once per rank.
+    out = runs["sparse"][0]
+    assert "moe" not in out["styles"]
+    assert any("the probe forward did not call" in n for n in out["notes"])
+
+
+def test_a_router_called_on_one_rank_only_changes_nothing(ranks):
+    from ._hand_moe import check_router_called_on_one_rank
+
+    assert ranks(check_router_called_on_one_rank, 2) == [True, True]
+
+
+def test_lora_on_the_router_is_refused_on_every_rank(ranks):
+    from ._hand_moe import check_lora_on_router_refused
+
+    for msg in ranks(check_lora_on_router_refused, 2):
+        assert "LoRA adapters on a 'partial_grad_output' layer (Linear, a hand-written MoE's " \
+               "router" in msg
+
+
+def test_a_layout_holding_nothing_reads_an_empty_tensor(tmp_path):
+    # An expert that lives on another rank: from_pretrained reads a (0, in) tensor for it.
+    import torch
+    from safetensors.torch import save_file
+
+    from torchtp.checkpoint.sources import HFSource, read_layout
+    from torchtp.core.layouts import ParamLayout
+
+    save_file({"w": torch.arange(12.0).reshape(4, 3)}, str(tmp_path / "model.safetensors"))
+    got = read_layout(HFSource(str(tmp_path)), "w", ParamLayout((4, 3), 0, ()))
+    assert got.shape == (0, 3) and got.dtype == torch.float32

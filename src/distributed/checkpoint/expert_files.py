@@ -100,8 +100,10 @@ def merged_experts(source: Source, model: nn.Module) -> Source:
     from ..hf import compat  # here: wrapping a plain model imports nothing of torchtp.hf
 
     renames, merges, _ = compat.expert_checkpoint_conversions(model)
-    patterns = [(tuple(re.compile(re.escape(p).replace(r"\*", r"(\d+)")) for p in sources),
+    # A pattern's "*" is the expert index; it ends the key (not "...weight_scale_inv").
+    patterns = [(tuple(re.compile(re.escape(p).replace(r"\*", r"(\d+)") + "$") for p in sources),
                  target, concat) for sources, target, concat in merges]
+    parts_of = {target: len(sources) for sources, target, _ in merges}
     aliases: dict[str, str] = {}
     found: dict[str, tuple[int | None, dict[int, dict[int, str]]]] = {}
     for key in sorted(source.names()):
@@ -114,8 +116,14 @@ def merged_experts(source: Source, model: nn.Module) -> Source:
         found.setdefault(target, (concat, {}))[1].setdefault(part, {})[expert] = key
     if not found and all(a == k for a, k in aliases.items()):
         return source
-    return MergedSource(source, aliases, {t: _whole(t, c, parts, source)
-                                          for t, (c, parts) in found.items()})
+    return MergedSource(source, aliases, {
+        t: _whole(t, c, parts, source, parts_of[_target_of(t, parts_of)])
+        for t, (c, parts) in found.items()})
+
+
+def _target_of(merged: str, parts_of: dict[str, int]) -> str:
+    """Which merge rule's target ``merged`` (a full parameter name) ends with."""
+    return next(t for t in parts_of if merged.endswith(t))
 
 
 def _renamed(key: str, renames: list[tuple[tuple[str, ...], str]]) -> str:
@@ -140,9 +148,8 @@ def _merge_target(name: str, patterns: list[tuple[tuple[re.Pattern[str], ...], s
 
 
 def _whole(target: str, concat: int | None, parts: dict[int, dict[int, str]],
-           source: Source) -> _Merge:
-    """Check that every part has experts ``0..E-1`` of one shape; the merge."""
-    count = len(parts)
+           source: Source, count: int) -> _Merge:
+    """Check that each of the ``count`` parts has experts ``0..E-1`` of one shape; the merge."""
     experts = [sorted(parts.get(i, {})) for i in range(count)]
     want = list(range(len(experts[0]))) if experts and experts[0] else []
     shapes = {source.shape(k) for p in parts.values() for k in p.values()}

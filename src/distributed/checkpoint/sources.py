@@ -49,6 +49,9 @@ def read_layout(source: Source, name: str, layout: ParamLayout) -> torch.Tensor:
     A layout with a second cut (a range of experts) reads that range first, one
     contiguous run of the file, then cuts the segments from it in memory.
     """
+    if layout.dim is not None and not layout.segments:  # holds none of it (an expert elsewhere)
+        shape = held_shape(source.shape(name), layout.dim, (), layout.second)
+        return torch.empty(shape, dtype=source.dtype(name))
     if layout.second is None:
         return source.read(name, layout.dim, layout.segments)
     dim2, start, length = layout.second

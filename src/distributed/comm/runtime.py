@@ -256,9 +256,11 @@ def _init(sizes: dict[str, int | None], backend: str | None,
           spelling: dict[str, str], ep: int | None = None) -> TensorParallelConfig:
     """Start or adopt the default group and lay it out as the mesh of ``sizes``; record ``ep``."""
     global _CONFIG
-    _CONFIG = _start(sizes, backend, timeout, who, spelling, ep)
-    if ep not in (None, 1):
-        _CONFIG = replace(_CONFIG, ep_size=ep)  # validated by _start
+    before = _CONFIG.ep_size if _CONFIG is not None and _CONFIG.group is not None else 1
+    cfg = _start(sizes, backend, timeout, who, spelling, ep)
+    # Validated by _start; a call without ep keeps the running group's (idempotent).
+    ep_size = before if ep is None else ep
+    _CONFIG = cfg if cfg.ep_size == ep_size else replace(cfg, ep_size=ep_size)
     return _CONFIG
 
 

@@ -336,6 +336,13 @@ def _create_new_module(original: Any) -> Any:
     @functools.wraps(original)
     def create(lora_config: Any, adapter_name: str, target: nn.Module, **kwargs: Any) -> Any:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if getattr(base, "tp_partial_grad_output", False):
+            # Its output's gradient is summed over the group by a hook on the base
+            # layer; a LoRA branch beside it would get only this rank's part.
+            raise ValueError(f"LoRA adapters on a 'partial_grad_output' layer ({type(base).__name__}"
+                             ", a hand-written MoE's router whose output meets the experts' "
+                             "partial sums) are not supported; leave it out of target_modules "
+                             "(\"all-linear\" includes it: list the modules instead)")
         if isinstance(base, PARALLEL_LINEARS):
             compat.peft_register_custom_module(
                 lora_config, dict.fromkeys(PARALLEL_LINEARS, TensorParallelLoraLinear))

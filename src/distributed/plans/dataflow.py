@@ -199,12 +199,13 @@ def _recorder(name: str, calls: dict[str, list[Call]]) -> Callable[..., None]:
 
 
 @contextlib.contextmanager
-def probe_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode, every floating parameter trainable, CPU RNG untouched; all restored."""
+def probe_mode(model: nn.Module, training: bool = False) -> Iterator[None]:
+    """Eval mode (or training mode), every floating parameter trainable, CPU RNG untouched;
+    all restored."""
     modes = [(m, m.training) for m in model.modules()]
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
-        model.eval()
+        model.train(training)
         for p, _ in flags:
             if p.is_floating_point():
                 p.requires_grad_(True)

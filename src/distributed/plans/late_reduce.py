@@ -76,6 +76,16 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
     if ctx.world_size == 1:
         return
     plain = {c for c in consumers if type(styles.get(c)) is Rowwise}
+    uncalled = [n for n, m in model.named_modules() if linear_view(m) is not None
+                and n not in trace.calls]
+    if uncalled and len(plain) >= 2:
+        # An expert the probe's tokens never reached stays replicated: at run time
+        # its full output would join a sum of partial sums, counted once per rank.
+        rules.notes.append(f"row-split Linears keep one all-reduce each: the probe forward did "
+                           f"not call {uncalled[:4]}{' ...' if len(uncalled) > 4 else ''}, so "
+                           "where their outputs go is unknown; pass example_inputs= that reach "
+                           "every expert to sum them once")
+        return
     used: set[str] = set()
     for point in _points(trace, plain):
         parts = sorted(point.region.producers & plain, key=trace.order.index)
@@ -83,7 +93,8 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
             continue
         routers = sorted(point.region.producers - plain, key=trace.order.index)
         problem = _graph_problem(trace, point, parts, routers, styles) \
-            or _probe_problem(model, trace, point, parts, ctx)
+            or _probe_problem(model, trace, point, parts, ctx) \
+            or _gradient_problem(model, trace, parts, routers)
         if problem is not None:
             rules.notes.append(f"{parts} keep one all-reduce each: summing them once at "
                                f"'{point.name}' {problem}")
@@ -130,7 +141,7 @@ def _graph_problem(trace: Trace, point: Point, parts: list[str], routers: list[s
     for node_id, name in outs.items():
         if not users.get(node_id, set()) <= inside:
             what = "an auxiliary loss on the router logits?" if name in routers else "a residual?"
-            return f"is not possible: '{name}''s output is also read elsewhere ({what})"
+            return f"is not possible: the output of '{name}' is also read elsewhere ({what})"
     for node_id in inside - {id(point.node)}:
         if not users.get(node_id, set()) <= inside:
             return "is not possible: a tensor on the way is also read elsewhere"
@@ -162,6 +173,74 @@ def _probe_problem(model: nn.Module, trace: Trace, point: Point, parts: list[str
         return (f"does not give the full value ({why.split(': ', 1)[1]}): something added "
                 "before that point (a residual, a shared term) is not split")
     return None
+
+
+def _gradient_problem(model: nn.Module, trace: Trace, parts: list[str],
+                      routers: list[str]) -> str | None:
+    """In training mode, with the parts' outputs zeroed, no gradient may reach the routers.
+
+    The routers' output gradients are summed over the ranks, which is right
+    only if all of it comes through the partial sums. Anything else reading
+    them (an auxiliary loss, returned or kept on a module; a custom function
+    attaching it to the output; a branch that runs in training mode only)
+    would have its full gradient counted once per rank. With every part
+    returning zeros, the gradient through the weighted sum vanishes: whatever
+    is left comes from elsewhere. The Linears called must also be the eval
+    probe's.
+    """
+    if not routers:
+        return None
+    seen: dict[str, torch.Tensor] = {}
+    called: set[str] = set()
+    handles: list[RemovableHandle] = []
+    try:
+        for name, module in model.named_modules():
+            if linear_view(module) is not None:
+                handles.append(module.register_forward_hook(_note_call(name, called, seen,
+                                                                       name in parts)))
+        args, kwargs = trace.inputs
+        with probe_mode(model, training=True), torch.enable_grad():
+            outs = [*output_tensors(model(*args, **kwargs)), *_kept_on_modules(model)]
+    except Exception as err:
+        return f"failed in the training-mode probe ({type(err).__name__}: {err})"
+    finally:
+        for handle in handles:
+            handle.remove()
+    if called != set(trace.calls):
+        return (f"is not possible: in training mode the model calls other Linears "
+                f"({sorted(called ^ set(trace.calls))[:4]})")
+    gen = torch.Generator().manual_seed(0)
+    loss = sum(((t * torch.randn(t.shape, generator=gen).to(t)).sum() for t in outs
+                if t.requires_grad and t.is_floating_point()), torch.zeros(()))
+    grads = torch.autograd.grad(loss, [seen[r] for r in routers], allow_unused=True) \
+        if loss.requires_grad else [None] * len(routers)
+    for name, grad in zip(routers, grads, strict=True):
+        if grad is not None and bool(grad.abs().max() > 0):
+            return (f"is not possible: the output of '{name}' also reaches the loss other than "
+                    "through the weighted sum (an auxiliary loss?), and its gradient would be "
+                    "summed once per rank")
+    return None
+
+
+def _note_call(name: str, called: set[str], seen: dict[str, torch.Tensor], zero: bool) -> Any:
+    def hook(_m: nn.Module, _args: object, out: object) -> object:
+        called.add(name)
+        if isinstance(out, torch.Tensor):
+            seen[name] = out
+            return out * 0 if zero else out  # (finite probe values: an exact zero)
+        return out
+    return hook
+
+
+def _kept_on_modules(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors with a gradient history a forward left on its modules (``self.l_aux = ...``)."""
+    kept = []
+    for module in model.modules():
+        for value in vars(module).values():
+            items = value if isinstance(value, (list, tuple)) else \
+                list(value.values()) if isinstance(value, dict) else [value]
+            kept += [t for t in items if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    return kept
 
 
 @contextlib.contextmanager
@@ -229,7 +308,8 @@ def _take(trace: Trace, point: Point, parts: list[str], routers: list[str],
                            f"only summed; left as partial sums, reduced once at {where}")
     lone = [n for n in [point.name, *routers] if isinstance(styles.get(n), str)]
     rules.notes[:] = [n for n in rules.notes if not any(n.startswith(f"'{x}' ") for x in lone)]
-    styles[point.name] = ReduceInput() if point.reads else ReduceOutput()
+    styles[point.name] = ReduceInput(tuple(routers)) if point.reads \
+        else ReduceOutput(tuple(routers))
     rules.why[point.name] = (f"dataflow: {where} sums the partial outputs of {len(parts)} "
                              f"Linears ({parts[0]}, ...): one all-reduce instead of {len(parts)}")
     for name in routers:

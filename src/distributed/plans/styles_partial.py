@@ -25,6 +25,7 @@ style                      forward                                         backw
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -72,82 +73,105 @@ def _tensor_output(fqn: str, style: str, out: object) -> torch.Tensor:
 
 
 class ReduceOutput(ParallelStyle):
-    """The module's output is a partial sum over the group: all-reduce it after the forward."""
+    """The module's output is a partial sum over the group: all-reduce it after the forward.
+
+    Args:
+        routers: The ``partial_grad_output`` modules whose routes this reduction
+            checks (the automatic plan fills it in; none in a hand-written plan).
+    """
 
     name = "reduce_output"
 
+    def __init__(self, routers: tuple[str, ...] = ()) -> None:
+        self.routers = routers
+
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size > 1:
-            module.register_forward_hook(_reduce_output(layer.fqn, ctx.group))
+            module.register_forward_hook(_reduce_output(layer.fqn, ctx.group, self.routers))
         return module
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
         return LayerPlan(fqn, self.name, collectives=("all_reduce",))
 
 
-class ReduceInput(ParallelStyle):
+class ReduceInput(ReduceOutput):
     """The module's first input is a partial sum: all-reduce it before the forward."""
 
     name = "reduce_input"
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size > 1:
-            module.register_forward_pre_hook(_reduce_input(layer.fqn, ctx.group))
+            module.register_forward_pre_hook(_reduce_input(layer.fqn, ctx.group, self.routers))
         return module
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
-        planned = super().plan(module, fqn, ctx)
+        planned = ParallelStyle.plan(self, module, fqn, ctx)
         return LayerPlan(fqn, self.name, full=planned.full, local=planned.local,
                          collectives=("all_reduce",))
 
 
 class PartialGradOutput(ParallelStyle):
-    """Replicated module whose output meets partial sums: sum its output's gradient in backward."""
+    """Replicated module whose output meets partial sums: sum its output's gradient in backward.
+
+    The module is marked ``tp_partial_grad_output``: a LoRA adapter around it
+    would add a branch whose gradient is not summed, so torchtp's PEFT support
+    refuses one.
+    """
 
     name = "partial_grad_output"
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size > 1:
+            module.tp_partial_grad_output = True  # type: ignore[assignment]
             module.register_forward_hook(_grad_summed(layer.fqn, ctx.group))
         return module
 
 
-def _reduce_output(fqn: str, group: ProcessGroup | None) -> Any:
+def _reduce_output(fqn: str, group: ProcessGroup | None, routers: tuple[str, ...]) -> Any:
     def hook(_m: nn.Module, _args: object, out: object) -> torch.Tensor:
-        y = reduce_from_tensor_parallel_region(_tensor_output(fqn, "reduce_output", out), group)
-        _check_routes(group)
+        x = _tensor_output(fqn, "reduce_output", out)
+        ride = _ride_routes(group, routers, x.device)
+        y = reduce_from_tensor_parallel_region(x, group)
+        _check_routes(group, routers, ride)
         return y
     return hook
 
 
-def _reduce_input(fqn: str, group: ProcessGroup | None) -> Any:
+def _reduce_input(fqn: str, group: ProcessGroup | None, routers: tuple[str, ...]) -> Any:
     def hook(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if not args:
             raise TypeError(f"module '{fqn}' (style 'reduce_input') was called without a "
                             "positional input to reduce")
-        x = reduce_from_tensor_parallel_region(_tensor_output(fqn, "reduce_input", args[0]),
-                                               group)
-        _check_routes(group)
-        return (x, *args[1:])
+        x = _tensor_output(fqn, "reduce_input", args[0])
+        ride = _ride_routes(group, routers, x.device)
+        y = reduce_from_tensor_parallel_region(x, group)
+        _check_routes(group, routers, ride)
+        return (y, *args[1:])
     return hook
 
 
 def _grad_summed(fqn: str, group: ProcessGroup | None) -> Any:
     def hook(_m: nn.Module, _args: object, out: object) -> torch.Tensor:
         y = _tensor_output(fqn, "partial_grad_output", out)
-        _ride_routes(fqn, y, group)
+        _note_routes(fqn, y, group)
         return copy_to_tensor_parallel_region(y, group)
     return hook
 
 
-# Per group, the routers whose routes ride the next all-reduce: the reduction point
-# that follows them reads the verdict (every rank reaches it, so every rank decides).
-_ROUTES: dict[object, list[tuple[str, _comm.Ride]]] = {}
+# Per group and router, the hash of the routes its latest call chose. The
+# reduction that ends the MoE rides the hashes of its own routers on its own
+# all-reduce: the same count on every rank, whatever else called a router.
+_ROUTES: dict[object, dict[str, bytes]] = {}
 _RANKED = 8  # experts ranked per token in the hash: top-k choices for k <= 8
 
 
-def _ride_routes(fqn: str, logits: torch.Tensor, group: ProcessGroup | None) -> None:
-    """Put a hash of every token's ranking of the router's outputs on the next all-reduce.
+def _checking(group: ProcessGroup | None) -> bool:
+    return group is not None and group_size(group) > 1 and not torch.compiler.is_compiling() \
+        and _log.CHECK_INPUTS
+
+
+def _note_routes(fqn: str, logits: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Remember a hash of every token's ranking of the router's outputs (its top 8).
 
     The router is replicated: every rank computes its outputs from its own copy
     of the weights and of the token states. Ranks that disagree would send
@@ -156,22 +180,32 @@ def _ride_routes(fqn: str, logits: torch.Tensor, group: ProcessGroup | None) -> 
     values, is hashed, so a rounding difference that changes no choice passes.
     Off under ``torch.compile``, for one rank and with ``TP_CHECK_INPUTS=0``.
     """
-    if group is None or group_size(group) == 1 or torch.compiler.is_compiling() \
-            or not _log.CHECK_INPUTS or not logits.numel():
+    if not _checking(group):
         return
     ranked = logits.detach().topk(min(_RANKED, logits.shape[-1]), -1).indices  # (..., <=8)
     data = ranked.to("cpu", torch.int64).contiguous().numpy().tobytes()
-    _ROUTES.setdefault(group, []).append((fqn, _comm.ride_hash(group, data, logits.device)))
+    _ROUTES.setdefault(group, {})[fqn] = hashlib.blake2b(data, digest_size=16).digest()
 
 
-def _check_routes(group: ProcessGroup | None) -> None:
-    """After a reduction: raise on every rank if a router's ranking differed across ranks."""
-    for fqn, ride in _ROUTES.pop(group, []):
-        if not _comm.ride_agrees(group, ride, group_size(group)):
-            raise RankMismatchError(
-                f"'{fqn}' (style 'partial_grad_output'): the tensor-parallel ranks ranked the "
-                f"experts differently (world_size={group_size(group)}); every rank computes "
-                "the routes from its own copy of this router and of the token states, so one "
-                "of them differs across ranks (a replicated weight changed on one rank, "
-                "non-deterministic kernels, different inputs); compare its weights across "
-                "the ranks (torchtp's optimizer-step check, TP_STEP_CHECK, does at every step)")
+def _ride_routes(group: ProcessGroup | None, routers: tuple[str, ...],
+                 device: torch.device) -> _comm.Ride | None:
+    """The routers' latest hashes, riding the all-reduce about to run (none: nothing rides)."""
+    if not routers or not _checking(group):
+        return None
+    latest = _ROUTES.get(group, {})
+    return _comm.ride_hash(group, b"".join(latest.pop(f, b"-") for f in routers), device)
+
+
+def _check_routes(group: ProcessGroup | None, routers: tuple[str, ...],
+                  ride: _comm.Ride | None) -> None:
+    """After the reduction: raise on every rank if a router's ranking differed across ranks."""
+    if ride is None or _comm.ride_agrees(group, ride, group_size(group)):
+        return
+    raise RankMismatchError(
+        f"{', '.join(repr(r) for r in routers)} (style 'partial_grad_output'): the "
+        "tensor-parallel ranks ranked the "
+        f"experts differently (world_size={group_size(group)}); every rank computes the routes "
+        "from its own copy of the router and of the token states, so one of them differs "
+        "across ranks (a replicated weight changed on one rank, non-deterministic kernels, "
+        "different inputs); compare its weights across the ranks (torchtp's optimizer-step "
+        "check, TP_STEP_CHECK, does at every step)")

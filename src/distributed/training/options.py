@@ -156,7 +156,9 @@ def _place_hand_written(model: nn.Module, plan: ResolvedPlan, ep: bool | int,
                          f"expert_parallel=True or one of {valid}")
     lists = place_experts(model, plan, k)
     if not lists and not required:  # init_parallel(ep=...) on a model without experts
-        plan.notes.append(f"init_parallel(ep={k}): the model has no experts; nothing placed")
+        plan.notes.append(f"init_parallel(ep={k}): no experts placed (no transformers experts "
+                          "module, and no hand-written experts the automatic plan sums once; "
+                          "the other notes say why, if it has some)")
         return
     if not lists:
         raise ValueError(f"expert_parallel={ep!r}, but the model has no transformers experts "
