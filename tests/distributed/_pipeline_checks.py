@@ -82,3 +82,45 @@ def check_bad_microbatches(rank: int, world_size: int) -> str:
     except ValueError as err:
         return str(err)
     raise AssertionError("an uneven batch was not refused")
+
+
+def check_pipeline_tp(rank: int, world_size: int) -> list[Any]:
+    """pp 2 x tp 2 on a user-built ``DeviceMesh(("pp", "tp"))``: each stage tensor-parallel
+    (``DistributedModelWrapper`` over the stage's TP group), 1F1B over the ``pp`` groups;
+    the loss, every gradient (this rank's cut) and the parameters after an AdamW step equal
+    to one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torchtp
+
+    from ._hf_checks import expected_local
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "tp"))
+    ref, model = build_llama(), build_llama()
+    stage = decoder_stage(model, mesh.get_local_rank("pp"), 2)
+    torchtp.DistributedModelWrapper(stage.model, group=mesh.get_group("tp"))
+    pipe = PipelineSchedule(stage, 4, "1f1b", group=mesh.get_group("pp"))
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ids, labels = batch(0)
+    loss = pipe.step(ids, labels)
+    ref_loss = reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    if stage.is_last:
+        assert loss is not None
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    want = dict(ref.named_parameters())
+
+    def local(name: str, full: torch.Tensor) -> torch.Tensor:
+        module = stage.model.get_submodule(name.rpartition(".")[0])
+        return expected_local(module, name.rpartition(".")[2], full)
+
+    for name, p in stage.model.named_parameters():
+        torch.testing.assert_close(p.grad, local(name, want[name].grad), **TOL, msg=name)
+    opt.step()
+    ref_opt.step()
+    for name, p in stage.model.named_parameters():
+        torch.testing.assert_close(p, local(name, want[name].detach()), **TOL, msg=name)
+    split = [n for n, p in stage.model.named_parameters()
+             if tuple(p.shape) != tuple(want[n].shape)]
+    return [list(stage.layers), len(split)]

@@ -51,3 +51,11 @@ def test_tied_embeddings_and_bad_schedules_are_refused():
     with pytest.raises(ValueError, match=r"microbatches=1: schedule '1f1b' over 2 stages "
                                          r"needs at least 2"):
         PipelineSchedule(stage, 1, "1f1b")
+
+
+def test_tensor_parallel_stages_train_like_one_process(ranks):
+    from ._pipeline_checks import check_pipeline_tp
+
+    out = ranks(check_pipeline_tp, 4, timeout=300)
+    assert [o[0] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(o[1] > 0 for o in out)  # every stage's Linears are split over its TP group
