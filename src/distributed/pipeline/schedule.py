@@ -16,11 +16,16 @@ unsplit model's:
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from ..comm import ops as _comm
 from ..comm.runtime import ProcessGroup
+from ..training.clip import grad_norm
 from .stage import DecoderStage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -94,6 +99,34 @@ class PipelineSchedule:
         losses: list[torch.Tensor] = []
         self._schedule.step(target=labels, losses=losses)
         return torch.stack(losses).sum()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        tp_group: ProcessGroup | None = None) -> torch.Tensor:
+        """Clip this stage's gradients by the whole model's norm, over every stage.
+
+        Each stage's norm is torchtp's (:func:`torchtp.grad_norm`: split
+        parameters counted once over the stage's TP group ``tp_group``, ``None``
+        when the stage is not tensor-parallel); the stages' norms are combined
+        over the pipeline group, so every rank of every stage applies the factor
+        ``torch.nn.utils.clip_grad_norm_`` would apply to the unsplit model.
+
+        Returns:
+            The total norm before clipping (0-dim, equal on every rank).
+        """
+        params = [p for p in self.stage.parameters() if p.grad is not None]
+        p = float(norm_type)
+        own = grad_norm(params, norm_type, group=tp_group) if params else torch.zeros(())
+        mine = own if math.isinf(p) else own ** p  # this stage's share of the total
+        if self._group_size() > 1:
+            mine = _comm.all_reduce(mine, self._pipe.group, "max" if math.isinf(p) else "sum")
+        total = mine if math.isinf(p) else mine ** (1.0 / p)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def _group_size(self) -> int:
+        return dist.get_world_size(self._pipe.group)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One microbatch's share of the batch's token-mean loss: ``(b, T, V)``, ``(b, T)``."""
