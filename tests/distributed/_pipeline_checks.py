@@ -42,15 +42,18 @@ def reference_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) ->
 
 
 def check_pipeline(rank: int, world_size: int, schedule: str, layers: int,
-                   microbatches: int, steps: int = 2) -> list[Any]:
+                   microbatches: int, steps: int = 2, tied: bool = False) -> list[Any]:
     """``steps`` AdamW steps as ``world_size`` stages; every loss (last stage), every
-    gradient and every parameter after the steps equal to one process's."""
-    ref, model = build_llama(layers), build_llama(layers)
+    gradient and every parameter after the steps equal to one process's. ``tied``: the
+    first stage's embedding and the last stage's LM head are both the tied weight."""
+    ref, model = build_llama(layers, tied), build_llama(layers, tied)
     stage = decoder_stage(model, rank, world_size)
     pipe = PipelineSchedule(stage, microbatches, schedule)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
     want = dict(ref.named_parameters())
+    if tied:  # the last stage's copy is the reference's one tied weight
+        want["lm_head.weight"] = ref.get_input_embeddings().weight
     losses = []
     for step in range(steps):
         ids, labels = batch(step)
@@ -72,6 +75,13 @@ def check_pipeline(rank: int, world_size: int, schedule: str, layers: int,
     # After the clipped last step: the clip factors differ at float32 rounding (above).
     for name, p in stage.model.named_parameters():
         torch.testing.assert_close(p, want[name], rtol=1e-6, atol=1e-9, msg=name)
+    if tied:  # the two copies of the tied weight are bit-identical after the steps
+        import torch.distributed as dist
+
+        mine = stage.tied_weight()
+        copies: list[Any] = [None] * world_size
+        dist.all_gather_object(copies, None if mine is None else mine.detach())
+        assert torch.equal(copies[0], copies[-1])
     return [list(stage.layers), losses, sum(1 for _ in stage.parameters())]
 
 
@@ -143,7 +153,7 @@ def _clip_like_one_process(pipe: PipelineSchedule, ref: nn.Module, stage: Any, t
     assert float(want) > CLIP
     # torchtp's norm is float32 (docs/training.md), torch's float64 here.
     torch.testing.assert_close(total.double(), want, rtol=1e-6, atol=0)
-    params = dict(ref.named_parameters())
+    params = dict(ref.named_parameters(remove_duplicate=False))  # tied: both names
     for name, p in stage.model.named_parameters():
         torch.testing.assert_close(p.grad, local(name, params[name].grad), rtol=1e-6,
                                    atol=1e-9, msg=name)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..comm import ops as _comm
+from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup
 from ..training.clip import grad_norm
 from .stage import DecoderStage
@@ -66,6 +67,7 @@ class PipelineSchedule:
         self._schedule = cls(self._pipe, n_microbatches=microbatches, loss_fn=self._loss,
                              scale_grads=False)
         self._counted = torch.ones(())
+        self._tied = _tied_group(self._pipe.group) if stage.tied else None
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of the batch; gradients accumulate in this stage's parameters.
@@ -90,15 +92,22 @@ class PipelineSchedule:
                              f"that divides into microbatches={self.microbatches}")
         # Tokens the loss counts in the whole batch (labels shifted by one).
         self._counted = (labels[:, 1:] != self.ignore_index).sum()
+        losses: list[torch.Tensor] = []
         if self.stage.is_first:
             self._schedule.step(input_ids)
-            return None
-        if not self.stage.is_last:
+        elif not self.stage.is_last:
             self._schedule.step()
-            return None
-        losses: list[torch.Tensor] = []
-        self._schedule.step(target=labels, losses=losses)
-        return torch.stack(losses).sum()
+        else:
+            self._schedule.step(target=labels, losses=losses)
+        self._sum_tied()
+        return torch.stack(losses).sum() if self.stage.is_last else None
+
+    def _sum_tied(self) -> None:
+        """Tied embeddings: the first and last stage hold copies; both get the summed gradient."""
+        weight = self.stage.tied_weight()
+        if weight is None or self._tied is None or weight.grad is None:
+            return
+        _comm.all_reduce_(weight.grad, self._tied)  # (V, H), or this TP rank's rows of it
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -115,8 +124,11 @@ class PipelineSchedule:
             The total norm before clipping (0-dim, equal on every rank).
         """
         params = [p for p in self.stage.parameters() if p.grad is not None]
+        # A tied embedding is one weight: counted on the first stage, not again on the last.
+        copy = self.stage.tied_weight() if self.stage.is_last else None
+        counted = [p for p in params if p is not copy]
         p = float(norm_type)
-        own = grad_norm(params, norm_type, group=tp_group) if params else torch.zeros(())
+        own = grad_norm(counted, norm_type, group=tp_group) if counted else torch.zeros(())
         mine = own if math.isinf(p) else own ** p  # this stage's share of the total
         if self._group_size() > 1:
             mine = _comm.all_reduce(mine, self._pipe.group, "max" if math.isinf(p) else "sum")
@@ -136,3 +148,21 @@ class PipelineSchedule:
         summed = F.cross_entropy(shifted, labels[:, 1:].reshape(-1),
                                  ignore_index=self.ignore_index, reduction="sum")
         return summed / self._counted
+
+
+def _tied_group(pipe: ProcessGroup | None) -> ProcessGroup | None:
+    """The group of the first and last stage of ``pipe`` (collective over the world).
+
+    Every pipeline (one per TP rank, per data-parallel replica) has such a pair,
+    and ``new_group`` must be called by every rank for every pair in one order:
+    the pairs are gathered first.
+    """
+    ranks = dist.get_process_group_ranks(pipe) if pipe is not None \
+        else list(range(dist.get_world_size()))
+    pairs = all_gather_object((ranks[0], ranks[-1]), None, "the tied embeddings' stage pairs")
+    mine = None
+    for pair in sorted({tuple(p) for p in pairs}):
+        group = dist.new_group(list(pair))
+        if pair == (ranks[0], ranks[-1]):
+            mine = group
+    return mine

@@ -75,7 +75,12 @@ class DecoderStage(nn.Module):
         model: The causal LM, holding only this stage's parameters.
         stage: This stage's index; ``stages``: how many there are.
         layers: The decoder layers this stage holds.
+        tied: The model ties its input and output embeddings: the first stage's
+            embedding weight and the last stage's LM head are copies of one
+            weight whose gradients are summed.
     """
+
+    tied = False
 
     def __init__(self, model: nn.Module, stage: int, stages: int, layers: range) -> None:
         super().__init__()
@@ -100,6 +105,14 @@ class DecoderStage(nn.Module):
         hidden = out.last_hidden_state  # (B, T, H)
         return lm.get_output_embeddings()(hidden) if self.is_last else hidden  # (B, T, V)
 
+    def tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of the tied embedding weight (first and last stage), if any."""
+        if not self.tied or not (self.is_first or self.is_last):
+            return None
+        lm: Any = self.model
+        owner = lm.get_input_embeddings() if self.is_first else lm.get_output_embeddings()
+        return owner.weight
+
     def extra_repr(self) -> str:
         return (f"stage {self.stage} of {self.stages}, decoder layers "
                 f"{self.layers.start}..{self.layers.stop - 1}")
@@ -117,20 +130,22 @@ def decoder_stage(model: Any, stage: int, stages: int,
         stages: Pipeline stages.
         split: Decoder layers per stage; ``None``: balanced (:func:`stage_layers`).
 
+    Tied input and output embeddings (``tie_word_embeddings``) become two
+    copies: the first stage's embedding weight and the last stage's LM head
+    (``DecoderStage.tied``); :class:`~torchtp.pipeline.schedule.PipelineSchedule`
+    sums their gradients after every step, so they stay identical.
+
     Raises:
-        ValueError: the model lacks that structure, ties its input and output
-            embeddings (the two stages holding them would need their gradients
-            summed: not supported yet), or the split is invalid.
+        ValueError: the model lacks that structure, or the split is invalid.
     """
     decoder = _decoder(model)
     layers = decoder.layers
     ranges = stage_layers(len(layers), stages, split)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    if tied and stages > 1:
-        raise ValueError(f"{type(model).__name__} ties its input and output embeddings "
-                         "(tie_word_embeddings=True): the first and last pipeline stages would "
-                         "each hold a copy whose gradients must be summed, which torchtp's "
-                         "pipeline does not do yet; untie them or use stages=1")
+    head = model.get_output_embeddings()
+    tied = stages > 1 and head.weight is model.get_input_embeddings().weight
+    if tied and stage == stages - 1:  # the last stage's own copy of the shared weight
+        head.weight = nn.Parameter(head.weight.detach().clone(),
+                                   requires_grad=head.weight.requires_grad)
     mine = ranges[stage]
     for i in range(len(layers)):
         if i not in mine:
@@ -140,7 +155,9 @@ def decoder_stage(model: Any, stage: int, stages: int,
     if stage != stages - 1:
         decoder.norm = nn.Identity()  # the final norm belongs to the last stage
         model.set_output_embeddings(None)
-    return DecoderStage(model, stage, stages, mine)
+    built = DecoderStage(model, stage, stages, mine)
+    built.tied = tied
+    return built
 
 
 def _decoder(model: Any) -> Any:
