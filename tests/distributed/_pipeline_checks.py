@@ -157,3 +157,19 @@ def _clip_like_one_process(pipe: PipelineSchedule, ref: nn.Module, stage: Any, t
     for name, p in stage.model.named_parameters():
         torch.testing.assert_close(p.grad, local(name, params[name].grad), rtol=1e-6,
                                    atol=1e-9, msg=name)
+
+
+def check_stage_raises(rank: int, world_size: int) -> tuple[str, float]:
+    """The last stage's loss raises in the middle of a 1F1B step: how each stage ends."""
+    import time
+
+    stage = decoder_stage(build_llama(), rank, world_size)
+    pipe = PipelineSchedule(stage, 4, "1f1b")
+    ids, labels = batch(0)
+    labels[1, 3] = VOCAB + 7  # only the last stage reads labels: its loss raises
+    start = time.monotonic()
+    try:
+        pipe.step(ids, labels)
+    except Exception as err:  # every stage must end, promptly
+        return f"{type(err).__name__}: {err}", time.monotonic() - start
+    return "finished", time.monotonic() - start

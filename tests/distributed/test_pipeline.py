@@ -62,3 +62,15 @@ def test_tensor_parallel_stages_train_like_one_process(ranks):
     out = ranks(check_pipeline_tp, 4, timeout=300)
     assert [o[0] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert all(o[1] > 0 for o in out)  # every stage's Linears are split over its TP group
+
+
+def test_a_stage_that_raises_ends_every_stage_promptly(ranks):
+    # The last stage's loss raises (a label outside the vocabulary) in a 1F1B step; its
+    # process ends as under torchrun, and the first stage, waiting for gradients, raises
+    # within seconds (Gloo reports the closed connection), not at the 60 s group timeout.
+    from ._pipeline_checks import check_stage_raises
+
+    out = ranks(check_stage_raises, 2, gloo_timeout=60, timeout=120)
+    assert "Target 71 is out of bounds" in out[1][0]
+    assert out[0][0].startswith("RuntimeError") and "Connection closed by peer" in out[0][0]
+    assert out[0][1] < 30, out[0]
