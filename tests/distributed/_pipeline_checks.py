@@ -173,3 +173,25 @@ def check_stage_raises(rank: int, world_size: int) -> tuple[str, float]:
     except Exception as err:  # every stage must end, promptly
         return f"{type(err).__name__}: {err}", time.monotonic() - start
     return "finished", time.monotonic() - start
+
+
+def check_accumulation(rank: int, world_size: int) -> float:
+    """Two steps of 2 rows (2 microbatches each), normalised over both, give one process's
+    gradients for the whole 4-row batch; the summed losses its loss."""
+    ref, model = build_llama(), build_llama()
+    stage = decoder_stage(model, rank, world_size)
+    pipe = PipelineSchedule(stage, 2, "1f1b")
+    ids, labels = batch(0)
+    counted = int((labels[:, 1:] != -100).sum())
+    losses = [pipe.step(ids[rows], labels[rows], counted=counted)
+              for rows in (slice(0, 2), slice(2, 4))]
+    ref_loss = reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    want = dict(ref.named_parameters())
+    for name, p in stage.model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, **TOL, msg=name)
+    if stage.is_last:
+        total = losses[0] + losses[1]  # type: ignore[operator]
+        torch.testing.assert_close(total, ref_loss.detach(), **TOL)
+        return float(total.detach())
+    return 0.0

@@ -74,3 +74,11 @@ def test_a_stage_that_raises_ends_every_stage_promptly(ranks):
     assert "Target 71 is out of bounds" in out[1][0]
     assert out[0][0].startswith("RuntimeError") and "Connection closed by peer" in out[0][0]
     assert out[0][1] < 30, out[0]
+
+
+def test_gradient_accumulation_over_steps_equals_one_big_step(ranks):
+    # 2 steps x 2 microbatches = 1 step of 4, with the rows' uneven padding.
+    from ._pipeline_checks import check_accumulation
+
+    out = ranks(check_accumulation, 2, timeout=180)
+    assert out[1] > 0

@@ -69,13 +69,20 @@ class PipelineSchedule:
         self._counted = torch.ones(())
         self._tied = _tied_group(self._pipe.group) if stage.tied else None
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
+             counted: int | None = None) -> torch.Tensor | None:
         """Forward and backward of the batch; gradients accumulate in this stage's parameters.
 
         Args:
             input_ids: ``(B, T)`` token ids, the same on every stage (the first reads them).
             labels: ``(B, T)``, the same on every stage (the last reads them);
                 shifted by one inside, as HuggingFace's causal-LM loss does.
+            counted: The tokens the loss is a mean over; ``None``: this batch's
+                counted tokens. For gradient accumulation over several
+                ``step`` calls before one optimizer step, pass the count of the
+                whole accumulation window (every batch's labels, shifted, not
+                ``ignore_index``): the summed gradients then equal one step
+                over all those batches.
 
         Returns:
             On the last stage the batch's loss (token mean, as one process computes
@@ -90,8 +97,10 @@ class PipelineSchedule:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels "
                              f"{tuple(labels.shape)}: give both as (batch, tokens) with a batch "
                              f"that divides into microbatches={self.microbatches}")
-        # Tokens the loss counts in the whole batch (labels shifted by one).
-        self._counted = (labels[:, 1:] != self.ignore_index).sum()
+        # Tokens the loss is a mean over: the whole batch's (labels shifted by one),
+        # or the accumulation window's.
+        own = (labels[:, 1:] != self.ignore_index).sum()
+        self._counted = own if counted is None else torch.tensor(counted)
         losses: list[torch.Tensor] = []
         if self.stage.is_first:
             self._schedule.step(input_ids)
