@@ -132,16 +132,18 @@ class PipelineSchedule:
         Returns:
             The total norm before clipping (0-dim, equal on every rank).
         """
-        params = [p for p in self.stage.parameters() if p.grad is not None]
+        params = [w for w in self.stage.parameters() if w.grad is not None]
         # A tied embedding is one weight: counted on the first stage, not again on the last.
         copy = self.stage.tied_weight() if self.stage.is_last else None
-        counted = [p for p in params if p is not copy]
-        p = float(norm_type)
-        own = grad_norm(counted, norm_type, group=tp_group) if counted else torch.zeros(())
-        mine = own if math.isinf(p) else own ** p  # this stage's share of the total
+        normed = [w for w in params if w is not copy]
+        order = float(norm_type)
+        device = next(self.stage.parameters()).device
+        own = grad_norm(normed, norm_type, group=tp_group) if normed \
+            else torch.zeros((), device=device)
+        mine = own if math.isinf(order) else own ** order  # this stage's share of the total
         if self._group_size() > 1:
-            mine = _comm.all_reduce(mine, self._pipe.group, "max" if math.isinf(p) else "sum")
-        total = mine if math.isinf(p) else mine ** (1.0 / p)
+            mine = _comm.all_reduce(mine, self._pipe.group, "max" if math.isinf(order) else "sum")
+        total = mine if math.isinf(order) else mine ** (1.0 / order)
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
