@@ -67,12 +67,14 @@ def test_tensor_parallel_stages_train_like_one_process(ranks):
 def test_a_stage_that_raises_ends_every_stage_promptly(ranks):
     # The last stage's loss raises (a label outside the vocabulary) in a 1F1B step; its
     # process ends as under torchrun, and the first stage, waiting for gradients, raises
-    # within seconds (Gloo reports the closed connection), not at the 60 s group timeout.
+    # within seconds (Gloo reports the lost connection), not at the 60 s group timeout.
     from ._pipeline_checks import check_stage_raises
 
     out = ranks(check_stage_raises, 2, gloo_timeout=60, timeout=120)
     assert "Target 71 is out of bounds" in out[1][0]
-    assert out[0][0].startswith("RuntimeError") and "Connection closed by peer" in out[0][0]
+    # Gloo's wording varies with timing ("Connection closed by peer", "Read error ...
+    # Connection reset"): what matters is that its transport reports the peer gone.
+    assert out[0][0].startswith("RuntimeError") and "gloo/transport" in out[0][0], out[0]
     assert out[0][1] < 30, out[0]
 
 
