@@ -145,6 +145,16 @@ def check_hand_moe(rank: int, world_size: int, kind: str) -> dict[str, object]:
     ref = MODELS[kind]().double()
     torch.manual_seed(0)
     wrapped = torchtp.DistributedModelWrapper(MODELS[kind]().double())
+    counts = _two_sgd_steps(wrapped, ref)
+    plan = wrapped.resolved_plan
+    return {"styles": {n: s.name for n, s in plan.assignments.items()}, "why": dict(plan.why),
+            "notes": list(plan.notes), "counts": counts}
+
+
+def _two_sgd_steps(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module
+                   ) -> list[tuple[dict[str, int], dict[str, int]]]:
+    """Two SGD steps of both models on the same batch: outputs and every gradient compared
+    each step; the forward's and the backward's collective counts."""
     x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
@@ -163,9 +173,7 @@ def check_hand_moe(rank: int, world_size: int, kind: str) -> dict[str, object]:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    plan = wrapped.resolved_plan
-    return {"styles": {n: s.name for n, s in plan.assignments.items()}, "why": dict(plan.why),
-            "notes": list(plan.notes), "counts": counts}
+    return counts
 
 
 def _check_grads(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module) -> None:
@@ -203,23 +211,7 @@ def check_hand_moe_ep(rank: int, world_size: int, kind: str,
     ref = MODELS[kind]().double()
     torch.manual_seed(0)
     wrapped = torchtp.DistributedModelWrapper(MODELS[kind]().double(), expert_parallel=ep)
-    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    counts = []
-    for _ in range(2):
-        with torchtp.count_collectives() as fwd:
-            got = wrapped(x)
-        want = ref(x)
-        torch.testing.assert_close(got, want, **TOL)
-        got.square().sum().backward()
-        want.square().sum().backward()
-        _check_grads(wrapped, ref)
-        counts.append(dict(fwd.counts))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    counts = [fwd for fwd, _ in _two_sgd_steps(wrapped, ref)]
     held = sorted({n.rsplit(".", 2)[0] for n, p in wrapped.base_model.named_parameters()
                    if "experts." in n and n.endswith("weight") and p.numel()})
     return {"held": held, "counts": counts,

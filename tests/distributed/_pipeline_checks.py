@@ -56,14 +56,9 @@ def check_pipeline(rank: int, world_size: int, schedule: str, layers: int,
         want["lm_head.weight"] = ref.get_input_embeddings().weight
     losses = []
     for step in range(steps):
-        ids, labels = batch(step)
-        loss = pipe.step(ids, labels)
-        ref_loss = reference_loss(ref, ids, labels)
-        ref_loss.backward()
-        if stage.is_last:
-            assert loss is not None
-            torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-            losses.append(float(loss.detach()))
+        loss = _step_like_one_process(pipe, ref, *batch(step))
+        if loss is not None:
+            losses.append(loss)
         for name, p in stage.model.named_parameters():
             torch.testing.assert_close(p.grad, want[name].grad, **TOL, msg=name)
         if step == steps - 1:  # the clip's float32 norm would end float64 exactness after it
@@ -83,6 +78,20 @@ def check_pipeline(rank: int, world_size: int, schedule: str, layers: int,
         dist.all_gather_object(copies, None if mine is None else mine.detach())
         assert torch.equal(copies[0], copies[-1])
     return [list(stage.layers), losses, sum(1 for _ in stage.parameters())]
+
+
+def _step_like_one_process(pipe: PipelineSchedule, ref: nn.Module, ids: torch.Tensor,
+                           labels: torch.Tensor) -> float | None:
+    """One pipeline step and one unsplit backward on the batch; the last stage's loss checked
+    against the unsplit one and returned (``None`` on the other stages)."""
+    loss = pipe.step(ids, labels)
+    ref_loss = reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    if not pipe.stage.is_last:
+        return None
+    assert loss is not None
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    return float(loss.detach())
 
 
 def check_bad_microbatches(rank: int, world_size: int) -> str:
@@ -115,13 +124,7 @@ def check_pipeline_tp(rank: int, world_size: int) -> list[Any]:
     pipe = PipelineSchedule(stage, 4, "1f1b", group=mesh.get_group("pp"))
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ids, labels = batch(0)
-    loss = pipe.step(ids, labels)
-    ref_loss = reference_loss(ref, ids, labels)
-    ref_loss.backward()
-    if stage.is_last:
-        assert loss is not None
-        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    _step_like_one_process(pipe, ref, *batch(0))
     want = dict(ref.named_parameters())
 
     def local(name: str, full: torch.Tensor) -> torch.Tensor:

@@ -378,7 +378,7 @@ def _attention_owner(model: nn.Module, producers: list[str], b: str) -> str | No
     models hold q/k/v in ``attention.self`` and the output one in a sibling,
     and the head counts live with q/k/v.
     """
-    inner, outer = _common_owner(producers), _common_owner([*producers, b])
+    inner, outer = common_owner(producers), common_owner([*producers, b])
     path = inner.split(".") if inner else []
     stop = len(outer.split(".")) if outer else 0
     for depth in range(len(path), stop - 1, -1):
@@ -388,7 +388,7 @@ def _attention_owner(model: nn.Module, producers: list[str], b: str) -> str | No
     return None
 
 
-def _common_owner(names: list[str]) -> str | None:
+def common_owner(names: list[str]) -> str | None:
     """The innermost module that holds all ``names`` (``None``: the model itself)."""
     parts = [n.split(".")[:-1] for n in names]
     common: list[str] = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..core.layouts import shard_range
+from .auto import common_owner
 from .constraints import Constraint
 from .linear_view import LinearView
 from .resolved import ResolvedPlan
@@ -107,7 +108,7 @@ def place_experts(model: nn.Module, plan: ResolvedPlan, ep: int) -> dict[str, li
     for name, style in plan.assignments.items():
         if not (isinstance(style, RowwisePartial) and style.producers):
             continue
-        unit = _common_owner([name, *style.producers])
+        unit = common_owner([name, *style.producers]) or ""
         parent, _, index = unit.rpartition(".")
         # Plain row splits only: a fused gate|up (stacked halves) keeps its own split.
         plain = all(type(plan.assignments.get(p)) is Colwise for p in style.producers)
@@ -121,16 +122,6 @@ def place_experts(model: nn.Module, plan: ResolvedPlan, ep: int) -> dict[str, li
             for up in producers:
                 plan.assignments[up] = ExpertRows(block)
     return {parent: [f"{parent}.{i}" for i, _, _ in experts] for parent, experts in lists.items()}
-
-
-def _common_owner(names: list[str]) -> str:
-    parts = [n.split(".")[:-1] for n in names]
-    common: list[str] = []
-    for level in zip(*parts, strict=False):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    return ".".join(common)
 
 
 def _get(model: nn.Module, name: str) -> nn.Module | None:
