@@ -163,19 +163,43 @@ def _clip_like_one_process(pipe: PipelineSchedule, ref: nn.Module, stage: Any, t
 
 
 def check_stage_raises(rank: int, world_size: int) -> tuple[str, float]:
-    """The last stage's loss raises in the middle of a 1F1B step: how each stage ends."""
+    """The last stage raises in its second microbatch's forward (as an out-of-memory error
+    would) in the middle of a 1F1B step: how each stage ends."""
     import time
 
     stage = decoder_stage(build_llama(), rank, world_size)
     pipe = PipelineSchedule(stage, 4, "1f1b")
-    ids, labels = batch(0)
-    labels[1, 3] = VOCAB + 7  # only the last stage reads labels: its loss raises
+    calls = []
+
+    def fail_second(*_: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated out of memory in microbatch 1")
+
+    if stage.is_last:
+        stage.model.get_decoder().norm.register_forward_pre_hook(fail_second)
     start = time.monotonic()
     try:
-        pipe.step(ids, labels)
+        pipe.step(*batch(0))
     except Exception as err:  # every stage must end, promptly
         return f"{type(err).__name__}: {err}", time.monotonic() - start
     return "finished", time.monotonic() - start
+
+
+def check_bad_batch_values(rank: int, world_size: int) -> list[str]:
+    """Labels and token ids outside the vocabulary: refused on every stage before any send
+    (only the last stage reads labels, only the first token ids)."""
+    stage = decoder_stage(build_llama(), rank, world_size)
+    pipe = PipelineSchedule(stage, 4, "1f1b")
+    messages = []
+    for which in ("labels", "input_ids"):
+        ids, labels = batch(0)
+        (labels if which == "labels" else ids)[1, 3] = VOCAB + 7
+        try:
+            pipe.step(ids, labels)
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
 
 
 def check_accumulation(rank: int, world_size: int) -> float:
@@ -198,3 +222,17 @@ def check_accumulation(rank: int, world_size: int) -> float:
         torch.testing.assert_close(total, ref_loss.detach(), **TOL)
         return float(total.detach())
     return 0.0
+
+
+def check_different_batches(rank: int, world_size: int) -> str:
+    """Each stage given another batch (a data loader sharded over the pipeline ranks):
+    refused on every stage, before any send."""
+    from torchtp import RankMismatchError
+
+    stage = decoder_stage(build_llama(), rank, world_size)
+    pipe = PipelineSchedule(stage, 4, "gpipe")
+    try:
+        pipe.step(*batch(rank))
+    except RankMismatchError as err:
+        return str(err)
+    raise AssertionError("different batches on the stages were accepted")

@@ -52,12 +52,16 @@ class TensorParallelConfig:
         dp_rank: This process's rank in its DP group (which replica it is).
         dp_group: The DP group (same TP rank in every replica), or ``None``
             when ``dp_size == 1``.
-        mesh: The ``DeviceMesh`` of shape ``(dp_size, tp_size)`` with dim names
-            ``("dp", "tp")``, or ``None`` without ``tp_size``.
+        mesh: The ``DeviceMesh`` of shape ``(pp_size, dp_size, tp_size)`` with
+            dim names ``("pp", "dp", "tp")``, or ``None`` when no size was given.
         ep_size: How many blocks the experts of a mixture-of-experts model are
             shared out over inside each TP group (``init_parallel(ep=...)``);
             the default of ``DistributedModelWrapper(expert_parallel=...)``.
             1: every expert's features split over the whole TP group.
+        pp_size: Pipeline stages (``init_parallel(pp=...)``); 1 without a mesh.
+        pp_rank: This process's stage: its rank in its pipeline group.
+        pp_group: The pipeline group (same ``dp`` and ``tp`` rank on every
+            stage), or ``None`` when ``pp_size == 1``.
     """
 
     world_size: int = 1
@@ -71,6 +75,9 @@ class TensorParallelConfig:
     dp_group: ProcessGroup | None = None
     mesh: DeviceMesh | None = None
     ep_size: int = 1
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: ProcessGroup | None = None
 
     @property
     def tp_size(self) -> int:
@@ -149,9 +156,11 @@ def _with_mesh(base: TensorParallelConfig, sizes: dict[str, int | None], who: st
 
     m = build_mesh(sizes, base.device.type, who, spelling)
     dp_group = m.get_group("dp") if m["dp"].size() > 1 else None
+    pp_group = m.get_group("pp") if m["pp"].size() > 1 else None
     tp = m.get_group("tp")
     return replace(base, world_size=m["tp"].size(), rank=m.get_local_rank("tp"), group=tp,
                    dp_size=m["dp"].size(), dp_rank=m.get_local_rank("dp"), dp_group=dp_group,
+                   pp_size=m["pp"].size(), pp_rank=m.get_local_rank("pp"), pp_group=pp_group,
                    mesh=m)
 
 
@@ -166,7 +175,7 @@ def _adopt(local_rank: int, sizes: dict[str, int | None], who: str,
 
 def init_parallel(
     *, tp: int | None = None, dp: int | None = None, ep: int | None = None,
-    backend: str | None = None, timeout: float | timedelta | None = None,
+    pp: int | None = None, backend: str | None = None, timeout: float | timedelta | None = None,
 ) -> TensorParallelConfig:
     """Start (or adopt) the default process group laid out as one named mesh.
 
@@ -174,13 +183,14 @@ def init_parallel(
     group themselves, returns the config of the existing group.
 
     The world of ``W`` ranks becomes a ``DeviceMesh`` with the dimensions of
-    :data:`torchtp.comm.mesh.MESH_DIMS` (today ``("dp", "tp")``): ``tp`` groups are
+    :data:`torchtp.comm.mesh.MESH_DIMS` (``("pp", "dp", "tp")``): ``tp`` groups are
     the contiguous ranks ``[i*tp, (i+1)*tp)`` (TP stays inside a node), ``dp``
-    groups the strided ones, and ``dp`` defaults to what ``tp`` leaves
-    (``W / tp``). With no size given the whole world is one TP group and no
-    mesh is built. Every component then asks :func:`resolve_group` for its
-    group by dimension name. Collective: every rank must call it with the
-    same sizes.
+    groups the strided ones inside each pipeline stage's block of
+    ``W / pp`` ranks, ``pp`` groups stride over those blocks, and ``dp``
+    defaults to what ``tp`` and ``pp`` leave (``W / (pp * tp)``). With no size
+    given the whole world is one TP group and no mesh is built. Every
+    component then asks :func:`resolve_group` for its group by dimension
+    name. Collective: every rank must call it with the same sizes.
 
     Args:
         tp: Ranks per tensor-parallel group; ``None``: the whole world (or
@@ -194,6 +204,10 @@ def init_parallel(
             features over the whole TP group. Recorded as ``cfg.ep_size``, the
             default of ``DistributedModelWrapper(expert_parallel=...)``; dense
             layers are unaffected (docs/moe.md).
+        pp: Pipeline stages (outermost: stages exchange only activations, so
+            they may span nodes); ``None``: 1. ``cfg.pp_rank`` is this rank's
+            stage and ``cfg.pp_group`` the default group of
+            :class:`torchtp.pipeline.PipelineSchedule` (docs/pipeline.md).
         backend: ``"nccl"``, ``"gloo"`` or ``"cpu:gloo,cuda:nccl"`` (both: CPU
             tensors over Gloo, CUDA tensors over NCCL); ``None`` picks ``nccl``
             when CUDA is available and ``gloo`` otherwise. A backend with NCCL
@@ -214,7 +228,7 @@ def init_parallel(
             sizes do not multiply to the world size (naming the valid values),
             on every rank before any group is created.
     """
-    cfg = _init({"dp": dp, "tp": tp}, backend, timeout, "init_parallel", {}, ep)
+    cfg = _init({"pp": pp, "dp": dp, "tp": tp}, backend, timeout, "init_parallel", {}, ep)
     return cfg
 
 

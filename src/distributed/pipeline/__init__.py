@@ -12,7 +12,9 @@ May import: every layer below (not ``integrations``' entry points, ``cli``).
 
 from __future__ import annotations
 
-from .schedule import SCHEDULES, PipelineSchedule
-from .stage import DecoderStage, decoder_stage, stage_layers
+from .placement import SCHEDULES, stage_ids
+from .schedule import PipelineSchedule
+from .stage import DecoderStage, decoder_stage, decoder_stages, stage_layers
 
-__all__ = ["SCHEDULES", "DecoderStage", "PipelineSchedule", "decoder_stage", "stage_layers"]
+__all__ = ["SCHEDULES", "DecoderStage", "PipelineSchedule", "decoder_stage", "decoder_stages",
+           "stage_ids", "stage_layers"]

@@ -4,152 +4,259 @@
 microbatch forwards and backwards. torchtp adds what makes the result the
 unsplit model's:
 
-* the loss is the token mean over the **whole batch**: each microbatch's
-  summed cross-entropy (labels shifted as HuggingFace's causal-LM loss does,
-  ``ignore_index`` skipped) is divided by the number of counted tokens in the
-  whole batch, and the schedule does not rescale gradients, so padding spread
-  unevenly over the microbatches changes nothing;
-* the batch and the microbatch count are checked on every rank before the
-  first send (every stage is given the same batch), so a bad shape raises
-  everywhere instead of leaving a stage waiting in a receive.
+* the loss is the token mean over the **whole batch**, over every
+  data-parallel replica: each microbatch's summed cross-entropy (labels
+  shifted as HuggingFace's causal-LM loss does, ``ignore_index`` skipped) is
+  divided by the number of counted tokens in the global batch (times the
+  replicas, whose gradients DDP and FSDP2 average), and the schedule does not
+  rescale gradients, so padding spread unevenly over the microbatches or the
+  replicas changes nothing;
+* before the first send of every step, the stages agree (one small
+  all-reduce over the pipeline group) that the batch's shapes are valid and
+  that every stage was given the same batch, so a bad or mismatched batch
+  raises everywhere instead of leaving a stage waiting in a receive;
+* tied input/output embeddings (first and last stage) get their gradients
+  summed, and the clip counts them once.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from ..comm import ops as _comm
 from ..comm.objects import all_gather_object
-from ..comm.runtime import ProcessGroup
-from ..training.clip import grad_norm
+from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_size, resolve_group
+from ..core.errors import RankMismatchError
+from ..guards.agreement import agree
+from ..guards.fingerprints import tensor_digest
+from ..layers import layouts_of
+from ..training.clip import local_norm_share
+from .placement import SCHEDULES, schedule_kind, stage_ids
 from .stage import DecoderStage
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-"""Schedule names (case-insensitive) and PyTorch's classes."""
+__all__ = ["SCHEDULES", "PipelineSchedule"]
 
 
 class PipelineSchedule:
     """One training step's forward and backward over every stage.
 
     Args:
-        stage: This rank's :class:`~torchtp.pipeline.stage.DecoderStage`.
+        stages: This rank's :class:`~torchtp.pipeline.stage.DecoderStage` (or,
+            for the interleaved and V-shaped schedules, its stages in the order
+            of :func:`~torchtp.pipeline.placement.stage_ids`), each as it is or
+            inside ``DistributedDataParallel`` / ``fully_shard`` over the
+            data-parallel group.
         microbatches: Microbatches per step (the batch must divide into them;
             ``"1f1b"`` needs at least as many as stages).
-        schedule: A name of :data:`SCHEDULES`.
-        group: The pipeline's process group (stage ``i`` is its rank ``i``);
-            ``None``: the default group.
+        schedule: A name of :data:`~torchtp.pipeline.placement.SCHEDULES`.
+        group: The pipeline's process group (its rank ``r`` holds the stages
+            ``stage_ids(schedule, r, size, per_rank)``); ``None``: the ``pp``
+            group of ``init_parallel``'s mesh (no group at ``pp=1``), else the
+            whole world.
         ignore_index: Labels not counted in the loss.
+        dp_group: The data-parallel group of the replicas whose gradients DDP or
+            FSDP2 average; ``None``: ``init_parallel``'s ``dp`` group (none
+            without one). With more than one replica every stage must be inside
+            DDP over that group or ``fully_shard``: otherwise each replica would
+            step on its own gradients.
 
     Raises:
-        ValueError: an unknown schedule or a microbatch count the schedule
-            cannot run (the same verdict on every rank: it depends on the
-            arguments only).
+        ValueError: an unknown schedule, stages that do not fit the schedule
+            and group, a microbatch count the schedule cannot run, or
+            data-parallel replicas without DDP or FSDP2: the same error on
+            every rank of the pipeline group (its ranks agree before anyone
+            goes on).
     """
 
-    def __init__(self, stage: DecoderStage, microbatches: int, schedule: str = "1f1b",
-                 group: ProcessGroup | None = None, ignore_index: int = -100) -> None:
-        cls = SCHEDULES.get(schedule.lower())
-        if cls is None:
-            raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; valid: "
-                             f"{sorted(SCHEDULES)}")
-        if microbatches < 1 or (cls is Schedule1F1B and microbatches < stage.stages):
-            need = stage.stages if cls is Schedule1F1B else 1
-            raise ValueError(f"microbatches={microbatches}: schedule {schedule!r} over "
-                             f"{stage.stages} stages needs at least {need}")
-        self.stage, self.microbatches, self.ignore_index = stage, microbatches, ignore_index
-        device = next(stage.parameters()).device
-        self._pipe = PipelineStage(stage, stage.stage, stage.stages, device, group=group)
-        self._schedule = cls(self._pipe, n_microbatches=microbatches, loss_fn=self._loss,
-                             scale_grads=False)
+    def __init__(self, stages: nn.Module | Sequence[nn.Module], microbatches: int,
+                 schedule: str = "1f1b", group: ProcessGroup | None = None,
+                 ignore_index: int = -100, dp_group: ProcessGroup | None = None) -> None:
+        given = [stages] if isinstance(stages, nn.Module) else list(stages)
+        self.stages: list[DecoderStage] = [_decoder_stage_of(m) for m in given]
+        self.microbatches, self.ignore_index = microbatches, ignore_index
+        self.group = _pipeline_group(group)
+        self.dp_group = resolve_group(dp_group, "dp")
+        error = _invalid(self.stages, given, microbatches, schedule, self.group, self.dp_group)
+        agree("PipelineSchedule", error,
+              {"schedule": schedule, "microbatches": microbatches,
+               "stages": self.stages[0].stages if self.stages else None}, self.group)
+        kind = schedule_kind(schedule)
+        device = next(self.stages[0].parameters()).device
+        self._pipes = [PipelineStage(m, s.stage, s.stages, device, group=self.group)
+                       for m, s in zip(given, self.stages, strict=True)]
+        pipes: Any = self._pipes[0] if kind.style == "single" else self._pipes
+        self._schedule = kind.cls(pipes, n_microbatches=microbatches, loss_fn=self._loss,
+                                  scale_grads=False)
+        self._replicas = group_size(self.dp_group)
         self._counted = torch.ones(())
-        self._tied = _tied_group(self._pipe.group) if stage.tied else None
+        self._tied = _tied_group(self.group, kind.style) if self.stages[0].tied else None
+
+    @property
+    def stage(self) -> DecoderStage:
+        """This rank's first (with one stage per rank: its only) stage."""
+        return self.stages[0]
+
+    @property
+    def holds_first(self) -> bool:
+        """This rank holds the first stage (it reads the token ids)."""
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def holds_last(self) -> bool:
+        """This rank holds the last stage (it computes the loss)."""
+        return any(s.is_last for s in self.stages)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
              counted: int | None = None) -> torch.Tensor | None:
-        """Forward and backward of the batch; gradients accumulate in this stage's parameters.
+        """Forward and backward of the batch; gradients accumulate in this rank's stages.
 
         Args:
-            input_ids: ``(B, T)`` token ids, the same on every stage (the first reads them).
-            labels: ``(B, T)``, the same on every stage (the last reads them);
-                shifted by one inside, as HuggingFace's causal-LM loss does.
-            counted: The tokens the loss is a mean over; ``None``: this batch's
-                counted tokens. For gradient accumulation over several
-                ``step`` calls before one optimizer step, pass the count of the
-                whole accumulation window (every batch's labels, shifted, not
-                ``ignore_index``): the summed gradients then equal one step
-                over all those batches.
+            input_ids: ``(B, T)`` token ids, the same on every stage of a
+                pipeline (the first reads them); with data parallelism each
+                replica's own share of the global batch.
+            labels: ``(B, T)``, alike (the last stage reads them); shifted by
+                one inside, as HuggingFace's causal-LM loss does.
+            counted: The tokens the loss is a mean over, over every replica;
+                ``None``: this step's global batch's counted tokens. For
+                gradient accumulation over several ``step`` calls before one
+                optimizer step, pass the count of the whole accumulation window
+                (every batch's labels on every replica, shifted, not
+                ``ignore_index``): the summed gradients then equal one step over
+                all those batches.
 
         Returns:
-            On the last stage the batch's loss (token mean, as one process computes
-            it), ``None`` on the others.
+            On the rank holding the last stage the global batch's loss (token
+            mean, as one process computes it; equal on every replica), ``None``
+            on the others.
 
         Raises:
-            ValueError: shapes that differ or a batch that does not split into the
-                microbatches, on every rank before the first send.
+            ValueError: shapes that differ, a batch that does not split into
+                the microbatches, or token ids or labels outside the vocabulary:
+                on every stage, before the first send.
+            RankMismatchError: the stages were given different batches.
         """
+        self._agree_on_batch(input_ids, labels)
+        own = (labels[:, 1:] != self.ignore_index).sum()  # labels shifted by one
+        if counted is None and self._replicas > 1:
+            own = _comm.all_reduce(own, self.dp_group)  # the global batch's tokens
+        # DDP and FSDP2 average the replicas' gradients: each counts its share times replicas.
+        self._counted = (own if counted is None else torch.tensor(counted)) / self._replicas
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": labels, "losses": losses} if self.holds_last else {}
+        if self.holds_first:
+            self._schedule.step(input_ids, **kwargs)
+        else:
+            self._schedule.step(**kwargs)
+        self._sum_tied()
+        if not self.holds_last:
+            return None
+        loss = torch.stack(losses).sum() / self._replicas  # this replica's share
+        return _comm.all_reduce(loss.detach(), self.dp_group) if self._replicas > 1 else loss
+
+    def _agree_on_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """Every stage checks the batch's shapes and that all got the same batch, together."""
+        error = self._batch_error(input_ids, labels)
+        bad = error is not None
+        if group_size(self.group) == 1:
+            if error is not None:
+                raise error
+            return
+        digest = tensor_digest(input_ids) + tensor_digest(labels)
+        ride = _comm.ride_hash(self.group, digest.encode(), input_ids.device)
+        flag = _comm.ride_next_all_reduce(self.group, [float(bad)], input_ids.device)
+        refused = _comm.ride_result(self.group, flag)[0]
+        same = _comm.ride_agrees(self.group, ride, group_size(self.group))
+        if error is not None:
+            raise error
+        if refused:
+            raise ValueError(f"{int(refused)} stage(s) of this pipeline refused their batch "
+                             "(their error says why); every stage must be given the same "
+                             "(batch, tokens) input_ids and labels")
+        if not same:
+            raise RankMismatchError(
+                "the pipeline's stages were given different batches (input_ids or labels "
+                "differ): the last stage's labels would not belong to the first stage's "
+                "tokens; give every stage of a pipeline the same batch (with data "
+                "parallelism: shard the data over the dp group, not over the pp group)")
+
+    def _batch_error(self, input_ids: torch.Tensor, labels: torch.Tensor) -> ValueError | None:
+        """Why the batch cannot run (shapes, or ids and labels outside the vocabulary), or
+        ``None``: what would otherwise raise on one stage in the middle of the schedule."""
         if input_ids.shape != labels.shape or input_ids.dim() != 2 \
                 or input_ids.shape[0] % self.microbatches:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels "
-                             f"{tuple(labels.shape)}: give both as (batch, tokens) with a batch "
-                             f"that divides into microbatches={self.microbatches}")
-        # Tokens the loss is a mean over: the whole batch's (labels shifted by one),
-        # or the accumulation window's.
-        own = (labels[:, 1:] != self.ignore_index).sum()
-        self._counted = own if counted is None else torch.tensor(counted)
-        losses: list[torch.Tensor] = []
-        if self.stage.is_first:
-            self._schedule.step(input_ids)
-        elif not self.stage.is_last:
-            self._schedule.step()
-        else:
-            self._schedule.step(target=labels, losses=losses)
-        self._sum_tied()
-        return torch.stack(losses).sum() if self.stage.is_last else None
+            return ValueError(f"input_ids {tuple(input_ids.shape)} and labels "
+                              f"{tuple(labels.shape)}: give both as (batch, tokens) with a batch "
+                              f"that divides into microbatches={self.microbatches}")
+        vocab = int(getattr(self.stage.model.config, "vocab_size", 0) or 0)
+        counted = labels[labels != self.ignore_index]
+        for name, t in (("input_ids", input_ids), ("labels", counted)):
+            outside = t[(t < 0) | (t >= vocab)] if vocab and t.numel() else t[:0]
+            if outside.numel():
+                return ValueError(f"{name} hold {outside.numel()} value(s) outside the "
+                                  f"vocabulary [0, {vocab}) (e.g. {int(outside[0])})"
+                                  + (f", other than ignore_index={self.ignore_index}"
+                                     if name == "labels" else "")
+                                  + ": every stage refuses the batch before the first send")
+        return None
 
     def _sum_tied(self) -> None:
         """Tied embeddings: the first and last stage hold copies; both get the summed gradient."""
-        weight = self.stage.tied_weight()
-        if weight is None or self._tied is None or weight.grad is None:
+        copies = [w for s in self.stages if (w := s.tied_weight()) is not None]
+        grads = [_local(w.grad) for w in copies if w.grad is not None]
+        if not grads:
             return
-        _comm.all_reduce_(weight.grad, self._tied)  # (V, H), or this TP rank's rows of it
+        if len(grads) == 2:  # both copies on this rank (V-shaped schedules)
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif self._tied is not None:
+            _comm.all_reduce_(grads[0], self._tied)  # (V, H), or this TP rank's rows of it
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         tp_group: ProcessGroup | None = None) -> torch.Tensor:
-        """Clip this stage's gradients by the whole model's norm, over every stage.
+        """Clip this rank's gradients by the whole model's norm, over every stage.
 
-        Each stage's norm is torchtp's (:func:`torchtp.grad_norm`: split
-        parameters counted once over the stage's TP group ``tp_group``, ``None``
-        when the stage is not tensor-parallel); the stages' norms are combined
-        over the pipeline group, so every rank of every stage applies the factor
-        ``torch.nn.utils.clip_grad_norm_`` would apply to the unsplit model.
+        Each stage's share of the norm is torchtp's (as in
+        :func:`torchtp.grad_norm`: split parameters counted once over the
+        stage's TP group ``tp_group``, ``None``: the group its torchtp layers
+        are split over, if any; replicas and FSDP2 shards weighted by the
+        ``dp`` size); the shares
+        are summed over the TP group and the pipeline group, or over the world
+        when ``init_parallel`` built a ``dp`` dimension, so every rank of
+        every stage applies the factor ``torch.nn.utils.clip_grad_norm_``
+        would apply to the unsplit model.
 
         Returns:
-            The total norm before clipping (0-dim, equal on every rank).
+            The total norm before clipping (0-dim float32, equal on every rank).
         """
-        params = [w for w in self.stage.parameters() if w.grad is not None]
+        params = [w for s in self.stages for w in s.parameters() if w.grad is not None]
         # A tied embedding is one weight: counted on the first stage, not again on the last.
-        copy = self.stage.tied_weight() if self.stage.is_last else None
-        normed = [w for w in params if w is not copy]
+        copy = next((s.tied_weight() for s in self.stages if s.is_last), None)
         order = float(norm_type)
-        device = next(self.stage.parameters()).device
-        own = grad_norm(normed, norm_type, group=tp_group) if normed \
-            else torch.zeros((), device=device)
-        mine = own if math.isinf(order) else own ** order  # this stage's share of the total
-        if self._group_size() > 1:
-            mine = _comm.all_reduce(mine, self._pipe.group, "max" if math.isinf(order) else "sum")
-        total = mine if math.isinf(order) else mine ** (1.0 / order)
+        device = next(self.stages[0].parameters()).device
+        tp = tp_group if tp_group is not None else _tp_group_of(self.stages)
+        share, reduce_over = local_norm_share([w for w in params if w is not copy], norm_type,
+                                              tp, device)
+        how = "max" if math.isinf(order) else "sum"
+        if reduce_over is dist.group.WORLD:  # every stage's TP and DP ranks in one sum
+            share = _comm.all_reduce(share, reduce_over, how)
+        else:
+            if group_size(reduce_over) > 1:
+                share = _comm.all_reduce(share, reduce_over, how)
+            if group_size(self.group) > 1:
+                share = _comm.all_reduce(share, self.group, how)
+        total = share if math.isinf(order) else share ** (1.0 / order)
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
-
-    def _group_size(self) -> int:
-        return dist.get_world_size(self._pipe.group)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One microbatch's share of the batch's token-mean loss: ``(b, T, V)``, ``(b, T)``."""
@@ -161,19 +268,109 @@ class PipelineSchedule:
         return summed / self._counted
 
 
-def _tied_group(pipe: ProcessGroup | None) -> ProcessGroup | None:
-    """The group of the first and last stage of ``pipe`` (collective over the world).
+def _decoder_stage_of(module: nn.Module) -> DecoderStage:
+    """The :class:`DecoderStage` of ``module``: itself (also after ``fully_shard``) or DDP's."""
+    inner = getattr(module, "module", module)  # DistributedDataParallel(stage).module
+    if not isinstance(inner, DecoderStage):
+        raise TypeError(f"PipelineSchedule takes DecoderStage modules (from decoder_stage or "
+                        f"decoder_stages), optionally inside DDP or fully_shard; got "
+                        f"{type(module).__name__}")
+    return inner
 
-    Every pipeline (one per TP rank, per data-parallel replica) has such a pair,
-    and ``new_group`` must be called by every rank for every pair in one order:
-    the pairs are gathered first.
+
+def _tp_group_of(stages: list[DecoderStage]) -> ProcessGroup | None:
+    """The TP group the stages' torchtp layers are split over (the largest, past expert
+    blocks), or ``None``: not tensor-parallel."""
+    groups = {id(g): g for s in stages for m in s.modules()
+              if layouts_of(m) and (g := getattr(m, "group", None)) is not None}
+    return max(groups.values(), key=group_size, default=None)
+
+
+def _pipeline_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    if group is not None or not dist.is_initialized():
+        return group
+    cfg = get_tensor_parallel_config()
+    # init_parallel's mesh names the pipeline group (none at pp 1); without one, the world.
+    return cfg.pp_group if cfg.mesh is not None else dist.group.WORLD
+
+
+def _invalid(stages: list[DecoderStage], given: list[nn.Module], microbatches: int,
+             schedule: str, group: ProcessGroup | None,
+             dp_group: ProcessGroup | None) -> ValueError | None:
+    """Why these stages cannot run ``schedule`` on this rank of ``group``, or ``None``."""
+    total = stages[0].stages if stages else 0
+    try:
+        kind = schedule_kind(schedule)
+        need = max(1, kind.min_microbatches_per_stage * total)
+        if microbatches < need:
+            raise ValueError(f"microbatches={microbatches}: schedule {schedule!r} over "
+                             f"{total} stages needs at least {need}")
+        size, rank = group_size(group), dist.get_rank(group) if group is not None else 0
+        want = stage_ids(schedule, rank, size, len(stages))
+    except ValueError as err:
+        return err
+    have = [s.stage for s in stages]
+    if have != want or any(s.stages != total for s in stages) or total != size * len(want):
+        return ValueError(f"pipeline rank {rank} of {size} holds stages {have} of {total}; "
+                          f"schedule {schedule!r} places stages {want} of "
+                          f"{size * len(want)} here (stage_ids({schedule!r}, {rank}, {size}, "
+                          f"{len(want)})): build them with decoder_stages(model, that list, "
+                          f"{size * len(want)})")
+    return _dp_misfit(given, dp_group)
+
+
+_DDP_FIX = ("DistributedDataParallel(stage, process_group=cfg.dp_group, "
+            "find_unused_parameters=True)")
+
+
+def _dp_misfit(given: list[nn.Module], dp_group: ProcessGroup | None) -> ValueError | None:
+    """Why the stages' gradients would not be averaged exactly over ``dp_group``, or ``None``.
+
+    Measured with PyTorch's schedules (decision 126): DDP's default reducer
+    fails an internal assert at the second step (its bucket rebuild counts
+    every microbatch), and ``static_graph=True`` gives the last stage wrong
+    gradients without an error; ``find_unused_parameters=True`` is exact.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddps = [m for m in given if isinstance(m, DistributedDataParallel)]
+    if any(m.static_graph or not m.find_unused_parameters for m in ddps):
+        return ValueError(f"a pipeline stage in DistributedDataParallel without "
+                          f"find_unused_parameters=True (or with static_graph=True): PyTorch's "
+                          f"reducer mis-counts the schedule's microbatch backwards (an internal "
+                          f"assert at step 2, or wrong gradients on the last stage); build it as "
+                          f"{_DDP_FIX}")
+    if group_size(dp_group) > 1 and len(ddps) + sum(isinstance(m, FSDPModule) for m in given) \
+            < len(given):
+        return ValueError(f"{group_size(dp_group)} data-parallel replicas: put each stage in "
+                          f"{_DDP_FIX} or fully_shard(stage, mesh=cfg.mesh['dp']) before "
+                          "PipelineSchedule, so the replicas' gradients are averaged")
+    return None
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a gradient (FSDP2's are DTensors sharded over ``dp``)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
+
+
+def _tied_group(pipe: ProcessGroup | None, style: str) -> ProcessGroup | None:
+    """The group of the ranks holding the first and the last stage of ``pipe``.
+
+    Collective over the world: every pipeline (one per TP rank, per
+    data-parallel replica) has such a pair, and ``new_group`` must be called by
+    every rank for every pair in one order, so the pairs are gathered first.
+    Under V-shaped schedules both stages are on the pipeline's rank 0: no
+    group (the copies are summed locally).
     """
     ranks = dist.get_process_group_ranks(pipe) if pipe is not None \
         else list(range(dist.get_world_size()))
-    pairs = all_gather_object((ranks[0], ranks[-1]), None, "the tied embeddings' stage pairs")
+    last = ranks[0] if style == "v" else ranks[-1]
+    pairs = all_gather_object((ranks[0], last), None, "the tied embeddings' stage pairs")
     mine = None
-    for pair in sorted({tuple(p) for p in pairs}):
+    for pair in sorted({tuple(p) for p in pairs if p[0] != p[1]}):
         group = dist.new_group(list(pair))
-        if pair == (ranks[0], ranks[-1]):
+        if pair == (ranks[0], last):
             mine = group
     return mine

@@ -14,7 +14,9 @@ The first stage reads token ids ``(B, T)``; every stage hands on hidden states
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -118,6 +120,14 @@ class DecoderStage(nn.Module):
                 f"{self.layers.start}..{self.layers.stop - 1}")
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """How a model is cut: each stage's decoder layers, and whether embeddings are tied."""
+
+    ranges: list[range]
+    tied: bool
+
+
 def decoder_stage(model: Any, stage: int, stages: int,
                   split: Sequence[int] | None = None) -> DecoderStage:
     """Turn ``model`` (in place) into pipeline stage ``stage`` of ``stages``.
@@ -127,7 +137,7 @@ def decoder_stage(model: Any, stage: int, stages: int,
             blocks in ``layers`` and its final norm in ``norm`` (Llama, Mistral,
             Qwen2/3, their MoE variants...).
         stage: This rank's stage.
-        stages: Pipeline stages.
+        stages: Pipeline stages (all of them, over every rank).
         split: Decoder layers per stage; ``None``: balanced (:func:`stage_layers`).
 
     Tied input and output embeddings (``tie_word_embeddings``) become two
@@ -138,17 +148,68 @@ def decoder_stage(model: Any, stage: int, stages: int,
     Raises:
         ValueError: the model lacks that structure, or the split is invalid.
     """
+    return _cut_in_place(model, stage, stages, _plan(model, stages, split))
+
+
+def decoder_stages(model: Any, stage_ids: Sequence[int], stages: int,
+                   split: Sequence[int] | None = None) -> list[DecoderStage]:
+    """Several stages of one model for one rank (interleaved and V-shaped schedules).
+
+    Each stage is cut from its own copy of ``model``, which stays unchanged;
+    a copy takes only what its stage keeps (the other stages' layers,
+    embeddings, norm and head are not copied), so the copies together hold
+    no more than ``model`` does.
+
+    Args:
+        model: As for :func:`decoder_stage`.
+        stage_ids: The stages this rank holds
+            (:func:`~torchtp.pipeline.schedule.stage_ids` gives them for a schedule).
+        stages: Pipeline stages over all ranks.
+        split: As for :func:`decoder_stage`.
+
+    Raises:
+        ValueError: as :func:`decoder_stage`, or a stage id outside ``[0, stages)``.
+    """
+    cut = _plan(model, stages, split)
+    bad = [s for s in stage_ids if not 0 <= s < stages]
+    if bad or not stage_ids:
+        raise ValueError(f"stage_ids={list(stage_ids)}: give one or more stages in "
+                         f"[0, {stages})")
+    return [_cut_in_place(_copy_of_stage(model, s, stages, cut), s, stages, cut)
+            for s in stage_ids]
+
+
+def _plan(model: Any, stages: int, split: Sequence[int] | None) -> _Cut:
     decoder = _decoder(model)
-    layers = decoder.layers
-    ranges = stage_layers(len(layers), stages, split)
     head = model.get_output_embeddings()
     tied = stages > 1 and head.weight is model.get_input_embeddings().weight
-    if tied and stage == stages - 1:  # the last stage's own copy of the shared weight
-        head.weight = nn.Parameter(head.weight.detach().clone(),
-                                   requires_grad=head.weight.requires_grad)
-    mine = ranges[stage]
+    return _Cut(stage_layers(len(decoder.layers), stages, split), tied)
+
+
+def _copy_of_stage(model: Any, stage: int, stages: int, cut: _Cut) -> Any:
+    """A deep copy of ``model`` without what stage ``stage`` drops (never copied)."""
+    decoder = model.get_decoder()
+    memo: dict[int, Any] = {id(layer): _Elsewhere(i) for i, layer in enumerate(decoder.layers)
+                            if i not in cut.ranges[stage]}
+    if stage != 0:
+        memo[id(decoder.embed_tokens)] = None
+    if stage != stages - 1:
+        memo[id(model.get_output_embeddings())] = None
+        memo[id(decoder.norm)] = nn.Identity()
+    return copy.deepcopy(model, memo)
+
+
+def _cut_in_place(model: Any, stage: int, stages: int, cut: _Cut) -> DecoderStage:
+    decoder = model.get_decoder()
+    layers = decoder.layers
+    if cut.tied and stage == stages - 1:  # the last stage's own copy of the shared weight
+        head, embed = model.get_output_embeddings(), decoder.embed_tokens
+        if embed is not None and head.weight is embed.weight:
+            head.weight = nn.Parameter(head.weight.detach().clone(),
+                                       requires_grad=head.weight.requires_grad)
+    mine = cut.ranges[stage]
     for i in range(len(layers)):
-        if i not in mine:
+        if i not in mine and not isinstance(layers[i], _Elsewhere):
             layers[i] = _Elsewhere(i)
     if stage != 0:
         decoder.embed_tokens = None  # only the first stage reads token ids
@@ -156,7 +217,7 @@ def decoder_stage(model: Any, stage: int, stages: int,
         decoder.norm = nn.Identity()  # the final norm belongs to the last stage
         model.set_output_embeddings(None)
     built = DecoderStage(model, stage, stages, mine)
-    built.tied = tied
+    built.tied = cut.tied
     return built
 
 

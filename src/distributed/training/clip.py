@@ -82,21 +82,41 @@ def grad_norm(parameters: Params, norm_type: float | str = 2.0,
             TP segments are replicated unevenly (packed KV heads under FSDP2).
     """
     params = _with_grads(parameters)
+    device = params[0].grad.device if params else torch.device("cpu")  # type: ignore[union-attr]
+    tp = group if group is not None else get_tensor_parallel_config().group
+    # A generator of parameters is spent by now: pass the list (a module as itself).
+    given = parameters if isinstance(parameters, nn.Module) else params
+    local, reduce_over = local_norm_share(given, norm_type, tp, device)
+    p = float(norm_type)
+    if reduce_over is not None and group_size(reduce_over) > 1:
+        local = _comm.all_reduce(local, reduce_over, "max" if math.isinf(p) else "sum")
+    return local if math.isinf(p) else local ** (1.0 / p)
+
+
+@torch.no_grad()
+def local_norm_share(parameters: Params, norm_type: float | str, tp: ProcessGroup | None,
+                     device: torch.device) -> tuple[torch.Tensor, ProcessGroup | None]:
+    """This rank's share of ``sum |grad|^p`` (``max |grad|`` for inf) and the group to sum over.
+
+    What :func:`grad_norm` reduces: summed over the returned group (the TP
+    group ``tp``, ``None`` for none, or the world when ``init_parallel`` built a ``dp``
+    dimension) it is the whole model's ``norm ** p``. The pipeline's clip sums
+    it over its stages too. Local: no collective except, once per model, the
+    count of which TP ranks hold each segment.
+
+    Raises:
+        ValueError: see :func:`grad_norm`.
+    """
+    params = _with_grads(parameters)
     cfg = get_tensor_parallel_config()
-    tp = group if group is not None else cfg.group
     p = float(norm_type)
     if not p > 0:
         raise ValueError(f"grad_norm: norm_type={norm_type!r} must be > 0 or inf")
     roles = _roles(params, parameters, tp)
-    device = params[0].grad.device if params else torch.device("cpu")  # type: ignore[union-attr]
     pieces: list[tuple[torch.Tensor, float]] = []
     for param in params:
         pieces += _weighted_pieces(param, roles.get(id(param)), group_size(tp), cfg.dp_size)
-    local = _local_sum(pieces, p, device)
-    reduce_over = dist.group.WORLD if cfg.dp_size > 1 else tp
-    if reduce_over is not None and group_size(reduce_over) > 1:
-        local = _comm.all_reduce(local, reduce_over, "max" if math.isinf(p) else "sum")
-    return local if math.isinf(p) else local ** (1.0 / p)
+    return _local_sum(pieces, p, device), (dist.group.WORLD if cfg.dp_size > 1 else tp)
 
 
 @torch.no_grad()

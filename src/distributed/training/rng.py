@@ -36,6 +36,7 @@ from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
 
 LOCAL_OFFSET = 2718  # Megatron's offset of the tensor-parallel seed
+STAGE_OFFSET = 100  # Megatron's offset per pipeline stage
 
 
 def _get_state() -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,14 +70,24 @@ class _Tracker:
 _TRACKER = _Tracker()
 
 
-def manual_seed(seed: int) -> None:
-    """Seed torch and both streams: shared = ``seed``, local = ``seed + 2718 + tp_rank``.
+def manual_seed(seed: int, stage: int | None = None) -> None:
+    """Seed torch and both streams of this rank's pipeline stage.
 
-    Call it with the same seed on every rank (after ``init_tensor_parallel``).
+    shared = ``seed + 100 * stage``, local = that ``+ 2718 + tp_rank``
+    (Megatron's offsets): the TP ranks of a stage share one stream, and
+    stages draw different dropout masks instead of repeating one another's.
+
+    Args:
+        seed: The same on every rank (call it after ``init_parallel``).
+        stage: This rank's pipeline stage; ``None``: ``init_parallel(pp=...)``'s
+            ``cfg.pp_rank`` (0 without pipeline parallelism, which keeps
+            ``seed`` itself).
     """
-    torch.manual_seed(seed)
+    cfg = get_tensor_parallel_config()
+    own = seed + STAGE_OFFSET * (cfg.pp_rank if stage is None else stage)
+    torch.manual_seed(own)
     _TRACKER.shared = _get_state()
-    _TRACKER.local = _seeded(seed + LOCAL_OFFSET + get_tensor_parallel_config().rank)
+    _TRACKER.local = _seeded(own + LOCAL_OFFSET + cfg.rank)
 
 
 def sync(group: ProcessGroup | None) -> None:
