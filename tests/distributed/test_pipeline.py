@@ -149,3 +149,45 @@ def test_ddp_around_a_stage_needs_find_unused_parameters(ranks):
     for msg in ranks(check_ddp_refused, 2):
         assert "build it as DistributedDataParallel(stage, process_group=cfg.dp_group, " \
                "find_unused_parameters=True)" in msg
+
+
+def test_each_stage_reads_only_its_own_tensors_from_an_hf_checkpoint(ranks, tmp_path):
+    # pp 2 x tp 2 from a tied tiny Llama saved by transformers: stage 0 reads the embedding
+    # and layers 0-1, stage 1 layers 2-3, the final norm and its LM head (from the tied
+    # embedding's tensor, which the checkpoint stores once).
+    from ._pipeline_checks import build_llama
+    from ._pipeline_load_checks import check_stage_from_pretrained
+
+    build_llama(tied=True).save_pretrained(tmp_path / "hf")
+    out = ranks(check_stage_from_pretrained, 4, str(tmp_path / "hf"), timeout=300)
+    layer = [".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight",
+             ".self_attn.o_proj.weight", ".mlp.gate_proj.weight", ".mlp.up_proj.weight",
+             ".mlp.down_proj.weight", ".input_layernorm.weight", ".post_attention_layernorm.weight"]
+    first = sorted(["model.embed_tokens.weight"]
+                   + [f"model.layers.{i}{p}" for i in (0, 1) for p in layer])
+    last = sorted(["model.embed_tokens.weight", "model.norm.weight"]
+                  + [f"model.layers.{i}{p}" for i in (2, 3) for p in layer])
+    assert out == [first, first, last, last]
+
+
+def test_sequential_and_chains_of_blocks_train_like_one_process(ranks):
+    from ._pipeline_block_checks import check_block_stages
+
+    out = ranks(check_block_stages, 2, timeout=180)
+    assert [o[0] for o in out] == [[0, 1, 2], [3, 4, 5]]
+    assert [o[1] for o in out] == [[0, 1], [2, 3]]
+    # The first stage keeps the embeddings, the last the norm and head; names unsplit.
+    assert out[0][2][0] == "layers.0.mlp.bias" and "tok_embeddings.weight" in out[0][2]
+    assert "output.weight" in out[1][2] and "tok_embeddings.weight" not in out[1][2]
+
+
+def test_block_stages_refuse_what_is_not_a_chain():
+    from torch import nn
+
+    from torchtp.pipeline import block_stage
+
+    with pytest.raises(ValueError, match=r"Linear: blocks=None must name an nn.ModuleList, "
+                                         r"nn.ModuleDict or nn.Sequential"):
+        block_stage(nn.Linear(2, 2), 0, 2)
+    with pytest.raises(ValueError, match=r"first/last modules \['embed'\] are not submodules"):
+        block_stage(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 0, 2, first=["embed"])

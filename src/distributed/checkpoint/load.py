@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -54,13 +54,19 @@ def from_pretrained(
     wrap: Callable[[nn.Module], W], path: str | os.PathLike[str], plan: object = None,
     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
     model_class: type | None = None, group: ProcessGroup | None = None, progress: bool = True,
+    aliases: Mapping[str, str] | None = None, partial: bool = False,
 ) -> W:
     """Build the model on meta, ``wrap`` it, and read only this rank's shard of each tensor.
 
     The implementation of :meth:`DistributedModelWrapper.from_pretrained` (see
     there for the arguments); ``wrap`` makes the model tensor-parallel with the
     same ``plan`` and ``group`` (the plan is passed here only to check that
-    every rank uses the same one).
+    every rank uses the same one). ``aliases``: for a tensor of the wrapped
+    model the checkpoint lacks, the checkpoint tensor to read instead (a
+    pipeline stage's own copy of a tied weight); read once ``wrap`` returned,
+    so ``wrap`` may fill it. ``partial``: the model holds only some of the
+    checkpoint's tensors (a pipeline stage), so a torchtp checkpoint's other
+    tensors do not mean it belongs to another model.
     """
     path = os.fspath(path)
     source, config, error = None, None, None
@@ -82,7 +88,7 @@ def from_pretrained(
     try:
         # Hub MoE checkpoints keep each expert as its own tensors: read them merged.
         source = merged_experts(source, wrapper.base_model)
-        found = _check(wrapper.base_model, source, config)
+        found = _check(wrapper.base_model, source, config, aliases or {}, partial)
     except ValueError as err:
         error = err
     agree(_WHAT, error, {}, group)
@@ -137,7 +143,8 @@ def _lookup(p: Placement, names: set[str], prefix: str) -> str | None:
     return None
 
 
-def _check(model: nn.Module, source: Source, config: Any) -> dict[str, str]:
+def _check(model: nn.Module, source: Source, config: Any,
+           aliases: Mapping[str, str] | None = None, partial: bool = False) -> dict[str, str]:
     """Checkpoint name of each placement (buffers may be absent); raises on any mismatch."""
     names = source.names()
     prefix = getattr(model, "base_model_prefix", "") or "\0"
@@ -145,6 +152,8 @@ def _check(model: nn.Module, source: Source, config: Any) -> dict[str, str]:
     missing = []
     for p in placements(model):
         name = _lookup(p, names, prefix)
+        if name is None and aliases and aliases.get(p.name) in names:
+            name = aliases[p.name]
         if name is None:
             if p.is_param:
                 missing.append(p.name)
@@ -164,14 +173,14 @@ def _check(model: nn.Module, source: Source, config: Any) -> dict[str, str]:
                          f"are not in {where}: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
                          "the checkpoint is incomplete or belongs to another model")
     if isinstance(source, TorchTPSource):
-        _check_same_model(source, config, set(found.values()))
+        _check_same_model(source, config, None if partial else set(found.values()))
     return found
 
 
-def _check_same_model(source: TorchTPSource, config: Any, used: set[str]) -> None:
+def _check_same_model(source: TorchTPSource, config: Any, used: set[str] | None) -> None:
     saved = source.meta.get("model_type")
     here = getattr(config, "model_type", None)
-    extra = sorted(source.names() - used)
+    extra = [] if used is None else sorted(source.names() - used)
     if saved != here or extra:
         raise ValueError(
             f"torchtp checkpoint {source.path}: its metadata describes another model "

@@ -2,7 +2,9 @@
 
 :func:`~torchtp.pipeline.stage.decoder_stage` turns a HuggingFace decoder LM
 into this rank's stage (its share of the decoder layers; the embeddings on the
-first stage, the final norm and LM head on the last);
+first stage, the final norm and LM head on the last),
+:func:`~torchtp.pipeline.blocks.block_stage` an ``nn.Sequential`` or another
+chain of blocks;
 :class:`~torchtp.pipeline.schedule.PipelineSchedule` runs PyTorch's schedules
 over the stages with a token-mean loss over the whole batch. See
 docs/pipeline.md.
@@ -12,9 +14,12 @@ May import: every layer below (not ``integrations``' entry points, ``cli``).
 
 from __future__ import annotations
 
+from .blocks import BlockStage, block_stage
+from .load import stage_from_pretrained
 from .placement import SCHEDULES, stage_ids
 from .schedule import PipelineSchedule
-from .stage import DecoderStage, decoder_stage, decoder_stages, stage_layers
+from .stage import DecoderStage, Stage, decoder_stage, decoder_stages, stage_layers
 
-__all__ = ["SCHEDULES", "DecoderStage", "PipelineSchedule", "decoder_stage", "decoder_stages",
-           "stage_ids", "stage_layers"]
+__all__ = ["SCHEDULES", "BlockStage", "DecoderStage", "PipelineSchedule", "Stage", "block_stage",
+           "decoder_stage", "decoder_stages", "stage_from_pretrained", "stage_ids",
+           "stage_layers"]

@@ -22,7 +22,7 @@ unsplit model's:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from ..guards.fingerprints import tensor_digest
 from ..layers import layouts_of
 from ..training.clip import local_norm_share
 from .placement import SCHEDULES, schedule_kind, stage_ids
-from .stage import DecoderStage
+from .stage import Stage
 
 __all__ = ["SCHEDULES", "PipelineSchedule"]
 
@@ -49,10 +49,11 @@ class PipelineSchedule:
     """One training step's forward and backward over every stage.
 
     Args:
-        stages: This rank's :class:`~torchtp.pipeline.stage.DecoderStage` (or,
-            for the interleaved and V-shaped schedules, its stages in the order
-            of :func:`~torchtp.pipeline.placement.stage_ids`), each as it is or
-            inside ``DistributedDataParallel`` / ``fully_shard`` over the
+        stages: This rank's stage (:func:`~torchtp.pipeline.decoder_stage`,
+            :func:`~torchtp.pipeline.block_stage`) or, for the interleaved and
+            V-shaped schedules, its stages in the order of
+            :func:`~torchtp.pipeline.stage_ids`, each as it is or inside
+            ``DistributedDataParallel`` / ``fully_shard`` over the
             data-parallel group.
         microbatches: Microbatches per step (the batch must divide into them;
             ``"1f1b"`` needs at least as many as stages).
@@ -67,6 +68,11 @@ class PipelineSchedule:
             without one). With more than one replica every stage must be inside
             DDP over that group or ``fully_shard``: otherwise each replica would
             step on its own gradients.
+        loss_fn: ``loss_fn(output, target)``: one microbatch's **summed** loss
+            (``reduction="sum"``); the step's loss is its sum over the
+            microbatches divided by the global batch's rows (a mean over the
+            examples). ``None``: HuggingFace's causal-LM loss, a token mean
+            (see :meth:`step`).
 
     Raises:
         ValueError: an unknown schedule, stages that do not fit the schedule
@@ -78,10 +84,13 @@ class PipelineSchedule:
 
     def __init__(self, stages: nn.Module | Sequence[nn.Module], microbatches: int,
                  schedule: str = "1f1b", group: ProcessGroup | None = None,
-                 ignore_index: int = -100, dp_group: ProcessGroup | None = None) -> None:
+                 ignore_index: int = -100, dp_group: ProcessGroup | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                 ) -> None:
         given = [stages] if isinstance(stages, nn.Module) else list(stages)
-        self.stages: list[DecoderStage] = [_decoder_stage_of(m) for m in given]
+        self.stages: list[Stage] = [_stage_of(m) for m in given]
         self.microbatches, self.ignore_index = microbatches, ignore_index
+        self._user_loss = loss_fn
         self.group = _pipeline_group(group)
         self.dp_group = resolve_group(dp_group, "dp")
         error = _invalid(self.stages, given, microbatches, schedule, self.group, self.dp_group)
@@ -100,7 +109,7 @@ class PipelineSchedule:
         self._tied = _tied_group(self.group, kind.style) if self.stages[0].tied else None
 
     @property
-    def stage(self) -> DecoderStage:
+    def stage(self) -> Stage:
         """This rank's first (with one stage per rank: its only) stage."""
         return self.stages[0]
 
@@ -144,7 +153,8 @@ class PipelineSchedule:
             RankMismatchError: the stages were given different batches.
         """
         self._agree_on_batch(input_ids, labels)
-        own = (labels[:, 1:] != self.ignore_index).sum()  # labels shifted by one
+        own = (labels[:, 1:] != self.ignore_index).sum() if self._user_loss is None \
+            else torch.tensor(labels.shape[0])  # counted tokens (labels shifted by one), or rows
         if counted is None and self._replicas > 1:
             own = _comm.all_reduce(own, self.dp_group)  # the global batch's tokens
         # DDP and FSDP2 average the replicas' gradients: each counts its share times replicas.
@@ -190,12 +200,19 @@ class PipelineSchedule:
     def _batch_error(self, input_ids: torch.Tensor, labels: torch.Tensor) -> ValueError | None:
         """Why the batch cannot run (shapes, or ids and labels outside the vocabulary), or
         ``None``: what would otherwise raise on one stage in the middle of the schedule."""
+        if self._user_loss is not None:  # any shapes: the same rows, dividing into microbatches
+            if not input_ids.dim() or not labels.dim() or input_ids.shape[0] != labels.shape[0] \
+                    or input_ids.shape[0] % self.microbatches:
+                return ValueError(f"inputs {tuple(input_ids.shape)} and targets "
+                                  f"{tuple(labels.shape)}: give both with the same rows (dim 0), "
+                                  f"a number that divides into microbatches={self.microbatches}")
+            return None
         if input_ids.shape != labels.shape or input_ids.dim() != 2 \
                 or input_ids.shape[0] % self.microbatches:
             return ValueError(f"input_ids {tuple(input_ids.shape)} and labels "
                               f"{tuple(labels.shape)}: give both as (batch, tokens) with a batch "
                               f"that divides into microbatches={self.microbatches}")
-        vocab = int(getattr(self.stage.model.config, "vocab_size", 0) or 0)
+        vocab = self.stage.vocab_size or 0
         counted = labels[labels != self.ignore_index]
         for name, t in (("input_ids", input_ids), ("labels", counted)):
             outside = t[(t < 0) | (t >= vocab)] if vocab and t.numel() else t[:0]
@@ -260,6 +277,8 @@ class PipelineSchedule:
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One microbatch's share of the batch's token-mean loss: ``(b, T, V)``, ``(b, T)``."""
+        if self._user_loss is not None:  # summed over the microbatch; a mean over all rows
+            return self._user_loss(logits, labels) / self._counted
         shifted = logits[:, :-1].reshape(-1, logits.shape[-1])  # (b*(T-1), V)
         # At least float32, as HuggingFace's loss upcasts half-precision logits.
         shifted = shifted.to(torch.promote_types(shifted.dtype, torch.float32))
@@ -268,17 +287,17 @@ class PipelineSchedule:
         return summed / self._counted
 
 
-def _decoder_stage_of(module: nn.Module) -> DecoderStage:
-    """The :class:`DecoderStage` of ``module``: itself (also after ``fully_shard``) or DDP's."""
+def _stage_of(module: nn.Module) -> Stage:
+    """The :class:`Stage` of ``module``: itself (also after ``fully_shard``) or DDP's."""
     inner = getattr(module, "module", module)  # DistributedDataParallel(stage).module
-    if not isinstance(inner, DecoderStage):
-        raise TypeError(f"PipelineSchedule takes DecoderStage modules (from decoder_stage or "
-                        f"decoder_stages), optionally inside DDP or fully_shard; got "
-                        f"{type(module).__name__}")
+    if not isinstance(inner, Stage):
+        raise TypeError(f"PipelineSchedule takes pipeline stages (from decoder_stage, "
+                        f"decoder_stages or block_stage), optionally inside DDP or fully_shard; "
+                        f"got {type(module).__name__}")
     return inner
 
 
-def _tp_group_of(stages: list[DecoderStage]) -> ProcessGroup | None:
+def _tp_group_of(stages: list[Stage]) -> ProcessGroup | None:
     """The TP group the stages' torchtp layers are split over (the largest, past expert
     blocks), or ``None``: not tensor-parallel."""
     groups = {id(g): g for s in stages for m in s.modules()
@@ -294,7 +313,7 @@ def _pipeline_group(group: ProcessGroup | None) -> ProcessGroup | None:
     return cfg.pp_group if cfg.mesh is not None else dist.group.WORLD
 
 
-def _invalid(stages: list[DecoderStage], given: list[nn.Module], microbatches: int,
+def _invalid(stages: list[Stage], given: list[nn.Module], microbatches: int,
              schedule: str, group: ProcessGroup | None,
              dp_group: ProcessGroup | None) -> ValueError | None:
     """Why these stages cannot run ``schedule`` on this rank of ``group``, or ``None``."""

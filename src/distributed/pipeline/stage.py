@@ -1,7 +1,7 @@
 """One pipeline stage of a HuggingFace decoder LM: its share of the decoder layers.
 
 The stage keeps the model's own modules and names: the decoder layers of other
-stages are replaced by :class:`_Elsewhere` (no parameters; it hands the hidden
+stages are replaced by :class:`Elsewhere` (no parameters; it hands the hidden
 states on unchanged, so the model's own forward, with its rotary embeddings
 and causal mask, runs as written), the embeddings live only on the first
 stage and the final norm and LM head only on the last. Parameter names stay
@@ -53,33 +53,39 @@ def stage_layers(num_layers: int, stages: int, split: Sequence[int] | None = Non
     return [range(a, a + n) for a, n in zip(starts, split, strict=True)]
 
 
-class _Elsewhere(nn.Module):
-    """A decoder layer that lives on another stage: hands the hidden states on unchanged."""
+class Elsewhere(nn.Module):
+    """A module that lives on another pipeline stage: hands its input on unchanged.
 
-    def __init__(self, index: int) -> None:
+    Args:
+        what: The module it stands for (a block's index, or a name), for ``repr``.
+    """
+
+    def __init__(self, what: int | str) -> None:
         super().__init__()
-        self.index = index
+        self.what = what
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return hidden_states
 
     def extra_repr(self) -> str:
-        return f"layer {self.index}: on another pipeline stage"
+        label = f"layer {self.what}" if isinstance(self.what, int) else self.what
+        return f"{label}: on another pipeline stage"
 
 
-class DecoderStage(nn.Module):
-    """This rank's stage of a decoder LM (see the module docstring).
+class Stage(nn.Module):
+    """One pipeline stage: a model holding only this stage's share of its blocks.
 
-    forward: first stage ``(B, T)`` token ids, others ``(B, T, H)`` hidden states
-    -> ``(B, T, H)``, or ``(B, T, V)`` logits on the last stage.
+    What :class:`~torchtp.pipeline.schedule.PipelineSchedule` needs of a stage;
+    :class:`DecoderStage` (HF decoder LMs) and
+    :class:`~torchtp.pipeline.blocks.BlockStage` (``nn.Sequential`` and other
+    chains of blocks) are the two kinds.
 
     Attributes:
-        model: The causal LM, holding only this stage's parameters.
+        model: The model, holding only this stage's parameters (names unsplit).
         stage: This stage's index; ``stages``: how many there are.
-        layers: The decoder layers this stage holds.
-        tied: The model ties its input and output embeddings: the first stage's
-            embedding weight and the last stage's LM head are copies of one
-            weight whose gradients are summed.
+        layers: The blocks (decoder layers) this stage holds.
+        tied: The first stage's input embedding and the last stage's output
+            layer are copies of one weight whose gradients are summed.
     """
 
     tied = False
@@ -90,13 +96,40 @@ class DecoderStage(nn.Module):
 
     @property
     def is_first(self) -> bool:
-        """This stage reads the token ids (it holds the embeddings)."""
+        """This stage reads the model's input."""
         return self.stage == 0
 
     @property
     def is_last(self) -> bool:
-        """This stage returns logits (it holds the final norm and the LM head)."""
+        """This stage returns the model's output (the loss is computed from it)."""
         return self.stage == self.stages - 1
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The token ids' and labels' range, when the model reads token ids."""
+        return None
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of a tied weight (first and last stage), if any."""
+        return None
+
+    def extra_repr(self) -> str:
+        return (f"stage {self.stage} of {self.stages}, blocks "
+                f"{self.layers.start}..{self.layers.stop - 1}")
+
+
+class DecoderStage(Stage):
+    """This rank's stage of a decoder LM (see the module docstring).
+
+    forward: first stage ``(B, T)`` token ids, others ``(B, T, H)`` hidden states
+    -> ``(B, T, H)``, or ``(B, T, V)`` logits on the last stage. ``tied``: the
+    model ties its input and output embeddings.
+    """
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model config's ``vocab_size``."""
+        return getattr(getattr(self.model, "config", None), "vocab_size", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lm: Any = self.model  # a HuggingFace causal LM (its methods are untyped)
@@ -189,7 +222,7 @@ def _plan(model: Any, stages: int, split: Sequence[int] | None) -> _Cut:
 def _copy_of_stage(model: Any, stage: int, stages: int, cut: _Cut) -> Any:
     """A deep copy of ``model`` without what stage ``stage`` drops (never copied)."""
     decoder = model.get_decoder()
-    memo: dict[int, Any] = {id(layer): _Elsewhere(i) for i, layer in enumerate(decoder.layers)
+    memo: dict[int, Any] = {id(layer): Elsewhere(i) for i, layer in enumerate(decoder.layers)
                             if i not in cut.ranges[stage]}
     if stage != 0:
         memo[id(decoder.embed_tokens)] = None
@@ -209,8 +242,8 @@ def _cut_in_place(model: Any, stage: int, stages: int, cut: _Cut) -> DecoderStag
                                        requires_grad=head.weight.requires_grad)
     mine = cut.ranges[stage]
     for i in range(len(layers)):
-        if i not in mine and not isinstance(layers[i], _Elsewhere):
-            layers[i] = _Elsewhere(i)
+        if i not in mine and not isinstance(layers[i], Elsewhere):
+            layers[i] = Elsewhere(i)
     if stage != 0:
         decoder.embed_tokens = None  # only the first stage reads token ids
     if stage != stages - 1:
