@@ -77,7 +77,7 @@ def check_pipeline(rank: int, world_size: int, schedule: str, layers: int,
         copies: list[Any] = [None] * world_size
         dist.all_gather_object(copies, None if mine is None else mine.detach())
         assert torch.equal(copies[0], copies[-1])
-    return [list(stage.layers), losses, sum(1 for _ in stage.parameters())]
+    return [list(stage.layers), losses, sum(1 for _ in stage.parameters()), pipe.describe()]
 
 
 def _step_like_one_process(pipe: PipelineSchedule, ref: nn.Module, ids: torch.Tensor,

@@ -16,6 +16,13 @@ def test_two_stages_train_like_one_process(ranks, schedule):
     out = ranks(check_pipeline, 2, schedule, 4, 4, timeout=240)
     assert [o[0] for o in out] == [[0, 1], [2, 3]]
     assert out[0][1] == [] and len(out[1][1]) == 2  # the loss lives on the last stage
+    table = out[0][3].splitlines()  # describe(): the same table on every stage
+    assert out[1][3] == out[0][3] and table[0].startswith("pipeline: 2 stages, schedule ")
+    # Layers of 9,280 parameters (q, o 32x32; k, v 16x32; MLP 3 x 64x32; two norms), the
+    # embedding and the head (64 x 32) on either end, the final norm (32) last; float64.
+    assert table[2].split() == ["0", "0", "0..1", "input", "(embeddings)", "20,608", "164,864"]
+    assert table[3].split() == ["1", "1", "2..3", "output", "(norm,", "head)", "20,640",
+                                "165,120"]
 
 
 def test_four_uneven_stages_train_like_one_process(ranks):

@@ -123,6 +123,24 @@ class PipelineSchedule:
         """This rank holds the last stage (it computes the loss)."""
         return any(s.is_last for s in self.stages)
 
+    def describe(self) -> str:
+        """Which blocks each stage holds and its parameter bytes, as a table.
+
+        Collective over the pipeline group (one object gather); the same text
+        on every rank. Bytes are this TP rank's (its shards), which every TP
+        rank of a stage holds alike up to uneven splits.
+        """
+        mine = [_summary(s) for s in self.stages]
+        rows = sorted(r for everyone in all_gather_object(mine, self.group, "describe()")
+                      for r in everyone)
+        lines = [f"pipeline: {len(rows)} stages, schedule {type(self._schedule).__name__}, "
+                 f"{self.microbatches} microbatches",
+                 "stage  rank  blocks      holds                      parameters        bytes"]
+        for stage, rank, blocks, holds, count, nbytes in rows:
+            lines.append(f"{stage:>5}  {rank:>4}  {blocks:<10}  {holds:<25}  {count:>10,}  "
+                         f"{nbytes:>11,}")
+        return "\n".join(lines)
+
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
              counted: int | None = None) -> torch.Tensor | None:
         """Forward and backward of the batch; gradients accumulate in this rank's stages.
@@ -285,6 +303,19 @@ class PipelineSchedule:
         summed = F.cross_entropy(shifted, labels[:, 1:].reshape(-1),
                                  ignore_index=self.ignore_index, reduction="sum")
         return summed / self._counted
+
+
+def _summary(stage: Stage) -> tuple[int, int, str, str, int, int]:
+    """``(stage, pipeline rank, blocks, what else it holds, parameters, bytes)``."""
+    params = list(stage.parameters())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    blocks = f"{stage.layers.start}..{stage.layers.stop - 1}" if len(stage.layers) else "-"
+    holds = ", ".join(w for w, on in (("input (embeddings)", stage.is_first),
+                                      ("output (norm, head)", stage.is_last)) if on) or "-"
+    if stage.tied:
+        holds += " (tied copy)" if stage.is_first or stage.is_last else ""
+    return (stage.stage, rank, blocks, holds, sum(p.numel() for p in params),
+            sum(p.numel() * p.element_size() for p in params))
 
 
 def _stage_of(module: nn.Module) -> Stage:
