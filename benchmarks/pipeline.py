@@ -41,7 +41,7 @@ above the resident memory after imports and the group's start (pp 1: the
 whole batch). A parameter count on the meta device (:data:`SHAPES`) gives the
 same ratio for a larger vocabulary and two public Llama shapes at pp 2, 4, 8,
 for the default split and for the explicit ``split=[...]`` whose largest stage
-is smallest (:func:`_balanced_split`).
+is smallest (:func:`torchtp.pipeline.balance.param_balanced_split`, what ``split="params"`` uses).
 
     .venv/bin/python benchmarks/pipeline.py [--reps 10] [--json pipeline.json]
     .venv/bin/python benchmarks/pipeline.py --quick     # smoke run: pp 1 and 2, few steps
@@ -70,6 +70,7 @@ from _llama import SMALL, build_llama
 from moe_memory import _peak_bytes, _resident_bytes  # the same peak-RSS measure
 from torchtp.cli._launch import launch
 from torchtp.pipeline import PipelineSchedule, decoder_stage, stage_layers
+from torchtp.pipeline.balance import param_balanced_split
 
 LAYERS = 8
 BATCH, SEQ = 8, 64
@@ -248,31 +249,6 @@ def _stage_sizes(parts: tuple[int, list[int], int], pp: int,
     return sizes
 
 
-def _balanced_split(parts: tuple[int, list[int], int], pp: int) -> list[int]:
-    """The contiguous split whose largest stage holds the fewest parameters (exact, by DP)."""
-    first, layers, last = parts
-    n = len(layers)
-    prefix = [0, *itertools.accumulate(layers)]
-    # best[s][j]: the smallest largest stage over stages 0..s holding layers 0..j-1.
-    best = [[float("inf")] * (n + 1) for _ in range(pp)]
-    cut: list[list[int]] = [[0] * (n + 1) for _ in range(pp)]
-    for j in range(1, n + 1):
-        best[0][j] = first + prefix[j] + (last if pp == 1 else 0)
-    for s in range(1, pp):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                cost = prefix[j] - prefix[i] + (last if s == pp - 1 else 0)
-                value = max(best[s - 1][i], cost)
-                if value < best[s][j]:
-                    best[s][j], cut[s][j] = value, i
-    ends, j = [n], n
-    for s in range(pp - 1, 0, -1):
-        j = cut[s][j]
-        ends.append(j)
-    bounds = [0, *reversed(ends)]
-    return [b - a for a, b in itertools.pairwise(bounds)]
-
-
 def _split_check(pps: tuple[int, ...], quick: bool) -> list[dict[str, Any]]:
     """Largest stage's parameters / (total / pp): default split and the balanced explicit one.
 
@@ -288,7 +264,7 @@ def _split_check(pps: tuple[int, ...], quick: bool) -> list[dict[str, Any]]:
         for pp in sorted({*pps, 2, 4, 8} - {1}):
             if pp > len(parts[1]):
                 continue
-            split = _balanced_split(parts, pp)
+            split = param_balanced_split(*parts, pp)
             rows.append({"model": label, "parameters": total, "pp": pp,
                          "default_split": [len(r) for r in stage_layers(len(parts[1]), pp)],
                          "default": max(_stage_sizes(parts, pp, None)) / (total / pp),

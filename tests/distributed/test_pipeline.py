@@ -198,3 +198,60 @@ def test_block_stages_refuse_what_is_not_a_chain():
         block_stage(nn.Linear(2, 2), 0, 2)
     with pytest.raises(ValueError, match=r"first/last modules \['embed'\] are not submodules"):
         block_stage(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 0, 2, first=["embed"])
+
+
+def test_param_balanced_split_is_the_best_contiguous_split():
+    import itertools
+    import random
+
+    from torchtp.pipeline.balance import param_balanced_split
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n, stages = rng.randint(1, 7), rng.randint(1, 4)
+        if n < stages:
+            continue
+        first, last = rng.randint(0, 50), rng.randint(0, 50)
+        layers = [rng.randint(1, 20) for _ in range(n)]
+
+        def largest(split, first=first, last=last, layers=layers):
+            bounds = [0, *itertools.accumulate(split)]
+            sizes = [sum(layers[a:b]) for a, b in itertools.pairwise(bounds)]
+            sizes[0] += first
+            sizes[-1] += last
+            return max(sizes)
+
+        every = [list(c) for c in itertools.product(range(1, n + 1), repeat=stages)
+                 if sum(c) == n]
+        got = param_balanced_split(first, layers, last, stages)
+        assert sum(got) == n and min(got) >= 1
+        assert largest(got) == min(largest(c) for c in every), (first, layers, last, stages)
+
+
+def test_decoder_stage_balances_parameters_when_asked():
+    # A 4096-token vocabulary: the embedding and the head weigh 14 layers each, so the end
+    # stages take one layer and the middle ones three (layers balanced: 2 each).
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        held = [decoder_stage(LlamaForCausalLM(config), s, 4, split="params").layers
+                for s in range(4)]
+    assert [len(r) for r in held] == [1, 3, 3, 1]
+    with pytest.raises(ValueError, match=r"split='bytes': give layers per stage, None"):
+        decoder_stage(build_llama(), 0, 2, split="bytes")
+
+
+def test_block_stage_balances_parameters_when_asked():
+    from torch import nn
+
+    from torchtp.pipeline import block_stage
+
+    def chain() -> nn.Sequential:  # a wide first block, then four narrow ones
+        return nn.Sequential(nn.Linear(64, 8), *[nn.Linear(8, 8) for _ in range(4)])
+
+    assert [list(block_stage(chain(), s, 2, split="params").layers) for s in (0, 1)] == \
+        [[0], [1, 2, 3, 4]]
+    assert [list(block_stage(chain(), s, 2).layers) for s in (0, 1)] == [[0, 1, 2], [3, 4]]

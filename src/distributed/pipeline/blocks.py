@@ -10,11 +10,12 @@ stage and parameter names stay the unsplit model's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
+from .balance import param_balanced_split
 from .stage import Elsewhere, Stage, stage_layers
 
 
@@ -31,7 +32,7 @@ class BlockStage(Stage):
 
 def block_stage(model: nn.Module, stage: int, stages: int, blocks: str | None = None,
                 first: Sequence[str] = (), last: Sequence[str] = (),
-                split: Sequence[int] | None = None) -> BlockStage:
+                split: Sequence[int] | str | None = None) -> BlockStage:
     """Turn ``model`` (in place) into pipeline stage ``stage`` of ``stages``.
 
     Args:
@@ -46,8 +47,10 @@ def block_stage(model: nn.Module, stage: int, stages: int, blocks: str | None = 
             (an ``nn.Sequential``).
         first: Modules only the first stage runs (replaced elsewhere).
         last: Modules only the last stage runs (replaced elsewhere).
-        split: Blocks per stage; ``None``: balanced
-            (:func:`~torchtp.pipeline.stage_layers`).
+        split: Blocks per stage; ``None``: balanced blocks
+            (:func:`~torchtp.pipeline.stage_layers`); ``"params"``: balanced
+            parameters, ``first`` counted on the first stage and ``last`` on
+            the last (:func:`~torchtp.pipeline.balance.param_balanced_split`).
 
     Raises:
         ValueError: ``blocks`` is not a list of modules, or a ``first``/``last``
@@ -62,7 +65,15 @@ def block_stage(model: nn.Module, stage: int, stages: int, blocks: str | None = 
     if missing:
         raise ValueError(f"{type(model).__name__}: first/last modules {missing} are not "
                          "submodules of the model")
-    keys = [key for key, _ in container.named_children()]  # the blocks, in forward order
+    children = list(container.named_children())  # the blocks, in forward order
+    keys = [key for key, _ in children]
+    if split == "params":
+        split = param_balanced_split(_params(model.get_submodule(n) for n in first),
+                                     [_params([b]) for _, b in children],
+                                     _params(model.get_submodule(n) for n in last), stages)
+    elif isinstance(split, str):
+        raise ValueError(f"split={split!r}: give blocks per stage, None (balanced blocks) or "
+                         "'params' (balanced parameters)")
     mine = stage_layers(len(keys), stages, split)[stage]
     for i, key in enumerate(keys):
         if i not in mine:  # replaces the block in place: the order of the blocks is kept
@@ -72,6 +83,11 @@ def block_stage(model: nn.Module, stage: int, stages: int, blocks: str | None = 
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, Elsewhere(name))
     return BlockStage(model, stage, stages, mine)
+
+
+def _params(modules: Iterable[nn.Module]) -> int:
+    """Parameters of ``modules``, together."""
+    return sum(p.numel() for m in modules for p in m.parameters())
 
 
 def _get(model: nn.Module, name: str) -> nn.Module | None:

@@ -35,7 +35,7 @@ class _Unsplit:
 
 def stage_from_pretrained(
     path: str | os.PathLike[str], stage: int, stages: int,
-    split: Sequence[int] | None = None, plan: Any = None, group: ProcessGroup | None = None,
+    split: Sequence[int] | str | None = None, plan: Any = None, group: ProcessGroup | None = None,
     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
     model_class: type | None = None, progress: bool = True,
 ) -> DecoderStage:
@@ -47,7 +47,8 @@ def stage_from_pretrained(
             :meth:`~torchtp.DistributedModelWrapper.from_pretrained`.
         stage: This rank's stage (``cfg.pp_rank`` of ``init_parallel(pp=...)``).
         stages: Pipeline stages.
-        split: Decoder layers per stage (see :func:`~torchtp.pipeline.stage_layers`).
+        split: As for :func:`~torchtp.pipeline.decoder_stage` (``"params"``
+            balances parameters, counted on the meta model).
         plan: The TP plan, as for ``DistributedModelWrapper`` (with a TP group).
         group: The stage's TP group; ``None``: ``init_parallel``'s ``tp`` group
             when it built a mesh, else none (without a mesh the world is the

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..core.layouts import shard_range
+from .balance import param_balanced_split
 
 
 def stage_layers(num_layers: int, stages: int, split: Sequence[int] | None = None
@@ -162,7 +163,7 @@ class _Cut:
 
 
 def decoder_stage(model: Any, stage: int, stages: int,
-                  split: Sequence[int] | None = None) -> DecoderStage:
+                  split: Sequence[int] | str | None = None) -> DecoderStage:
     """Turn ``model`` (in place) into pipeline stage ``stage`` of ``stages``.
 
     Args:
@@ -171,7 +172,11 @@ def decoder_stage(model: Any, stage: int, stages: int,
             Qwen2/3, their MoE variants...).
         stage: This rank's stage.
         stages: Pipeline stages (all of them, over every rank).
-        split: Decoder layers per stage; ``None``: balanced (:func:`stage_layers`).
+        split: Decoder layers per stage; ``None``: balanced layers
+            (:func:`stage_layers`); ``"params"``: the split whose largest stage
+            holds the fewest parameters, the embeddings counted on the first
+            stage and the norm and LM head on the last
+            (:func:`~torchtp.pipeline.balance.param_balanced_split`).
 
     Tied input and output embeddings (``tie_word_embeddings``) become two
     copies: the first stage's embedding weight and the last stage's LM head
@@ -185,7 +190,7 @@ def decoder_stage(model: Any, stage: int, stages: int,
 
 
 def decoder_stages(model: Any, stage_ids: Sequence[int], stages: int,
-                   split: Sequence[int] | None = None) -> list[DecoderStage]:
+                   split: Sequence[int] | str | None = None) -> list[DecoderStage]:
     """Several stages of one model for one rank (interleaved and V-shaped schedules).
 
     Each stage is cut from its own copy of ``model``, which stays unchanged;
@@ -212,11 +217,22 @@ def decoder_stages(model: Any, stage_ids: Sequence[int], stages: int,
             for s in stage_ids]
 
 
-def _plan(model: Any, stages: int, split: Sequence[int] | None) -> _Cut:
+def _plan(model: Any, stages: int, split: Sequence[int] | str | None) -> _Cut:
     decoder = _decoder(model)
     head = model.get_output_embeddings()
     tied = stages > 1 and head.weight is model.get_input_embeddings().weight
+    if split == "params":
+        split = param_balanced_split(_count(decoder.embed_tokens), list(map(_count, decoder.layers)),
+                                     _count(decoder.norm) + _count(head), stages)
+    elif isinstance(split, str):
+        raise ValueError(f"split={split!r}: give layers per stage, None (balanced layers) or "
+                         "'params' (balanced parameters)")
     return _Cut(stage_layers(len(decoder.layers), stages, split), tied)
+
+
+def _count(module: nn.Module) -> int:
+    """Parameters of ``module`` (a tied weight counts wherever it is held: a copy per stage)."""
+    return sum(p.numel() for p in module.parameters())
 
 
 def _copy_of_stage(model: Any, stage: int, stages: int, cut: _Cut) -> Any:
