@@ -15,18 +15,22 @@ from ._pipeline_checks import TOL, batch, build_llama, reference_loss
 CLIP = 0.05  # below the tiny Llama's gradient norm: the clip scales every gradient
 
 
-def check_schedules(rank: int, world_size: int, schedules: list[str], tied: bool) -> list[Any]:
-    """For each schedule: two stages per rank (``2 * world_size`` stages of one layer each,
-    4 microbatches with uneven padding), one step: the loss, every gradient, the clipped
-    total norm and gradients equal to one process's; returns the stages each rank held."""
+def check_schedules(rank: int, world_size: int, schedules: list[str], tied: bool,
+                    microbatches: int = 4) -> list[Any]:
+    """For each schedule, an 8-layer Llama: one stage per rank for GPipe and 1F1B, else two
+    (``2 * world_size`` stages); 4 microbatches with uneven padding; one step: the loss,
+    every gradient, the clipped total norm and gradients equal to one process's; returns
+    the stages each rank held. ``microbatches=8``: 8 rows (two batches; the V-shaped
+    schedules need a microbatch per stage)."""
     held = []
     for schedule in schedules:
-        layers = 2 * world_size
-        ref = build_llama(layers, tied)
-        ids = stage_ids(schedule, rank, world_size, 2)
-        stages = decoder_stages(build_llama(layers, tied), ids, layers)
-        pipe = PipelineSchedule(stages, 4, schedule)
-        inputs, labels = batch(0)
+        per_rank = 1 if schedule in ("gpipe", "1f1b") else 2
+        ref = build_llama(8, tied)
+        ids = stage_ids(schedule, rank, world_size, per_rank)
+        stages = decoder_stages(build_llama(8, tied), ids, world_size * per_rank)
+        pipe = PipelineSchedule(stages, microbatches, schedule)
+        inputs, labels = batch(0) if microbatches == 4 else \
+            tuple(torch.cat(pair) for pair in zip(batch(0), batch(1), strict=True))
         loss = pipe.step(inputs, labels)
         ref_loss = reference_loss(ref, inputs, labels)
         ref_loss.backward()

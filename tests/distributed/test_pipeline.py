@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchtp.pipeline import PipelineSchedule, decoder_stage, stage_layers
+from torchtp.pipeline import SCHEDULES, PipelineSchedule, decoder_stage, stage_layers
 
 from ._pipeline_checks import build_llama, check_bad_microbatches, check_pipeline
 
@@ -114,7 +114,7 @@ def test_gradient_accumulation_over_steps_equals_one_big_step(ranks):
 
 
 def test_several_stages_per_rank_train_like_one_process(ranks):
-    # Each of PyTorch's multi-stage schedules at pp 2: 4 stages of one layer, two per rank
+    # Each of PyTorch's multi-stage schedules at pp 2: 4 stages of two layers, two per rank
     # (looped: 0 and 2 on rank 0; V-shaped: 0 and 3 on rank 0). Tied embeddings: under the
     # V-shaped schedules both copies live on rank 0 and are summed there, under the looped
     # ones over the pair group.
@@ -255,3 +255,11 @@ def test_block_stage_balances_parameters_when_asked():
     assert [list(block_stage(chain(), s, 2, split="params").layers) for s in (0, 1)] == \
         [[0], [1, 2, 3, 4]]
     assert [list(block_stage(chain(), s, 2).layers) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
+
+
+def test_every_schedule_at_four_ranks_trains_like_one_process(ranks):
+    # An 8-layer Llama at pp 4: GPipe and 1F1B over 4 stages, the others over 8 of one layer.
+    from ._pipeline_schedule_checks import check_schedules
+
+    out = ranks(check_schedules, 4, sorted(SCHEDULES), False, 8, timeout=600)
+    assert out[1] == [[1], [1, 6], [1], [1, 5], [1, 5], [1, 5], [1, 6]]  # sorted names
