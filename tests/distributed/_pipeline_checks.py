@@ -54,6 +54,12 @@ def check_pipeline(rank: int, world_size: int, schedule: str, layers: int,
     want = dict(ref.named_parameters())
     if tied:  # the last stage's copy is the reference's one tied weight
         want["lm_head.weight"] = ref.get_input_embeddings().weight
+    ids, labels = batch(9)
+    evaluated = pipe.evaluate(ids, labels)  # forward only: a loss, no gradients
+    assert all(p.grad is None for p in stage.parameters())
+    if evaluated is not None:
+        with torch.no_grad():
+            torch.testing.assert_close(evaluated, reference_loss(ref, ids, labels), **TOL)
     losses = []
     for step in range(steps):
         loss = _step_like_one_process(pipe, ref, *batch(step))

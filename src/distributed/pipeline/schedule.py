@@ -170,6 +170,23 @@ class PipelineSchedule:
                 on every stage, before the first send.
             RankMismatchError: the stages were given different batches.
         """
+        return self._run(input_ids, labels, counted, train=True)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """The batch's loss, forward only (PyTorch's ``eval`` of the schedule): no gradients.
+
+        Takes and checks the batch as :meth:`step` does; the modules' own
+        ``train()``/``eval()`` mode (dropout) is the caller's.
+
+        Returns:
+            On the rank holding the last stage the global batch's loss, as
+            :meth:`step` returns it; ``None`` on the others.
+        """
+        return self._run(input_ids, labels, None, train=False)
+
+    def _run(self, input_ids: torch.Tensor, labels: torch.Tensor, counted: int | None,
+             train: bool) -> torch.Tensor | None:
         self._agree_on_batch(input_ids, labels)
         own = (labels[:, 1:] != self.ignore_index).sum() if self._user_loss is None \
             else torch.tensor(labels.shape[0])  # counted tokens (labels shifted by one), or rows
@@ -179,11 +196,13 @@ class PipelineSchedule:
         self._counted = (own if counted is None else torch.tensor(counted)) / self._replicas
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": labels, "losses": losses} if self.holds_last else {}
+        run = self._schedule.step if train else self._schedule.eval
         if self.holds_first:
-            self._schedule.step(input_ids, **kwargs)
+            run(input_ids, **kwargs)
         else:
-            self._schedule.step(**kwargs)
-        self._sum_tied()
+            run(**kwargs)
+        if train:
+            self._sum_tied()
         if not self.holds_last:
             return None
         loss = torch.stack(losses).sum() / self._replicas  # this replica's share
