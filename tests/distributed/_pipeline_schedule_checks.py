@@ -57,9 +57,9 @@ def check_schedules(rank: int, world_size: int, schedules: list[str], tied: bool
 def check_pp_dp_tp(rank: int, world_size: int) -> list[Any]:
     """``init_parallel(pp=2, dp=2, tp=2)``: each stage TP-wrapped over ``cfg.group``, then
     in DDP over ``cfg.dp_group`` or ``fully_shard`` over ``cfg.mesh["dp"]``, each replica
-    given its half of the batch; 1F1B over the default pipeline group. Two AdamW steps (the
-    second clipped): the global loss, every gradient (this rank's cut) and the parameters
-    equal to one process on the whole batch."""
+    given its half of the batch; 1F1B over the default pipeline group; tied embeddings. Two
+    AdamW steps (the second clipped): the global loss, every gradient (this rank's cut) and
+    the parameters equal to one process on the whole batch, the tied copies bit-identical."""
     import torchtp
 
     cfg = torchtp.init_parallel(pp=2, dp=2, tp=2)
@@ -77,7 +77,7 @@ def _train_replicated(cfg: Any, kind: str) -> list[float]:
 
     from ._hf_checks import expected_local
 
-    ref, model = build_llama(), build_llama()
+    ref, model = build_llama(tied=True), build_llama(tied=True)
     stage = decoder_stage(model, cfg.pp_rank, cfg.pp_size)
     torchtp.DistributedModelWrapper(stage.model)  # in place, over cfg.group (tp)
     if kind == "ddp":
@@ -87,7 +87,7 @@ def _train_replicated(cfg: Any, kind: str) -> list[float]:
         pipe = PipelineSchedule(fully_shard(stage, mesh=cfg.mesh["dp"]), 2)
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    want = dict(ref.named_parameters())
+    want = dict(ref.named_parameters(remove_duplicate=False))  # tied: both names
 
     def check(name: str, mine: torch.Tensor, full: torch.Tensor, **tol: float) -> None:
         module = stage.model.get_submodule(name.rpartition(".")[0])
@@ -117,6 +117,13 @@ def _train_replicated(cfg: Any, kind: str) -> list[float]:
         ref_opt.zero_grad()
     for name, p in stage.model.named_parameters():  # clipped: float32 factors (above)
         check(name, p.detach(), want[name].detach(), rtol=1e-6, atol=1e-9)
+    mine = stage.tied_weight()  # the two copies (this TP rank's rows, this dp shard) agree
+    local = mine.detach().to_local() if hasattr(mine, "to_local") else mine.detach()
+    copies: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(copies, (cfg.pp_rank, cfg.rank, cfg.dp_rank, local))
+    for pp, tp, dp, t in copies:
+        if pp == 1 and (tp, dp) == (cfg.rank, cfg.dp_rank) and cfg.pp_rank == 0:
+            assert torch.equal(t, local), f"{kind}: the tied copies differ"
     return losses
 
 
