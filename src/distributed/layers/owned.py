@@ -7,8 +7,11 @@ layouts of whatever module DDP is given, while the layers call
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 
+from ..comm.runtime import ProcessGroup, group_size
 from ..core.layouts import ParamLayout
 
 
@@ -33,3 +36,14 @@ def layouts_of(module: nn.Module) -> dict[str, ParamLayout]:
     """
     # The layer's own dict (not a copy): callers may cache by identity; never mutate it.
     return module.tp_layouts if isinstance(module, ShardedModule) else {}
+
+
+def split_group(modules: Iterable[nn.Module]) -> ProcessGroup | None:
+    """The process group ``modules``' parallel layers are split over, or ``None``: none is.
+
+    The largest such group: expert layers placed in blocks of a TP group
+    (``expert_parallel=k``) may also name a smaller one.
+    """
+    groups = {id(g): g for m in modules
+              if layouts_of(m) and (g := getattr(m, "group", None)) is not None}
+    return max(groups.values(), key=group_size, default=None)

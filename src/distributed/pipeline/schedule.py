@@ -37,7 +37,7 @@ from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_size,
 from ..core.errors import RankMismatchError
 from ..guards.agreement import agree
 from ..guards.fingerprints import tensor_digest
-from ..layers import layouts_of
+from ..layers.owned import split_group
 from ..training.clip import local_norm_share
 from .placement import SCHEDULES, schedule_kind, stage_ids
 from .stage import Stage
@@ -350,9 +350,7 @@ def _stage_of(module: nn.Module) -> Stage:
 def _tp_group_of(stages: list[Stage]) -> ProcessGroup | None:
     """The TP group the stages' torchtp layers are split over (the largest, past expert
     blocks), or ``None``: not tensor-parallel."""
-    groups = {id(g): g for s in stages for m in s.modules()
-              if layouts_of(m) and (g := getattr(m, "group", None)) is not None}
-    return max(groups.values(), key=group_size, default=None)
+    return split_group(m for s in stages for m in s.modules())
 
 
 def _pipeline_group(group: ProcessGroup | None) -> ProcessGroup | None:
