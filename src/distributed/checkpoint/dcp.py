@@ -25,6 +25,14 @@ dp/tp, with or without FSDP2. Loading reads the TP-local tensor and keeps
 this DP rank's shard of it. Cost: while saving or loading, every rank holds
 the TP-local model and optimizer state (what a TP job without FSDP2 holds)
 besides its FSDP2 shards.
+
+Pipeline jobs pass this rank's stages instead of the wrapper
+(:mod:`torchtp.checkpoint.parts`): each stage saves the parameters it holds
+under the unsplit model's names, as DTensors over its own TP group, and DCP
+merges the stages' disjoint keys into the unsplit model's checkpoint. A tied
+LM head on the last stage is saved once, by the first stage, under the
+embedding's name, and loaded from it. So the checkpoint loads at any pp (a
+whole model at pp 1 included) and any tp.
 """
 
 from __future__ import annotations
@@ -32,12 +40,11 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -45,74 +52,90 @@ from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
 from ..core.layouts import ParamLayout, place, shard_range
 from .atomic import enter
+from .parts import Part, agree_parts, parts
 from .placements import placements
 
 
-def save_training_state(directory: str | os.PathLike[str], model: nn.Module,
+def save_training_state(directory: str | os.PathLike[str], model: Any,
                         optimizer: torch.optim.Optimizer | None = None, step: int = 0,
                         extra: dict[str, Any] | None = None) -> None:
     """Collective over the world: write model, optimizer, step (and ``extra``) with DCP.
 
     Args:
         directory: Checkpoint directory (DCP's format; one file per rank plus metadata).
-        model: The wrapped model (or a DDP around it).
+        model: The wrapped model (or a DDP around it); in a pipeline job this
+            rank's stage, or its list of stages (each as it is, in DDP or
+            ``fully_shard``; tensor-parallel in place or not).
         optimizer: Its optimizer (state stored per parameter name), or ``None``.
         step: The training step to resume from.
         extra: Other picklable objects to store (e.g. a scheduler's state_dict()).
 
     FSDP2 shards (DTensor parameters over the DP mesh) are all-gathered over
     DP first: the checkpoint does not depend on FSDP2 (see the module docstring).
+
+    Raises:
+        TypeError: ``model`` is neither the wrapper nor pipeline stages.
+        ValueError: on every rank, before anything is written, when the ranks
+            disagree on what they save (pipeline stages on some, a wrapper on
+            others; the optimizer's hyper-parameters; ``step``).
     """
-    base, group = _unwrap(model, "save_training_state")
+    given = parts(model, "save_training_state")
     enter("save_training_state", dist.group.WORLD if dist.is_initialized() else None, None)
-    state = _state(base, group, optimizer, for_load=False)
+    entries = _entries(given, agree_parts(given, optimizer, step, "save_training_state"))
+    state = _state(entries, optimizer, for_load=False)
     state["step"] = step
     # One opaque blob: DCP would flatten a dict into keys a loading rank cannot predict.
     state["extra"] = io.BytesIO(pickle.dumps(extra or {}))
     dcp.save(state, checkpoint_id=os.fspath(directory))
 
 
-def load_training_state(directory: str | os.PathLike[str], model: nn.Module,
+def load_training_state(directory: str | os.PathLike[str], model: Any,
                         optimizer: torch.optim.Optimizer | None = None) -> tuple[int, dict]:
-    """Collective: load what :func:`save_training_state` wrote, at this run's tp/dp.
+    """Collective: load what :func:`save_training_state` wrote, at this run's pp/tp/dp.
+
+    ``model`` as for :func:`save_training_state`: a checkpoint saved by a
+    pipeline job loads into a whole wrapped model and the other way round.
 
     Returns:
         ``(step, extra)`` as saved.
     """
-    base, group = _unwrap(model, "load_training_state")
+    given = parts(model, "load_training_state")
     enter("load_training_state", dist.group.WORLD if dist.is_initialized() else None, None)
+    entries = _entries(given, agree_parts(given, optimizer, None, "load_training_state"))
     if optimizer is not None:
         _init_optimizer_state(optimizer)
-    state = _state(base, group, optimizer, for_load=True)
+    state = _state(entries, optimizer, for_load=True)
     state["step"] = 0
     state["extra"] = io.BytesIO()
     dcp.load(state, checkpoint_id=os.fspath(directory))
     with torch.no_grad():
-        _copy_back(_params(base, group), optimizer, state)
+        _copy_back(entries, optimizer, state)
     # The blob this job's own save_training_state wrote (pickle, like torch.save).
     return int(state["step"]), pickle.loads(state["extra"].getvalue())
 
 
-def _unwrap(model: nn.Module, what: str) -> tuple[nn.Module, ProcessGroup | None]:
-    """The wrapped model's base model and TP group (through a DDP around it).
+class _Entry(NamedTuple):
+    """One checkpoint tensor of this rank: its name, tensor, layout and TP group."""
 
-    Raises:
-        TypeError: ``model`` is not a :class:`~torchtp.DistributedModelWrapper`
-            (or a DDP around one): its parameters have no torchtp layout.
-    """
-    from torch.nn.parallel import DistributedDataParallel
+    name: str
+    tensor: torch.Tensor
+    layout: ParamLayout | None
+    group: Any
+    copy: bool = False  # a tied copy another stage saves: loaded, never saved
 
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
-    # By what it has, not by class: checkpoint loading never imports the wrapper.
-    base = getattr(inner, "base_model", None)
-    if not (hasattr(inner, "resolved_plan") and isinstance(base, nn.Module)):
-        raise TypeError(
-            f"{what} needs the DistributedModelWrapper (or a DDP around it), got "
-            f"{type(inner).__name__}: the checkpoint stores each parameter with its tensor-"
-            "parallel layout (which dimension is split, and where), which only the wrapper "
-            "knows; wrap the model first (torchtp.DistributedModelWrapper(model)) on every rank")
-    group: ProcessGroup | None = inner.group  # type: ignore[assignment]
-    return base, group
+
+def _entries(given: list[Part], tied: str | None) -> list[_Entry]:
+    """Every parameter and persistent buffer of this rank's models (tied tensors once per
+    model, under their first name; a last stage's tied copy under the embedding's name)."""
+    out = []
+    for part in given:
+        for p in placements(part.model):
+            if part.copy and p.tensor is part.tied:
+                assert tied is not None  # agree_parts refused a copy without its first stage
+                out.append(_Entry(tied, p.tensor, p.layout, part.group, True))
+            else:
+                out.append(_Entry(p.name, p.tensor, p.layout, part.group))
+    return out
 
 
 def _tp_mesh(group: ProcessGroup | None) -> DeviceMesh | None:
@@ -122,12 +145,6 @@ def _tp_mesh(group: ProcessGroup | None) -> DeviceMesh | None:
     if cfg.mesh is not None and group is cfg.group:
         return cfg.mesh["tp"]
     return DeviceMesh.from_group(group, cfg.device.type, mesh_dim_names=("tp",))
-
-
-def _params(base: nn.Module, group: Any) -> list[tuple[str, torch.Tensor, ParamLayout | None, Any]]:
-    """``(state-dict name, tensor, layout, group)`` for every parameter and persistent buffer
-    (tied tensors once, under their first name)."""
-    return [(p.name, p.tensor, p.layout, group) for p in placements(base)]
 
 
 def _expressible(layout: ParamLayout, group: ProcessGroup | None) -> bool:
@@ -187,20 +204,25 @@ def _gather_full(local: torch.Tensor, layout: ParamLayout, group: Any) -> torch.
     return out.t() if layout.transposed else out
 
 
-def _state(base: nn.Module, group: ProcessGroup | None, optimizer: torch.optim.Optimizer | None,
+def _state(entries: list[_Entry], optimizer: torch.optim.Optimizer | None,
            for_load: bool) -> dict[str, Any]:
-    entries = _params(base, group)
-    model = {name: _as_saved(t, lay, g, for_load) for name, t, lay, g in entries}
+    """DCP's state dict: one entry per name (a second tensor of a name loads from it)."""
+    model: dict[str, Any] = {}
+    for e in entries:
+        if e.name not in model and not (e.copy and not for_load):
+            model[e.name] = _as_saved(e.tensor, e.layout, e.group, for_load)
     state: dict[str, Any] = {"model": model}
     if optimizer is not None:
-        by_param = {id(t): (name, lay, g) for name, t, lay, g in entries}
+        by_param = {id(e.tensor): e for e in entries}
         per_param: dict[str, dict[str, Any]] = {}
         for param_group in optimizer.param_groups:
             for p in param_group["params"]:
-                name, lay, g = by_param[id(p)]
-                per_param[name] = {k: _as_saved(v, lay, g, for_load)
-                                   if torch.is_tensor(v) and v.shape == p.shape else v
-                                   for k, v in optimizer.state.get(p, {}).items()}
+                e = by_param[id(p)]
+                if e.name in per_param or (e.copy and not for_load):
+                    continue
+                per_param[e.name] = {k: _as_saved(v, e.layout, e.group, for_load)
+                                     if torch.is_tensor(v) and v.shape == p.shape else v
+                                     for k, v in optimizer.state.get(p, {}).items()}
         hyper = [{k: v for k, v in grp.items() if k != "params"} for grp in optimizer.param_groups]
         state["optim"] = {"state": per_param, "param_groups": hyper}
     return state
@@ -223,22 +245,23 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = grad
 
 
-def _copy_back(entries: list[tuple[str, torch.Tensor, ParamLayout | None, Any]],
-               optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-    """Put loaded values that DCP could not load in place (gathered tensors, scalars)."""
-    for name, t, lay, _ in entries:
-        _assign(t, state["model"][name], lay)
+def _copy_back(entries: list[_Entry], optimizer: torch.optim.Optimizer | None,
+               state: dict[str, Any]) -> None:
+    """Put loaded values that DCP could not load in place (gathered tensors, scalars, a
+    second tensor of a name)."""
+    for e in entries:
+        _assign(e.tensor, state["model"][e.name], e.layout)
     if optimizer is None:
         return
-    by_id = {id(t): (name, lay) for name, t, lay, _ in entries}
+    by_id = {id(e.tensor): e for e in entries}
     for group, hyper in zip(optimizer.param_groups, state["optim"]["param_groups"], strict=True):
         group.update(hyper)
         for p in group["params"]:
-            name, lay = by_id[id(p)]
+            e = by_id[id(p)]
             current = optimizer.state[p]
-            for k, v in state["optim"]["state"][name].items():
+            for k, v in state["optim"]["state"][e.name].items():
                 if torch.is_tensor(current.get(k)):
-                    _assign(current[k], v, lay if current[k].shape == p.shape else None)
+                    _assign(current[k], v, e.layout if current[k].shape == p.shape else None)
                 else:
                     current[k] = v
 
