@@ -3,7 +3,8 @@
 * :func:`from_pretrained` - build on meta, wrap, read this rank's byte ranges
   (HF directories and torchtp sharded checkpoints at any saved tp).
 * :func:`save_sharded` - one safetensors file per rank plus metadata.
-* :func:`save_pretrained` - a consolidated HF directory, one tensor at a time.
+* :func:`save_pretrained` - a consolidated HF directory, one tensor at a time
+  (of a wrapped model, or of a pipeline job's stages: :mod:`.save_stages`).
 * :func:`reshard` / :func:`consolidate` - the same conversions offline, with no
   process group (``python -m torchtp.checkpoint reshard SRC DST --tp M``).
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..core.layouts import held_shape, place
 from .atomic import group_size, make_tmp, publish_agreed, step, validate
+from .parts import is_pipeline
 from .placements import Placement, checkpoint_local, placements
 from .save_sharded import gather_layouts, save_config
 from .st_writer import (
@@ -35,7 +36,17 @@ _WHAT = "save_pretrained"
 
 def save_pretrained(wrapper: Any, directory: str | os.PathLike[str],
                     max_shard_size: int | str = "5GB", timeout: float | None = None) -> None:
-    """Implementation of :meth:`DistributedModelWrapper.save_pretrained` (see there)."""
+    """Implementation of :meth:`DistributedModelWrapper.save_pretrained` (see there).
+
+    Given this rank's pipeline stage (or list of stages) instead of a wrapper,
+    the pipeline job's HF directory, every stage writing its own files:
+    collective over the world (:func:`~torchtp.checkpoint.save_stages.save_stages`).
+    """
+    if is_pipeline(wrapper):
+        from .save_stages import save_stages  # it builds on this module's gather and stream
+
+        save_stages(wrapper, directory, max_shard_size, timeout)
+        return
     directory = os.fspath(directory)
     group, rank = wrapper.group, wrapper.rank
     max_bytes = parse_size(max_shard_size)  # before the temp dir exists: a bad size leaves nothing
@@ -55,7 +66,8 @@ def save_pretrained(wrapper: Any, directory: str | os.PathLike[str],
     files = plan_shards(specs, max_bytes)
     names = hf_file_names(len(files))
     by_name = {p.name: p for p in items}
-    error = _stream(tmp, files, names, lambda s: gather_full(by_name[s.name], layouts, group), rank)
+    error = stream(tmp, files, names, lambda s: gather_full(by_name[s.name], layouts, group),
+                   rank == 0)
     if rank == 0 and error is None and len(files) > 1:
         try:
             write_index(tmp, files, names)
@@ -65,17 +77,17 @@ def save_pretrained(wrapper: Any, directory: str | os.PathLike[str],
     publish_agreed(_WHAT, tmp, directory, group, rank)
 
 
-def _stream(tmp: str, files: list[list[TensorSpec]], names: list[str], produce: Any,
-            rank: int) -> BaseException | None:
-    """Every rank calls ``produce`` for every tensor in order; rank 0 writes them.
+def stream(tmp: str, files: list[list[TensorSpec]], names: list[str], produce: Any,
+           writer: bool) -> BaseException | None:
+    """Every rank calls ``produce`` for every tensor in order; the ``writer`` writes them.
 
-    A write error on rank 0 is remembered, not raised: the other ranks are
-    still gathering, so rank 0 keeps taking part and reports it afterwards.
+    A write error on the writer is remembered, not raised: the other ranks are
+    still gathering, so the writer keeps taking part and reports it afterwards.
     """
     error: BaseException | None = None
     for group_specs, fname in zip(files, names, strict=True):
         fh = None
-        if rank == 0 and error is None:
+        if writer and error is None:
             try:
                 fh = open(os.path.join(tmp, fname), "wb")  # noqa: SIM115
                 fh.write(_header(group_specs))
