@@ -147,7 +147,7 @@ def check_pipeline_tp(rank: int, world_size: int) -> list[Any]:
                                    msg=name)
     split = [n for n, p in stage.model.named_parameters()
              if tuple(p.shape) != tuple(want[n].shape)]
-    return [list(stage.layers), len(split)]
+    return [list(stage.layers), split]
 
 
 CLIP = 0.05  # below the tiny Llama's gradient norm: the clip scales every gradient

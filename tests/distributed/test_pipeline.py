@@ -70,7 +70,14 @@ def test_tensor_parallel_stages_train_like_one_process(ranks):
 
     out = ranks(check_pipeline_tp, 4, timeout=300)
     assert [o[0] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert all(o[1] > 0 for o in out)  # every stage's Linears are split over its TP group
+    # Every stage's attention and MLP are split over its TP group: the plan verification's
+    # probe confirms the heads on the model's one-layer copy (a stage cannot run the
+    # model's own forward: its embeddings or head live elsewhere).
+    for rank, (layers, split) in enumerate(out):
+        want = {f"model.layers.{i}.{m}.weight" for i in layers
+                for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        assert want <= set(split), (rank, sorted(want - set(split)))
 
 
 def test_a_stage_that_raises_ends_every_stage_promptly(ranks):

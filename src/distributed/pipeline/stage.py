@@ -57,9 +57,14 @@ def stage_layers(num_layers: int, stages: int, split: Sequence[int] | None = Non
 class Elsewhere(nn.Module):
     """A module that lives on another pipeline stage: hands its input on unchanged.
 
+    Marked ``held_elsewhere``: the plan verification's probe compares a stage
+    with its model's one-layer copy without it (:mod:`torchtp.plans.verify`).
+
     Args:
         what: The module it stands for (a block's index, or a name), for ``repr``.
     """
+
+    held_elsewhere = True
 
     def __init__(self, what: int | str) -> None:
         super().__init__()
@@ -244,7 +249,7 @@ def _copy_of_stage(model: Any, stage: int, stages: int, cut: _Cut) -> Any:
         memo[id(decoder.embed_tokens)] = None
     if stage != stages - 1:
         memo[id(model.get_output_embeddings())] = None
-        memo[id(decoder.norm)] = nn.Identity()
+        memo[id(decoder.norm)] = Elsewhere("norm")
     return copy.deepcopy(model, memo)
 
 
@@ -263,7 +268,7 @@ def _cut_in_place(model: Any, stage: int, stages: int, cut: _Cut) -> DecoderStag
     if stage != 0:
         decoder.embed_tokens = None  # only the first stage reads token ids
     if stage != stages - 1:
-        decoder.norm = nn.Identity()  # the final norm belongs to the last stage
+        decoder.norm = Elsewhere("norm")  # the final norm belongs to the last stage
         model.set_output_embeddings(None)
     built = DecoderStage(model, stage, stages, mine)
     built.tied = cut.tied

@@ -254,9 +254,30 @@ def _probe_model(model: nn.Module, example_inputs: object
 
 
 def _same_types(small: nn.Module, model: nn.Module) -> bool:
-    """Every module of ``small`` has the type of ``model``'s module of the same name."""
+    """Every module of ``small`` has the type of ``model``'s module of the same name.
+
+    Where ``model`` has no such module, or only a placeholder marked
+    ``held_elsewhere`` (a pipeline stage holds other layers, embeddings or
+    head than the copy's first ones), the modules of the same name pattern
+    (block indices as ``*``) that it does hold must all be of that type: what
+    the stage holds is the copy's, so the copy's verdicts hold for it.
+    """
     modules = dict(model.named_modules())
-    return all(type(modules.get(name)) is type(m) for name, m in small.named_modules())
+    kinds: dict[str, set[type]] = {}
+    for name, m in modules.items():
+        if not getattr(m, "held_elsewhere", False):
+            kinds.setdefault(_INDEX.sub(".*", name), set()).add(type(m))
+    for name, m in small.named_modules():
+        mine = modules.get(name)
+        if mine is not None and not getattr(mine, "held_elsewhere", False):
+            if type(mine) is not type(m):
+                return False
+        elif kinds.get(_INDEX.sub(".*", name), {type(m)}) != {type(m)}:
+            return False
+    return True
+
+
+_INDEX = re.compile(r"\.\d+(?=\.|$)")  # a block index in a module name: "layers.3.mlp"
 
 
 def _names_by_pattern(model: nn.Module) -> dict[str, str]:
