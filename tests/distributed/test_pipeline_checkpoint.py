@@ -120,3 +120,17 @@ def test_a_model_that_is_neither_wrapped_nor_a_stage_is_a_type_error(tmp_path):
                                         r"\(or a DDP around it\), got LlamaForCausalLM: .* or in "
                                         r"a pipeline job pass this rank's stage\(s\)"):
         save_training_state(tmp_path, build_llama())
+
+
+def test_the_wrapper_of_a_stage_is_refused_naming_the_stage(tmp_path):
+    # The wrapper does not know the stage's tied copy: given it, the last stage would save
+    # its copy of the tied weight under its own name, as a second tensor.
+    import torchtp
+    from torchtp.checkpoint.dcp import save_training_state
+    from torchtp.pipeline import decoder_stage
+
+    stage = decoder_stage(build_llama(tied=True), 1, 2)
+    wrapped = torchtp.DistributedModelWrapper(stage.model)
+    with pytest.raises(TypeError, match=r"save_training_state was given the wrapper of a "
+                                        r"pipeline stage's model; pass the stage itself"):
+        save_training_state(tmp_path, wrapped)

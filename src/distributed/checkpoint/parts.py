@@ -97,6 +97,11 @@ def parts(model: Any, what: str) -> list[Part]:
             "knows; wrap the model first (torchtp.DistributedModelWrapper(model)) on every "
             "rank, or in a pipeline job pass this rank's stage(s) (decoder_stage, "
             "block_stage)")
+    if any(getattr(m, "held_elsewhere", False) for m in base.modules()):
+        # A stage's model: only the stage knows its tied copy, saved once by the first stage.
+        raise TypeError(f"{what} was given the wrapper of a pipeline stage's model; pass the "
+                        "stage itself (what decoder_stage or block_stage returned), on every "
+                        "rank of every stage")
     return [Part(base, inner.group)]
 
 
