@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import torch_compat as _torch_compat
+from ..core.layouts import shard_range
 from . import ops as _comm
 from .overlap import log_fallback
 from .runtime import ProcessGroup, group_size
@@ -73,8 +74,9 @@ def pieces(shard_len: int, chunks: int) -> list[tuple[int, int]]:
     """
     if shard_len == 0:
         return [(0, 0)]
-    step = -(-shard_len // max(1, min(chunks, shard_len)))
-    return [(lo, min(shard_len, lo + step)) for lo in range(0, shard_len, step)]
+    count = max(1, min(chunks, shard_len))
+    ranges = [shard_range(shard_len, count, i, rule="ceil") for i in range(count)]
+    return [(lo, lo + n) for lo, n in ranges if n]
 
 
 def _place(dest: torch.Tensor, rows: torch.Tensor, lo: int, n: int, shard_len: int,
@@ -149,7 +151,7 @@ def matmul_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup, produc
     """
     world, dim = group_size(group), dim % x.dim()
     length = x.shape[dim]
-    shard_len = -(-length // world)
+    shard_len = shard_range(length, world, 0, rule="ceil")[1]  # S = ceil(L / tp)
     fused = _fused_reduce_scatter(x, dim, group, product, shard_len)
     if fused is not None:
         return fused

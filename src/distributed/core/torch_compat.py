@@ -282,6 +282,8 @@ def symm_mem_gate(device_type: str, backend: str, version: tuple[int, int],
         autocast: Autocast is on for the device (the fused op would gather the
             cast input, not the one the layer saw).
         has_ops: ``torch.ops.symm_mem`` has both fused ops.
+
+    Checked: torch 2.13.0 (the ops' schemas; the ops were not run, no GPU).
     """
     if device_type != "cuda":
         return f"the tensors are on {device_type}, the fused ops need CUDA"
