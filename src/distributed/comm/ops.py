@@ -10,6 +10,12 @@ different shapes raise :class:`~torchtp.RankMismatchError` on every rank
 instead of garbage (Gloo silently accepts equal element counts) or an abort.
 A collective that is slow watches the store for another rank's failure (see
 :mod:`torchtp.comm.health`).
+
+The ``*_start`` functions (:func:`all_reduce_start`, :func:`all_gather_start`,
+:func:`reduce_scatter_start`) issue a collective without waiting and return a
+:class:`Pending` whose :meth:`~Pending.wait` is the same bounded wait, so
+compute can run while it travels (:mod:`torchtp.comm.overlap`);
+:func:`trace_collectives` records when each is issued and waited for.
 """
 
 from __future__ import annotations

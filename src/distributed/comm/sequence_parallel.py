@@ -32,6 +32,17 @@ instead and all-gather it again when their weight gradients need it (see
 :mod:`torchtp.layers.sequence_linear`), once per group of sibling projections, as
 Megatron does. :func:`gathered_source` tells a projection whether its input
 is such a tensor.
+
+With overlap (:mod:`torchtp.comm.overlap`): under ``"grad_reduce"`` the
+projections fed one gathered tensor share a
+:class:`~torchtp.comm.grad_reduce.SharedGrad` whose reduction is the
+reduce-scatter of the summed input gradient, started by the last of them
+beside its weight gradient (the gather's backward then passes the result on),
+and :meth:`Regather.start` issues the re-gather before the input gradient is
+computed. Under ``"sequence"`` :func:`gather_for_tensor_parallel` gathers in
+pieces and computes the projections' products beside them
+(:func:`torchtp.comm.chunked.all_gather_apply`); each projection takes its
+product with :func:`take_precomputed`.
 """
 
 from __future__ import annotations
