@@ -83,7 +83,10 @@ class GroupState:
     # (op, previous collectives' signatures) -> the signature last agreed there
     agreed: dict[tuple[str, Any], tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
     previous: tuple[Any, ...] = ()  # (op, shape, dtype) of this group's last collectives
-    last_check: int | None = None
+    # Collectives whose signature this rank checked through the store and whose key it
+    # has not deleted yet (deleted once every rank is known to have read it).
+    checks: list[int] = field(default_factory=list)
+    completed: int = -1  # highest index of a collective this rank has waited for
     poisoned: str | None = None
     entries: dict[str, int] = field(default_factory=dict)  # entry_barrier calls per name
     missed_entry: bool = False  # the last entry_barrier gave up (see exit_barrier)
@@ -185,14 +188,21 @@ def _agree_signature(st: GroupState, n: int, op: str, tensor: torch.Tensor) -> N
     store = st.store
     mine = _signature(op, tensor)
     store.set(f"torchtp/sig/{n}/{st.rank}", "check " + mine)
-    if st.last_check is not None:
-        # Everyone has read it: the collective after that (successful) check
-        # completed, so every rank had finished its check.
-        _delete(store, f"torchtp/sig/{st.last_check}/{st.rank}")
-        st.last_check = None
+    if st.checks:
+        # Everyone has read the keys of the checks up to the last collective this rank
+        # completed: every rank issued it, after finishing its checks before it. (With
+        # collectives started without waiting, ops.Pending, a check's collective may
+        # still be in flight at the next check: its key stays until it completed.)
+        kept = []
+        for m in st.checks:
+            if m <= st.completed:
+                _delete(store, f"torchtp/sig/{m}/{st.rank}")
+            else:
+                kept.append(m)
+        st.checks = kept
     values = _gather(st, "sig", n, checking=True)
     _compare_signatures(st, n, op, values, dangling=False)
-    st.last_check = n
+    st.checks.append(n)
 
 
 def _compare_signatures(st: GroupState, n: int, op: str, values: list[str],
@@ -319,10 +329,12 @@ def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
     if tensor.device.type != "cpu":
         # NCCL's wait only orders streams; its own watchdog bounds the time.
         _wait_converting(work, st, n)
+        st.completed = max(st.completed, n)
         return
     try:
         while not _waited(work, st, n):
             _answer_store(st, n, op, tensor if shown is None else shown, work)
+        st.completed = max(st.completed, n)
     finally:
         # Also when this rank raises instead (a handled RankMismatchError, another
         # rank's failure): the collective is still in the backend's hands.

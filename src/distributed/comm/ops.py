@@ -10,6 +10,12 @@ different shapes raise :class:`~torchtp.RankMismatchError` on every rank
 instead of garbage (Gloo silently accepts equal element counts) or an abort.
 A collective that is slow watches the store for another rank's failure (see
 :mod:`torchtp.comm.health`).
+
+The ``*_start`` functions (:func:`all_reduce_start`, :func:`all_gather_start`,
+:func:`reduce_scatter_start`) issue a collective without waiting and return a
+:class:`Pending` whose :meth:`~Pending.wait` is the same bounded wait, so
+compute can run while it travels (:mod:`torchtp.comm.overlap`);
+:func:`trace_collectives` records when each is issued and waited for.
 """
 
 from __future__ import annotations
@@ -137,6 +143,17 @@ def count(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
                      tensor.dtype, size)
 
 
+def ordered(group: ProcessGroup | None, n: int | None) -> None:
+    """Note collective ``n`` (from :func:`record`) as waited for, without a work handle.
+
+    For a fused op that issues and orders its communication on the device's
+    stream itself (NCCL), as a CUDA collective's wait does.
+    """
+    if n is not None:
+        st = _health.state(group)
+        st.completed = max(st.completed, n)
+
+
 def _finish(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor,
             group: ProcessGroup | None, out: torch.Tensor | None = None) -> None:
     """Wait for an issued collective (bounded; see :func:`torchtp.comm.health.finish`).
@@ -146,6 +163,145 @@ def _finish(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor
     """
     if work is not None and n is not None:
         _health.finish(work, _health.state(group), n, op, tensor, out)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One step of an overlapped collective, recorded by :func:`trace_collectives`.
+
+    Attributes:
+        kind: ``"issue"`` (handed to the backend, not waited for), ``"wait"``
+            (the wait begins; the backend may still write the output, e.g.
+            Gloo's final copy) or ``"done"`` (the result is complete and may be read).
+        op: The op name (``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``).
+        index: The collective's index in its group (``None`` when not recorded).
+        data_ptr: Address of the collective's output buffer, so a reader of the
+            result can be matched to it.
+    """
+
+    kind: str
+    op: str
+    index: int | None
+    data_ptr: int
+
+
+_TRACES: list[list[TraceEvent]] = []
+
+
+@contextmanager
+def trace_collectives() -> Iterator[list[TraceEvent]]:
+    """Record, in order, when each collective started with ``*_start`` is issued and waited for.
+
+    A debugging and test hook: together with a record of the compute that ran
+    (e.g. a ``torch.overrides.TorchFunctionMode``), it shows that an overlapped
+    collective was issued before the compute it overlaps and waited for before
+    its result was read. Costs one list check per collective when unused.
+    """
+    events: list[TraceEvent] = []
+    _TRACES.append(events)
+    try:
+        yield events
+    finally:
+        _TRACES.remove(events)
+
+
+def _trace(kind: str, op: str, index: int | None, out: torch.Tensor) -> None:
+    event = TraceEvent(kind, op, index, out.data_ptr())
+    for events in _TRACES:
+        events.append(event)
+
+
+@dataclass(eq=False)
+class Pending:
+    """A collective handed to the backend without waiting (``async_op=True``).
+
+    Compute that does not read :attr:`out` may run until :meth:`wait`; the
+    caller must not touch the buffers before that. The wait is bounded and
+    watches the group's health like every blocking collective (see
+    :func:`torchtp.comm.health.finish`).
+
+    Attributes:
+        out: The result buffer (complete only after :meth:`wait`).
+    """
+
+    work: dist.Work | None
+    index: int | None
+    op: str
+    tensor: torch.Tensor
+    group: ProcessGroup | None
+    out: torch.Tensor
+    done: bool = False
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the collective (once; later calls return at once) and return :attr:`out`."""
+        if not self.done:
+            self.done = True
+            if _TRACES:
+                _trace("wait", self.op, self.index, self.out)
+            _finish(self.work, self.index, self.op, self.tensor, self.group,
+                    None if self.out is self.tensor else self.out)
+            if _TRACES:
+                _trace("done", self.op, self.index, self.out)
+        return self.out
+
+
+def _issued(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor,
+            group: ProcessGroup | None, out: torch.Tensor) -> Pending:
+    if _TRACES:
+        _trace("issue", op, n, out)
+    return Pending(work, n, op, tensor, group, out, done=work is None)
+
+
+def all_reduce_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pending:
+    """Start summing ``tensor`` in place across ``group``; :meth:`Pending.wait` returns it.
+
+    ``tensor`` must be contiguous and owned by the caller. Counted, logged and
+    shape-agreed as an ``all_reduce``, like :func:`all_reduce_`. While rides
+    wait for the group's next all-reduce (:func:`ride_next_all_reduce`), or
+    under ``torch.compile``, it runs as the blocking :func:`all_reduce_` does
+    (the returned handle is already complete), so the collectives issued are
+    the same either way.
+    """
+    assert tensor.is_contiguous(), "all_reduce_start needs a contiguous tensor"
+    if _RIDES or _compiling() or has_torch_function_unary(tensor):
+        out = all_reduce_(tensor, group)
+        return _issued(None, None, "all_reduce", out, group, out)
+    st = _health.state(group)
+    n = _health.before("all_reduce", tensor, st)
+    if _COUNTERS or debug_enabled():
+        count("all_reduce", tensor, group)
+    work = st.group.allreduce([tensor], _allreduce_options(_SUM))  # as all_reduce_ does
+    return _issued(work, n, "all_reduce", tensor, group, tensor)
+
+
+def all_gather_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pending:
+    """Start gathering every rank's ``tensor`` ``(d0, ...)`` into ``(world * d0, ...)`` (dim 0).
+
+    Equal shapes on every rank; the caller pads and rearranges. Counted and
+    agreed as an ``all_gather``, like :func:`all_gather`.
+    """
+    local = tensor.contiguous()
+    world = dist.get_world_size(group)
+    out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype,
+                      device=local.device)
+    n = record("all_gather", local, group)
+    work = gather_single(out, local, group=group, async_op=n is not None)
+    return _issued(work, n, "all_gather", local, group, out)
+
+
+def reduce_scatter_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pending:
+    """Start summing ``tensor`` ``(world * d0, ...)`` across ``group``; keep share ``(d0, ...)``.
+
+    Rank ``r``'s share is rows ``r*d0 : (r+1)*d0`` of dim 0 (equal shares; the
+    caller pads). Counted and agreed as a ``reduce_scatter``, like :func:`reduce_scatter`.
+    """
+    full = tensor.contiguous()
+    world = dist.get_world_size(group)
+    out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype,
+                      device=full.device)
+    n = record("reduce_scatter", full, group)
+    work = reduce_scatter_single(out, full, group=group, async_op=n is not None)
+    return _issued(work, n, "reduce_scatter", full, group, out)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import grad_reduce as _grad_reduce
 from . import health as _health
 from . import ops as _comm
 from .runtime import ProcessGroup, group_rank, group_size
@@ -222,9 +223,11 @@ def forget_shared_inputs() -> None:
     with gradients enabled, that forward's autograd graph) alive until the
     next call replaces it. ``DistributedModelWrapper`` calls this at the end
     of every forward of the model it wraps (a hook, so direct calls too),
-    so nothing of one forward outlives it here.
+    so nothing of one forward outlives it here. The entries of the overlapped
+    path (:mod:`torchtp.comm.grad_reduce`) go too.
     """
     _LAST_COPY.clear()
+    _grad_reduce.forget()
 
 
 def reduce_from_tensor_parallel_region(

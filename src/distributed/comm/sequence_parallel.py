@@ -32,10 +32,22 @@ instead and all-gather it again when their weight gradients need it (see
 :mod:`torchtp.layers.sequence_linear`), once per group of sibling projections, as
 Megatron does. :func:`gathered_source` tells a projection whether its input
 is such a tensor.
+
+With overlap (:mod:`torchtp.comm.overlap`): under ``"grad_reduce"`` the
+projections fed one gathered tensor share a
+:class:`~torchtp.comm.grad_reduce.SharedGrad` whose reduction is the
+reduce-scatter of the summed input gradient, started by the last of them
+beside its weight gradient (the gather's backward then passes the result on),
+and :meth:`Regather.start` issues the re-gather before the input gradient is
+computed. Under ``"sequence"`` :func:`gather_for_tensor_parallel` gathers in
+pieces and computes the projections' products beside them
+(:func:`torchtp.comm.chunked.all_gather_apply`); each projection takes its
+product with :func:`take_precomputed`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +58,8 @@ from ..core import torch_compat as _torch_compat
 from ..core.layouts import shard_range
 from ..core.torch_compat import is_view
 from . import ops as _comm
+from .chunked import Product, all_gather_apply
+from .grad_reduce import Finish, SharedGrad
 from .runtime import ProcessGroup, group_rank, group_size
 from .tensor_memo import TensorMemo
 
@@ -87,6 +101,59 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
     return _owned(_comm.reduce_scatter(pad_sequence(x, dim, group_size(group)), dim, group))
 
 
+def _gather_start(x: torch.Tensor, dim: int, group: ProcessGroup,
+                  length: int | None) -> Finish:
+    """:func:`_gather` without waiting: the returned callable waits and gives its result."""
+    dim = dim % x.dim()
+    pending = _comm.all_gather_start(x, group)  # (tp * B, S, d): the shards along dim 0
+
+    def finish() -> torch.Tensor:
+        out = pending.wait()
+        full = torch.cat(out.chunk(group_size(group), dim=0), dim=dim) if dim else out
+        if length is not None and length != full.shape[dim]:
+            full = full.narrow(dim, 0, length).contiguous()
+        return _owned(full)
+    return finish
+
+
+def _reduce_scatter_start(dim: int, group: ProcessGroup) -> Callable[[torch.Tensor], Finish]:
+    """:func:`_reduce_scatter` without waiting (the start of a :class:`SharedGrad`)."""
+    def start(x: torch.Tensor) -> Finish:
+        d = dim % x.dim()
+        padded = pad_sequence(x, d, group_size(group))
+        full = (padded.movedim(d, 0) if d else padded).contiguous()  # (S * tp, ...)
+        pending = _comm.reduce_scatter_start(full, group)
+
+        def finish() -> torch.Tensor:
+            out = pending.wait()  # (S, ...)
+            return _owned(out.movedim(0, d).contiguous() if d else out)
+        return finish
+    return start
+
+
+def shared_sequence_grads(group: ProcessGroup, dim: int) -> SharedGrad:
+    """A :class:`SharedGrad` whose reduction is the reduce-scatter of a gathered input's
+    gradient: the projections fed one gathered block input overlap it with their weight
+    gradients (see :mod:`torchtp.comm.grad_reduce`)."""
+    return SharedGrad(_reduce_scatter_start(dim, group),
+                      lambda t: _reduce_scatter(t, dim, group))
+
+
+@dataclass(eq=False)
+class GatherPlan:
+    """The chunked gather of a block input and the projections computed with it.
+
+    Attributes:
+        products: The projections expected to read the gathered tensor.
+        chunks: Pieces per sequence shard.
+        outputs: Their results, once gathered.
+    """
+
+    products: list[Product]
+    chunks: int
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+
 class _ScatterToShards(torch.autograd.Function):
     """forward: pad, keep own sequence shard; backward: all-gather, drop padding.
 
@@ -118,15 +185,25 @@ class _GatherFromShards(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int, length: int | None,
-                partial: bool) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.partial = group, dim, partial
-        return _gather(x, dim, group, length)
+                partial: bool, shared: SharedGrad | None = None,
+                plan: GatherPlan | None = None) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.partial, ctx.shared = group, dim, partial, shared
+        if shared is not None:  # projections overlapping the reduce-scatter pass no gradient
+            ctx.set_materialize_grads(False)
+        if plan is None:
+            return _gather(x, dim, group, length)
+        full, plan.outputs = all_gather_apply(x, dim, group, length, plan.products, plan.chunks)
+        return _owned(full)
 
     @staticmethod
     @once_differentiable  # its collectives are not differentiable: no double backward
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx, grad: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+        if ctx.shared is not None:  # the projections' reduced sum (partial=True)
+            return ctx.shared.settle(grad), None, None, None, None, None, None
+        assert grad is not None  # materialized without a SharedGrad
         back = _reduce_scatter if ctx.partial else _shard
-        return back(grad, ctx.dim, ctx.group), None, None, None, None
+        return back(grad, ctx.dim, ctx.group), None, None, None, None, None, None
 
 
 class _ReduceScatterToShards(torch.autograd.Function):
@@ -173,21 +250,98 @@ def gather_from_sequence_shards(x: torch.Tensor, group: ProcessGroup | None, dim
 
 
 def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim: int,
-                               length: int | None) -> torch.Tensor:
+                               length: int | None,
+                               linears: Sequence[tuple[torch.Tensor, torch.Tensor | None]] = (),
+                               chunks: int = 0) -> torch.Tensor:
     """Shard ``(B, S, d)`` -> ``(B, length or S*tp, d)`` for TP compute. backward: reduce-scatter.
 
     With gradients, the result is remembered (weakly, until it dies) so that
     the projections fed it can save ``x`` instead of it: see :func:`gathered_source`.
+
+    Args:
+        x: This rank's sequence shard.
+        group: The TP group.
+        dim: The sequence dimension.
+        length: Tokens kept (the padding dropped); ``None`` keeps ``S * tp``.
+        linears: ``(weight, bias)`` of the weight-rows-split projections that
+            will read the result (q/k/v, gate/up). With ``chunks``, their
+            products are computed piece by piece beside the gather
+            (:func:`torchtp.comm.chunked.all_gather_apply`) and handed to them
+            (:func:`take_precomputed`).
+        chunks: Pieces per shard for the chunked gather; 0 gathers at once.
     """
     if group is None or group_size(group) == 1:
         return x
+    compiling = torch.compiler.is_compiling()
+    plan = GatherPlan([Product(w, b) for w, b in linears], chunks) \
+        if chunks and not compiling else None
     if not _needs_grad(x):
-        return _gather(x, dim, group, length)
-    full = _GatherFromShards.apply(x, group, dim, length, True)
-    if not torch.compiler.is_compiling():  # the compiled graph holds no Python registry
-        _GATHERED.put(group, full, GatheredInput(x, _torch_compat.version_counter(x),
-                                                 Regather(group, dim, length)))
+        if plan is None:
+            return _gather(x, dim, group, length)
+        full, plan.outputs = all_gather_apply(x, dim, group, length, plan.products, chunks)
+        _remember_products(full, linears, plan.outputs)
+        return _owned(full)
+    if compiling:  # the compiled graph holds no Python registry
+        return _GatherFromShards.apply(x, group, dim, length, True)
+    shared = shared_sequence_grads(group, dim)
+    full = _GatherFromShards.apply(x, group, dim, length, True, shared, plan)
+    _GATHERED.put(group, full, GatheredInput(x, _torch_compat.version_counter(x),
+                                             Regather(group, dim, length), shared))
+    if plan is not None:
+        _remember_products(full, linears, plan.outputs)
     return full
+
+
+@dataclass(eq=False)
+class _Product:
+    """A projection's output computed with the gather, and what it was computed from."""
+
+    weight: torch.Tensor
+    versions: tuple[int, int | None]
+    bias: torch.Tensor | None
+    autocast: tuple[bool, torch.dtype | None]
+    out: torch.Tensor
+
+
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype | None]:
+    on = torch.is_autocast_enabled(device.type)
+    return on, torch.get_autocast_dtype(device.type) if on else None
+
+
+def _versions(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int | None]:
+    return (_torch_compat.version_counter(weight),
+            None if bias is None else _torch_compat.version_counter(bias))
+
+
+def _remember_products(full: torch.Tensor, linears: Sequence[tuple[torch.Tensor,
+                       torch.Tensor | None]], outs: list[torch.Tensor]) -> None:
+    state = _autocast_state(full.device)
+    _PRODUCTS.put(None, full, [_Product(w, _versions(w, b), b, state, out)
+                               for (w, b), out in zip(linears, outs, strict=True)])
+
+
+def take_precomputed(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` if the chunked gather that made ``x`` computed it.
+
+    Only for the unmodified gathered ``x``, the same unmodified ``weight`` and
+    ``bias``, and the same autocast state; each result is handed out once.
+    The result carries no autograd history: a caller that needs gradients
+    wraps it (:mod:`torchtp.layers.sequence_linear`).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    products = _PRODUCTS.get(None, x)
+    if not products:
+        return None
+    for i, p in enumerate(products):
+        if p.weight is weight and p.bias is bias:
+            del products[i]
+            if p.versions == _versions(weight, bias) \
+                    and p.autocast == _autocast_state(x.device):
+                return p.out
+            return None
+    return None
 
 
 @dataclass(eq=False)
@@ -214,9 +368,23 @@ class Regather:
     users: int = 0
     _full: torch.Tensor | None = None
     _pending: int = 0
+    _started: Finish | None = None
+
+    def start(self, shard: torch.Tensor) -> None:
+        """Start gathering ``shard`` without waiting, unless it is gathered or under way.
+
+        The backward computes the input gradient while it travels; :meth:`full`
+        waits for it.
+        """
+        if self._started is None and (self._full is None or self._full.dtype != shard.dtype):
+            self._started = _gather_start(shard, self.dim, self.group, self.length)
+            _torch_compat.at_end_of_backward(self._drop)
 
     def full(self, shard: torch.Tensor) -> torch.Tensor:
         """The full-sequence tensor ``(B, length or S*tp, d)`` gathered from ``shard``."""
+        if self._started is not None:
+            started, self._started = self._started, None
+            self._full, self._pending = started(), self.users
         if self._full is None or self._full.dtype != shard.dtype:
             self._full = _gather(shard, self.dim, self.group, self.length)
             self._pending = self.users
@@ -230,6 +398,9 @@ class Regather:
             self._drop()
 
     def _drop(self) -> None:
+        if self._started is not None:  # never read: still wait, the backend holds the buffers
+            started, self._started = self._started, None
+            started()
         self._full, self._pending = None, 0
 
 
@@ -245,11 +416,14 @@ class GatheredInput:
         shard: The shard the tensor was gathered from.
         shard_version: The shard's version counter at the gather.
         regather: Shared by the siblings in the backward.
+        shared: The siblings' input-gradient sum, reduce-scattered by the last
+            one (when their overlap is on) or by the gather's backward.
     """
 
     shard: torch.Tensor
     shard_version: int
     regather: Regather
+    shared: SharedGrad | None = None
     _casts: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     def shard_as(self, dtype: torch.dtype) -> torch.Tensor:
@@ -269,6 +443,9 @@ class GatheredInput:
 # Every live tensor gather_for_tensor_parallel returned with autograd (held
 # weakly), with what the projections fed it need.
 _GATHERED: TensorMemo[GatheredInput] = TensorMemo(last_per_group=False)
+# Every live tensor the chunked gather returned (held weakly), with the products
+# computed beside it that no projection has taken yet.
+_PRODUCTS: TensorMemo[list[_Product]] = TensorMemo(last_per_group=False)
 
 
 def gathered_source(x: torch.Tensor) -> GatheredInput | None:

@@ -262,3 +262,95 @@ def state_dict_metadata(state_dict: Any) -> dict[str, Any] | None:
     """
     meta = getattr(state_dict, "_metadata", None)
     return meta if isinstance(meta, dict) else None
+
+
+# The symmetric-memory fused ops (torch.ops.symm_mem.*) exist from torch 2.6 with the
+# signatures used below; torchtp checked them against CHECKED_TORCH (API only: no GPU).
+SYMM_MEM_SINCE = (2, 6)
+
+
+def symm_mem_gate(device_type: str, backend: str, version: tuple[int, int],
+                  autocast: bool, has_ops: bool) -> str | None:
+    """Why PyTorch's symmetric-memory fused ops cannot run, or ``None`` when they can.
+
+    The pure decision behind :func:`symm_mem_unavailable` (tested on its own).
+
+    Args:
+        device_type: The tensors' device type.
+        backend: The process group's backend name.
+        version: torch's ``(major, minor)``.
+        autocast: Autocast is on for the device (the fused op would gather the
+            cast input, not the one the layer saw).
+        has_ops: ``torch.ops.symm_mem`` has both fused ops.
+
+    Checked: torch 2.13.0 (the ops' schemas; the ops were not run, no GPU).
+    """
+    if device_type != "cuda":
+        return f"the tensors are on {device_type}, the fused ops need CUDA"
+    if backend != "nccl":
+        return f"the group's backend is {backend}, the fused ops need NCCL"
+    if version < SYMM_MEM_SINCE:
+        return (f"torch {version[0]}.{version[1]} predates the fused ops "
+                f"(torch >= {SYMM_MEM_SINCE[0]}.{SYMM_MEM_SINCE[1]})")
+    if autocast:
+        return "autocast is on (the fused all-gather would gather the cast input)"
+    if not has_ops:
+        return "torch.distributed._symmetric_memory did not register the fused ops"
+    return None
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+@functools.cache
+def _symm_mem_ops() -> bool:
+    """Import ``torch.distributed._symmetric_memory`` (it registers ``torch.ops.symm_mem``)."""
+    try:
+        import torch.distributed._symmetric_memory
+    except ImportError:
+        return False
+    ops = getattr(torch.ops, "symm_mem", None)
+    return ops is not None and all(hasattr(ops, n) for n in (
+        "fused_all_gather_matmul", "fused_matmul_reduce_scatter"))
+
+
+def symm_mem_unavailable(tensor: torch.Tensor, group: Any) -> str | None:
+    """Why the fused ops cannot run for ``tensor`` on ``group``, or ``None`` when they can.
+
+    Checked: torch 2.13.0 (the gate; the ops themselves were not run, no GPU).
+    """
+    import torch.distributed as dist
+
+    device = tensor.device.type
+    if device != "cuda":  # the common CPU case without importing anything
+        return symm_mem_gate(device, "", (0, 0), False, False)
+    return symm_mem_gate(device, str(dist.get_backend(group)), _torch_version(),
+                         torch.is_autocast_enabled(device), _symm_mem_ops())
+
+
+def fused_all_gather_matmul(shard: torch.Tensor, mats: list[torch.Tensor], dim: int,
+                            group: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``torch.ops.symm_mem.fused_all_gather_matmul``: gather ``shard`` along ``dim``, multiply.
+
+    Returns the gathered tensor and ``gathered @ m`` for each matrix ``m``
+    ``(d, out)``. Call only when :func:`symm_mem_unavailable` returned ``None``.
+    Checked: torch 2.13.0 (signature only; not run, no GPU).
+    """
+    full, outs = torch.ops.symm_mem.fused_all_gather_matmul(
+        shard, mats, dim, group.group_name, return_A=True)
+    return full, list(outs)
+
+
+def fused_matmul_reduce_scatter(x: torch.Tensor, mat: torch.Tensor, dim: int,
+                                group: Any) -> torch.Tensor:
+    """``torch.ops.symm_mem.fused_matmul_reduce_scatter``: ``x @ mat`` summed, scattered on ``dim``.
+
+    ``x`` ``(B, L, d)`` with ``L`` a multiple of the group size; returns this
+    rank's ``(B, L / tp, out)``. Call only when :func:`symm_mem_unavailable`
+    returned ``None``. Checked: torch 2.13.0 (signature only; not run, no GPU).
+    """
+    out: torch.Tensor = torch.ops.symm_mem.fused_matmul_reduce_scatter(
+        x, mat, "sum", dim, group.group_name)
+    return out

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..comm import overlap
 from ..comm.sequence_parallel import (
     gather_for_tensor_parallel,
     gather_from_sequence_shards,
@@ -164,6 +165,8 @@ class _Hooks:
         self.group = ctx.group
         self.config = config
         self.length = 0  # tokens of the current forward (set where the shards are cut)
+        # Per attention/MLP block, the weight-rows-split projections reading its input.
+        self.inputs: dict[nn.Module, list[RowParallelLinear]] = {}
 
     def check_outputs(self, _mod: nn.Module, _args: tuple, kwargs: dict) -> None:
         wanted = kwargs.get("output_hidden_states")
@@ -177,7 +180,7 @@ class _Hooks:
             return scatter_to_sequence_shards(x, self.group, SEQ_DIM)  # (B, S, d)
         return _map_hidden(args, kwargs, cut)
 
-    def gather_attention(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def gather_attention(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         # The length comes from this call's position ids, so a recomputation under
         # gradient checkpointing uses the same length as the original forward.
         positions = kwargs.get("position_ids")
@@ -185,13 +188,21 @@ class _Hooks:
             raise RuntimeError(f"{WHO}: the attention module got no position_ids tensor, so the "
                                "sequence length (to drop the shard padding) is unknown")
         length = positions.shape[-1]
-        return _map_hidden(args, kwargs, lambda x: gather_for_tensor_parallel(
-            x, self.group, SEQ_DIM, length))  # (B, T, d)
+        return _map_hidden(args, kwargs, lambda x: self._gather(mod, x, length))  # (B, T, d)
 
-    def gather_mlp(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def gather_mlp(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         # Token-wise: the padding rows may pass through (B, S*tp, d).
-        return _map_hidden(args, kwargs, lambda x: gather_for_tensor_parallel(
-            x, self.group, SEQ_DIM, None))
+        return _map_hidden(args, kwargs, lambda x: self._gather(mod, x, None))
+
+    def _gather(self, block: nn.Module, x: torch.Tensor, length: int | None) -> torch.Tensor:
+        """All-gather the block input; with the ``"sequence"`` overlap, in pieces, each
+        beside the products of the previous one with the block's input projections."""
+        layers = self.inputs.get(block, [])
+        if not layers or torch.compiler.is_compiling() \
+                or not overlap.enabled("sequence", layers[0].overlap, x.device):
+            return gather_for_tensor_parallel(x, self.group, SEQ_DIM, length)
+        return gather_for_tensor_parallel(x, self.group, SEQ_DIM, length,
+                                          [(p.weight, p.bias) for p in layers], overlap.chunks())
 
     def gather_output(self, _mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
         return gather_from_sequence_shards(out, self.group, SEQ_DIM, self.length)  # (B, T, d)
@@ -221,6 +232,7 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, ctx: ShardCont
         module = model.get_submodule(block)
         gather = hooks.gather_attention if block in sp.attentions else hooks.gather_mlp
         module.register_forward_pre_hook(gather, with_kwargs=True)
+        hooks.inputs[module] = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
         for layer in module.modules():
             if isinstance(layer, (RowParallelLinear, ColumnParallelLinear)):
                 layer.sequence_dim = SEQ_DIM

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm import overlap as _overlap
 from ..comm.regions import (
     rank_local_error,
     reduce_from_tensor_parallel_region,
@@ -16,6 +17,7 @@ from ..comm.sequence_parallel import reduce_scatter_to_sequence_shards
 from ..core.layouts import ParamLayout
 from ._base import require_group
 from ._shape import input_mismatch
+from .linear_reduce_scatter import linear_reduce_scatter
 from .parallel_linear import ParallelLinear
 
 
@@ -59,6 +61,14 @@ class ColumnParallelLinear(ParallelLinear):
             layers at once (a hand-written MoE's experts). The (replicated)
             bias is added on rank 0 only, so the later sum adds it once; its
             gradient is the full one on every rank.
+        overlap: Overlap this layer's communication with its computation
+            (:mod:`torchtp.comm.overlap`): ``True``/``False`` forces it,
+            ``None`` (default) follows ``TP_OVERLAP``, else the measured
+            default for the device. Only under sequence parallelism: the
+            product and its reduce-scatter run piece by piece along the
+            sequence, each piece's collective beside the next piece's product
+            (:mod:`torchtp.layers.linear_reduce_scatter`).
+            ``DistributedModelWrapper(overlap=...)`` sets it on every layer.
 
     Raises:
         ValueError: ``in_features`` is smaller than ``world_size`` (the
@@ -150,6 +160,13 @@ class ColumnParallelLinear(ParallelLinear):
         group = require_group(self._name, self.group, self.world_size)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
+        if self.sequence_dim is not None and not self.partial_output \
+                and not torch.compiler.is_compiling() \
+                and _overlap.enabled("sequence", self.overlap, x.device):
+            # (B, S, out): this rank's sequence shard, each piece's reduce-scatter
+            # beside the next piece's product.
+            y = linear_reduce_scatter(x, self.weight, group, self.sequence_dim, _overlap.chunks())
+            return y if self.bias is None else y.add_(self.bias)
         partial = F.linear(x, self.weight)  # (..., out), this rank's partial sum
         if self.partial_output:  # summed later, with other layers' partials
             return partial if self.bias is None else _BiasOnce.apply(

@@ -34,9 +34,13 @@ class ParallelLinear(ShardedModule, nn.Module):
         tp_layouts: ``{"weight": ..., "bias": ...}``: which slice of the full
             ``nn.Linear`` tensors this rank holds (read it with
             :func:`torchtp.layers.layouts_of`).
+        overlap: Overlap the layer's communication with its computation
+            (:mod:`torchtp.comm.overlap`); ``None`` follows ``TP_OVERLAP``,
+            else the measured default. Each subclass says what it overlaps.
     """
 
     split_dim: int = 0
+    overlap: bool | None = None
     weight: nn.Parameter
     bias: nn.Parameter | None
     group: ProcessGroup | None

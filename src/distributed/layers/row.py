@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm import overlap as _overlap
 from ..comm.regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -16,6 +17,7 @@ from ..core.errors import MissingProcessGroupError, launch_hint
 from ..core.layouts import ParamLayout
 from ._base import require_group
 from ._shape import input_mismatch
+from .linear_grad_reduce import linear_reducing_input_grad
 from .parallel_linear import ParallelLinear
 from .sequence_linear import linear_on_gathered
 
@@ -54,6 +56,15 @@ class RowParallelLinear(ParallelLinear):
             backward reduce-scatters the input gradient, so no all-reduce here;
             the weight gradient re-gathers the input from its shard instead
             of keeping it (:mod:`torchtp.layers.sequence_linear`).
+        overlap: Overlap this layer's communication with its computation
+            (:mod:`torchtp.comm.overlap`): ``True``/``False`` forces it,
+            ``None`` (default) follows ``TP_OVERLAP``, else the measured
+            default for the device. Without sequence parallelism the backward
+            starts the input-gradient all-reduce, computes the weight
+            gradient meanwhile, then waits
+            (:mod:`torchtp.layers.linear_grad_reduce`); with it, the backward
+            re-gathers the input shard while it computes the input gradient.
+            ``DistributedModelWrapper(overlap=...)`` sets it on every layer.
 
     Raises:
         ValueError: ``out_features`` is smaller than ``world_size`` (the
@@ -136,18 +147,24 @@ class RowParallelLinear(ParallelLinear):
             mismatch = input_mismatch(self, x, self.in_features)
             # Other ranks may be fine and already waiting in the collective: tell them.
             raise rank_local_error(self.group, mismatch)  # type: ignore[arg-type]
-        # With sequence parallelism the gather before us reduce-scatters the input gradient.
-        if self.group is not None and self.sequence_dim is None:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        elif self.group is None and x.requires_grad:
+        if self.group is None and x.requires_grad:
             raise MissingProcessGroupError(
                 f"{self._name()}: the input gradient needs an all-reduce across "
                 f"world_size={self.world_size} ranks but no process group is running; "
                 f"{launch_hint(self.world_size)} (or run under torch.no_grad())")
-        if self.sequence_dim is None:
+        if self.sequence_dim is not None:
+            # The gather before us reduce-scatters the input gradient; this saves the
+            # sequence shard x was gathered from, not x.
+            y = linear_on_gathered(x, self.weight, self.bias, self.overlap)  # (B, T, out/tp)
+        elif self.group is not None and x.requires_grad and torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling() \
+                and _overlap.enabled("grad_reduce", self.overlap, x.device):
+            # The input-gradient all-reduce runs beside the weight gradient.
+            y = linear_reducing_input_grad(x, self.weight, self.bias, self.group)  # (..., out/tp)
+        else:
+            if self.group is not None:
+                x = copy_to_tensor_parallel_region(x, self.group)
             y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
-        else:  # saves the sequence shard x was gathered from, not x
-            y = linear_on_gathered(x, self.weight, self.bias)  # (B, T, out/tp)
         if self.gather_output:
             group = require_group(self._name, self.group, self.world_size)
             y = gather_from_tensor_parallel_region(y, group, -1, self.out_features)  # (..., out)

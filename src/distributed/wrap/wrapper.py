@@ -15,6 +15,7 @@ from ..checkpoint.load import from_pretrained
 from ..checkpoint.param_count import parameter_summary
 from ..checkpoint.save_pretrained import save_pretrained
 from ..checkpoint.save_sharded import save_sharded
+from ..comm import overlap as overlap_switch
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_group
 from ..core.torch_compat import registered_child
 from ..guards import checks, forward_guard, hooks, step_check
@@ -27,6 +28,7 @@ from ..integrations.adapter_hosts import (
 from ..integrations.guards import guard_frameworks
 from ..layers.ddp_guard import check_fsdp
 from ..layers.expert_dispatch import Dispatch
+from ..layers.parallel_linear import ParallelLinear
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.resolve import AUTO, PlanArg
 from ..training import rng
@@ -92,6 +94,15 @@ class DistributedModelWrapper(nn.Module):
             experts' ranks and back, ``"all_reduce"`` has every rank run its
             experts on every token routed to them; ``"auto"`` picks per call
             by the cost model (``torchtp.costmodel.expert_dispatch_times``).
+        overlap: Overlap communication with computation in every split Linear
+            (docs/performance.md): the backward of the weight-rows-split
+            projections all-reduces the input gradient while it computes the
+            weight gradient, and under sequence parallelism the block input's
+            all-gather and output's reduce-scatter run in pieces beside the
+            projections' products. ``True``/``False`` forces both on/off;
+            ``None`` (default) follows the ``TP_OVERLAP`` environment variable,
+            else the measured default per device (``torchtp.comm.overlap.AUTO``).
+            Outputs and gradients are the same either way.
 
     Attributes:
         base_model: The parallelized model.
@@ -115,6 +126,7 @@ class DistributedModelWrapper(nn.Module):
         example_inputs: object = None, *,
         loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
         expert_parallel: bool | int | None = None, expert_dispatch: Dispatch = "auto",
+        overlap: bool | None = None,
     ) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -134,7 +146,9 @@ class DistributedModelWrapper(nn.Module):
                 detached = detach_adapters(model)
             resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan)
             period = {f"{step_check.ENV} (optimizer-step check period)":
-                      step_check.period_from_env()} if ctx.world_size > 1 else {}
+                      step_check.period_from_env(),
+                      f"overlap (overlap= or {overlap_switch.ENV})":
+                      overlap_switch.describe(overlap)} if ctx.world_size > 1 else {}
             fingerprint = checks.before_slicing(model, resolved, ctx, flags, period)
         except Exception as err:
             # Any rank-local error (e.g. a plan file missing on one node), not only
@@ -151,6 +165,7 @@ class DistributedModelWrapper(nn.Module):
             # digest of it (shard_identity.origin), computed when a state dict is taken.
             self.__dict__["_wrap_fingerprint"] = fingerprint
             self.parallelized_layers = tp_step.apply(model, resolved, ctx, options)
+            set_overlap(model, overlap)
             self.loss_parallel = loss_parallel
             self.sequence_parallel = options.sequence is not None
             guard_frameworks(self)  # HF model methods; accelerate's and Lightning's DDP
@@ -380,3 +395,10 @@ def _experts_option(asked: bool | int | None, group: ProcessGroup | None
     if cfg.ep_size > 1 and group is cfg.group:
         return (True if cfg.ep_size == cfg.world_size else cfg.ep_size), False
     return False, True
+
+
+def set_overlap(model: nn.Module, overlap: bool | None) -> None:
+    """Set the ``overlap`` attribute of every split Linear of ``model`` (see :mod:`torchtp.comm.overlap`)."""
+    for module in model.modules():
+        if isinstance(module, ParallelLinear):
+            module.overlap = overlap
