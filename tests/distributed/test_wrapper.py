@@ -283,3 +283,32 @@ def test_tp1_plan_resolved_after_peft_sees_the_base_layers():
     wrapped = DistributedModelWrapper(build("llama"))
     get_peft_model(wrapped.base_model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     assert "q_proj" in wrapped.describe_plan()  # planned on the base Linears under the LoRA layers
+
+
+def _wrap_on_a_subgroup_then_the_world(rank: int, world_size: int) -> list[float]:
+    import torch.distributed as dist
+
+    from torchtp.training import rng
+
+    pair = dist.new_group([0, 1])  # every rank creates it; only 0 and 1 wrap on it first
+    if rank < 2:
+        first = mlp()
+        torch.manual_seed(rank)  # different generators: the sync must make them agree
+        DistributedModelWrapper(first, group=pair)
+    second = mlp()
+    torch.manual_seed(10 + rank)
+    DistributedModelWrapper(second, group=dist.group.WORLD)
+    saved = torch.get_rng_state()
+    assert rng._TRACKER.shared is not None
+    torch.set_rng_state(rng._TRACKER.shared[0])
+    draw = float(torch.rand(()))
+    torch.set_rng_state(saved)
+    return [draw]
+
+
+def test_a_second_wrap_over_a_larger_group_does_not_hang_and_shares_one_stream(ranks):
+    # Ranks 0 and 1 started their RNG streams in a first wrap; the second wrap's sync is a
+    # collective on all four (it used to skip it on 0 and 1, leaving 2 and 3 waiting), and
+    # 2 and 3 take the started ranks' shared stream.
+    out = ranks(_wrap_on_a_subgroup_then_the_world, 4, timeout=120)
+    assert len({tuple(o) for o in out}) == 1

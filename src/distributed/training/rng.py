@@ -91,15 +91,26 @@ def manual_seed(seed: int, stage: int | None = None) -> None:
 
 
 def sync(group: ProcessGroup | None) -> None:
-    """Start the streams from TP rank 0's generator state unless :func:`manual_seed` ran.
+    """Start the streams from a common generator state unless this rank has them already.
 
-    Collective over ``group`` (one broadcast), called by the wrapper.
+    Collective over ``group`` on **every** call (one object gather), called by
+    the wrapper: a rank that wrapped another model before (its streams
+    started, or :func:`manual_seed` ran) still takes part, so a second wrap
+    over a group mixing such ranks with new ones cannot leave the new ones
+    waiting. Ranks without streams take the first started rank's shared
+    stream (TP rank 0's generator when none started) and a local stream
+    seeded from that rank's seed and their own TP rank.
     """
-    if _TRACKER.shared is not None:
+    started = _TRACKER.shared is not None
+    seed = torch.initial_seed()
+    state = _TRACKER.shared if started else _get_state()
+    assert state is not None
+    if group is not None and group_size(group) > 1:
+        everyone = all_gather_object((started, seed, state), group, "the RNG sync")
+        seed, state = next(((s, st) for ok, s, st in everyone if ok),
+                           (everyone[0][1], everyone[0][2]))
+    if started:
         return
-    seed, state = torch.initial_seed(), _get_state()
-    if group is not None and group_size(group) > 1:  # TP rank 0's (object gathers are held)
-        seed, state = all_gather_object((seed, state), group, "the RNG sync")[0]
     _TRACKER.shared = (state[0].clone(), None if state[1] is None else state[1].clone())
     _TRACKER.local = _seeded(seed + LOCAL_OFFSET + group_rank(group))
 
