@@ -150,7 +150,11 @@ def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: R
     shapes = shapes_from_trace(trace, tokens)
     candidates = [Candidate(rules, i) for i, rules in enumerate(sources)]
     for c in candidates:
-        _cost(model, c, ctx, resolve, shapes, hw, mode, budget)
+        unfit = _cost(model, c, ctx, resolve, shapes, hw, mode, budget)
+        if unfit is not None and c.order == 0 and len(candidates) > 1:
+            # The model's own (or built-in) plan says which tp sizes it splits at:
+            # more ranks than heads is the caller's mistake, not a reason to fall back.
+            raise unfit
     alive = [c for c in candidates if c.cost is not None]
     if not alive:  # the automatic plan always plans; kept for sources that all fail
         raise ValueError(f"{ctx.model_name}: no candidate plan can be planned at world_size="
@@ -162,17 +166,29 @@ def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: R
 
 
 def _cost(model: nn.Module, c: Candidate, ctx: ShardContext, resolve: Resolve, shapes: Shapes,
-          hw: Hardware, mode: str, budget: int | None) -> None:
-    """Resolve, check and cost one candidate, deciding its lone layers."""
+          hw: Hardware, mode: str, budget: int | None) -> ValueError | None:
+    """Resolve, check and cost one candidate, deciding its lone layers.
+
+    Returns:
+        The error when the candidate does not split at this tp size (it is then discarded).
+    """
     try:
         plan = resolve(c.rules)
         if plan.problems:
             raise plan.problems[0]
-        check(plan.constraints, ctx.world_size, ctx.model_name)
-        check_ties(model, plan, ctx)
     except (TypeError, ValueError) as err:
         c.verdict = f"discarded: {err}"
-        return
+        return None
+    try:
+        check(plan.constraints, ctx.world_size, ctx.model_name)
+    except ValueError as err:
+        c.verdict = f"discarded: {err}"
+        return err
+    try:
+        check_ties(model, plan, ctx)
+    except ValueError as err:
+        c.verdict = f"discarded: {err}"
+        return None
     c.written = plan_cost(model, plan, ctx.world_size, shapes, hw)
     _decide_lone(model, c, plan, ctx, shapes, hw, mode, budget)
     c.plan, c.cost = plan, plan_cost(model, plan, ctx.world_size, shapes, hw)
@@ -183,6 +199,7 @@ def _cost(model: nn.Module, c: Candidate, ctx: ShardContext, resolve: Resolve, s
     if c.replicated:
         c.verdict += (f"{len(c.replicated)} layer(s) split alone kept whole by cost (e.g. "
                       f"'{next(iter(c.replicated))}'); ")
+    return None
 
 
 def _units(model: nn.Module, plan: ResolvedPlan) -> list[list[str]]:
@@ -342,7 +359,9 @@ def _as_rules(winner: Candidate, choice: Choice) -> Rules:
         found = next((p for p in styles if fnmatch.fnmatchcase(name, p)), None)
         if found is not None and text not in why.get(found, ""):
             why[found] = f"{why.get(found, f'rule {found!r}')}; {text}"
-    notes = [n for n in rules.notes if not any(n.startswith(f"'{x}' ") for x in names)]
+    # The automatic plan's proposal to split them alone no longer holds.
+    notes = [n for n in rules.notes
+             if not any(n.startswith(f"'{x}' has no partner Linear") for x in names)]
     notes += [f"'{n}' {winner.replicated[n].removeprefix('cost: ')}" for n in sorted(names)]
     return Rules(rules.source, {**overrides, **styles}, notes, why, rules.heads, rules.trace,
                  choice)
