@@ -46,7 +46,7 @@ def register(sub: Any) -> None:
     p.add_argument("path", help="HuggingFace model directory or its config.json")
     p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's, else float32)")
-    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|auto-memory|builtin|FILE", help=PLAN_HELP)
     add_expert_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
@@ -88,7 +88,8 @@ def analyze(path: str, tp: int, dtype_name: str | None = None, plan: str | None 
             "param_bytes_by_rank": by_rank,
             "collectives_per_forward": dict(collectives),
             "blockers": list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", b) for b in blockers)),
-            "valid_tp_sizes": valid_tp_sizes(resolved.constraints), "notes": resolved.notes}
+            "valid_tp_sizes": valid_tp_sizes(resolved.constraints), "notes": resolved.notes,
+            "choice": resolved.choice.lines() if resolved.choice is not None else []}
 
 
 def _layers(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext
@@ -176,6 +177,7 @@ def render(report: dict[str, Any]) -> str:
            "collectives per forward: " + (", ".join(
                f"{n} x {op}" for op, n in report["collectives_per_forward"].items()) or "none"),
            f"valid tp sizes for this model: {report['valid_tp_sizes']}"]
+    out += report["choice"]
     out += [f"note: {n}" for n in report["notes"]]
     if report["blockers"]:
         out.append(f"BLOCKERS at tp={report['tp']} ({len(report['blockers'])}):")

@@ -130,7 +130,8 @@ Resolve = Callable[[Rules], ResolvedPlan]
 
 
 def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: Resolve,
-           hw: Hardware, tokens: int, mode: str = FASTEST, budget: int | None = None) -> Rules:
+           hw: Hardware, tokens: int, mode: str = FASTEST, budget: int | None = None,
+           strict: bool = True) -> Rules:
     """The rules of the cheapest candidate, with its lone layers decided (module docstring).
 
     Args:
@@ -142,9 +143,13 @@ def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: R
         tokens: Rows per module when no candidate recorded a probe forward.
         mode: ``"fastest"`` or ``"memory"`` (``plan="auto-memory"``).
         budget: Parameter bytes per rank the plan must fit (``max_memory_per_rank``).
+        strict: ``False``: when the first source does not split at this tp size,
+            return its rules as they are (``torchtp plan`` lists every blocker).
 
     Raises:
-        ValueError: a budget no candidate fits.
+        ValueError: the first source (the model's own plan, or the built-in
+            one) does not split at this tp size (it decides the valid sizes),
+            or a budget no candidate fits.
     """
     trace = next((r.trace for r in sources if r.trace is not None), None)
     shapes = shapes_from_trace(trace, tokens)
@@ -154,7 +159,9 @@ def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: R
         if unfit is not None and c.order == 0 and len(candidates) > 1:
             # The model's own (or built-in) plan says which tp sizes it splits at:
             # more ranks than heads is the caller's mistake, not a reason to fall back.
-            raise unfit
+            if strict:
+                raise unfit
+            return c.rules
     alive = [c for c in candidates if c.cost is not None]
     if not alive:  # the automatic plan always plans; kept for sources that all fail
         raise ValueError(f"{ctx.model_name}: no candidate plan can be planned at world_size="

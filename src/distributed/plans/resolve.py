@@ -83,7 +83,8 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             parameter split two ways, a user plan's attention split that the
             probe does not confirm, or a plan that does not fit ``max_memory``.
     """
-    rules = pick_rules(model, plan, ctx, example_inputs, verify=verify, max_memory=max_memory)
+    rules = pick_rules(model, plan, ctx, example_inputs, verify=verify, max_memory=max_memory,
+                       strict=strict)
     resolved = _matched(model, rules, ctx, example_inputs, verify)
     if adjust is not None:
         adjust(model, resolved, ctx)
@@ -141,8 +142,12 @@ def _check_memory(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext,
 
 def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
                example_inputs: object = None, *, verify: bool = True,
-               max_memory: int | None = None) -> Rules:
-    """The rules for ``model``: the explicit plan, else the candidate chosen by cost."""
+               max_memory: int | None = None, strict: bool = True) -> Rules:
+    """The rules for ``model``: the explicit plan, else the candidate chosen by cost.
+
+    Raises:
+        ValueError: as :func:`torchtp.plans.choose.choose` (``strict`` passed on).
+    """
     memory = plan == "auto-memory"
     if plan in AUTO:
         plan = None
@@ -156,7 +161,7 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
     if family is None:
         inner = inner_model(model)
         if inner is not None:
-            return _inside(*inner, ctx, memory, verify, max_memory)
+            return _inside(*inner, ctx, memory, verify, max_memory, strict)
         sources = [auto_plan(model, ctx, example_inputs, memory)]
         probe = example_inputs
     else:
@@ -170,14 +175,14 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
         return resolved
 
     return choose(model, sources, ctx, resolve, hardware_for(model, ctx.group),
-                  probe_tokens(probe), MEMORY if memory else FASTEST, max_memory)
+                  probe_tokens(probe), MEMORY if memory else FASTEST, max_memory, strict)
 
 
 def _inside(prefix: str, inner: nn.Module, ctx: ShardContext, memory: bool, verify: bool,
-            max_memory: int | None) -> Rules:
+            max_memory: int | None, strict: bool) -> Rules:
     """The rules of the model inside a host (a PEFT model), under the host's module names."""
     own = pick_rules(inner, "auto-memory" if memory else None, ctx, verify=verify,
-                     max_memory=max_memory)
+                     max_memory=max_memory, strict=strict)
     return Rules(f"{own.source}, under '{prefix}'",
                  {f"{prefix}.{pattern}": style for pattern, style in own.rules.items()},
                  list(own.notes), {f"{prefix}.{k}": why for k, why in own.why.items()},

@@ -6,17 +6,23 @@ import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .constraints import Constraint, valid_tp_sizes
 from .styles import LayerPlan, ParallelStyle
 
 if TYPE_CHECKING:
-    from .choose import Choice
     from .dataflow import Trace
     from .heads import HeadInfo
 
 Plan = Mapping[str, "str | ParallelStyle"]
+
+
+class Choice(Protocol):
+    """How a plan was chosen by cost (:class:`torchtp.plans.choose.Choice`)."""
+
+    def lines(self) -> list[str]:
+        """The comparison as text, for ``describe_plan()``."""
 
 
 @dataclass
