@@ -33,7 +33,8 @@ HELP = "show the TP plan, per-rank memory and blockers (meta device, no weights 
 EXAMPLES = """examples:
   torchtp plan ./Llama-3.2-1B --tp 2
   torchtp plan ./Llama-3.2-1B/config.json --tp 4 --json
-  torchtp plan ./Phi-3-mini --tp 2 --plan builtin     # torchtp's packed plan instead of HF's
+  torchtp plan ./Phi-3-mini --tp 2 --plan builtin     # torchtp's packed plan, as written
+  torchtp plan ./Llama-3.2-1B --tp 2 --plan auto-memory   # the least memory per rank
   torchtp plan ./Mixtral-8x7B --tp 8 --expert-parallel 4   # experts over 4 x features over 2
 exit status: 0 when the model splits at --tp, 1 when there are blockers, 2 on bad input
 """
@@ -46,7 +47,8 @@ def register(sub: Any) -> None:
     p.add_argument("path", help="HuggingFace model directory or its config.json")
     p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's, else float32)")
-    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|auto-memory|builtin|FILE", help=PLAN_HELP)
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|auto-memory|builtin|FILE",
+                   help=PLAN_HELP)
     add_expert_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
