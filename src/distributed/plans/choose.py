@@ -130,8 +130,7 @@ Resolve = Callable[[Rules], ResolvedPlan]
 
 
 def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: Resolve,
-           hw: Hardware, tokens: int, mode: str = FASTEST, budget: int | None = None,
-           strict: bool = True) -> Rules:
+           hw: Hardware, tokens: int, mode: str = FASTEST, budget: int | None = None) -> Rules:
     """The rules of the cheapest candidate, with its lone layers decided (module docstring).
 
     Args:
@@ -143,24 +142,26 @@ def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: R
         tokens: Rows per module when no candidate recorded a probe forward.
         mode: ``"fastest"`` or ``"memory"`` (``plan="auto-memory"``).
         budget: Parameter bytes per rank the plan must fit (``max_memory_per_rank``).
-        strict: ``False``: when the first source does not split at this tp size,
-            return its rules as they are (``torchtp plan`` lists every blocker).
+
+    Returns:
+        The winner's rules; the first source's rules unchanged when they cannot
+        be planned (the model's own or built-in plan decides the valid tp sizes
+        and what must split: the wrapper's checks then raise naming the problem).
 
     Raises:
-        ValueError: the first source (the model's own plan, or the built-in
-            one) does not split at this tp size (it decides the valid sizes),
-            or a budget no candidate fits.
+        ValueError: a budget no candidate fits.
     """
     trace = next((r.trace for r in sources if r.trace is not None), None)
     shapes = shapes_from_trace(trace, tokens)
     candidates = [Candidate(rules, i) for i, rules in enumerate(sources)]
     for c in candidates:
-        unfit = _cost(model, c, ctx, resolve, shapes, hw, mode, budget)
-        if unfit is not None and c.order == 0 and len(candidates) > 1:
-            # The model's own (or built-in) plan says which tp sizes it splits at:
-            # more ranks than heads is the caller's mistake, not a reason to fall back.
-            if strict:
-                raise unfit
+        _cost(model, c, ctx, resolve, shapes, hw, mode, budget)
+        if c.cost is None and c.order == 0 and len(candidates) > 1:
+            # The model's own (or built-in) plan cannot be planned as written (more
+            # ranks than heads, a style torchtp cannot honour for a module): the
+            # caller's to fix, not a reason to replicate what it splits. Its rules go
+            # on as given, to fail the wrapper's checks (after the options' own, as
+            # for any plan) or to list the blockers (torchtp plan).
             return c.rules
     alive = [c for c in candidates if c.cost is not None]
     if not alive:  # the automatic plan always plans; kept for sources that all fail
@@ -173,29 +174,17 @@ def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: R
 
 
 def _cost(model: nn.Module, c: Candidate, ctx: ShardContext, resolve: Resolve, shapes: Shapes,
-          hw: Hardware, mode: str, budget: int | None) -> ValueError | None:
-    """Resolve, check and cost one candidate, deciding its lone layers.
-
-    Returns:
-        The error when the candidate does not split at this tp size (it is then discarded).
-    """
+          hw: Hardware, mode: str, budget: int | None) -> None:
+    """Resolve, check and cost one candidate, deciding its lone layers (or discard it)."""
     try:
         plan = resolve(c.rules)
         if plan.problems:
             raise plan.problems[0]
+        check(plan.constraints, ctx.world_size, ctx.model_name)
+        check_ties(model, plan, ctx)
     except (TypeError, ValueError) as err:
         c.verdict = f"discarded: {err}"
-        return None
-    try:
-        check(plan.constraints, ctx.world_size, ctx.model_name)
-    except ValueError as err:
-        c.verdict = f"discarded: {err}"
-        return err
-    try:
-        check_ties(model, plan, ctx)
-    except ValueError as err:
-        c.verdict = f"discarded: {err}"
-        return None
+        return
     c.written = plan_cost(model, plan, ctx.world_size, shapes, hw)
     _decide_lone(model, c, plan, ctx, shapes, hw, mode, budget)
     c.plan, c.cost = plan, plan_cost(model, plan, ctx.world_size, shapes, hw)
@@ -206,7 +195,6 @@ def _cost(model: nn.Module, c: Candidate, ctx: ShardContext, resolve: Resolve, s
     if c.replicated:
         c.verdict += (f"{len(c.replicated)} layer(s) split alone kept whole by cost (e.g. "
                       f"'{next(iter(c.replicated))}'); ")
-    return None
 
 
 def _units(model: nn.Module, plan: ResolvedPlan) -> list[list[str]]:

@@ -83,8 +83,7 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             parameter split two ways, a user plan's attention split that the
             probe does not confirm, or a plan that does not fit ``max_memory``.
     """
-    rules = pick_rules(model, plan, ctx, example_inputs, verify=verify, max_memory=max_memory,
-                       strict=strict)
+    rules = pick_rules(model, plan, ctx, example_inputs, verify=verify, max_memory=max_memory)
     resolved = _matched(model, rules, ctx, example_inputs, verify)
     if adjust is not None:
         adjust(model, resolved, ctx)
@@ -142,11 +141,11 @@ def _check_memory(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext,
 
 def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
                example_inputs: object = None, *, verify: bool = True,
-               max_memory: int | None = None, strict: bool = True) -> Rules:
+               max_memory: int | None = None) -> Rules:
     """The rules for ``model``: the explicit plan, else the candidate chosen by cost.
 
     Raises:
-        ValueError: as :func:`torchtp.plans.choose.choose` (``strict`` passed on).
+        ValueError: as :func:`torchtp.plans.choose.choose`.
     """
     memory = plan == "auto-memory"
     if plan in AUTO:
@@ -161,7 +160,7 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
     if family is None:
         inner = inner_model(model)
         if inner is not None:
-            return _inside(*inner, ctx, memory, verify, max_memory, strict)
+            return _inside(*inner, ctx, memory, verify, max_memory)
         sources = [auto_plan(model, ctx, example_inputs, memory)]
         probe = example_inputs
     else:
@@ -175,14 +174,14 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
         return resolved
 
     return choose(model, sources, ctx, resolve, hardware_for(model, ctx.group),
-                  probe_tokens(probe), MEMORY if memory else FASTEST, max_memory, strict)
+                  probe_tokens(probe), MEMORY if memory else FASTEST, max_memory)
 
 
 def _inside(prefix: str, inner: nn.Module, ctx: ShardContext, memory: bool, verify: bool,
-            max_memory: int | None, strict: bool) -> Rules:
+            max_memory: int | None) -> Rules:
     """The rules of the model inside a host (a PEFT model), under the host's module names."""
     own = pick_rules(inner, "auto-memory" if memory else None, ctx, verify=verify,
-                     max_memory=max_memory, strict=strict)
+                     max_memory=max_memory)
     return Rules(f"{own.source}, under '{prefix}'",
                  {f"{prefix}.{pattern}": style for pattern, style in own.rules.items()},
                  list(own.notes), {f"{prefix}.{k}": why for k, why in own.why.items()},
