@@ -292,7 +292,7 @@ def _select(alive: list[Candidate], mode: str, budget: int | None,
                 f"{ctx.model_name}: no plan fits max_memory_per_rank={budget} bytes "
                 f"({size_text(budget)}) at world_size={ctx.world_size}: the leanest, "
                 f"{lean.rules.source}, holds {least} bytes ({size_text(least)}) of parameters "
-                "per rank with every layer it can split split; raise the budget, use more "
+                "per rank, every layer it splits alone split too; raise the budget, use more "
                 "ranks, or pass plan= to split more")
     else:
         limit = costs[id(lean)].memory * (1 + MEMORY_SLACK)
