@@ -4,8 +4,9 @@ For a ``transformers.PreTrainedModel`` the candidate plans are the model's own
 ``tp_plan`` (:mod:`~torchtp.hf.plan_source`), torchtp's built-in plan for its
 ``model_type`` (:mod:`~torchtp.hf.builtin`) and the automatic plan on the
 model's dummy inputs (:mod:`~torchtp.hf.probe_inputs`) with head counts from
-its text config; :mod:`torchtp.plans.choose` picks one by cost. Attention modules that read ``self.config`` get a per-module
-copy with their local head counts (:mod:`~torchtp.hf.config_view`).
+its text config; :mod:`torchtp.plans.choose` picks one by cost. Attention
+modules that read ``self.config`` get a per-module copy with their local head
+counts (:mod:`~torchtp.hf.config_view`).
 """
 
 from __future__ import annotations

@@ -166,7 +166,13 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
     else:
         probe = family.probe_inputs(model) if example_inputs is None else example_inputs
         sources = [r for r in (family.own_rules(model), family.builtin_rules(model)) if r]
-        sources.append(auto_plan(model, ctx, probe, memory, family.head_config(model)))
+        try:
+            sources.append(auto_plan(model, ctx, probe, memory, family.head_config(model)))
+        except Exception as err:  # a model the automatic plan cannot handle: not a candidate
+            if not sources:
+                raise
+            logger.info("torchtp: the automatic plan is not a candidate for %s (%s: %s)",
+                        ctx.model_name, type(err).__name__, err)
 
     def resolve(rules: Rules) -> ResolvedPlan:
         resolved = _matched(model, rules, ctx, example_inputs, verify)
