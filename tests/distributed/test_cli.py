@@ -122,7 +122,8 @@ def test_plan_shows_per_rank_sizes_when_tp_does_not_divide(capsys, tiny_config):
     (["bench", "{bad}", "--tp", "2"], "cannot read model config"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["plan", "meta-llama/Llama-3.2-1B", "--tp", "2"], "looks like a Hub id: nothing is downloaded"),
-    (["plan", "{cfg}", "--tp", "2", "--plan", "nofile.yaml"], "expected auto, auto-memory, builtin or a plan file"),
+    (["plan", "{cfg}", "--tp", "2", "--plan", "nofile.yaml"],
+     "expected auto, auto-memory, builtin or a plan file"),
     (["verify", "{cfg}", "--tp", "9"], "tp=9 cannot split"),
     (["bench", "{cfg}", "--tp", "9"], "valid tp sizes: [1, 2, 3, 4, 5, 6, 7, 8]"),
 ])

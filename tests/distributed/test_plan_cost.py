@@ -9,7 +9,6 @@ two blocks, a 10-class head), a 2-layer Phi-3 (fused ``qkv_proj`` /
 from __future__ import annotations
 
 import pytest
-import torch
 
 import torchtp
 
