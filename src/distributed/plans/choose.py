@@ -7,10 +7,14 @@ the automatic plan (every model). Each is resolved as the wrapper would
 resolve it (rules matched, attention split by whole heads, every attention
 split confirmed by the probe of :mod:`torchtp.plans.verify`). A candidate that
 cannot be planned at this tp (a style that does not fit the module or the tp
-size, a tied parameter split two ways) is discarded with the reason; an
-attention split the probe does not confirm stays replicated, and the
-candidate competes without it (the reason is shown). The chooser never
-replicates a pair's block: splitting them is what the candidates decide.
+size, a tied parameter split two ways) is discarded with the reason, except
+the first source (the model's own plan, else the built-in one, else the
+automatic plan): its rules then go on unchanged, so the wrapper raises what it
+always raised (more ranks than heads, a style torchtp refuses) instead of
+replicating what the model's authors split. An attention split the probe does
+not confirm stays replicated, and the candidate competes without it (the
+reason is shown). The chooser never replicates a pair's block: splitting them
+is what the candidates decide.
 
 **Lone layers.** A module split on its own (a head split and gathered, an
 input-split Linear, an embedding split by vocabulary or features) costs its
@@ -156,18 +160,14 @@ def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: R
     candidates = [Candidate(rules, i) for i, rules in enumerate(sources)]
     for c in candidates:
         _cost(model, c, ctx, resolve, shapes, hw, mode, budget)
-        if c.cost is None and c.order == 0 and len(candidates) > 1:
+        if c.cost is None and c.order == 0:
             # The model's own (or built-in) plan cannot be planned as written (more
             # ranks than heads, a style torchtp cannot honour for a module): the
             # caller's to fix, not a reason to replicate what it splits. Its rules go
             # on as given, to fail the wrapper's checks (after the options' own, as
             # for any plan) or to list the blockers (torchtp plan).
             return c.rules
-    alive = [c for c in candidates if c.cost is not None]
-    if not alive:  # the automatic plan always plans; kept for sources that all fail
-        raise ValueError(f"{ctx.model_name}: no candidate plan can be planned at world_size="
-                         f"{ctx.world_size}: " + "; ".join(f"{c.rules.source}: {c.verdict}"
-                                                           for c in candidates))
+    alive = [c for c in candidates if c.cost is not None]  # the first one at least
     winner, rule = _select(alive, mode, budget, ctx)
     choice = Choice(hw.name, rule, candidates)
     return _as_rules(winner, choice)
