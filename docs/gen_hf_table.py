@@ -22,16 +22,16 @@ def table() -> str:
     import torchtp
     from tests.distributed._hf_models import GENERATES, build
     from tests.distributed.test_hf_more_archs import SOURCES
-    from tests.distributed.test_hf_models import ARCHS, EXPECTED_COLLECTIVES
+    from tests.distributed.test_hf_models import ARCHS, CHOSEN
 
-    rows = ["| architecture (test config) | model class | plan source | styles | "
+    rows = ["| architecture (test config) | model class | plan source (chosen by cost) | styles | "
             "collectives per forward (2 layers) | checked at tp 2 and 4 |",
             "|---|---|---|---|---|---|"]
     for arch in ARCHS:
         wrapped = torchtp.DistributedModelWrapper(build(arch), world_size=2, rank=0)
         plan = wrapped.resolved_plan
         styles = ", ".join(sorted(set(plan.rules.values())))
-        counts = ", ".join(f"{n} {op}" for op, n in sorted(EXPECTED_COLLECTIVES[arch].items()))
+        counts = ", ".join(f"{n} {op}" for op, n in sorted(CHOSEN[arch].items()))
         checks = "logits, grads, 2 SGD steps" + (", greedy generate" if arch in GENERATES else "")
         rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
                     f"{styles} | {counts} | {checks} |")
@@ -43,7 +43,10 @@ def table() -> str:
         wrapped = torchtp.DistributedModelWrapper(build(arch), world_size=4, rank=0)
         plan = wrapped.resolved_plan
         notes = "; ".join(dict.fromkeys(  # what stays replicated, once per layer pattern
-            re.sub(r"\.\d+\.", ".*.", n) for n in plan.notes if "kept replicated" in n)) or "-"
+            re.sub(r"kept replicated: splitting it alone .*", "kept replicated by cost "
+                   "(split alone it saves less than its collectives cost)",
+                   re.sub(r"\.\d+\.", ".*.", n))
+            for n in plan.notes if "kept replicated" in n)) or "-"
         rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
                     f"{len(wrapped.parallelized_layers)} | {notes} |")
     return "\n".join(rows)

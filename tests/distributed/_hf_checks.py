@@ -110,11 +110,11 @@ def check_arch(rank: int, world_size: int, arch: str, steps: int, unplanned: boo
 
 
 def check_archs(rank: int, world_size: int, archs: list[str], steps: int,
-                unplanned: bool = False) -> dict[str, dict]:
+                unplanned: bool = False, plan: object = None) -> dict[str, dict]:
     results = {}
     for arch in archs:
         try:
-            results[arch] = check_arch(rank, world_size, arch, steps, unplanned)
+            results[arch] = check_arch(rank, world_size, arch, steps, unplanned, plan)
         except Exception as err:  # name what failed where: make compat runs new releases
             raise AssertionError(f"{arch} at tp {world_size} is wrong on {versions()}: {err}") from err
     return results

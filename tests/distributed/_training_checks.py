@@ -78,7 +78,7 @@ def _misuse() -> list[str]:
     msgs.append(_raises(lambda: DDP(_Outer(torchtp.DistributedModelWrapper(build("llama")))),
                         r"DistributedDataParallel over ranks \[0, 1, 2, 3\] mixes tensor-parallel "
                         r"peers \[\d, \d\] \(which hold different shards of _Outer, e\.g\. "
-                        r"'inner\.base_model\.model\.embed_tokens\.weight' of full shape "
+                        r"'inner\.base_model\.model\.layers\.0\.self_attn\.q_proj\.weight' of full shape "
                         r"\[\d+, \d+\] split along dim \d \((rows|columns)\) over tp=2\)"))
     world = init_device_mesh("cpu", (4,))
     sharded = fully_shard(torchtp.DistributedModelWrapper(build("llama")), mesh=world)
@@ -214,7 +214,7 @@ def _ddp_placements(ref: nn.Module, ref_losses: list[float], ref_norms: list[flo
     for _ in range(2):  # at every forward, not only the first
         with pytest.raises(ValueError, match=r"DistributedDataParallel around MistralForCausalLM "
                            r"was built before MistralForCausalLM was made tensor-parallel .*: "
-                           r"its reducer does not hold 'model\.embed_tokens\.weight', so DDP "
+                           r"its reducer does not hold 'model\.layers\.0\.self_attn\.q_proj\.weight', so DDP "
                            r"would never average it\. Build DDP after "
                            r"DistributedModelWrapper\(model\)"):
             early(input_ids=_batch())

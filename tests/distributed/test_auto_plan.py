@@ -20,6 +20,11 @@ MEGATRON = {"mlp": {"all_reduce": 1}, "titan": {"all_reduce": 4, "all_gather": 1
             "vit": {"all_reduce": 4, "all_gather": 1}, "nanogpt": {"all_reduce": 2},
             "toy": {"all_reduce": 4, "all_gather": 1},
             "sequential": {"all_reduce": 1}}
+# torchtp's choice: the same pairs; the small untied heads (64-token vocabularies,
+# 16 classes) stay whole, since splitting them alone saves a few KiB per rank and
+# costs an all-gather forward and an all-reduce backward (torchtp.plans.choose).
+AUTO = {**MEGATRON, "titan": {"all_reduce": 4}, "vit": {"all_reduce": 4},
+        "toy": {"all_reduce": 4}}
 
 
 def _step_counts(kind: str, model: nn.Module, data: tuple[torch.Tensor, ...]
@@ -70,15 +75,18 @@ def _check_kinds(rank: int, world_size: int, kinds: list[str]) -> dict[str, dict
 @pytest.mark.parametrize("world_size", [2, 4, pytest.param(3, marks=pytest.mark.slow)])
 def test_handwritten_models_match_unsharded_and_megatron_counts(ranks, world_size):
     # Wrapped with no plan: outputs, every gradient and two SGD steps equal the
-    # unsharded model's, and the collectives equal a hand-written Megatron plan's.
+    # unsharded model's, and the collectives are a hand-written Megatron plan's, less
+    # the small heads' (forward and backward, op by op).
     for got in ranks(_check_kinds, world_size, KINDS, timeout=240):
         for kind in KINDS:
             r = got[kind]
             assert r["source"] == "auto: dataflow pairs (any model)", kind
             # Uneven heads at tp 3 (4 heads: 2/1/1) split like even ones: the output
             # projection's columns follow the same heads (torchtp.core.layouts.head_share).
-            assert r["fwd"] == r["hand_fwd"] == r["planned"] == MEGATRON[kind], (kind, r)
-            assert r["bwd"] == r["hand_bwd"], (kind, r)
+            assert r["hand_fwd"] == MEGATRON[kind], (kind, r)
+            assert r["fwd"] == r["planned"] == AUTO[kind], (kind, r)
+            for op, n in r["bwd"].items():
+                assert n <= r["hand_bwd"].get(op, 0), (kind, r)
 
 
 def test_nanogpt_attention_stays_replicated_and_says_why():

@@ -56,9 +56,12 @@ def test_plan_table_memory_and_collectives(capsys, tiny_config):
             if line.startswith(("model", "lm"))}
     assert rows["model.layers.*.self_attn.q_proj"] == ["colwise", "2", "64x64", "32x64"]
     assert rows["model.layers.*.mlp.down_proj"] == ["rowwise", "2", "64x176", "64x88"]
-    assert rows["lm_head"] == ["colwise_gather_output", "1", "128x64", "64x64"]
-    # 2 per decoder layer + the vocab-parallel embedding's; lm_head gathers its logits
-    assert "collectives per forward: 5 x all_reduce, 1 x all_gather" in out
+    # The HF plan's vocabulary splits of lm_head and embed_tokens (vocabulary 128) do not
+    # pay: kept whole by cost, which the table says; 2 all-reduces per decoder layer.
+    assert rows["lm_head"] == ["replicate", "1", "128x64", "128x64"]
+    assert "collectives per forward: 4 x all_reduce" in out
+    assert "plan chosen by cost (cpu-gloo profile;" in out
+    assert "note: 'lm_head' kept replicated: splitting it alone saves 16.0 KiB" in out
     assert "valid tp sizes for this model: [1, 2, 3, 4, 5, 6, 7, 8]" in out  # 8 query heads
     assert "no blockers: tp=2 works" in out
 
@@ -67,10 +70,11 @@ def test_plan_json_counts_bytes_per_rank(capsys, tiny_config):
     code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "4", "--json")
     report = json.loads(out)
     assert code == 0 and report["blockers"] == []
-    assert report["collectives_per_forward"] == {"all_reduce": 5, "all_gather": 1}
-    # everything is split by 4 except the RMSNorm weights (2 per layer + the final one)
-    layers = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 176 * 64 * 3)
-    split, norms = (layers + 2 * 128 * 64) * 4, (2 * 2 + 1) * 64 * 4
+    assert report["collectives_per_forward"] == {"all_reduce": 4}
+    # the decoder layers are split by 4; the RMSNorm weights (2 per layer + the final
+    # one), the embedding and lm_head (kept whole by cost) are not
+    split = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 176 * 64 * 3) * 4
+    norms = ((2 * 2 + 1) * 64 + 2 * 128 * 64) * 4
     assert report["param_bytes_unsharded"] == split + norms
     assert report["param_bytes_per_rank"] == split // 4 + norms
     down = [r for r in report["layers"] if r["module"] == "model.layers.1.mlp.down_proj"]
@@ -91,8 +95,13 @@ def test_plan_shows_per_rank_sizes_when_tp_does_not_divide(capsys, tiny_config):
                                                        "64x32/64x16/64x16"]
     assert rows["model.layers.*.mlp.down_proj"] == ["rowwise", "2", "64x176",
                                                     "64x59/64x59/64x58"]
-    assert rows["lm_head"] == ["colwise_gather_output", "1", "128x64", "43x64/43x64/42x64"]
+    assert rows["lm_head"] == ["replicate", "1", "128x64", "128x64"]  # kept whole by cost
     assert "no blockers: tp=3 works" in out
+    code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "3", "--plan",
+                           "auto-memory")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith(("model", "lm"))}
+    assert rows["lm_head"] == ["colwise_gather_output", "1", "128x64", "43x64/43x64/42x64"]
     code, out, _ = run_cli(capsys, "plan", str(tiny_config), "--tp", "9", "--json")
     report = json.loads(out)
     assert code == 1 and report["valid_tp_sizes"] == list(range(1, 9))
@@ -113,7 +122,8 @@ def test_plan_shows_per_rank_sizes_when_tp_does_not_divide(capsys, tiny_config):
     (["bench", "{bad}", "--tp", "2"], "cannot read model config"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["plan", "meta-llama/Llama-3.2-1B", "--tp", "2"], "looks like a Hub id: nothing is downloaded"),
-    (["plan", "{cfg}", "--tp", "2", "--plan", "nofile.yaml"], "expected auto, builtin or a plan file"),
+    (["plan", "{cfg}", "--tp", "2", "--plan", "nofile.yaml"],
+     "expected auto, auto-memory, builtin or a plan file"),
     (["verify", "{cfg}", "--tp", "9"], "tp=9 cannot split"),
     (["bench", "{cfg}", "--tp", "9"], "valid tp sizes: [1, 2, 3, 4, 5, 6, 7, 8]"),
 ])
@@ -135,7 +145,7 @@ def test_plan_other_architectures_from_config_only(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "4", "--json")
     report = json.loads(out)
     assert code == 0 and report["model_type"] == "qwen2"
-    assert report["collectives_per_forward"]["all_reduce"] == 2 * 3 + 1
+    assert report["collectives_per_forward"] == {"all_reduce": 2 * 3}  # embedding kept whole
     assert 4 in report["valid_tp_sizes"]  # 2 KV heads replicated over 4 ranks
 
 
@@ -150,7 +160,9 @@ def test_plan_builtin_phi3_avoids_per_layer_all_gathers(capsys, tmp_path):
         assert code == 0
         counts[choice] = json.loads(out)["collectives_per_forward"]
     assert counts["builtin"] == {"all_reduce": 2 * 2 + 1, "all_gather": 1}  # lm_head only
-    assert counts["auto"]["all_gather"] > 1  # HF's own plan gathers qkv and gate_up outputs
+    # By cost: the built-in part-wise split wins over HF's own plan, which gathers qkv and
+    # gate_up outputs; the small embedding and lm_head stay whole.
+    assert counts["auto"] == {"all_reduce": 2 * 2}
 
 
 def test_estimate_table_and_json(capsys, tiny_config):
@@ -230,7 +242,9 @@ def test_plan_places_experts_as_the_wrapper_would(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "2", "--expert-parallel",
                            "true", "--expert-dispatch", "all_to_all")
     assert code == 0 and "4x96x32      2x96x32" in out
-    assert "collectives per forward: 3 x all_reduce, 5 x all_gather, 4 x all_to_all" in out
+    # embed_tokens and lm_head (vocabulary 96) kept whole by cost: per MoE layer one
+    # all-reduce (attention), a route-hash all-gather and 2 all-to-alls + 1 all-gather.
+    assert "collectives per forward: 2 x all_reduce, 4 x all_gather, 4 x all_to_all" in out
     code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "4", "--expert-parallel",
                            "3")
     assert code == 1 and "expert_parallel=3 does not divide the tensor-parallel size" in out

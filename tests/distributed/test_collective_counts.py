@@ -1,10 +1,12 @@
 """A tensor-parallel Llama forward issues the minimum number of collectives.
 
 Two all-reduces per decoder layer (after ``o_proj`` and after ``down_proj``)
-and nothing else with ``lm_head`` replicated; one extra all-gather when
+and nothing else with ``lm_head`` replicated, which is also what torchtp
+chooses by cost with no plan (``plan=None``: the model's own HF plan, its
+64-token vocabulary head and embedding kept whole); one extra all-gather when
 ``lm_head`` is ``colwise_gather_output``; and one all-reduce more with the
-model's own HF plan (``plan=None``), whose vocab-parallel embedding sums its
-partial lookups. Counted with torchtp.count_collectives.
+HF plan as written (``plan="auto-memory"``, the leanest), whose vocab-parallel
+embedding sums its partial lookups. Counted with torchtp.count_collectives.
 
 In training, the backward adds two all-reduces per layer, not five: q/k/v
 (and gate/up) receive the same input, so their input gradients are summed
@@ -40,7 +42,7 @@ def _count(rank: int, world_size: int) -> list[dict[str, int]]:
 
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
     counts = []
-    for plan in (PLAN, {**PLAN, "lm_head": "colwise_gather_output"}, None):
+    for plan in (PLAN, {**PLAN, "lm_head": "colwise_gather_output"}, None, "auto-memory"):
         ref = _llama()
         model = torchtp.DistributedModelWrapper(_llama(), plan=plan)
         with torch.no_grad(), torchtp.count_collectives() as prefill:
@@ -108,9 +110,11 @@ def test_llama_needs_two_all_reduces_per_layer_forward_and_backward(ranks, world
         assert counts[0] == minimum and counts[1] == minimum  # prefill, decode
         with_head = {"all_reduce": 2 * LAYERS, "all_gather": 1}
         assert counts[2] == with_head and counts[3] == with_head
-        # The model's own HF plan also splits the embedding by vocab: one all-reduce more.
+        # No plan: the cost model keeps the small head and embedding whole (the minimum).
+        assert counts[4] == minimum and counts[5] == minimum
+        # The HF plan as written also splits the embedding by vocab: one all-reduce more.
         own = {"all_reduce": 2 * LAYERS + 1, "all_gather": 1}
-        assert counts[4] == own and counts[5] == own
+        assert counts[6] == own and counts[7] == own
         # Training: the backward all-reduces each layer's attention and MLP input gradients.
         assert out["training"] == ({"all_reduce": 2 * LAYERS}, {"all_reduce": 2 * LAYERS})
         assert out["sharing"] == [True, False, False, True, True]

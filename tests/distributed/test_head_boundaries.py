@@ -22,7 +22,7 @@ from torchtp.plans.styles_heads import HeadColumns
 
 from ._hf_checks import check_arch
 from ._hf_models import build
-from .test_auto_plan import MEGATRON, _check_kinds
+from .test_auto_plan import AUTO, _check_kinds
 
 BERT_PLAN = {
     "bert.encoder.layer.*.attention.self.query": "colwise",
@@ -62,7 +62,7 @@ def test_uneven_heads_at_tp_3_are_exact_and_split(ranks):
     assert results[0]["bloom"]["generated"] == 6
     for kind in ("titan", "vit"):
         for rank in results:
-            assert rank[kind]["fwd"] == rank[kind]["planned"] == MEGATRON[kind], (kind, rank[kind])
+            assert rank[kind]["fwd"] == rank[kind]["planned"] == AUTO[kind], (kind, rank[kind])
 
 
 def test_the_head_rule_cuts_bert_output_projection_by_heads_at_every_rank():

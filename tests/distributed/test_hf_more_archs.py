@@ -7,12 +7,14 @@ from __future__ import annotations
 from ._hf_checks import check_archs
 from ._hf_models import build
 
-# Which plan source each architecture ends up with when transformers ships no plan for
-# it (as 5.23 does for all but the 'HF plan' ones); see expected_source.
+# Which plan source each architecture ends up with (chosen by cost) when transformers
+# ships no plan for it (as 5.23 does for all but the 'HF plan' ones); see expected_source.
 SOURCES = {
     "gemma2": "HF plan", "starcoder2": "HF plan", "olmo": "HF plan", "olmo2": "HF plan",
     "granite": "HF plan", "cohere": "HF plan", "phi": "HF plan", "mistral-mqa": "HF plan",
-    "llama-bias": "HF plan", "falcon": "torchtp built-in", "falcon-new": "torchtp built-in",
+    # Falcon: the automatic plan splits its fused query_key_value by whole heads (stacked
+    # q|k|v) or whole KV groups (the new architecture); the built-in plan gathers it.
+    "llama-bias": "HF plan", "falcon": "auto", "falcon-new": "auto",
     "gptj": "torchtp built-in", "roberta": "torchtp built-in", "electra": "torchtp built-in",
     "stablelm": "auto", "codegen": "auto", "bloom": "auto", "mpt": "auto", "distilbert": "auto",
     "t5": "auto", "bart": "auto",

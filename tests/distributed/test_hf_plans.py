@@ -15,20 +15,22 @@ from ._hf_checks import check_arch, check_archs, strip_plans
 from ._hf_models import build
 
 # HF models without a plan go through the automatic plan hand-written models use.
-# Per forward: one all-reduce per attention/MLP pair, one all-gather for an
-# untied lm_head (as HF's own plans); tied heads stay replicated.
+# Per forward: one all-reduce per attention/MLP pair; these tiny heads and lone
+# Linears (vocabulary 128, hidden 64) stay whole: splitting one alone saves 16 KiB
+# per rank and costs an all-gather forward and an all-reduce backward (the cost
+# model, torchtp.plans.choose; a hand-written Megatron plan gathers the lm_head).
 UNPLANNED = {
-    "llama": {"all_reduce": 4, "all_gather": 1},
+    "llama": {"all_reduce": 4},
     "opt": {"all_reduce": 4},
     # Interleaved fused qkv (per-head [q k v]), told apart from stacked by the probe.
-    "gpt_neox": {"all_reduce": 4, "all_gather": 1},
+    "gpt_neox": {"all_reduce": 4},
     # q/k/v in attention.self, the output projection in a sibling module.
-    "bert": {"all_reduce": 4, "all_gather": 1},
+    "bert": {"all_reduce": 4},
     # Fused qkv, ALiBi biases narrowed to each rank's heads: interleaved (Bloom), stacked (MPT).
     "bloom": {"all_reduce": 4},
     "mpt": {"all_reduce": 4},
     # CodeGen's qkv reshape hard-codes 4 groups: the probe refuses its attention.
-    "codegen": {"all_reduce": 2, "all_gather": 1},
+    "codegen": {"all_reduce": 2},
 }
 
 
@@ -61,7 +63,7 @@ def test_hf_models_without_a_plan_say_what_stays_replicated_and_why():
     qwen3 = torchtp.DistributedModelWrapper(strip_plans(build("qwen3")), world_size=2, rank=0)
     assert qwen3.resolved_plan.rules["model.layers.0.self_attn.q_norm"] == \
         "replicated_with_grad_allreduce"
-    assert qwen3.resolved_plan.collectives() == {"all_reduce": 4, "all_gather": 1}
+    assert qwen3.resolved_plan.collectives() == {"all_reduce": 4}
 
 
 def test_plan_sources_and_printing():
@@ -71,7 +73,10 @@ def test_plan_sources_and_printing():
     row = next(line for line in text.splitlines() if line.startswith("model.layers.*.self_attn.k_proj"))
     assert row.split() == ["model.layers.*.self_attn.k_proj", "colwise", "2", "(e.g.",
                            "model.layers.0.self_attn.k_proj)"]
-    assert llama.resolved_plan.rules["lm_head"] == "colwise_gather_output"
+    # The HF plan's lm_head and embed_tokens rules (vocabulary 128) are overruled by cost.
+    assert llama.resolved_plan.rules["lm_head"] == "replicate"
+    assert "'lm_head' kept replicated: splitting it alone saves 16.0 KiB of parameters per " \
+           "rank" in text
     assert llama.valid_world_sizes == list(range(1, 9))  # at least one of 8 query heads per rank
     gpt2 = torchtp.DistributedModelWrapper(build("gpt2"), world_size=2, rank=0)
     assert gpt2.resolved_plan.source == "torchtp built-in plan for 'gpt2'"
@@ -184,7 +189,9 @@ def test_tied_weights_split_two_ways_are_refused():
 
 
 def test_tied_weights_stay_one_parameter():
-    wrapped = torchtp.DistributedModelWrapper(build("llama-tied"), world_size=2, rank=1)
+    # plan="auto-memory": the HF plan's vocabulary splits, kept (the leanest candidate).
+    wrapped = torchtp.DistributedModelWrapper(build("llama-tied"), world_size=2, rank=1,
+                                              plan="auto-memory")
     model = wrapped.base_model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.shape == (64, 64)  # vocab 128 split over 2 ranks

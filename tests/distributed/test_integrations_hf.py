@@ -13,7 +13,9 @@ from ._hf_models import build
 
 
 def _conveniences(rank: int, world_size: int, directory: str) -> dict:
-    ref, wrapped = build("llama"), torchtp.DistributedModelWrapper(build("llama"))
+    # plan="auto-memory": the HF plan as written, vocabulary split (the resize guard's case).
+    ref = build("llama")
+    wrapped = torchtp.DistributedModelWrapper(build("llama"), plan="auto-memory")
     model = wrapped.base_model
     # HF's own save_pretrained on the wrapped model: consolidated and collective.
     model.save_pretrained(directory, is_main_process=rank == 0)

@@ -68,8 +68,9 @@ def test_uneven_vocabulary_split_matches_cross_entropy(ranks):
 def test_wrapper_loss_parallel_matches_unsharded_model(ranks):
     results = ranks(check_loss_parallel_suite, 2, timeout=300, gloo_timeout=60)
     got = results[0]
-    # Llama: 1 embedding all-reduce + 2 per layer + 2 for the loss; the LM head is not gathered.
-    assert got["llama"]["forward"] == {"all_reduce": 7}
+    # Llama: 2 per layer + 2 for the loss; the LM head is not gathered, the embedding
+    # (vocabulary 128, untied) kept whole by cost.
+    assert got["llama"]["forward"] == {"all_reduce": 6}
     assert got["llama"]["grads_checked"] == 21
     assert got["gpt2"]["forward"] == {"all_reduce": 7}  # wte + lm_head vocab-split (tied)
     assert got["generated"] == 5

@@ -104,7 +104,8 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
 
 def test_lora_matches_unsharded_lora(ranks, tmp_path):
     hf_plan = "HF plan (config.base_model_tp_plan + _tp_plan)"
-    per_forward = {"all_reduce": 5, "all_gather": 1}  # the plain model's: adapters add none
+    # The plain model's (small embedding and LM head kept whole by cost): adapters add none.
+    per_forward = {"all_reduce": 4}
     assert ranks(_peft_suite, 2, str(tmp_path / "adapter"), timeout=300) == [{
         "q_proj": "TensorParallelLoraLinear",
         "all_linear": 14,  # 7 projections x 2 layers, never the LM head

@@ -123,7 +123,8 @@ def test_unverifiable_split_from_a_builtin_plan_stays_whole_with_its_sibling_out
 
     monkeypatch.setattr(verify, "_probe_model", no_probe)
     monkeypatch.setattr(verify, "_CACHE", {})  # no verdict from an earlier wrap
-    bert = torchtp.DistributedModelWrapper(build("bert"), world_size=2, rank=0)
+    # plan="builtin": by default the automatic plan, confirmed by its own probe, would win.
+    bert = torchtp.DistributedModelWrapper(build("bert"), world_size=2, rank=0, plan="builtin")
     styles = {n: s.name for n, s in bert.resolved_plan.assignments.items() if ".layer.0." in n}
     assert styles == {"bert.encoder.layer.0.attention.self.query": "replicate",
                       "bert.encoder.layer.0.attention.self.key": "replicate",

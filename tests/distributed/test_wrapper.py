@@ -65,19 +65,24 @@ def _deep_parity(rank: int, world_size: int) -> tuple[list[str], dict[str, int]]
 
 def test_auto_plan_pairs_through_elementwise_and_nested_sequentials(ranks):
     for layers, counts in ranks(_deep_parity, 2):
-        assert layers == ["0", "3", "5.0", "5.2", "6"]
-        # two pairs -> two all-reduces; the unpaired head gathers its output.
-        assert counts == {"all_reduce": 2, "all_gather": 1}
+        assert layers == ["0", "3", "5.0", "5.2"]
+        # two pairs -> two all-reduces; the small unpaired head (16 -> 8) stays whole: split
+        # alone it would save 272 bytes per rank for an all-gather and an all-reduce.
+        assert counts == {"all_reduce": 2}
 
 
 def test_auto_plan_choices_are_recorded():
     wrapped = DistributedModelWrapper(deep_mlp(), world_size=2, rank=0)
     rules = wrapped.resolved_plan.rules
     assert rules == {"0": "colwise", "3": "rowwise", "5.0": "colwise", "5.2": "rowwise",
-                     "6": "colwise_gather_output"}
-    assert "'6' has no partner Linear" in wrapped.describe_plan()
+                     "6": "replicate"}
+    assert "'6' kept replicated: splitting it alone saves 272 B of parameters per rank" in \
+        wrapped.describe_plan()
     assert isinstance(wrapped.base_model[0], RowParallelLinear)
     assert isinstance(wrapped.base_model[3], ColumnParallelLinear)
+    memory = DistributedModelWrapper(deep_mlp(), world_size=2, rank=0, plan="auto-memory")
+    assert memory.resolved_plan.rules["6"] == "colwise_gather_output"
+    assert "'6' has no partner Linear" in memory.describe_plan()
 
 
 def test_unsplittable_layer_stays_replicated_and_says_why(caplog):
@@ -206,7 +211,8 @@ def _shared_parity(rank: int, world_size: int) -> list[list[str]]:
         torch.manual_seed(0)
         ref = cls()
         torch.manual_seed(0)
-        wrapped = DistributedModelWrapper(cls())
+        # plan="auto-memory": the lone Linears split and gathered, as cost would not.
+        wrapped = DistributedModelWrapper(cls(), plan="auto-memory")
         x = seeded(3, 8, seed=5)
         torch.testing.assert_close(wrapped(x), ref(x))
         layers.append(wrapped.parallelized_layers)

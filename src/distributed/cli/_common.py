@@ -78,18 +78,20 @@ def _arg_error(message: str) -> Exception:
 
 
 def plan_choice(text: str) -> str | None:
-    """argparse type for ``--plan``: ``auto`` (None), ``builtin``, or a YAML/JSON plan file."""
+    """argparse type for ``--plan``: ``auto`` (None), ``auto-memory``, ``builtin``, or a plan file."""
     from pathlib import Path
 
     if text == "auto":
         return None
-    if text == "builtin" or Path(text).is_file():
+    if text in ("builtin", "auto-memory") or Path(text).is_file():
         return text
-    raise _arg_error(f"expected auto, builtin or a plan file (YAML/JSON), got {text!r}: no such file")
+    raise _arg_error(f"expected auto, auto-memory, builtin or a plan file (YAML/JSON), got "
+                     f"{text!r}: no such file")
 
 
-PLAN_HELP = ("which plan: auto (as DistributedModelWrapper(model): the model's HF plan, else "
-             "torchtp's built-in plan, else the automatic dataflow plan), builtin (torchtp's plan for "
+PLAN_HELP = ("which plan: auto (as DistributedModelWrapper(model): the cheapest of the model's HF "
+             "plan, torchtp's built-in plan and the automatic dataflow plan, chosen by cost), "
+             "auto-memory (the one with the least memory per rank), builtin (torchtp's plan for "
              "the architecture), or a YAML/JSON plan file (default: auto)")
 
 
@@ -118,7 +120,7 @@ def experts_of(args: Any) -> dict[str, Any]:
 def add_rank_options(p: Any) -> None:
     """Options every command that launches rank processes shares (``verify``, ``bench``)."""
     p.add_argument("--dtype", default=None, help="float32 (default for CPU), bfloat16, float16")
-    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE",
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|auto-memory|builtin|FILE",
                    help=PLAN_HELP)
     add_expert_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and tokens")

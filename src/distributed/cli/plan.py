@@ -33,7 +33,8 @@ HELP = "show the TP plan, per-rank memory and blockers (meta device, no weights 
 EXAMPLES = """examples:
   torchtp plan ./Llama-3.2-1B --tp 2
   torchtp plan ./Llama-3.2-1B/config.json --tp 4 --json
-  torchtp plan ./Phi-3-mini --tp 2 --plan builtin     # torchtp's packed plan instead of HF's
+  torchtp plan ./Phi-3-mini --tp 2 --plan builtin     # torchtp's packed plan, as written
+  torchtp plan ./Llama-3.2-1B --tp 2 --plan auto-memory   # the least memory per rank
   torchtp plan ./Mixtral-8x7B --tp 8 --expert-parallel 4   # experts over 4 x features over 2
 exit status: 0 when the model splits at --tp, 1 when there are blockers, 2 on bad input
 """
@@ -46,7 +47,8 @@ def register(sub: Any) -> None:
     p.add_argument("path", help="HuggingFace model directory or its config.json")
     p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's, else float32)")
-    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|builtin|FILE", help=PLAN_HELP)
+    p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|auto-memory|builtin|FILE",
+                   help=PLAN_HELP)
     add_expert_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
@@ -88,7 +90,8 @@ def analyze(path: str, tp: int, dtype_name: str | None = None, plan: str | None 
             "param_bytes_by_rank": by_rank,
             "collectives_per_forward": dict(collectives),
             "blockers": list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", b) for b in blockers)),
-            "valid_tp_sizes": valid_tp_sizes(resolved.constraints), "notes": resolved.notes}
+            "valid_tp_sizes": valid_tp_sizes(resolved.constraints), "notes": resolved.notes,
+            "choice": resolved.choice.lines() if resolved.choice is not None else []}
 
 
 def _layers(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext
@@ -176,6 +179,7 @@ def render(report: dict[str, Any]) -> str:
            "collectives per forward: " + (", ".join(
                f"{n} x {op}" for op, n in report["collectives_per_forward"].items()) or "none"),
            f"valid tp sizes for this model: {report['valid_tp_sizes']}"]
+    out += report["choice"]
     out += [f"note: {n}" for n in report["notes"]]
     if report["blockers"]:
         out.append(f"BLOCKERS at tp={report['tp']} ({len(report['blockers'])}):")

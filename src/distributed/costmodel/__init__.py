@@ -17,6 +17,7 @@ from .hardware import PRESETS, Hardware, get_hardware
 from .model import (
     PHASES,
     Estimate,
+    allgather_time,
     allreduce_time,
     estimate,
     gemm_time,
@@ -31,6 +32,7 @@ __all__ = [
     "Estimate",
     "Hardware",
     "ModelDims",
+    "allgather_time",
     "allreduce_time",
     "dims_from_config",
     "estimate",

@@ -54,6 +54,17 @@ def allreduce_time(nbytes: float, n: int, hw: Hardware) -> float:
     return latency * ring_steps(n, hw.steps) + 2 * (n - 1) / n * nbytes / hw.bus_bandwidth
 
 
+def allgather_time(nbytes: float, n: int, hw: Hardware) -> float:
+    """Seconds for one all-gather whose gathered tensor holds ``nbytes`` over ``n`` ranks.
+
+    Half an all-reduce: ``latency * steps / 2 + (N-1)/N * nbytes / bus_bandwidth``
+    (a ring all-gather is the second half of a ring all-reduce); zero for one rank.
+    """
+    if n <= 1:
+        return 0.0
+    return allreduce_time(nbytes, n, hw) / 2
+
+
 def slowdown(n: int, hw: Hardware) -> float:
     """How much slower each rank computes when ``n`` ranks share the machine's cores.
 

@@ -46,7 +46,9 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
         "decoder.layers.*.fc2": "rowwise",
     },
     # Falcon's fused query_key_value layout differs between its variants, so the
-    # attention input stays whole (gathered) and only the output is split.
+    # attention input stays whole (gathered) and only the output is split. The
+    # automatic plan splits it by whole heads or KV groups (confirmed by its probe)
+    # and wins by cost.
     "falcon": {
         "h.*.self_attention.query_key_value": "colwise_gather_output",
         "h.*.self_attention.dense": "rowwise_split_input",
@@ -55,8 +57,8 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
     },
     # Phi-3's HF plan gathers its fused qkv_proj / gate_up_proj outputs (two
     # all-gathers per layer). Splitting the packed parts keeps heads local:
-    # two all-reduces per layer. Selected with plan="builtin" (HF's plan wins
-    # by default).
+    # two all-reduces per layer. The cost model picks it over HF's plan (same
+    # memory, less communication); plan="builtin" selects it as written.
     "phi3": {
         "embed_tokens": "embedding_rowwise",
         "layers.*.self_attn.qkv_proj": "packed_colwise",

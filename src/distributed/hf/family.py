@@ -1,11 +1,12 @@
 """HuggingFace as a model family of :mod:`torchtp.plans.sources` (registered by ``torchtp.hf``).
 
-For a ``transformers.PreTrainedModel`` the plan comes from the model's own
-``tp_plan`` (:mod:`~torchtp.hf.plan_source`), then torchtp's built-in plan for
-its ``model_type`` (:mod:`~torchtp.hf.builtin`), then the automatic plan on the
+For a ``transformers.PreTrainedModel`` the candidate plans are the model's own
+``tp_plan`` (:mod:`~torchtp.hf.plan_source`), torchtp's built-in plan for its
+``model_type`` (:mod:`~torchtp.hf.builtin`) and the automatic plan on the
 model's dummy inputs (:mod:`~torchtp.hf.probe_inputs`) with head counts from
-its text config. Attention modules that read ``self.config`` get a per-module
-copy with their local head counts (:mod:`~torchtp.hf.config_view`).
+its text config; :mod:`torchtp.plans.choose` picks one by cost. Attention
+modules that read ``self.config`` get a per-module copy with their local head
+counts (:mod:`~torchtp.hf.config_view`).
 """
 
 from __future__ import annotations

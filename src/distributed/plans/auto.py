@@ -25,9 +25,12 @@ the attention attributes rewritten to local values and per-head ALiBi biases
 narrowed to the rank's heads are in :mod:`torchtp.plans.attention_local`, the
 per-module config copy is HuggingFace's (``torchtp.hf``).
 
-Cost guard: a unit is split only when the bytes it communicates per forward
-(on the probe's inputs) are at most the weight bytes each rank saves by not
-running it replicated; ``plan="auto-memory"`` splits regardless, to save memory.
+Cost guard: a pair is split only when the bytes its all-reduce moves per
+forward (on the probe's inputs) are at most the weight bytes each rank saves
+by not running it replicated; ``plan="auto-memory"`` splits regardless, to
+save memory. A Linear without a partner is proposed split (its output
+gathered, or its input split); whether it stays split is decided by cost
+with every other candidate plan (:mod:`torchtp.plans.choose`).
 """
 
 from __future__ import annotations
@@ -116,12 +119,29 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
             styles[name], rules.why[name] = "replicate", blocked[name]
         elif name not in styles:
             styles[name], rules.why[name] = _lone(name, module, id(module) in tied, trace, ctx,
-                                                   memory, rules.notes)
+                                                   rules.notes)
     if trace is not None:  # a hand-written MoE's experts: one all-reduce, not one each
         late_reduces(model, trace, consumers, styles, rules, ctx)
     order = list(dict(model.named_modules()))
     rules.rules = {n: styles[n] for n in sorted(styles, key=order.index)}
+    rules.trace = trace  # its shapes price every candidate (torchtp.plans.cost)
     return rules
+
+
+def probe_tokens(example_inputs: object) -> int:
+    """Tokens (rows) of the probe's inputs: token ids' count, or a float input's rows.
+
+    What every module is assumed to see when no probe forward recorded it (a
+    model on the meta device); the inputs derived from a model's first layer
+    have ``EXAMPLE_TOKENS``.
+    """
+    args, kwargs = _as_inputs(example_inputs) if example_inputs is not None else ((), {})
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor) and value.dim():
+            if not value.is_floating_point():
+                return int(value.numel())
+            return int(value.numel() // value.shape[-1])
+    return EXAMPLE_TOKENS[0] * EXAMPLE_TOKENS[1]
 
 
 def _take(pair: Pair, styles: dict[str, ParallelStyle | str], rules: Rules) -> None:
@@ -524,9 +544,14 @@ def _weight_bytes(module: nn.Module) -> int:
     return weight.numel() * weight.element_size()
 
 
-def _lone(name: str, module: nn.Module, tied: bool, trace: Trace | None, ctx: ShardContext,
-          memory: bool, notes: list[str]) -> tuple[str, str]:
-    """The style of a Linear without a partner (gathered, input-split, replicated) and why."""
+def _lone(name: str, module: nn.Module, tied: bool, trace: Trace | None,
+          ctx: ShardContext, notes: list[str]) -> tuple[str, str]:
+    """The split of a Linear without a partner (gathered, input-split), or why it stays whole.
+
+    Whether a split one stays split is the cost model's call
+    (:mod:`torchtp.plans.choose`: replicated unless the bytes it saves pay
+    for its collectives, or the memory budget needs it).
+    """
     view = linear_view(module)
     assert view is not None
     if tied:
@@ -538,21 +563,14 @@ def _lone(name: str, module: nn.Module, tied: bool, trace: Trace | None, ctx: Sh
         return _noted(notes, name, "replicate", "kept replicated: the probe forward did not call it")
     tp = ctx.world_size
     out, inp = view.out_features, view.in_features
-    sent = sum(c.output.numel() * c.output.element_size() for c in trace.calls[name])
-    saved = _weight_bytes(module)
-    if out >= tp and (sent <= saved or memory):
+    if out >= tp:
         return _noted(notes, name, "colwise_gather_output", "has no partner Linear: split "
                       "out_features and gather its output (one all-gather)")
-    if inp >= tp and (2 * sent <= saved or memory):
+    if inp >= tp:
         return _noted(notes, name, "rowwise_split_input", "has no partner Linear: split "
                       "in_features and reduce its output (one all-reduce)")
-    if out < tp and inp < tp:
-        return _noted(notes, name, "replicate", f"kept replicated: neither out_features={out} "
-                      f"nor in_features={inp} gives each of world_size={tp} ranks a share")
-    return _noted(notes, name, "replicate", f"kept replicated: it has no partner Linear, and "
-                  f"splitting it alone would communicate {sent} bytes per forward on the example "
-                  f"inputs, more than running it replicated costs ({saved} weight bytes per "
-                  "rank); plan='auto-memory' splits it anyway")
+    return _noted(notes, name, "replicate", f"kept replicated: neither out_features={out} "
+                  f"nor in_features={inp} gives each of world_size={tp} ranks a share")
 
 
 def _noted(notes: list[str], name: str, style: str, why: str) -> tuple[str, str]:

@@ -85,4 +85,7 @@ def head_parts(rows: int, style_name: str, info: HeadInfo) -> tuple[Part, ...] |
             return (q, kv, kv)
         if k == h:  # per-head interleaved [q k v] groups (GPT-NeoX): whole heads stay together
             return (Part(rows, h, "num_attention_heads (fused q/k/v heads)"),)
+        if h % k == 0:  # KV groups one after another, each [its query heads, k, v] (Falcon's
+            # new architecture): whole groups per rank (fewer groups than ranks cannot split)
+            return (Part(rows, k, "KV groups (each: its query heads, a key and a value head)"),)
     return None

@@ -2,13 +2,15 @@
 
 :func:`resolve_plan` runs four steps, each visible in ``describe_plan()``:
 
-1. pick the source of the rules: the ``plan`` argument (a dict, a YAML/JSON
-   file, or ``"builtin"``); else, for a model of a registered family
+1. pick the rules: the ``plan`` argument (a dict, a YAML/JSON file, or
+   ``"builtin"``) as given; else the candidate chosen by cost
+   (:mod:`torchtp.plans.choose`) among, for a model of a registered family
    (:mod:`torchtp.plans.sources`; HuggingFace models, registered by
-   ``torchtp.hf``), the model's own plan, then torchtp's built-in plan for its
-   architecture; else (any other model, and HuggingFace models without a plan)
-   the automatic plan, which pairs Linears by the dataflow of one probe
-   forward and splits attention by whole heads (:mod:`torchtp.plans.auto`);
+   ``torchtp.hf``), the model's own plan and torchtp's built-in plan for its
+   architecture, and, for every model, the automatic plan, which pairs
+   Linears by the dataflow of one probe forward and splits attention by whole
+   heads (:mod:`torchtp.plans.auto`); lone split layers of the winner stay
+   split only where that pays;
 2. match the rules' ``fnmatch`` patterns against module names;
 3. upgrade sharded attention projections to whole-head splits, the output
    projection's input columns included wherever it lives, and confirm each
@@ -31,8 +33,10 @@ from typing import Any
 from torch import nn
 
 from ..core.log import logger
-from .auto import auto_plan
+from .auto import auto_plan, probe_tokens
+from .choose import FASTEST, MEMORY, choose
 from .constraints import check
+from .cost import hardware_for, memory_per_rank, size_text
 from .files import load_plan_file
 from .head_boundaries import check_head_boundaries
 from .head_split import split_whole_heads
@@ -52,7 +56,8 @@ AUTO = ("auto", "auto-memory")  # the default resolution; "-memory" lets the cos
 
 def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: bool = True,
                  example_inputs: object = None,
-                 adjust: PlanAdjust | None = None, verify: bool = True) -> ResolvedPlan:
+                 adjust: PlanAdjust | None = None, verify: bool = True,
+                 max_memory: int | None = None) -> ResolvedPlan:
     """Pick the plan's source, match it, split heads whole, and plan every layer.
 
     Args:
@@ -68,23 +73,47 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             layers are planned (may change assignments).
         verify: ``False`` skips the probe of whole-head attention splits
             (``verify_plan=False``: exactness is then the user's responsibility).
+        max_memory: Parameter bytes per rank the plan must fit
+            (``max_memory_per_rank``); ``None``: no limit.
 
     Raises:
         TypeError: a style does not fit its module's type.
         ValueError: unknown style, unsupported style, a dimension that does not
             split at ``ctx.world_size`` (listing the valid sizes), a tied
-            parameter split two ways, or a user plan's attention split that the
-            probe does not confirm.
+            parameter split two ways, a user plan's attention split that the
+            probe does not confirm, or a plan that does not fit ``max_memory``.
     """
-    rules = pick_rules(model, plan, ctx, example_inputs)
+    rules = pick_rules(model, plan, ctx, example_inputs, verify=verify, max_memory=max_memory)
+    resolved = _matched(model, rules, ctx, example_inputs, verify)
+    if adjust is not None:
+        adjust(model, resolved, ctx)
+    _plan_layers(model, resolved, ctx)
+    if strict:
+        if resolved.problems:
+            raise resolved.problems[0]
+        check(resolved.constraints, ctx.world_size, ctx.model_name)
+        check_ties(model, resolved, ctx)
+        if max_memory is not None:
+            _check_memory(model, resolved, ctx, max_memory)
+        for note in resolved.notes:
+            logger.info("torchtp: %s", note)
+    return resolved
+
+
+def _matched(model: nn.Module, rules: Rules, ctx: ShardContext, example_inputs: object,
+             verify: bool) -> ResolvedPlan:
+    """Steps 2 and 3: the rules matched, attention split by whole heads and verified."""
     resolved = match_rules(model, rules)
     if rules.heads is not None:  # the automatic plan: confirmed by its own probe
         resolved.heads = dict(rules.heads)
     else:
         resolved.heads = split_whole_heads(model, resolved)
         resolved.problems += verify_heads(model, resolved, ctx, example_inputs, verify)
-    if adjust is not None:
-        adjust(model, resolved, ctx)
+    return resolved
+
+
+def _plan_layers(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) -> None:
+    """Step 4: every layer planned once; problems collected, head boundaries checked."""
     modules = dict(model.named_modules())
     for name, style in resolved.assignments.items():
         try:
@@ -96,19 +125,28 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             check_head_boundaries(resolved.heads, resolved.assignments, modules, ctx)
         except ValueError as err:  # first: it names the boundaries, the probe only a shape
             resolved.problems.insert(0, err)
-    if strict:
-        if resolved.problems:
-            raise resolved.problems[0]
-        check(resolved.constraints, ctx.world_size, ctx.model_name)
-        check_ties(model, resolved, ctx)
-        for note in resolved.notes:
-            logger.info("torchtp: %s", note)
-    return resolved
+
+
+def _check_memory(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext,
+                  budget: int) -> None:
+    """Raise if the plan leaves more than ``budget`` parameter bytes on a rank."""
+    held = memory_per_rank(model, resolved)
+    if held > budget:
+        raise ValueError(
+            f"{ctx.model_name}: the plan ({resolved.source}) holds {held} bytes "
+            f"({size_text(held)}) of parameters per rank at world_size={ctx.world_size}, more "
+            f"than max_memory_per_rank={budget} ({size_text(budget)}); split more layers in "
+            "the plan, use more ranks, or leave plan=None to let the cost model choose")
 
 
 def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
-               example_inputs: object = None) -> Rules:
-    """The rules for ``model`` from the first source in the resolution order."""
+               example_inputs: object = None, *, verify: bool = True,
+               max_memory: int | None = None) -> Rules:
+    """The rules for ``model``: the explicit plan, else the candidate chosen by cost.
+
+    Raises:
+        ValueError: as :func:`torchtp.plans.choose.choose`.
+    """
     memory = plan == "auto-memory"
     if plan in AUTO:
         plan = None
@@ -122,23 +160,39 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
     if family is None:
         inner = inner_model(model)
         if inner is not None:
-            return _inside(*inner, ctx)
-        return auto_plan(model, ctx, example_inputs, memory)
-    own = family.own_rules(model)
-    if own:
-        return own
-    return family.builtin_rules(model) or auto_plan(
-        model, ctx, family.probe_inputs(model) if example_inputs is None else example_inputs,
-        memory, family.head_config(model))
+            return _inside(*inner, ctx, memory, verify, max_memory)
+        sources = [auto_plan(model, ctx, example_inputs, memory)]
+        probe = example_inputs
+    else:
+        probe = family.probe_inputs(model) if example_inputs is None else example_inputs
+        sources = [r for r in (family.own_rules(model), family.builtin_rules(model)) if r]
+        try:
+            sources.append(auto_plan(model, ctx, probe, memory, family.head_config(model)))
+        except Exception as err:  # a model the automatic plan cannot handle: not a candidate
+            if not sources:
+                raise
+            logger.info("torchtp: the automatic plan is not a candidate for %s (%s: %s)",
+                        ctx.model_name, type(err).__name__, err)
+
+    def resolve(rules: Rules) -> ResolvedPlan:
+        resolved = _matched(model, rules, ctx, example_inputs, verify)
+        _plan_layers(model, resolved, ctx)
+        return resolved
+
+    return choose(model, sources, ctx, resolve, hardware_for(model, ctx.group),
+                  probe_tokens(probe), MEMORY if memory else FASTEST, max_memory)
 
 
-def _inside(prefix: str, inner: nn.Module, ctx: ShardContext) -> Rules:
+def _inside(prefix: str, inner: nn.Module, ctx: ShardContext, memory: bool, verify: bool,
+            max_memory: int | None) -> Rules:
     """The rules of the model inside a host (a PEFT model), under the host's module names."""
-    own = pick_rules(inner, None, ctx)
+    own = pick_rules(inner, "auto-memory" if memory else None, ctx, verify=verify,
+                     max_memory=max_memory)
     return Rules(f"{own.source}, under '{prefix}'",
                  {f"{prefix}.{pattern}": style for pattern, style in own.rules.items()},
                  list(own.notes), {f"{prefix}.{k}": why for k, why in own.why.items()},
-                 None if own.heads is None else {f"{prefix}.{k}": v for k, v in own.heads.items()})
+                 None if own.heads is None else {f"{prefix}.{k}": v for k, v in own.heads.items()},
+                 choice=own.choice)
 
 
 def _builtin(model: nn.Module) -> Rules:
@@ -177,7 +231,7 @@ def match_rules(model: nn.Module, rules: Rules) -> ResolvedPlan:
             raise TypeError(f"plan keys must be module-name patterns (str), got {pattern!r}")
         styles[pattern] = get_style(style, pattern)
     resolved = ResolvedPlan(rules.source, {p: s.name for p, s in styles.items()},
-                            notes=list(rules.notes))
+                            notes=list(rules.notes), choice=rules.choice)
     for name, _ in model.named_modules():
         if not name:
             continue

@@ -6,15 +6,23 @@ import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .constraints import Constraint, valid_tp_sizes
 from .styles import LayerPlan, ParallelStyle
 
 if TYPE_CHECKING:
+    from .dataflow import Trace
     from .heads import HeadInfo
 
 Plan = Mapping[str, "str | ParallelStyle"]
+
+
+class Choice(Protocol):
+    """How a plan was chosen by cost (:class:`torchtp.plans.choose.Choice`)."""
+
+    def lines(self) -> list[str]:
+        """The comparison as text, for ``describe_plan()``."""
 
 
 @dataclass
@@ -28,6 +36,8 @@ class Rules:
         why: Per rule, why the source chose it (default: the rule itself).
         heads: Attention modules whose heads the source already split whole
             (``None``: the pipeline upgrades q/k/v styles itself).
+        trace: The probe forward the source recorded (the automatic plan's), if any.
+        choice: How the plan was chosen among candidates by cost (``None``: it was given).
     """
 
     source: str
@@ -35,6 +45,8 @@ class Rules:
     notes: list[str] = field(default_factory=list)
     why: dict[str, str] = field(default_factory=dict)
     heads: dict[str, HeadInfo] | None = None
+    trace: Trace | None = None
+    choice: Choice | None = None
 
 
 @dataclass
@@ -57,6 +69,8 @@ class ResolvedPlan:
         checks: Attention module -> the verdict of the local probe on its whole-head
             split (``"confirmed"``, ``"kept replicated: ..."``, ``"refused: ..."``,
             ``"not verified ..."``; see :mod:`torchtp.plans.verify`).
+        choice: The candidates the cost model compared and why this one won
+            (``None`` for a plan passed explicitly; see :mod:`torchtp.plans.choose`).
     """
 
     source: str
@@ -69,6 +83,7 @@ class ResolvedPlan:
     heads: dict[str, HeadInfo] = field(default_factory=dict)
     problems: list[Exception] = field(default_factory=list)
     checks: dict[str, str] = field(default_factory=dict)
+    choice: Choice | None = None
 
     @property
     def constraints(self) -> list[Constraint]:
@@ -100,6 +115,8 @@ class ResolvedPlan:
         ops = self.collectives()
         lines.append("collectives per forward: " + (", ".join(
             f"{n} x {op}" for op, n in sorted(ops.items())) or "none"))
+        if self.choice is not None:
+            lines += self.choice.lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -198,9 +198,12 @@ def _cache_key(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadInfo],
     if config is None:
         return None
     types = frozenset((_stars(n), type(m)) for n, m in model.named_modules())
+    # Only the styles the probe reads (_pair, _consumer): another candidate or the cost
+    # model's choice for a head or an embedding does not change a verdict.
     styles = frozenset((_stars(n), type(s), s.name, getattr(s, "parts", None),
-                        getattr(s, "heads", None), getattr(s, "split_input", None),
-                        getattr(s, "gather_output", None)) for n, s in plan.assignments.items())
+                        getattr(s, "heads", None)) for n, s in plan.assignments.items()
+                       if (isinstance(s, Colwise) and not s.gather_output)
+                       or (isinstance(s, Rowwise) and not s.split_input))
     return (type(model), config, types, styles,
             frozenset((_stars(a), i) for a, i in heads.items()), ctx.world_size)
 

@@ -34,10 +34,10 @@ def place(model: nn.Module, world_size: int | None, rank: int | None,
 
 
 def resolve(model: nn.Module, plan: PlanArg, ctx: ShardContext, options: Options,
-            example_inputs: object, verify: bool) -> ResolvedPlan:
+            example_inputs: object, verify: bool, budget: int | None = None) -> ResolvedPlan:
     """The plan every module follows at this tp (rank-local; agreed on next)."""
     return resolve_plan(model, plan, ctx, example_inputs=example_inputs,
-                        adjust=options.adjust, verify=verify)
+                        adjust=options.adjust, verify=verify, max_memory=budget)
 
 
 def apply(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext, options: Options) -> list[str]:

@@ -15,6 +15,7 @@ from ..checkpoint.load import from_pretrained
 from ..checkpoint.param_count import parameter_summary
 from ..checkpoint.save_pretrained import save_pretrained
 from ..checkpoint.save_sharded import save_sharded
+from ..checkpoint.st_writer import parse_size
 from ..comm import overlap as overlap_switch
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_group
 from ..core.torch_compat import registered_child
@@ -54,12 +55,16 @@ class DistributedModelWrapper(nn.Module):
             (``"colwise"`` splits out_features, ``"rowwise"`` splits in_features,
             ``"colwise_gather_output"``, ``"rowwise_split_input"``,
             ``"packed_colwise"``, ``"embedding_rowwise"``, ``"replicate"``...),
-            a path to a YAML/JSON file holding one, or ``None`` (``"auto"``): the
-            model's own HF plan, else torchtp's built-in plan for its
-            architecture, else (any model) the automatic plan that pairs
-            Linears by dataflow and splits attention by whole heads.
-            ``"auto-memory"`` also splits what the automatic plan's cost guard
-            keeps replicated (more communication, less memory per rank).
+            a path to a YAML/JSON file holding one, or ``None`` (``"auto"``):
+            chosen by cost among the model's own HF plan, torchtp's built-in
+            plan for its architecture and (any model) the automatic plan that
+            pairs Linears by dataflow and splits attention by whole heads; a
+            layer split on its own (a head, an embedding) stays split only
+            where the memory it saves pays for its collectives. The fastest
+            candidate that fits wins; ``describe_plan()`` lists them (see
+            docs/performance.md, "How the plan is chosen"). ``"auto-memory"``:
+            the candidate with the least memory per rank, every split kept (more
+            communication). An explicit plan always wins.
         group: Process group; ``None`` for the default TP group.
         example_inputs: Inputs for one small probe forward of the automatic
             plan (positional args as a tuple, or keyword args as a dict);
@@ -103,6 +108,13 @@ class DistributedModelWrapper(nn.Module):
             ``None`` (default) follows the ``TP_OVERLAP`` environment variable,
             else the measured default per device (``torchtp.comm.overlap.AUTO``).
             Outputs and gradients are the same either way.
+        max_memory_per_rank: The most parameter bytes each rank may hold (an
+            int, or a size such as ``"2GiB"``, ``"500MB"``): with no explicit
+            plan, the fastest candidate that fits, splitting more layers that
+            would otherwise stay whole; an explicit plan that does not fit
+            raises. ``None`` (default): the fastest plan within 5% of the
+            leanest candidate's memory. Gradients and optimizer state scale
+            with the parameters (x2 to x4 more in training).
 
     Attributes:
         base_model: The parallelized model.
@@ -127,6 +139,7 @@ class DistributedModelWrapper(nn.Module):
         loss_parallel: bool = False, sequence_parallel: bool = False, verify_plan: bool = True,
         expert_parallel: bool | int | None = None, expert_dispatch: Dispatch = "auto",
         overlap: bool | None = None,
+        max_memory_per_rank: int | str | None = None,
     ) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -137,14 +150,16 @@ class DistributedModelWrapper(nn.Module):
         flags = (loss_parallel, sequence_parallel, expert_parallel, expert_dispatch)
         try:
             checks.refuse_wrapped(model, DistributedModelWrapper)
+            budget = memory_budget(max_memory_per_rank)
             ctx = tp_step.place(model, world_size, rank, group)
             if ctx.world_size == 1:  # nothing to split: the model runs whole (decision 106)
-                self._keep_whole(model, ctx, (plan, flags, example_inputs, verify_plan))
+                self._keep_whole(model, ctx, (plan, flags, example_inputs, verify_plan, budget))
                 return
             options = Options(*flags, experts_required=required)
             if "peft" in sys.modules:  # PEFT LoRA layers: planned on their base layers
                 detached = detach_adapters(model)
-            resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan)
+            resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan,
+                                       budget)
             period = {f"{step_check.ENV} (optimizer-step check period)":
                       step_check.period_from_env(),
                       f"overlap (overlap= or {overlap_switch.ENV})":
@@ -185,27 +200,28 @@ class DistributedModelWrapper(nn.Module):
         resolved on first use of :attr:`resolved_plan` (:meth:`describe_plan`,
         saves). Neither changes the model.
         """
-        plan, flags, example_inputs, verify = planning
+        plan, flags, example_inputs, verify, budget = planning
         self.base_model = model
         self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
-        self.__dict__.update(_resolved=None, _planning=(ctx, plan, flags, verify),
+        self.__dict__.update(_resolved=None, _planning=(ctx, plan, flags, verify, budget),
                              _wrap_fingerprint={"world_size": 1}, _dropout_site=None)
         self.parallelized_layers = []
         self.loss_parallel, self.sequence_parallel = flags[0], False
         self.training = model.training
-        asked = any(flags[:3]) or flags[3] != "auto"  # an option other than the defaults
+        # an option other than the defaults
+        asked = any(flags[:3]) or flags[3] != "auto" or budget is not None
         if (plan is not None and plan not in AUTO) or asked or example_inputs is not None:
             self._plan_whole(example_inputs)
 
     def _plan_whole(self, example_inputs: object = None) -> ResolvedPlan:
         """Resolve the plan at tp 1 as the wrap would, on the model's base layers (PEFT's
         adapters set aside meanwhile), without changing the model."""
-        ctx, plan, flags, verify = self.__dict__["_planning"]
+        ctx, plan, flags, verify, budget = self.__dict__["_planning"]
         options = Options(*flags)
         detached = detach_adapters(self.base_model) if "peft" in sys.modules else []
         try:
             resolved = tp_step.resolve(self.base_model, plan, ctx, options, example_inputs,
-                                       verify)
+                                       verify, budget)
         finally:
             attach_adapters(detached)
         self.__dict__["_resolved"] = resolved
@@ -314,6 +330,7 @@ class DistributedModelWrapper(nn.Module):
         device: torch.device | str | None = None, model_class: type | None = None,
         group: ProcessGroup | None = None, progress: bool = True, verify_plan: bool = True,
         expert_parallel: bool | int | None = None, expert_dispatch: Dispatch = "auto",
+        max_memory_per_rank: int | str | None = None, overlap: bool | None = None,
     ) -> DistributedModelWrapper:
         """Build the model on meta, wrap it, and read only this rank's shard of each tensor.
 
@@ -334,6 +351,8 @@ class DistributedModelWrapper(nn.Module):
             expert_parallel: As for the constructor; a checkpoint saved with
                 any split of the experts loads into any other.
             expert_dispatch: As for the constructor.
+            max_memory_per_rank: As for the constructor.
+            overlap: As for the constructor.
 
         Raises:
             ValueError: on every rank, for a missing/corrupt/truncated file, a
@@ -345,8 +364,10 @@ class DistributedModelWrapper(nn.Module):
         return from_pretrained(lambda model: cls(model, plan=plan, group=group,
                                                  verify_plan=verify_plan,
                                                  expert_parallel=expert_parallel,
-                                                 expert_dispatch=expert_dispatch), path, plan,
-                               dtype, device, model_class, group, progress)
+                                                 expert_dispatch=expert_dispatch,
+                                                 max_memory_per_rank=max_memory_per_rank,
+                                                 overlap=overlap),
+                               path, plan, dtype, device, model_class, group, progress)
 
     def save_sharded(self, directory: str | os.PathLike[str], timeout: float | None = None) -> None:
         """Collective: every rank writes its shard, rank 0 the metadata (see docs/checkpoints.md).
@@ -380,6 +401,25 @@ class DistributedModelWrapper(nn.Module):
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, "
                 f"parallelized_layers={len(self.parallelized_layers)}")
+
+
+def memory_budget(value: int | str | None) -> int | None:
+    """``max_memory_per_rank`` in bytes (``None``: no budget).
+
+    Raises:
+        ValueError: not a positive size (an int, or a number with a unit such as ``"2GiB"``).
+    """
+    if value is None:
+        return None
+    try:
+        budget = parse_size(value) if isinstance(value, (int, str)) else -1
+    except ValueError:
+        budget = -1
+    if isinstance(value, bool) or budget <= 0:
+        raise ValueError(f"max_memory_per_rank={value!r} is not a size; give the most "
+                         "parameter bytes per rank as a positive int or a number with a unit, "
+                         "e.g. '2GiB', '500MB'")
+    return budget
 
 
 def _experts_option(asked: bool | int | None, group: ProcessGroup | None
