@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtp.pipeline import PipelineSchedule, block_stage
+from torchtp.pipeline import PipelineSchedule, block_stage, decoder_stage
 
 from ._pipeline_checks import TOL, VOCAB, batch
 
@@ -90,3 +90,50 @@ def _compare(stage: Any, ref: nn.Module, loss: torch.Tensor | None,
     want = dict(ref.named_parameters())
     for name, p in stage.model.named_parameters():
         torch.testing.assert_close(p.grad, want[name].grad, **TOL, msg=name)
+
+
+def build_arch(arch: str) -> nn.Module:
+    """A tiny 4-layer float64 causal LM of ``arch`` (the same weights on every rank)."""
+    import transformers as tf
+
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 32}
+    configs = {
+        "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4,
+                                      n_positions=32, bos_token_id=0, eos_token_id=0,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "mistral": lambda: tf.MistralConfig(**common),
+        "qwen2": lambda: tf.Qwen2Config(**common),
+        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=8),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, head_dim=8, num_experts=4,
+                                               num_experts_per_tok=2, moe_intermediate_size=16),
+    }
+    torch.manual_seed(0)
+    config = configs[arch]()
+    # transformers' default experts kernel (grouped_mm) has no float64 kernel on CPU; the
+    # loop over experts computes the same sums (as in _moe_checks).
+    config._experts_implementation = "eager"
+    return tf.AutoModelForCausalLM.from_config(config).double()
+
+
+def check_architectures(rank: int, world_size: int, archs: list[str]) -> list[Any]:
+    """Each architecture as pp 2 (1F1B, 4 microbatches, uneven padding): the loss and every
+    gradient equal to one process's (GPT-2: tied embeddings, learned positions)."""
+    held = []
+    for arch in archs:
+        ref, model = build_arch(arch), build_arch(arch)
+        stage = decoder_stage(model, rank, world_size)
+        loss = PipelineSchedule(stage, 4, "1f1b").step(*batch(0))
+        ids, labels = batch(0)
+        ref_loss = F.cross_entropy(ref(input_ids=ids).logits[:, :-1].reshape(-1, VOCAB),
+                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+        ref_loss.backward()
+        if stage.is_last:
+            assert loss is not None
+            torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=arch)
+        want = dict(ref.named_parameters(remove_duplicate=False))
+        for name, p in stage.model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name].grad, **TOL, msg=f"{arch}: {name}")
+        held.append((arch, stage.tied, sum(1 for _ in stage.model.parameters())))
+    return held

@@ -270,3 +270,14 @@ def test_every_schedule_at_four_ranks_trains_like_one_process(ranks):
 
     out = ranks(check_schedules, 4, sorted(SCHEDULES), False, 8, timeout=600)
     assert out[1] == [[1], [1, 6], [1], [1, 5], [1, 5], [1, 5], [1, 6]]  # sorted names
+
+
+def test_gpt2_mistral_qwen_and_an_moe_train_like_one_process(ranks):
+    # GPT-2 has the other decoder layout (blocks in `h`, learned positions `wpe` added on
+    # the first stage only, tied embeddings); Qwen3-MoE routes tokens to experts.
+    from ._pipeline_block_checks import check_architectures
+
+    archs = ["gpt2", "mistral", "qwen2", "qwen3", "qwen3_moe"]
+    out = ranks(check_architectures, 2, archs, timeout=300)
+    assert [a for a, _, _ in out[0]] == archs
+    assert [t for _, t, _ in out[0]] == [True, False, False, False, False]

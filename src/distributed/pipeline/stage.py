@@ -24,6 +24,7 @@ from torch import nn
 
 from ..core.layouts import shard_range
 from .balance import param_balanced_split
+from .decoders import DecoderLayout, ZeroElsewhere, decoder_layout
 
 
 def stage_layers(num_layers: int, stages: int, split: Sequence[int] | None = None
@@ -165,6 +166,7 @@ class _Cut:
 
     ranges: list[range]
     tied: bool
+    layout: DecoderLayout
 
 
 def decoder_stage(model: Any, stage: int, stages: int,
@@ -172,9 +174,10 @@ def decoder_stage(model: Any, stage: int, stages: int,
     """Turn ``model`` (in place) into pipeline stage ``stage`` of ``stages``.
 
     Args:
-        model: A HuggingFace causal LM whose decoder (``get_decoder()``) keeps its
-            blocks in ``layers`` and its final norm in ``norm`` (Llama, Mistral,
-            Qwen2/3, their MoE variants...).
+        model: A HuggingFace causal LM whose decoder (``get_decoder()``) has
+            one of the layouts of :mod:`torchtp.pipeline.decoders`: blocks in
+            ``layers`` (Llama, Mistral, Qwen2/3, their MoE variants...) or in
+            ``h`` (GPT-2, GPT-Neo).
         stage: This rank's stage.
         stages: Pipeline stages (all of them, over every rank).
         split: Decoder layers per stage; ``None``: balanced layers
@@ -223,16 +226,17 @@ def decoder_stages(model: Any, stage_ids: Sequence[int], stages: int,
 
 
 def _plan(model: Any, stages: int, split: Sequence[int] | str | None) -> _Cut:
-    decoder = _decoder(model)
-    head = model.get_output_embeddings()
+    decoder, layout = decoder_layout(model)
+    head, blocks = model.get_output_embeddings(), getattr(decoder, layout.blocks)
     tied = stages > 1 and head.weight is model.get_input_embeddings().weight
     if split == "params":
-        split = param_balanced_split(_count(decoder.embed_tokens), list(map(_count, decoder.layers)),
-                                     _count(decoder.norm) + _count(head), stages)
+        first = sum(_count(getattr(decoder, a)) for a in (layout.embed, *layout.first_only))
+        split = param_balanced_split(first, list(map(_count, blocks)),
+                                     _count(getattr(decoder, layout.norm)) + _count(head), stages)
     elif isinstance(split, str):
         raise ValueError(f"split={split!r}: give layers per stage, None (balanced layers) or "
                          "'params' (balanced parameters)")
-    return _Cut(stage_layers(len(decoder.layers), stages, split), tied)
+    return _Cut(stage_layers(len(blocks), stages, split), tied, layout)
 
 
 def _count(module: nn.Module) -> int:
@@ -240,47 +244,42 @@ def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _dropped(model: Any, stage: int, stages: int, cut: _Cut) -> dict[int, Any]:
+    """What stage ``stage`` does not hold, by module id, and what stands in for each."""
+    decoder, layout = model.get_decoder(), cut.layout
+    out: dict[int, Any] = {id(block): Elsewhere(i)
+                           for i, block in enumerate(getattr(decoder, layout.blocks))
+                           if i not in cut.ranges[stage] and not isinstance(block, Elsewhere)}
+    if stage != 0:  # only the first stage reads token ids
+        out[id(getattr(decoder, layout.embed))] = None
+        for attr, kind in layout.first_only.items():
+            out[id(getattr(decoder, attr))] = ZeroElsewhere(attr) if kind == "zero" \
+                else Elsewhere(attr)
+    if stage != stages - 1:  # the final norm and the LM head belong to the last stage
+        out[id(getattr(decoder, layout.norm))] = Elsewhere(layout.norm)
+        out[id(model.get_output_embeddings())] = None
+    return out
+
+
 def _copy_of_stage(model: Any, stage: int, stages: int, cut: _Cut) -> Any:
     """A deep copy of ``model`` without what stage ``stage`` drops (never copied)."""
-    decoder = model.get_decoder()
-    memo: dict[int, Any] = {id(layer): Elsewhere(i) for i, layer in enumerate(decoder.layers)
-                            if i not in cut.ranges[stage]}
-    if stage != 0:
-        memo[id(decoder.embed_tokens)] = None
-    if stage != stages - 1:
-        memo[id(model.get_output_embeddings())] = None
-        memo[id(decoder.norm)] = Elsewhere("norm")
-    return copy.deepcopy(model, memo)
+    return copy.deepcopy(model, _dropped(model, stage, stages, cut))
 
 
 def _cut_in_place(model: Any, stage: int, stages: int, cut: _Cut) -> DecoderStage:
-    decoder = model.get_decoder()
-    layers = decoder.layers
+    decoder, layout = model.get_decoder(), cut.layout
     if cut.tied and stage == stages - 1:  # the last stage's own copy of the shared weight
-        head, embed = model.get_output_embeddings(), decoder.embed_tokens
+        head, embed = model.get_output_embeddings(), getattr(decoder, layout.embed)
         if embed is not None and head.weight is embed.weight:
             head.weight = nn.Parameter(head.weight.detach().clone(),
                                        requires_grad=head.weight.requires_grad)
-    mine = cut.ranges[stage]
-    for i in range(len(layers)):
-        if i not in mine and not isinstance(layers[i], Elsewhere):
-            layers[i] = Elsewhere(i)
-    if stage != 0:
-        decoder.embed_tokens = None  # only the first stage reads token ids
+    standins = _dropped(model, stage, stages, cut)
+    for parent in (decoder, getattr(decoder, layout.blocks)):
+        for name, child in list(parent.named_children()):
+            if id(child) in standins:
+                setattr(parent, name, standins[id(child)])
     if stage != stages - 1:
-        decoder.norm = Elsewhere("norm")  # the final norm belongs to the last stage
         model.set_output_embeddings(None)
-    built = DecoderStage(model, stage, stages, mine)
+    built = DecoderStage(model, stage, stages, cut.ranges[stage])
     built.tied = cut.tied
     return built
-
-
-def _decoder(model: Any) -> Any:
-    get = getattr(model, "get_decoder", None)
-    decoder = get() if callable(get) else None
-    if decoder is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList) \
-            or not hasattr(decoder, "norm") or model.get_output_embeddings() is None:
-        raise ValueError(f"{type(model).__name__}: decoder_stage needs a HuggingFace causal LM "
-                         "whose decoder holds its blocks in `layers` (an nn.ModuleList), its "
-                         "final norm in `norm` and an output embedding (the LM head)")
-    return decoder
