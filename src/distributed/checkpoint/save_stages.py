@@ -27,9 +27,9 @@ from torch.distributed.tensor import DTensor
 from ..comm.objects import all_gather_object
 from ..comm.runtime import group_rank
 from .atomic import make_tmp, publish_agreed, step, validate
+from .hf_stream import gather_full, stream
 from .parts import Part, parts
 from .placements import placements
-from .save_pretrained import gather_full, stream
 from .save_sharded import gather_layouts, save_config
 from .st_writer import TensorSpec, hf_file_names, parse_size, plan_shards, write_index
 

@@ -39,8 +39,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..checkpoint.atomic import enter
+from ..checkpoint.hf_stream import gather_full
 from ..checkpoint.placements import placements
-from ..checkpoint.save_pretrained import gather_full
 from ..checkpoint.save_sharded import gather_layouts
 from ..comm.regions import (
     copy_to_tensor_parallel_region,

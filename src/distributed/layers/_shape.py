@@ -1,6 +1,8 @@
-"""The error for an input whose last dimension does not fit the layer."""
+"""Shapes at the layers: the error for an input that does not fit, rows of a tensor."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -20,3 +22,12 @@ def input_mismatch(layer: nn.Module, x: torch.Tensor, expected: int) -> ValueErr
     return ValueError(
         f"{layer._name()} on rank {layer.rank} of world_size={layer.world_size}: "  # type: ignore[operator]
         f"input last dimension must be {expected}, got {got} (input shape {tuple(x.shape)})")
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``(N, last)``: every leading dimension flattened into rows.
+
+    Unlike ``reshape(-1, last)`` it is defined when ``t`` has no elements (a
+    layer holding none of a whole expert elsewhere: ``last == 0``).
+    """
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])

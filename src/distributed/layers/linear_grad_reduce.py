@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 
 from ..comm.grad_reduce import SharedGrad, enter_shared
 from ..comm.runtime import ProcessGroup
+from ._shape import rows
 
 
 class _LinearGradReduce(torch.autograd.Function):
@@ -63,10 +64,10 @@ class _LinearGradReduce(torch.autograd.Function):
             else:
                 finish = shared.add(partial)  # the last sibling: the all-reduce is in flight
         try:
-            grad_2d = grad.reshape(-1, grad.shape[-1])  # (N, out/tp)
+            grad_2d = rows(grad)  # (N, out/tp)
             grad_w = grad_b = None
             if need_w:
-                x_2d = x.reshape(-1, x.shape[-1]).to(grad.dtype)  # (N, in)
+                x_2d = rows(x).to(grad.dtype)  # (N, in)
                 grad_w = grad_2d.t().mm(x_2d).to(w_dtype)  # (out/tp, in)
             if need_b:
                 grad_b = grad_2d.sum(0).to(b_dtype)  # (out/tp,)

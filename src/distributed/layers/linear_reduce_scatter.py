@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from ..comm.chunked import Product, all_gather_apply, matmul_reduce_scatter
 from ..comm.runtime import ProcessGroup
+from ._shape import rows
 
 
 class _LinearReduceScatter(torch.autograd.Function):
@@ -54,8 +55,8 @@ class _LinearReduceScatter(torch.autograd.Function):
         grad_x = outs[0].to(x.dtype) if need_x else None
         grad_w = None
         if need_w:
-            full_2d = full.reshape(-1, full.shape[-1])  # (B*T, out)
-            x_2d = x.reshape(-1, x.shape[-1]).to(grad.dtype)  # (B*T, in/tp)
+            full_2d = rows(full)  # (B*T, out)
+            x_2d = rows(x).to(grad.dtype)  # (B*T, in/tp)
             grad_w = full_2d.t().mm(x_2d).to(weight.dtype)  # (out, in/tp)
         return grad_x, grad_w, None, None, None
 
