@@ -49,7 +49,7 @@ COMPAT_SMOKE ?= tests/distributed/test_compat_fence.py \
 	$(HF_PLANS)::test_tied_weights_stay_one_parameter \
 	$(HF_PLANS)::test_more_ranks_than_heads_raise_at_wrap_time_with_valid_sizes \
 	$(HF_PLANS)::test_kv_groups_stay_together_and_kv_heads_replicate_when_fewer \
-	"tests/distributed/test_hf_models.py::test_architectures_match_the_unsharded_model[2]" \
+	"tests/distributed/test_hf_models.py::test_architectures_match_the_unsharded_model[2-None]" \
 	tests/distributed/test_collective_counts.py
 
 $(COMPAT_OLD): $(STAMP) .ci/compat_venv.py
