@@ -259,3 +259,23 @@ def test_license_is_an_spdx_string_with_its_files_and_a_backend_that_reads_it() 
     setuptools = [r for r in pyproject["build-system"]["requires"] if r.startswith("setuptools")]
     bound = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", setuptools[0])
     assert bound is not None and int(bound.group(1)) >= 77, setuptools
+
+
+def test_the_compat_smoke_names_tests_that_exist() -> None:
+    """``make test`` ends with the compat smoke run, which names single tests by id: a test
+    renamed or newly parametrized would fail CI only there, after the whole suite."""
+    import subprocess
+    import sys
+
+    makefile = (ROOT / "Makefile").read_text()
+    block = re.search(r"^COMPAT_SMOKE \?= (.*?)\n\n", makefile, re.S | re.M)
+    assert block is not None
+    plans = re.search(r"^HF_PLANS := (\S+)", makefile, re.M)
+    assert plans is not None
+    ids = [t.strip('"').replace("$(HF_PLANS)", plans.group(1))
+           for t in block.group(1).replace("\\\n", " ").split()]
+    assert len(ids) > 3
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider", *ids], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
