@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ..core.layouts import held_shape, place
-from .atomic import group_size
+from .atomic import group_size, publish_agreed, step
 from .placements import Placement, checkpoint_local
-from .st_writer import TensorSpec, tensor_bytes
+from .st_writer import TensorSpec, tensor_bytes, write_index
 from .st_writer import header_bytes as _header
 
 
@@ -80,3 +80,16 @@ def _place_one(local: torch.Tensor, p: Placement) -> torch.Tensor:
     full = torch.empty(p.layout.full_shape, dtype=local.dtype)
     place(full, local.cpu(), *p.layout.record())
     return full
+
+
+def finish(what: str, tmp: str, directory: str, files: list[list[TensorSpec]], names: list[str],
+           error: BaseException | None, group: Any, rank: int) -> None:
+    """Rank 0 writes the index of a sharded directory; then every rank agrees and the
+    directory is published (or every rank raises the first error)."""
+    if rank == 0 and error is None and len(files) > 1:
+        try:
+            write_index(tmp, files, names)
+        except OSError as err:
+            error = err
+    step(what, error, group, tmp, rank)
+    publish_agreed(what, tmp, directory, group, rank)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .atomic import make_tmp, publish_agreed, step, validate
-from .hf_stream import gather_full, stream
+from .atomic import make_tmp, step, validate
+from .hf_stream import finish, gather_full, stream
 from .parts import is_pipeline
 from .placements import placements
 from .save_sharded import gather_layouts, save_config
@@ -22,7 +22,6 @@ from .st_writer import (
     hf_file_names,
     parse_size,
     plan_shards,
-    write_index,
 )
 
 _WHAT = "save_pretrained"
@@ -62,10 +61,4 @@ def save_pretrained(wrapper: Any, directory: str | os.PathLike[str],
     by_name = {p.name: p for p in items}
     error = stream(tmp, files, names, lambda s: gather_full(by_name[s.name], layouts, group),
                    rank == 0)
-    if rank == 0 and error is None and len(files) > 1:
-        try:
-            write_index(tmp, files, names)
-        except OSError as err:
-            error = err
-    step(_WHAT, error, group, tmp, rank)
-    publish_agreed(_WHAT, tmp, directory, group, rank)
+    finish(_WHAT, tmp, directory, files, names, error, group, rank)

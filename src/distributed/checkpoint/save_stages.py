@@ -26,12 +26,12 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.objects import all_gather_object
 from ..comm.runtime import group_rank
-from .atomic import make_tmp, publish_agreed, step, validate
-from .hf_stream import gather_full, stream
+from .atomic import make_tmp, step, validate
+from .hf_stream import finish, gather_full, stream
 from .parts import Part, parts
 from .placements import placements
 from .save_sharded import gather_layouts, save_config
-from .st_writer import TensorSpec, hf_file_names, parse_size, plan_shards, write_index
+from .st_writer import TensorSpec, hf_file_names, parse_size, plan_shards
 
 _WHAT = "save_pretrained"
 
@@ -91,13 +91,7 @@ def save_stages(model: Any, directory: str | os.PathLike[str], max_shard_size: i
             failed = _write(tmp, part, own, names[first:first + len(own)], writes)
             error = error or failed  # after a failed write the gathers still go on
     every_file = [f for s in sorted(files) for f in files[s]]
-    if rank == 0 and error is None and len(every_file) > 1:
-        try:
-            write_index(tmp, every_file, names)
-        except OSError as err:
-            error = err
-    step(_WHAT, error, world, tmp, rank)
-    publish_agreed(_WHAT, tmp, directory, world, rank)
+    finish(_WHAT, tmp, directory, every_file, names, error, world, rank)
 
 
 def _write(tmp: str, part: Part, files: list[list[TensorSpec]], names: list[str],
