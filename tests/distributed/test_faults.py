@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -400,7 +401,10 @@ def _exit_protection(rank: int, world: int) -> dict[str, object]:
 
     tp, _ = _wrapped()
     tp.train()
-    caught = _timed(tp, torch.randn(2, 16) + rank)[0]  # each rank a different batch
+    with warnings.catch_warnings():
+        # The naming gather must not use a collective torch deprecates (a user-visible warning).
+        warnings.simplefilter("error", FutureWarning)
+        caught = _timed(tp, torch.randn(2, 16) + rank)[0]  # each rank a different batch
     st = _health.state(dist.group.WORLD)
     # The input check's object gather: its byte tensors stay held until Gloo's
     # worker lets go (torch's all_gather_object would drop them at once).

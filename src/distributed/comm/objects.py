@@ -5,7 +5,7 @@ and drops them as soon as the collective's wait returns; Gloo's worker thread
 lets go of the collective a moment later and may then free those tensors
 itself, after the interpreter began shutting down, which aborts the process
 (see ``torchtp.comm.health._hold``). This version sends the same bytes through
-two ``all_gather_into_tensor`` calls whose tensors torchtp holds until the
+two all-gathers into one tensor whose tensors torchtp holds until the
 worker released them, like every other torchtp collective.
 """
 
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import health as _health
+from .ops import gather_single
 from .runtime import ProcessGroup
 
 
@@ -31,7 +32,7 @@ def _device(group: ProcessGroup) -> torch.device:
 def _gather(tensor: torch.Tensor, st: _health.GroupState, what: str) -> torch.Tensor:
     """Every rank's 1-D ``tensor`` (same length on every rank), concatenated: ``(world * n,)``."""
     out = torch.empty(st.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    work = dist.all_gather_into_tensor(out, tensor, group=st.group, async_op=True)
+    work = gather_single(out, tensor, group=st.group, async_op=True)
     _health.wait_and_hold(work, st, (tensor, out), what)
     return out
 
