@@ -74,7 +74,7 @@ def _guards_alone(wrapped: torch.nn.Module, ids: torch.Tensor, group: Any) -> di
 
     model = wrapped.base_model
     kwargs = {"input_ids": ids, "use_cache": False}
-    inputs, faults = InputCheck(model, group, None), ForwardGuard(group)
+    inputs, faults = InputCheck(model, group, dist.get_world_size(group), None), ForwardGuard(group)
 
     def input_check() -> None:
         inputs.before((), kwargs)  # hash + join the next all-reduce

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function_unary
@@ -304,7 +305,7 @@ def reduce_scatter_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pe
     return _issued(work, n, "reduce_scatter", full, group, out)
 
 
-@dataclass
+@dataclass(eq=False)  # rides are found by identity (their values are tensors)
 class Ride:
     """A few values summed over a group along with its next float all-reduce.
 
@@ -312,7 +313,7 @@ class Ride:
     costs no collective of its own.
     """
 
-    values: list[float]  # 0 or 1: sums over <= 256 ranks are exact in every float dtype
+    values: torch.Tensor  # (k,) uint8, 0 or 1: sums over <= 256 ranks are exact in every float dtype
     device: torch.device  # for the separate all-reduce when no all-reduce carried them
     result: list[float] | None = None  # the sums over the group, once reduced
 
@@ -322,9 +323,9 @@ _RIDE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SUM = torch_op("sum")  # what rides and sum-like reductions (average) communicate
 
 
-def ride_next_all_reduce(group: ProcessGroup | None, values: list[float],
+def ride_next_all_reduce(group: ProcessGroup | None, values: torch.Tensor,
                          device: torch.device) -> Ride:
-    """Sum ``values`` with the next eager floating-point sum all-reduce over ``group``.
+    """Sum ``values`` (``(k,)`` uint8, each 0 or 1) with ``group``'s next float sum all-reduce.
 
     That all-reduce's own tensor is reduced unchanged (the values are appended
     to a copy of it, which is copied back); it is agreed and counted as one
@@ -350,8 +351,10 @@ def ride_hash(group: ProcessGroup | None, data: bytes, device: torch.device) -> 
 
     Read the verdict with :func:`ride_agrees` after that all-reduce ran.
     """
-    bits = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-    return ride_next_all_reduce(group, [float(bits >> i & 1) for i in range(64)], device)
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    # (64,) uint8 bits: one numpy call, no Python loop (this runs on every forward).
+    bits = torch.from_numpy(np.unpackbits(np.frombuffer(digest, dtype=np.uint8)))
+    return ride_next_all_reduce(group, bits, device)
 
 
 def ride_agrees(group: ProcessGroup | None, ride: Ride, size: int) -> bool:
@@ -359,14 +362,15 @@ def ride_agrees(group: ProcessGroup | None, ride: Ride, size: int) -> bool:
 
     Every rank reads the same sums, so every rank gives the same verdict.
     """
-    return all(v in (0.0, float(size)) for v in ride_result(group, ride))
+    sums = ride_result(group, ride)
+    return sums.count(0.0) + sums.count(float(size)) == len(sums)
 
 
 def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
     """The sums of ``ride``'s values over ``group``: one small all-reduce if none carried them."""
     cancel_ride(group, ride)
     if ride.result is None:
-        values = torch.tensor(ride.values, dtype=torch.float64, device=ride.device)
+        values = ride.values.to(device=ride.device, dtype=torch.float64)
         ride.result = all_reduce_(values, group).tolist()
     return ride.result
 
@@ -376,9 +380,12 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
     """Sum ``tensor`` (contiguous, ``(...)``) and the rides' values in one collective."""
     st = _health.state(group)
     flat = tensor.view(-1)
-    values = [v for ride in rides for v in ride.values]
-    extra = torch.tensor(values, dtype=tensor.dtype, device=tensor.device)
-    buf = torch.cat([flat, extra])  # (numel + k,): the real buffer goes to the backend
+    extra = rides[0].values if len(rides) == 1 else torch.cat([r.values for r in rides])
+    if extra.device != flat.device:
+        extra = extra.to(flat.device)
+    # (numel + k,) in the tensor's dtype (cat promotes the uint8 bits): the real buffer
+    # goes to the backend.
+    buf = torch.cat([flat, extra])
     # Agreed and counted as the caller's all-reduce: every rank appends the same k
     # values, and a shape mismatch is named in the model's shapes.
     n = _health.before("all_reduce", tensor, st)
@@ -389,7 +396,8 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
     flat.copy_(buf[:flat.numel()])
     sums, start = buf[flat.numel():].tolist(), 0
     for ride in rides:
-        ride.result, start = sums[start:start + len(ride.values)], start + len(ride.values)
+        k = ride.values.numel()
+        ride.result, start = sums[start:start + k], start + k
     return tensor
 
 

@@ -58,7 +58,8 @@ def install(model: nn.Module, ctx: ShardContext, layer_names: list[str],
     step_check.track(model, ctx.group)
     ddp_guard.install()  # later DDPs leave the shards alone
     faults = ForwardGuard(ctx.group)
-    inputs = InputCheck(model, ctx.group, first_layer_shard_width(model, layer_names))
+    inputs = InputCheck(model, ctx.group, ctx.world_size,
+                        first_layer_shard_width(model, layer_names))
     before: list[Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]] = [
         lambda m, _a, _k: ddp_guard.check_active_ddp(m),
         *(_model_step(check) for check in framework_checks),

@@ -4,10 +4,10 @@ Hooks on the wrapped model (``base_model``) run however it is called: through
 the wrapper, directly (``TensorParallelTrainer``), by HF's ``generate``, or by
 a PEFT model around it. Training and eval alike.
 
-Cost: before the forward, each input tensor's digest
-(:func:`torchtp.guards.fingerprints.tensor_digest`: shape, dtype and a strided sample
-of at most 256 elements) is hashed into a 64-bit hash. Its bits, as 64
-values 0 or 1, ride along with the forward's first floating-point sum
+Cost: before the forward, every input tensor's name, shape, dtype and a
+strided sample of at most 256 elements
+(:func:`torchtp.guards.fingerprints.sample_bytes`) are hashed into one 64-bit
+hash. Its bits, as 64 values 0 or 1, ride along with the forward's first floating-point sum
 all-reduce over the TP group (:func:`torchtp.comm.ops.ride_next_all_reduce`:
 appended to a copy of its buffer, the model's values copied back untouched),
 so no extra collective runs. After the forward every rank reads the 64 sums:
@@ -33,7 +33,6 @@ everything under ``TP_CHECK_INPUTS=0``.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +46,8 @@ from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup
 from ..core import log as _logging
 from ..layers import ColumnParallelLinear
-from .fingerprints import named_tensors, raise_different_inputs, tensor_digest
+from .fingerprints import named_tensors, raise_different_inputs, sample_bytes, tensor_digest
 
-_BITS = 64  # a 64-bit hash of the digests, one value per bit
 _SKIP = ("past", "cache")  # keyword arguments holding each rank's shard of a KV cache
 
 
@@ -71,13 +69,14 @@ class InputCheck:
     Args:
         module: The wrapped model.
         group: The TP group (more than one rank).
+        size: Its number of ranks.
         shard_width: This rank's share of ``in_features`` when the model's first
             parallel layer takes input shards; ``None`` otherwise.
     """
 
-    def __init__(self, module: nn.Module, group: ProcessGroup | None,
+    def __init__(self, module: nn.Module, group: ProcessGroup | None, size: int,
                  shard_width: int | None) -> None:
-        self.module, self.group, self.shard_width = module, group, shard_width
+        self.module, self.group, self.size, self.shard_width = module, group, size, shard_width
         self.pending: _Forward | None = None
 
     def before(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -87,17 +86,16 @@ class InputCheck:
         self.pending = None
         # Every rank rides, with or without tensor arguments: the riding all-reduce
         # must carry the same number of values on every rank.
-        values, device = _encoded(args, kwargs, self.shard_width)
+        data, device = _hashed(args, kwargs, self.shard_width)
         if device is None:
             device = next(self.module.parameters(), torch.empty(0)).device
-        self.pending = _Forward(args, kwargs,
-                                _comm.ride_next_all_reduce(self.group, values, device))
+        self.pending = _Forward(args, kwargs, _comm.ride_hash(self.group, data, device))
 
     def returned(self) -> None:
         """The forward returned: every rank reads the summed hash bits, the same verdict."""
         fwd, self.pending = self.pending, None
         if fwd is not None:
-            _verdict(fwd, self.group, self.shard_width)
+            _verdict(fwd, self.group, self.size, self.shard_width)
 
     def cleanup(self) -> None:
         """After the forward: a forward that raised must not leave its hash riding."""
@@ -132,25 +130,27 @@ def _detail(t: torch.Tensor, shard_width: int | None) -> str:
     return tensor_digest(t)
 
 
-def _encoded(args: tuple[Any, ...], kwargs: dict[str, Any],
-             shard_width: int | None) -> tuple[list[float], torch.device | None]:
-    """``_BITS`` values 0 or 1: the bits of a hash of every argument's digest; and the
-    inputs' device (``None``: no tensors)."""
-    h = hashlib.blake2b(digest_size=_BITS // 8)
+def _hashed(args: tuple[Any, ...], kwargs: dict[str, Any],
+            shard_width: int | None) -> tuple[bytes, torch.device | None]:
+    """What the ranks' hashes are taken of: every argument's name, shape, dtype and
+    sampled values (the shape alone for an input shard); and the inputs' device
+    (``None``: no tensors). Few Python steps: it runs before every forward."""
+    parts: list[bytes] = []
     device = None
     for name, t in _checked(args, kwargs):
         device = t.device if device is None else device
-        h.update(f"{name}={_detail(t, shard_width)};".encode())
-    bits = int.from_bytes(h.digest(), "little")
-    return [float(bits >> i & 1) for i in range(_BITS)], device
+        if _shape_only(t, shard_width):
+            parts.append(f"{name}={tuple(t.shape[:-1])}+shard{t.dtype};".encode())
+        else:
+            parts.append(f"{name}={tuple(t.shape)}{t.dtype}:".encode())
+            parts.append(sample_bytes(t))
+    return b"".join(parts), device
 
 
-def _verdict(fwd: _Forward, group: ProcessGroup | None, shard_width: int | None) -> None:
-    """Raise :class:`RankMismatchError` on every rank if the ranks' digests differ."""
-    sums = _comm.ride_result(group, fwd.ride)  # _BITS bit counts, summed over the group
-    size = dist.get_world_size(group)
-    if all(s in (0.0, size) for s in sums):
+def _verdict(fwd: _Forward, group: ProcessGroup | None, size: int,
+             shard_width: int | None) -> None:
+    """Raise :class:`RankMismatchError` on every rank if the ranks' hashes differ."""
+    if _comm.ride_agrees(group, fwd.ride, size):
         return
     mine = {name: _detail(t, shard_width) for name, t in _checked(fwd.args, fwd.kwargs)}
     raise_different_inputs(all_gather_object(mine, group, "the input check"), "every forward")
-
