@@ -167,7 +167,7 @@ def _two_sgd_steps(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module
         with torchtp.count_collectives() as bwd:
             _loss(wrapped.base_model, got).backward()
         _loss(ref, want).backward()
-        _check_grads(wrapped, ref)
+        check_grads(wrapped, ref)
         counts.append((dict(fwd.counts), dict(bwd.counts)))
         opt.step()
         ref_opt.step()
@@ -176,7 +176,7 @@ def _two_sgd_steps(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module
     return counts
 
 
-def _check_grads(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module) -> None:
+def check_grads(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module) -> None:
     ref_params = dict(ref.named_parameters())
     for name, p in wrapped.base_model.named_parameters():
         module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
@@ -189,18 +189,34 @@ def _check_grads(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module) -> No
                                                               want), **TOL, msg=name)
 
 
-def check_lora_on_partial_refused(rank: int, world_size: int) -> str:
-    """LoRA on a ``rowwise_partial`` expert raises on every rank, naming the fix."""
+def check_lora_on_partial(rank: int, world_size: int) -> list[str]:
+    """LoRA on every ``rowwise_partial`` expert (its terms are partial sums too) against
+    unsharded LoRA from the same seeds: outputs after two AdamW steps of the adapters."""
     from peft import LoraConfig, get_peft_model
 
+    def lora() -> LoraConfig:  # a non-zero B after the first step changes the outputs
+        return LoraConfig(r=2, target_modules=["down"], init_lora_weights="gaussian")
+
+    torch.manual_seed(0)
+    ref_base = HandMoEBlock().double()
     torch.manual_seed(0)
     wrapped = torchtp.DistributedModelWrapper(HandMoEBlock().double())
-    model = get_peft_model(wrapped.base_model, LoraConfig(r=2, target_modules=["down"]))
-    try:
-        model(torch.randn(2, 3, 8, dtype=torch.float64))
-    except ValueError as err:
-        return str(err)
-    raise AssertionError("LoRA on a partial-sum layer ran")
+    torch.manual_seed(5)
+    ref = get_peft_model(ref_base, lora())
+    torch.manual_seed(5)
+    model = get_peft_model(wrapped.base_model, lora())
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for m in (ref, model)]
+    for _ in range(2):
+        torch.testing.assert_close(model(x), ref(x), **TOL)
+        for m, opt in zip((ref, model), opts, strict=True):
+            _loss(m, m(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(model(x), ref(x), **TOL)
+    return sorted(n for n, s in wrapped.resolved_plan.assignments.items()
+                  if s.name == "rowwise_partial")
 
 
 def check_hand_moe_ep(rank: int, world_size: int, kind: str,
@@ -280,7 +296,7 @@ def check_hand_moe_compiled(rank: int, world_size: int, ep: bool) -> int:
         torch.testing.assert_close(got, want, **TOL)
         got.square().sum().backward()
         want.square().sum().backward()
-        _check_grads(wrapped, ref)
+        check_grads(wrapped, ref)
         for p in [*wrapped.parameters(), *ref.parameters()]:
             p.grad = None
     return 2

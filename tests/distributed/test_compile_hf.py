@@ -35,15 +35,17 @@ def _compile_archs(rank: int, world_size: int, archs: list[str]) -> dict[str, in
         # the attention modules (and recompiles), with unchanged numbers.
         wrapped.base_model.set_attn_implementation("sdpa")
         ref.set_attn_implementation("sdpa")
-        attn = next(m for n, m in wrapped.named_modules() if n.endswith("attn"))
+        attn = next(m for n, m in wrapped.named_modules() if n.endswith(("attn", "attention")))
         assert attn.config._attn_implementation == "sdpa", arch
         with torch.no_grad():
             torch.testing.assert_close(compiled(**batch).logits, ref(**batch).logits, **GRADS)
     return breaks
 
 
-def test_hf_fullgraph_compile_llama(ranks):
-    assert ranks(_compile_archs, 2, ["llama"], timeout=400) == [{"llama": 0}] * 2
+def test_hf_fullgraph_compile_llama_and_a_parallel_residual_model(ranks):
+    # GPT-NeoX: both branches' partial sums reduced once per layer (reduce_residual's hooks).
+    archs = ["llama", "gpt_neox"]
+    assert ranks(_compile_archs, 2, archs, timeout=400) == [dict.fromkeys(archs, 0)] * 2
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ def test_unknown_style_lists_valid_ones():
             r"unknown plan style 'columnwise' for '0'; valid styles: colwise, "
             r"colwise_gather_output, colwise_rep, embedding_colwise, embedding_rowwise, "
             r"ep_dispatch_experts, keep_full_weight, moe_tp_experts, packed_colwise, "
-            r"partial_grad_output, reduce_input, reduce_output, replicate, "
+            r"partial_grad_output, reduce_input, reduce_output, reduce_residual, replicate, "
             r"replicated_with_grad_allreduce, "
             r"rowwise, rowwise_partial, rowwise_rep, rowwise_split_input, sequence_parallel$")):
         DistributedModelWrapper(mlp(), world_size=2, rank=0, plan={"0": "columnwise"})

@@ -34,7 +34,9 @@ EXPECTED_COLLECTIVES = {
 # and LM heads are kept whole (splitting one alone saves 16 KiB per rank for
 # milliseconds of collectives), and Phi-3 gets torchtp's built-in part-wise split of
 # qkv_proj / gate_up_proj instead of HF's gathers: 2 all-reduces per layer, nothing else.
-CHOSEN = {arch: {"all_reduce": 4} for arch in EXPECTED_COLLECTIVES}
+# GPT-NeoX's parallel residual (x + attention(x) + mlp(x)) sums both branches' partial
+# outputs once: 1 all-reduce per layer (torchtp.plans.late_reduce, reduce_residual).
+CHOSEN = {arch: {"all_reduce": 2 if arch == "gpt_neox" else 4} for arch in EXPECTED_COLLECTIVES}
 
 
 @pytest.mark.parametrize("world_size, plan", [(2, None), (4, "auto-memory")])

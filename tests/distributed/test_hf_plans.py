@@ -22,8 +22,9 @@ from ._hf_models import build
 UNPLANNED = {
     "llama": {"all_reduce": 4},
     "opt": {"all_reduce": 4},
-    # Interleaved fused qkv (per-head [q k v]), told apart from stacked by the probe.
-    "gpt_neox": {"all_reduce": 4},
+    # Interleaved fused qkv (per-head [q k v]), told apart from stacked by the probe;
+    # the parallel residual reduced once per layer (reduce_residual).
+    "gpt_neox": {"all_reduce": 2},
     # q/k/v in attention.self, the output projection in a sibling module.
     "bert": {"all_reduce": 4},
     # Fused qkv, ALiBi biases narrowed to each rank's heads: interleaved (Bloom), stacked (MPT).

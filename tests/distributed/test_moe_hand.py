@@ -55,12 +55,11 @@ def test_router_logits_read_by_an_aux_loss_keep_one_all_reduce_per_expert(runs):
         assert fwd.get("all_reduce", 0) >= 3, fwd
 
 
-def test_lora_on_an_expert_left_as_a_partial_sum_is_refused_on_every_rank(ranks):
-    from ._hand_moe import check_lora_on_partial_refused
+def test_lora_on_experts_left_as_partial_sums_matches_unsharded_lora(ranks):
+    from ._hand_moe import check_lora_on_partial
 
-    for msg in ranks(check_lora_on_partial_refused, 2):
-        assert "LoRA adapters on a 'rowwise_partial' layer" in msg
-        assert "plan={...: 'rowwise'}" in msg
+    for partial in ranks(check_lora_on_partial, 2):
+        assert partial == sorted([f"moe.{n}" for n in EXPERTS] + ["moe.shared.down"]), partial
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

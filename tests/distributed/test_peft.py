@@ -86,6 +86,10 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
         torch.testing.assert_close(logits, ref(**batch).logits, **CLOSE)
         out[f"wrapped_inner={inner}"] = (wrapped.resolved_plan.source.split(",")[0],
                                          dict(counter.counts))
+    # GPT-NeoX's parallel residual: 'dense' and 'dense_4h_to_h' are partial sums reduced
+    # once per layer (reduce_residual), their LoRA terms partial sums with them.
+    _, neox = _train("gpt_neox", "all-linear", steps=2)
+    out["neox_partial"] = sum(getattr(m, "partial_output", False) for m in neox.modules())
     # Uneven shares (vocab 97, hidden 70): LoRA on the gathered LM head too.
     _train("llama-uneven", ["q_proj", "lm_head"], steps=1)
     # Sequence parallelism would need other regions around the LoRA terms: refused.
@@ -109,6 +113,7 @@ def test_lora_matches_unsharded_lora(ranks, tmp_path):
     assert ranks(_peft_suite, 2, str(tmp_path / "adapter"), timeout=300) == [{
         "q_proj": "TensorParallelLoraLinear",
         "all_linear": 14,  # 7 projections x 2 layers, never the LM head
+        "neox_partial": 4,  # 2 partial output projections x 2 layers, under LoRA
         "wrapped_inner=False": (hf_plan, per_forward),
         "wrapped_inner=True": (hf_plan, per_forward),
     }] * 2

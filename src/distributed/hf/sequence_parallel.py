@@ -35,6 +35,7 @@ from ..plans import ResolvedPlan, ShardContext
 from ..plans.linear_view import linear_view
 from ..plans.registry import STYLES
 from ..plans.styles import Colwise, Rowwise
+from ..plans.styles_partial import RowwisePartial
 from ..plans.styles_sp import SequenceParallel
 from .detect import is_hf_model
 
@@ -145,6 +146,11 @@ def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) 
             continue
         full = f"{block}.{name}"
         style = plan.assignments.get(full)
+        if isinstance(style, RowwisePartial):
+            raise ValueError(f"{WHO}: '{full}' is 'rowwise_partial' (its output summed later "
+                             "with other layers'), which has no sequence-parallel form; pass "
+                             f"plan={{'{full}': 'rowwise', ...}} or wrap without "
+                             "sequence_parallel")
         if isinstance(style, Rowwise) and not style.split_input:
             outs.append(full)
         elif not (isinstance(style, Colwise) and not style.gather_output):

@@ -46,7 +46,6 @@ from ..comm.regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     rank_local_error,
-    reduce_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 from ..core.layouts import ParamLayout
@@ -120,14 +119,6 @@ class TensorParallelLoraLinear(LoraLinear):
             raise ValueError(f"{self._name()}: LoRA adapters with sequence_parallel=True are not "
                              "supported; wrap with sequence_parallel=False (loss_parallel=True "
                              "works with LoRA)")
-        if getattr(base, "partial_output", False):
-            # Its output is summed later with other layers' partials: a full LoRA
-            # delta added here would be counted once per rank.
-            raise ValueError(f"{self._name()}: LoRA adapters on a 'rowwise_partial' layer (weight "
-                             f"columns = in_features split over world_size={base.world_size}, "
-                             "output reduced later with other experts') are not supported; "
-                             "pass plan={...: 'rowwise'} for it, or leave it out of "
-                             "target_modules")
         group = require_group(self._name, base.group, base.world_size)
         if isinstance(base, RowParallelLinear):
             return self._forward_rows(base, x, active, group)
@@ -150,7 +141,9 @@ class TensorParallelLoraLinear(LoraLinear):
 
     def _forward_columns(self, base: Any, x: torch.Tensor, active: list[str],
                          group: Any) -> torch.Tensor:
-        # The base's forward, with the LoRA terms added before its all-reduce.
+        # The base's forward, with the LoRA terms added to its partial sum: A reads this
+        # rank's input columns, so B(A x) is a partial sum too. Reduced with the base's
+        # (or, on a 'rowwise_partial' layer, later with the other partial layers').
         expected = base.expected_input_features
         if not x.dim() or x.shape[-1] != expected:
             # Other ranks may be fine and already waiting in the all-reduce: tell them.
@@ -164,8 +157,7 @@ class TensorParallelLoraLinear(LoraLinear):
             xa = compat.peft_cast_input_dtype(self, x, a.weight.dtype)
             lora = b(a(self.lora_dropout[name](xa))) * self.scaling[name]  # (..., out) partial
             partial = partial + lora.to(partial.dtype)
-        y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
-        return y if base.bias is None else y.add_(base.bias)
+        return base.sum_partial(partial, group)
 
     def _name(self) -> str:
         base: Any = self.get_base_layer()

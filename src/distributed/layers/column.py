@@ -167,13 +167,22 @@ class ColumnParallelLinear(ParallelLinear):
             # beside the next piece's product.
             y = linear_reduce_scatter(x, self.weight, group, self.sequence_dim, _overlap.chunks())
             return y if self.bias is None else y.add_(self.bias)
-        partial = F.linear(x, self.weight)  # (..., out), this rank's partial sum
+        return self.sum_partial(F.linear(x, self.weight), group)
+
+    def sum_partial(self, partial: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        """This rank's partial sum ``(..., out)`` -> the layer's output, bias added once.
+
+        Summed over the group (all-reduce, or reduce-scatter onto sequence shards);
+        with ``partial_output`` left as the partial sum for a later reduction.
+        ``partial`` must be the caller's own temporary (the all-reduce writes into it).
+        A LoRA adapter's terms join ``partial`` first: they are partial sums too.
+        """
         if self.partial_output:  # summed later, with other layers' partials
             return partial if self.bias is None else _BiasOnce.apply(
                 partial, self.bias, self.rank == 0)
         if self.sequence_dim is not None:  # (B, S, out): this rank's sequence shard
             y = reduce_scatter_to_sequence_shards(partial, group, self.sequence_dim)
-        else:  # partial is our own temporary, so the all-reduce may write into it.
+        else:
             y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
         if self.bias is not None:
             # Once, after the sum, so its gradient equals nn.Linear's. In place: y is

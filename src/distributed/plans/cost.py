@@ -17,6 +17,10 @@ style                          forward                       backward
 ``embedding_colwise``          all-gather ``(T, dim)``       nothing
 gradient-summed replicas       nothing                       all-reduce of its parameters
 ``partial_grad_output``        nothing                       all-reduce ``(T, out)``
+``rowwise_partial``            nothing                       nothing
+``reduce_input``               all-reduce ``(T, in)``        nothing
+``reduce_output``,             all-reduce of the module's    nothing
+``reduce_residual``            output as the probe saw it
 any other style                its collectives, ``(T, out)``  nothing
 =============================  ============================  ===============================
 
@@ -49,7 +53,7 @@ from .linear_view import linear_view
 from .resolved import ResolvedPlan
 from .styles import Colwise, LayerPlan, ParallelStyle, ReplicatedWithGradAllreduce, Rowwise
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
-from .styles_partial import PartialGradOutput
+from .styles_partial import PartialGradOutput, ReduceInput, ReduceOutput, ReduceResidual
 
 CPU_PROFILE = "cpu-gloo"
 GPU_PROFILE = "h100-nvlink"
@@ -66,12 +70,15 @@ class Shapes:
         rows: Module -> rows over all its calls in one forward.
         entry: Modules whose input is the model's input (no input gradient).
         shared: Module -> the first module that reads the same input tensor.
+        outputs: Other module (a decoder layer, an MoE block) -> the elements of
+            the tensor it returned in the probe forward.
     """
 
     tokens: int
     rows: Mapping[str, int] = field(default_factory=dict)
     entry: frozenset[str] = frozenset()
     shared: Mapping[str, str] = field(default_factory=dict)
+    outputs: Mapping[str, int] = field(default_factory=dict)
 
     def of(self, name: str) -> int:
         """Rows ``name`` sees per forward."""
@@ -95,7 +102,9 @@ def shapes_from_trace(trace: Trace | None, tokens: int) -> Shapes:
             entry.add(name)
         else:
             shared[name] = first.setdefault(id(node), name)
-    return Shapes(_token_count(trace) or tokens, rows, frozenset(entry), shared)
+    outputs = {n: v.numel() for n, (v, _node) in trace.returned.items()}
+    outputs.update({n: b.output.numel() for n, b in trace.blocks.items()})
+    return Shapes(_token_count(trace) or tokens, rows, frozenset(entry), shared, outputs)
 
 
 def _token_count(trace: Trace) -> int | None:
@@ -170,13 +179,17 @@ class PlanCost:
 def traffic(name: str, style: ParallelStyle, module: nn.Module, layer: LayerPlan,
             shapes: Shapes, tp: int) -> list[Transfer]:
     """The collectives ``module`` issues per forward + backward under ``style`` (table above)."""
+    b = _value_bytes(module)
+    rows = shapes.of(name)
+    view = linear_view(module)
+    if isinstance(style, ReduceInput) and view is not None:
+        return [Transfer("all_reduce", rows * view.in_features * b)]
+    if isinstance(style, (ReduceOutput, ReduceResidual)) and name in shapes.outputs:
+        return [Transfer("all_reduce", shapes.outputs[name] * b)]
     if not layer.layouts and not isinstance(style, (ReplicatedWithGradAllreduce,
                                                      PartialGradOutput)):
         return []  # kept whole (or unfit at this tp: never chosen)
-    b = _value_bytes(module)
-    rows = shapes.of(name)
     grads_in = name not in shapes.entry
-    view = linear_view(module)
     shared = shapes.shared.get(name, name.rpartition(".")[0] or name)
     if isinstance(style, Colwise) and view is not None:
         out = [Transfer("all_gather", rows * view.out_features * b)] if style.gather_output else []

@@ -66,6 +66,23 @@ class Region:
 
 
 @dataclass
+class Block:
+    """A module with a residual shape: its first input and first output, one shape.
+
+    Attributes:
+        input: Its first input (positional, or ``hidden_states``), detached.
+        input_node: The autograd node that produced it.
+        output: Its output (or the first tensor of the tuple it returns), detached.
+        output_node: The autograd node of that output.
+    """
+
+    input: torch.Tensor
+    input_node: Any
+    output: torch.Tensor
+    output_node: Any
+
+
+@dataclass
 class Trace:
     """The recorded probe forward.
 
@@ -78,6 +95,8 @@ class Trace:
         returned: Per other module (``""``: the model) that returned one tensor
             once, that tensor detached and its autograd node, in the order the
             modules returned.
+        blocks: Per other module called once whose first input and first
+            output are computed tensors of one shape (a decoder layer), both.
     """
 
     calls: dict[str, list[Call]]
@@ -86,6 +105,7 @@ class Trace:
     inputs: Inputs = ((), {})
     outputs: list[torch.Tensor] = field(default_factory=list)
     returned: dict[str, tuple[torch.Tensor, Any]] = field(default_factory=dict)
+    blocks: dict[str, Block] = field(default_factory=dict)
     _consumers: dict[int, set[int]] | None = None
     _keep: dict[int, Any] = field(default_factory=dict)  # holding nodes keeps their ids unique
 
@@ -93,13 +113,14 @@ class Trace:
         """Walk back from ``name``'s input to the tagged producer outputs."""
         return self.region_from(self.calls[name][0].input_node)
 
-    def region_from(self, start: Any) -> Region:
-        """Walk back from autograd node ``start`` to the tagged producer outputs."""
+    def region_from(self, start: Any, stop: Any = None) -> Region:
+        """Walk back from autograd node ``start`` to the tagged producer outputs (and
+        to node ``stop``, which is not part of the region)."""
         found = Region()
         stack = [start]
         while stack:
             node = stack.pop()
-            if node is None or id(node) in found.nodes:
+            if node is None or node is stop or id(node) in found.nodes:
                 continue
             tag = node_metadata(node).get(_TAG)
             if tag is not None:
@@ -162,8 +183,9 @@ def record(model: nn.Module, inputs: Inputs) -> Trace:
     """
     calls: dict[str, list[Call]] = {}
     returned: dict[str, list[tuple[torch.Tensor, Any]]] = {}
-    hooks = [mod.register_forward_hook(_recorder(name, calls) if linear_view(mod) is not None
-                                       else _returns(name, returned))
+    blocks: dict[str, list[Block | None]] = {}
+    hooks = [mod.register_forward_hook(_recorder(name, calls)) if linear_view(mod) is not None
+             else mod.register_forward_hook(_returns(name, returned, blocks), with_kwargs=True)
              for name, mod in model.named_modules()]
     args, kwargs = inputs
     try:
@@ -176,15 +198,34 @@ def record(model: nn.Module, inputs: Inputs) -> Trace:
     outs = output_tensors(out)
     roots = [t.grad_fn for t in outs if t.grad_fn is not None]
     once = {n: r[0] for n, r in returned.items() if len(r) == 1 and r[0][1] is not None}
-    return Trace(calls, list(calls), roots, inputs, [t.detach() for t in outs], once)
+    single = {n: b[0] for n, b in blocks.items() if len(b) == 1 and b[0] is not None}
+    return Trace(calls, list(calls), roots, inputs, [t.detach() for t in outs], once, single)
 
 
-def _returns(name: str, returned: dict[str, list[tuple[torch.Tensor, Any]]]
-             ) -> Callable[..., None]:
-    def hook(_mod: nn.Module, _args: tuple[Any, ...], out: object) -> None:
+def _returns(name: str, returned: dict[str, list[tuple[torch.Tensor, Any]]],
+             blocks: dict[str, list[Block | None]]) -> Callable[..., None]:
+    def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: object) -> None:
         entry = (out.detach(), out.grad_fn) if isinstance(out, torch.Tensor) else (None, None)
         returned.setdefault(name, []).append(entry)  # type: ignore[arg-type]
+        x, y = first_input(args, kwargs), first_output(out)
+        same = x is not None and y is not None and x.shape == y.shape \
+            and x.grad_fn is not None and y.grad_fn is not None
+        blocks.setdefault(name, []).append(
+            Block(x.detach(), x.grad_fn, y.detach(), y.grad_fn) if same else None)  # type: ignore[union-attr]
     return hook
+
+
+def first_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """A module call's first input tensor: its first positional argument, or ``hidden_states``."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def first_output(out: object) -> torch.Tensor | None:
+    """A module's output tensor, or the first element of the tuple or list it returns."""
+    if isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    return out if isinstance(out, torch.Tensor) else None
 
 
 def _recorder(name: str, calls: dict[str, list[Call]]) -> Callable[..., None]:

@@ -12,6 +12,11 @@ output only multiplies the partial sums on the way (the router) gets
 ``partial_grad_output``, because on each rank its gradient then covers only
 that rank's part.
 
+A parallel-residual decoder layer (Falcon, GPT-J, GPT-NeoX, Phi-2) returns
+``x + attention(x) + mlp(x)``: the two output projections are the parts, and
+the point is the layer's output minus its input ``x`` (``reduce_residual``:
+``x + all-reduce(out - x)``), the walk back stopping at ``x``.
+
 Checked on the recorded graph first, then by a probe:
 
 * graph: between the parts and the point there is no parameter or model
@@ -23,8 +28,9 @@ Checked on the recorded graph first, then by a probe:
   partial sum (bias on rank 0 only) and the point replaced by the recorded
   full value; the values at the point, summed over the ranks, must equal the
   recorded value (a residual or shared term added before the point would be
-  counted ``tp`` times), and the model's outputs must equal the recorded ones
-  on every rank (nothing else saw a partial sum).
+  counted ``tp`` times; for a residual point the recorded value is the
+  layer's output minus its input), and the model's outputs must equal the
+  recorded ones on every rank (nothing else saw a partial sum).
 
 A point that fails keeps its parts' own all-reduces; ``describe_plan()``
 notes why.
@@ -41,11 +47,26 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .dataflow import Region, Trace, differs, output_tensors, probe_mode
+from .dataflow import (
+    Block,
+    Region,
+    Trace,
+    differs,
+    first_input,
+    first_output,
+    output_tensors,
+    probe_mode,
+)
 from .linear_view import linear_view
 from .resolved import Rules
 from .styles import ParallelStyle, Rowwise, ShardContext
-from .styles_partial import PartialGradOutput, ReduceInput, ReduceOutput, RowwisePartial
+from .styles_partial import (
+    PartialGradOutput,
+    ReduceInput,
+    ReduceOutput,
+    ReduceResidual,
+    RowwisePartial,
+)
 
 
 @dataclass
@@ -56,8 +77,11 @@ class Point:
         name: The module.
         reads: ``True``: the Linear's input; ``False``: the module's output.
         node: The autograd node of that tensor.
-        value: The tensor recorded by the probe forward (full, unsplit).
+        value: The tensor recorded by the probe forward (full, unsplit); for a
+            residual point, the module's output minus its input.
         region: What lies between it and the Linears that produce it.
+        block: For a residual point (``reduce_residual``), the module's recorded
+            input and output; ``None`` otherwise.
     """
 
     name: str
@@ -65,6 +89,7 @@ class Point:
     node: Any
     value: torch.Tensor
     region: Region
+    block: Block | None = None
 
 
 def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
@@ -75,7 +100,12 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
     """
     if ctx.world_size == 1:
         return
-    plain = {c for c in consumers if type(styles.get(c)) is Rowwise}
+    # Row-split Linears that all-reduce their own output (by balanced columns or by
+    # whole heads), not ones already partial or splitting their input themselves.
+    plain = {c for c in consumers if _reduces_itself(styles.get(c))}
+    # Sums of expert-like parts (a point that is not a residual layer) take balanced
+    # column splits only; a residual layer's attention output projection keeps its heads.
+    balanced = {c for c in plain if type(styles.get(c)) is Rowwise}
     uncalled = [n for n, m in model.named_modules() if linear_view(m) is not None
                 and n not in trace.calls]
     if uncalled and len(plain) >= 2:
@@ -87,13 +117,16 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
                            "every expert to sum them once")
         return
     used: set[str] = set()
-    for point in _points(trace, plain):
-        parts = sorted(point.region.producers & plain, key=trace.order.index)
+    for point in _points(trace, plain, balanced):
+        mine = plain if point.block is not None else balanced
+        parts = sorted(point.region.producers & mine, key=trace.order.index)
         if point.region.producers & used:
             continue
-        routers = sorted(point.region.producers - plain, key=trace.order.index)
-        problem = _graph_problem(trace, point, parts, routers, styles) \
-            or _probe_problem(model, trace, point, parts, ctx) \
+        routers = sorted(point.region.producers - mine, key=trace.order.index)
+        problem = _graph_problem(trace, point, parts, routers, styles)
+        if problem is not None and point.block is not None:
+            continue  # every block is tried: a sequential residual layer is not worth a note
+        problem = problem or _probe_problem(model, trace, point, parts, styles, ctx) \
             or _gradient_problem(model, trace, parts, routers)
         if problem is not None:
             rules.notes.append(f"{parts} keep one all-reduce each: summing them once at "
@@ -103,21 +136,38 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
         used.update(parts)
 
 
-def _points(trace: Trace, plain: set[str]) -> list[Point]:
-    """Tensors fed by at least two of the ``plain`` consumers, the smallest region first."""
+def _reduces_itself(style: ParallelStyle | str | None) -> bool:
+    return isinstance(style, Rowwise) and not isinstance(style, RowwisePartial) \
+        and not style.split_input
+
+
+def _points(trace: Trace, plain: set[str], balanced: set[str]) -> list[Point]:
+    """Tensors fed by at least two of the ``balanced`` consumers (residual layers: of the
+    ``plain`` ones), the smallest region first."""
     found: list[Point] = []
     for name, (value, node) in trace.returned.items():
         # Not the model's own output (nothing after it to reduce in), and only
         # modules that hold two of the Linears (walking back is not free).
-        if name and sum(c.startswith(f"{name}.") for c in plain) >= 2:
+        if name and sum(c.startswith(f"{name}.") for c in balanced) >= 2:
             found.append(Point(name, False, node, value, trace.region_from(node)))
+    for name in trace.blocks:
+        if sum(c.startswith(f"{name}.") for c in plain) >= 2:
+            found.append(_residual_point(trace, name))
     for name in trace.order:
         call = trace.calls[name]
         if len(call) == 1 and call[0].input_node is not None and name not in plain:
             found.append(Point(name, True, call[0].input_node, call[0].input,
                                trace.region(name)))
-    found = [p for p in found if len(p.region.producers & plain) >= 2]
+    found = [p for p in found
+             if len(p.region.producers & (plain if p.block is not None else balanced)) >= 2]
     return sorted(found, key=lambda p: (len(p.region.producers), len(p.region.nodes)))
+
+
+def _residual_point(trace: Trace, name: str) -> Point:
+    """``name``'s output minus its input: the walk back stops at the input (the residual)."""
+    block = trace.blocks[name]
+    return Point(name, False, block.output_node, block.output - block.input,
+                 trace.region_from(block.output_node, stop=block.input_node), block)
 
 
 def _graph_problem(trace: Trace, point: Point, parts: list[str], routers: list[str],
@@ -149,14 +199,14 @@ def _graph_problem(trace: Trace, point: Point, parts: list[str], routers: list[s
 
 
 def _probe_problem(model: nn.Module, trace: Trace, point: Point, parts: list[str],
-                   ctx: ShardContext) -> str | None:
+                   styles: dict[str, ParallelStyle | str], ctx: ShardContext) -> str | None:
     """Run every rank's partial sums up to ``point`` (see the module docstring)."""
     total: torch.Tensor | None = None
     for rank in range(ctx.world_size):
         local = ShardContext(ctx.world_size, rank, None, ctx.model_name)
         seen: list[torch.Tensor] = []
         try:
-            with _partial_run(model, point, parts, local, seen), torch.no_grad():
+            with _partial_run(model, point, parts, styles, local, seen), torch.no_grad():
                 args, kwargs = trace.inputs
                 outs = output_tensors(model(*args, **kwargs))
         except Exception as err:  # the local computation does not even run
@@ -244,17 +294,23 @@ def _kept_on_modules(model: nn.Module) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _partial_run(model: nn.Module, point: Point, parts: list[str], ctx: ShardContext,
+def _partial_run(model: nn.Module, point: Point, parts: list[str],
+                 styles: dict[str, ParallelStyle | str], ctx: ShardContext,
                  seen: list[torch.Tensor]) -> Iterator[None]:
     """Parts return this rank's partial sums; the point records its value, then goes on full."""
     handles: list[RemovableHandle] = []
     try:
         for name in parts:
             module = model.get_submodule(name)
-            handles.append(module.register_forward_hook(_partial_hook(module, name, ctx)))
+            style = styles[name]
+            assert isinstance(style, Rowwise)
+            handles.append(module.register_forward_hook(_partial_hook(module, style, ctx)))
         target = model.get_submodule(point.name)
         if point.reads:
             handles.append(target.register_forward_pre_hook(_seen_input(point.value, seen)))
+        elif point.block is not None:
+            handles.append(target.register_forward_hook(_seen_residual(point.block, seen),
+                                                        with_kwargs=True))
         else:
             handles.append(target.register_forward_hook(_seen_output(point.value, seen)))
         with probe_mode(model):
@@ -264,11 +320,11 @@ def _partial_run(model: nn.Module, point: Point, parts: list[str], ctx: ShardCon
             handle.remove()
 
 
-def _partial_hook(module: nn.Module, name: str, ctx: ShardContext) -> Any:
+def _partial_hook(module: nn.Module, style: Rowwise, ctx: ShardContext) -> Any:
     """This rank's partial sum: the module on its input columns only, bias on rank 0."""
     view = linear_view(module)
     assert view is not None
-    start, length = RowwisePartial().column_segments(view, ctx)[0]
+    (start, length), = style.column_segments(view, ctx)
     bias = getattr(module, "bias", None)
 
     def hook(_m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
@@ -297,19 +353,40 @@ def _seen_output(full: torch.Tensor, seen: list[torch.Tensor]) -> Any:
     return hook
 
 
+def _seen_residual(block: Block, seen: list[torch.Tensor]) -> Any:
+    """Record this rank's output minus its input; go on with the recorded full output."""
+    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: object) -> object:
+        x, y = first_input(args, kwargs), first_output(out)
+        seen.append((y - x).clone() if x is not None and y is not None else torch.full_like(
+            block.output, float("nan")))
+        if isinstance(out, torch.Tensor):
+            return block.output.clone()
+        return (block.output.clone(), *out[1:]) if isinstance(out, tuple) else out
+    return hook
+
+
 def _take(trace: Trace, point: Point, parts: list[str], routers: list[str],
           styles: dict[str, ParallelStyle | str], rules: Rules) -> None:
     """Record the styles and their reasons."""
-    where = f"the input of '{point.name}'" if point.reads else f"the output of '{point.name}'"
+    where = f"the input of '{point.name}'" if point.reads else \
+        f"the output of '{point.name}' less its input (the residual)" if point.block is not None \
+        else f"the output of '{point.name}'"
     for name in parts:
-        styles[name] = RowwisePartial(tuple(sorted(trace.region(name).producers,
-                                                   key=trace.order.index)))
+        # Producers mark a part as an expert (expert_parallel=True places it whole);
+        # a residual layer's attention and MLP are not experts.
+        producers = () if point.block is not None else tuple(
+            sorted(trace.region(name).producers, key=trace.order.index))
+        style = styles[name]
+        styles[name] = RowwisePartial(producers, None if type(style) is Rowwise else style)  # type: ignore[arg-type]
         rules.why[name] = (f"dataflow: one of {len(parts)} row-split Linears whose outputs are "
                            f"only summed; left as partial sums, reduced once at {where}")
     lone = [n for n in [point.name, *routers] if isinstance(styles.get(n), str)]
     rules.notes[:] = [n for n in rules.notes if not any(n.startswith(f"'{x}' ") for x in lone)]
-    styles[point.name] = ReduceInput(tuple(routers)) if point.reads \
-        else ReduceOutput(tuple(routers))
+    if point.block is not None:
+        styles[point.name] = ReduceResidual()
+    else:
+        styles[point.name] = ReduceInput(tuple(routers)) if point.reads \
+            else ReduceOutput(tuple(routers))
     rules.why[point.name] = (f"dataflow: {where} sums the partial outputs of {len(parts)} "
                              f"Linears ({parts[0]}, ...): one all-reduce instead of {len(parts)}")
     for name in routers:

@@ -13,7 +13,13 @@ from .styles import (
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
 from .styles_experts import ExpertsEP, ExpertsTP
 from .styles_heads import HeadSplit
-from .styles_partial import PartialGradOutput, ReduceInput, ReduceOutput, RowwisePartial
+from .styles_partial import (
+    PartialGradOutput,
+    ReduceInput,
+    ReduceOutput,
+    ReduceResidual,
+    RowwisePartial,
+)
 from .styles_sp import SequenceParallel
 
 _EP = ("a bare expert parameter is planned by its experts module's style "
@@ -29,6 +35,7 @@ STYLES: dict[str, ParallelStyle] = {
     "rowwise_partial": RowwisePartial(),
     "reduce_output": ReduceOutput(),
     "reduce_input": ReduceInput(),
+    "reduce_residual": ReduceResidual(),
     "partial_grad_output": PartialGradOutput(),
     "replicate": Replicate(),
     "keep_full_weight": Replicate(),

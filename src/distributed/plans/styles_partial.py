@@ -1,15 +1,19 @@
 """Styles for partial sums reduced late: one all-reduce for several row-split Linears.
 
 A hand-written MoE calls each expert's MLP on its own tokens and sums the
-weighted outputs. With every expert's ``down`` split by weight columns
-(``rowwise``), each one all-reduces its output: one collective per expert.
-Summing is linear, so the experts may instead leave their outputs as partial
+weighted outputs; a parallel-residual decoder layer (Falcon, GPT-J, GPT-NeoX,
+Phi-2) adds its attention's and its MLP's outputs to the residual. With
+every such ``down`` (or output projection) split by weight columns
+(``rowwise``), each one all-reduces its output: one collective each.
+Summing is linear, so the parts may instead leave their outputs as partial
 sums (``rowwise_partial``) and one all-reduce of the combined output
 (``reduce_output`` on the module that returns it, or ``reduce_input`` on the
 Linear that reads it) sums them all. A replicated module whose output
 multiplies those partial sums before the reduction (the router's weights)
 gets a partial gradient on each rank; ``partial_grad_output`` sums it in
-backward. The automatic plan (:mod:`torchtp.plans.late_reduce`) confirms all
+backward. A layer that adds the partial sums to its own input (the residual)
+gets ``reduce_residual``: its output minus its input is what is summed.
+The automatic plan (:mod:`torchtp.plans.late_reduce`) confirms all
 of this on the real model before using it; a hand-written plan that uses
 these styles is the user's responsibility.
 
@@ -19,6 +23,7 @@ style                      forward                                         backw
 ``rowwise_partial``        weight columns (in_features) split, no reduce   nothing extra
 ``reduce_output``          all-reduce the module's output                  identity
 ``reduce_input``           all-reduce the module's first input             identity
+``reduce_residual``        input + all-reduce(output - input)              identity
 ``partial_grad_output``    identity (module replicated)                    all-reduce the output's grad
 =========================  ==============================================  ===========================
 """
@@ -37,6 +42,9 @@ from ..comm.runtime import ProcessGroup, group_size
 from ..core import log as _log
 from ..core.errors import RankMismatchError
 from ..layers import ColumnParallelLinear
+from .constraints import Constraint
+from .dataflow import first_input, first_output
+from .linear_view import LinearView
 from .styles import LayerPlan, ParallelStyle, Rowwise, ShardContext
 
 
@@ -48,14 +56,29 @@ class RowwisePartial(Rowwise):
             when the automatic plan found them: ``expert_parallel=True`` places
             such an expert whole on one rank instead
             (:mod:`torchtp.plans.styles_whole_expert`).
+        columns: The split whose input columns it keeps (an attention output
+            projection's whole heads, :class:`torchtp.plans.styles_heads.HeadColumns`);
+            ``None``: a balanced split of ``in_features``.
     """
 
     collectives = ()
 
-    def __init__(self, producers: tuple[str, ...] = ()) -> None:
+    def __init__(self, producers: tuple[str, ...] = (), columns: Rowwise | None = None) -> None:
         super().__init__()
         self.name = "rowwise_partial"
         self.producers = producers
+        self.columns = columns
+
+    def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
+        return self.columns.constraints(view, fqn) if self.columns is not None \
+            else super().constraints(view, fqn)
+
+    def column_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
+        return self.columns.column_segments(view, ctx) if self.columns is not None \
+            else super().column_segments(view, ctx)
+
+    def detail(self, view: LinearView) -> str:
+        return self.columns.detail(view) if self.columns is not None else super().detail(view)
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         swapped = super().apply(module, layer, ctx)
@@ -110,6 +133,33 @@ class ReduceInput(ReduceOutput):
                          collectives=("all_reduce",))
 
 
+class ReduceResidual(ParallelStyle):
+    """The module returns its first input ``x`` plus partial sums: ``x + all-reduce(out - x)``.
+
+    A parallel-residual decoder layer computes ``x + attention(x) + mlp(x)``
+    (dropout and all); with both branches' output projections left as partial
+    sums, each rank's output is ``x`` plus its own part, so the parts are summed
+    once, the residual kept once. Forward: one all-reduce of ``(..., hidden)``;
+    backward: identity (the residual's gradient and the parts' flow as they
+    would). ``x`` is the first positional argument or ``hidden_states``; the
+    output a tensor or a tuple whose first element is one.
+    """
+
+    name = "reduce_residual"
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size > 1:
+            # The current call's input (a layer's forward does not call itself; a
+            # forward that raised leaves it for the next call to replace).
+            current: dict[str, torch.Tensor] = {}
+            module.register_forward_pre_hook(_keep_input(layer.fqn, current), with_kwargs=True)
+            module.register_forward_hook(_reduce_residual(layer.fqn, ctx.group, current))
+        return module
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        return LayerPlan(fqn, self.name, collectives=("all_reduce",))
+
+
 class PartialGradOutput(ParallelStyle):
     """Replicated module whose output meets partial sums: sum its output's gradient in backward.
 
@@ -147,6 +197,37 @@ def _reduce_input(fqn: str, group: ProcessGroup | None, routers: tuple[str, ...]
         y = reduce_from_tensor_parallel_region(x, group)
         _check_routes(group, routers, ride)
         return (y, *args[1:])
+    return hook
+
+
+def _keep_input(fqn: str, current: dict[str, torch.Tensor]) -> Any:
+    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = first_input(args, kwargs)
+        if x is None:
+            raise TypeError(f"module '{fqn}' (style 'reduce_residual') was called without a "
+                            "tensor input (first positional argument or hidden_states)")
+        current["x"] = x
+    return hook
+
+
+def _reduce_residual(fqn: str, group: ProcessGroup | None,
+                     current: dict[str, torch.Tensor]) -> Any:
+    def hook(_m: nn.Module, _args: object, out: object) -> object:
+        x = current.pop("x")
+        y = first_output(out)
+        if y is None or y.shape != x.shape:
+            raise TypeError(f"module '{fqn}' (style 'reduce_residual') returned "
+                            f"{type(out).__name__}; the style needs a tensor (or a tuple "
+                            f"starting with one) of its input's shape {tuple(x.shape)}")
+        # (..., hidden): each rank's out - x is its parts' partial sum.
+        full = x + reduce_from_tensor_parallel_region(y - x, group, inplace=True)
+        if isinstance(out, torch.Tensor):
+            return full
+        seq: Any = out  # a tuple, a namedtuple or a list (first_output found a tensor in it)
+        rest = list(seq[1:])
+        if isinstance(seq, list):
+            return [full, *rest]
+        return (full, *rest) if type(seq) is tuple else type(seq)(full, *rest)
     return hook
 
 

@@ -1,0 +1,121 @@
+"""Hand-written parallel-residual blocks (``x + attention(x) + mlp(x)``), run per rank.
+
+GPT-J, GPT-NeoX, Falcon, Phi-2, Cohere and PaLM add both branches to the
+residual at once. The automatic plan leaves both output projections as partial
+sums and reduces them once per layer (``reduce_residual``); these models check
+that against one process, and that a layer it must not treat so keeps one
+all-reduce per branch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtp
+
+from ._hand_moe import TOL, check_grads
+
+VOCAB = 64
+DIM, HEADS, FFN = 48, 6, 96  # whole heads at tp 2 and 3
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention, float64 throughout (no rotary: its complex64 tables
+    would round to float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = HEADS, DIM // HEADS
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(DIM, DIM)  # its bias is added once, on rank 0's partial sum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, heads/tp, T, hd)
+                   for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, DIM)
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class ParallelBlock(nn.Module):
+    """``scale * x + dropout(attention(norm(x)) + feed_forward(norm(x)))`` (GPT-J, PaLM)."""
+
+    def __init__(self, scale: float, p: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.attention, self.feed_forward = Attention(), FeedForward()
+        self.drop = nn.Dropout(p)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)  # (B, T, DIM), read by both branches
+        return self.scale * x + self.drop(self.attention(h) + self.feed_forward(h))
+
+
+class ParallelNet(nn.Module):
+    """Embedding, two parallel-residual blocks, a norm and an untied head."""
+
+    def __init__(self, scale: float = 1.0, p: float = 0.0) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(ParallelBlock(scale, p) for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.out = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)  # (B, T, DIM)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.norm(x))  # (B, T, VOCAB)
+
+
+KINDS = {
+    "parallel": {},
+    "dropout": {"p": 0.25},  # masks on the partial sums: equal on every rank (shared stream)
+    "scaled": {"scale": 0.5},  # 0.5 * x is not the layer's input: no residual point
+}
+
+
+def check_parallel_residual(rank: int, world_size: int, kind: str) -> dict[str, object]:
+    """Two SGD steps in training mode, float64, against one process: outputs and every
+    gradient each step. Returns the plan's styles, reasons and notes, and per step the
+    forward's collective counts."""
+    torchtp.init_tensor_parallel()
+    torch.manual_seed(0)
+    ref = ParallelNet(**KINDS[kind]).double().train()
+    torch.manual_seed(0)
+    wrapped = torchtp.DistributedModelWrapper(ParallelNet(**KINDS[kind]).double()).train()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    counts = []
+    for step in range(2):
+        # The same dropout masks: the wrapper draws replicated dropout from the shared
+        # stream, which torchtp.manual_seed(s) starts where torch.manual_seed(s) does.
+        torchtp.manual_seed(step)
+        with torchtp.count_collectives() as fwd:
+            got = wrapped(ids[:, :-1])
+        torch.manual_seed(step)
+        want = ref(ids[:, :-1])
+        torch.testing.assert_close(got, want, **TOL)
+        for logits in (got, want):
+            F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        check_grads(wrapped, ref)
+        counts.append(dict(fwd.counts))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    plan = wrapped.resolved_plan
+    return {"styles": {n: s.name for n, s in plan.assignments.items()}, "why": dict(plan.why),
+            "notes": list(plan.notes), "counts": counts}

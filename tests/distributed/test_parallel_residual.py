@@ -1,0 +1,64 @@
+"""Parallel-residual layers reduce both branches once (``reduce_residual``), exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from ._parallel_residual import check_parallel_residual
+
+PARTS = ["layers.0.attention.wo", "layers.0.feed_forward.w2",
+         "layers.1.attention.wo", "layers.1.feed_forward.w2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each kind at tp 2, and the plain one at tp 3 (two of the 6 heads per rank); every run
+    checks outputs, gradients and two SGD steps."""
+    from .harness import run_ranks
+
+    cases = [("parallel", 2), ("dropout", 2), ("scaled", 2), ("parallel", 3)]
+    return {(kind, tp): run_ranks(check_parallel_residual, tp, kind, timeout=180,
+                                  tmp_path=tmp_path_factory.mktemp(f"{kind}{tp}"))
+            for kind, tp in cases}
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_one_all_reduce_per_parallel_residual_layer(runs, tp):
+    out = runs[("parallel", tp)][0]
+    assert {out["styles"][n] for n in PARTS} == {"rowwise_partial"}
+    assert out["styles"]["layers.0"] == out["styles"]["layers.1"] == "reduce_residual"
+    assert "less its input (the residual)" in out["why"]["layers.0"]
+    for fwd in out["counts"]:
+        assert fwd == {"all_reduce": 2}, fwd  # one per layer; embedding and head kept whole
+
+
+def test_dropout_on_the_partial_sums_is_exact(runs):
+    out = runs[("dropout", 2)][0]  # the checks compared outputs and gradients with dropout on
+    assert out["styles"]["layers.0"] == "reduce_residual"
+
+
+def test_a_scaled_residual_keeps_one_all_reduce_per_branch(runs):
+    # 0.5 * x + branches: summing out - x over the ranks would count -0.5 * x tp times.
+    out = runs[("scaled", 2)][0]
+    assert "layers.0" not in out["styles"]
+    assert {out["styles"][n] for n in PARTS} == {"rowwise"}
+    assert any("keep one all-reduce each" in n and "'layers.0'" in n for n in out["notes"]), \
+        out["notes"]
+    for fwd in out["counts"]:
+        assert fwd == {"all_reduce": 4}, fwd
+
+
+def test_sequence_parallelism_refuses_a_partial_output_projection():
+    # Planning only (world_size=2, rank=0, no group): refused before any weight changes.
+    import torchtp
+
+    from ._hf_models import build
+
+    plan = {f"model.layers.*.{n}": style for n, style in (
+        ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"),
+        ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise_partial"),
+        ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"))}
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.o_proj' is 'rowwise_partial' "
+                                         r".* no sequence-parallel form; pass plan="):
+        torchtp.DistributedModelWrapper(build("llama"), world_size=2, rank=0, plan=plan,
+                                        sequence_parallel=True)
