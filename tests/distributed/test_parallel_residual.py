@@ -62,3 +62,21 @@ def test_sequence_parallelism_refuses_a_partial_output_projection():
                                          r".* no sequence-parallel form; pass plan="):
         torchtp.DistributedModelWrapper(build("llama"), world_size=2, rank=0, plan=plan,
                                         sequence_parallel=True)
+
+
+def test_a_half_precision_residual_layer_keeps_one_all_reduce_per_branch():
+    # In bfloat16 each rank's x + part rounds the residual: tp roundings instead of one.
+    import torch
+
+    import torchtp
+
+    from ._parallel_residual import ParallelNet
+
+    torch.manual_seed(0)
+    wrapped = torchtp.DistributedModelWrapper(ParallelNet().to(torch.bfloat16), world_size=2,
+                                              rank=0)
+    plan = wrapped.resolved_plan
+    assert "layers.0" not in plan.assignments
+    assert plan.collectives() == {"all_reduce": 4}
+    assert any("once at 'layers.0' is not done in bfloat16" in n and "2 roundings" in n
+               for n in plan.notes), plan.notes

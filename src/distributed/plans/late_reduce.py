@@ -24,6 +24,8 @@ Checked on the recorded graph first, then by a probe:
   parts' outputs, anything computed from them before the point, or the
   router's outputs (an auxiliary loss on the router logits would get its
   gradient summed ``tp`` times);
+* precision: a residual layer whose output is bfloat16 or float16 keeps its
+  per-branch all-reduces (each rank's ``x + part`` would round the residual);
 * probe, for every rank: the model runs with each part returning that rank's
   partial sum (bias on rank 0 only) and the point replaced by the recorded
   full value; the values at the point, summed over the ranks, must equal the
@@ -126,7 +128,8 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
         problem = _graph_problem(trace, point, parts, routers, styles)
         if problem is not None and point.block is not None:
             continue  # every block is tried: a sequential residual layer is not worth a note
-        problem = problem or _probe_problem(model, trace, point, parts, styles, ctx) \
+        problem = problem or _precision_problem(point, ctx) \
+            or _probe_problem(model, trace, point, parts, styles, ctx) \
             or _gradient_problem(model, trace, parts, routers)
         if problem is not None:
             rules.notes.append(f"{parts} keep one all-reduce each: summing them once at "
@@ -196,6 +199,17 @@ def _graph_problem(trace: Trace, point: Point, parts: list[str], routers: list[s
         if not users.get(node_id, set()) <= inside:
             return "is not possible: a tensor on the way is also read elsewhere"
     return None
+
+
+def _precision_problem(point: Point, ctx: ShardContext) -> str | None:
+    """A residual layer in half precision: each rank's own ``x + part`` rounds the residual,
+    so the sum would carry ``tp`` roundings of it instead of the unsplit layer's one."""
+    if point.block is None or point.block.output.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return (f"is not done in {str(point.block.output.dtype).removeprefix('torch.')}: each "
+            f"rank's residual add rounds the residual, and the sum would carry "
+            f"{ctx.world_size} roundings of it instead of one (float32 models, and autocast "
+            "with float32 weights, are summed once)")
 
 
 def _probe_problem(model: nn.Module, trace: Trace, point: Point, parts: list[str],
