@@ -49,27 +49,34 @@ class FeedForward(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    """``scale * x + dropout(attention(norm(x)) + feed_forward(norm(x)))`` (GPT-J, PaLM)."""
+    """``x + dropout(attention(norm(x)) + feed_forward(norm(x)))`` (GPT-J, PaLM), or a variant
+    the plan must not sum once: a scaled residual, a gate computed from ``x``, dropout on
+    the residual itself."""
 
-    def __init__(self, scale: float, p: float) -> None:
+    def __init__(self, scale: float, p: float, gate: bool, residual_p: float) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.attention, self.feed_forward = Attention(), FeedForward()
-        self.drop = nn.Dropout(p)
-        self.scale = scale
+        self.drop, self.residual_drop = nn.Dropout(p), nn.Dropout(residual_p)
+        self.scale, self.gate = scale, gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)  # (B, T, DIM), read by both branches
-        return self.scale * x + self.drop(self.attention(h) + self.feed_forward(h))
+        branches = self.attention(h) + self.feed_forward(h)
+        if self.gate:
+            branches = torch.sigmoid(x) * branches
+        residual = self.residual_drop(x) if self.residual_drop.p else x
+        return (residual if self.scale == 1 else self.scale * residual) + self.drop(branches)
 
 
 class ParallelNet(nn.Module):
     """Embedding, two parallel-residual blocks, a norm and an untied head."""
 
-    def __init__(self, scale: float = 1.0, p: float = 0.0) -> None:
+    def __init__(self, scale: float = 1.0, p: float = 0.0, gate: bool = False,
+                 residual_p: float = 0.0) -> None:
         super().__init__()
         self.tok = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(ParallelBlock(scale, p) for _ in range(2))
+        self.layers = nn.ModuleList(ParallelBlock(scale, p, gate, residual_p) for _ in range(2))
         self.norm = nn.LayerNorm(DIM)
         self.out = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -84,6 +91,8 @@ KINDS = {
     "parallel": {},
     "dropout": {"p": 0.25},  # masks on the partial sums: equal on every rank (shared stream)
     "scaled": {"scale": 0.5},  # 0.5 * x is not the layer's input: no residual point
+    "gated": {"gate": True},  # sigmoid(x) * branches: x's gradient would keep a partial term
+    "residual_dropout": {"residual_p": 0.25},  # dropout(x), training mode only
 }
 
 
@@ -95,7 +104,15 @@ def check_parallel_residual(rank: int, world_size: int, kind: str) -> dict[str, 
     torch.manual_seed(0)
     ref = ParallelNet(**KINDS[kind]).double().train()
     torch.manual_seed(0)
-    wrapped = torchtp.DistributedModelWrapper(ParallelNet(**KINDS[kind]).double()).train()
+    model = ParallelNet(**KINDS[kind]).double()
+    seen: dict[str, list[torch.Tensor]] = {"ref": [], "tp": []}
+    for key, net in (("ref", ref), ("tp", model)):
+        # A hook registered before the wrap (as HF's output_hidden_states capture can
+        # be) must see the summed output; a pre-hook added after it may change the input.
+        net.layers[0].register_forward_hook(lambda _m, _a, out, k=key: seen[k].append(out))
+    wrapped = torchtp.DistributedModelWrapper(model).train()
+    for net in (ref, wrapped.base_model):
+        net.layers[1].register_forward_pre_hook(lambda _m, args: (args[0] * 1.5, *args[1:]))
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
@@ -109,6 +126,7 @@ def check_parallel_residual(rank: int, world_size: int, kind: str) -> dict[str, 
         torch.manual_seed(step)
         want = ref(ids[:, :-1])
         torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(seen["tp"][-1], seen["ref"][-1], **TOL)
         for logits in (got, want):
             F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
         check_grads(wrapped, ref)

@@ -16,7 +16,8 @@ def runs(tmp_path_factory):
     checks outputs, gradients and two SGD steps."""
     from .harness import run_ranks
 
-    cases = [("parallel", 2), ("dropout", 2), ("scaled", 2), ("parallel", 3)]
+    cases = [("parallel", 2), ("dropout", 2), ("scaled", 2), ("gated", 2),
+             ("residual_dropout", 2), ("parallel", 3)]
     return {(kind, tp): run_ranks(check_parallel_residual, tp, kind, timeout=180,
                                   tmp_path=tmp_path_factory.mktemp(f"{kind}{tp}"))
             for kind, tp in cases}
@@ -37,13 +38,22 @@ def test_dropout_on_the_partial_sums_is_exact(runs):
     assert out["styles"]["layers.0"] == "reduce_residual"
 
 
-def test_a_scaled_residual_keeps_one_all_reduce_per_branch(runs):
+@pytest.mark.parametrize("kind, why", [
     # 0.5 * x + branches: summing out - x over the ranks would count -0.5 * x tp times.
-    out = runs[("scaled", 2)][0]
+    ("scaled", "MulBackward0 lies between its input and its output"),
+    # sigmoid(x) * branches: exact forward, but x's gradient would keep sigmoid'(x) * part.
+    ("gated", "its input is read 2 times on the way to its output"),
+    # dropout(x) + branches: a plain residual in eval mode, not in training mode.
+    ("residual_dropout", "lies between its input and its output (the residual must only be "
+                         "added to) (in training mode)"),
+])
+def test_a_layer_whose_output_less_input_depends_on_the_input_keeps_both_all_reduces(
+        runs, kind, why):
+    out = runs[(kind, 2)][0]  # the checks compared outputs and gradients: still exact
     assert "layers.0" not in out["styles"]
     assert {out["styles"][n] for n in PARTS} == {"rowwise"}
-    assert any("keep one all-reduce each" in n and "'layers.0'" in n for n in out["notes"]), \
-        out["notes"]
+    assert any("keep one all-reduce each" in n and "'layers.0'" in n and why in n
+               for n in out["notes"]), out["notes"]
     for fwd in out["counts"]:
         assert fwd == {"all_reduce": 4}, fwd
 

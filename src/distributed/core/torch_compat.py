@@ -92,6 +92,15 @@ def node_inputs(node: Any) -> Iterator[Any]:
         yield fn
 
 
+def is_plain_add(node: Any) -> bool:
+    """Whether autograd ``node`` records ``a + b`` (``torch.add`` with ``alpha`` 1, in place or not).
+
+    Its gradient passes to both inputs unchanged. Checked: torch 2.13.0, 2.14.1
+    (``AddBackward0``, ``_saved_alpha``).
+    """
+    return type(node).__name__ == "AddBackward0" and getattr(node, "_saved_alpha", 1) == 1
+
+
 def watch_ddp_construction(callback: Callable[[Any, nn.Module], None]) -> None:
     """Call ``callback(ddp, module)`` inside every later ``DistributedDataParallel(module)``.
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..core.torch_compat import node_inputs, node_metadata
 from .linear_view import linear_view
+from .module_io import first_input, first_output, other_outputs
 
 _TAG = "torchtp_producer"  # key in an autograd node's metadata: the module that made it
 
@@ -74,12 +75,14 @@ class Block:
         input_node: The autograd node that produced it.
         output: Its output (or the first tensor of the tuple it returns), detached.
         output_node: The autograd node of that output.
+        others: The other tensors it returns (attention weights...), detached.
     """
 
     input: torch.Tensor
     input_node: Any
     output: torch.Tensor
     output_node: Any
+    others: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -210,22 +213,11 @@ def _returns(name: str, returned: dict[str, list[tuple[torch.Tensor, Any]]],
         x, y = first_input(args, kwargs), first_output(out)
         same = x is not None and y is not None and x.shape == y.shape \
             and x.grad_fn is not None and y.grad_fn is not None
+        others = [t.detach() for t in other_outputs(out)]
         blocks.setdefault(name, []).append(
-            Block(x.detach(), x.grad_fn, y.detach(), y.grad_fn) if same else None)  # type: ignore[union-attr]
+            Block(x.detach(), x.grad_fn, y.detach(), y.grad_fn, others)  # type: ignore[union-attr]
+            if same else None)
     return hook
-
-
-def first_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
-    """A module call's first input tensor: its first positional argument, or ``hidden_states``."""
-    x = args[0] if args else kwargs.get("hidden_states")
-    return x if isinstance(x, torch.Tensor) else None
-
-
-def first_output(out: object) -> torch.Tensor | None:
-    """A module's output tensor, or the first element of the tuple or list it returns."""
-    if isinstance(out, (tuple, list)) and out:
-        out = out[0]
-    return out if isinstance(out, torch.Tensor) else None
 
 
 def _recorder(name: str, calls: dict[str, list[Call]]) -> Callable[..., None]:
@@ -294,3 +286,14 @@ def differs(got: torch.Tensor | None, want: torch.Tensor, rank: int) -> str | No
         diff = (got - want).abs().max().item()
         return f"rank {rank}: differs by up to {diff:.3g}"
     return None
+
+
+def kept_on_modules(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors with a gradient history a forward left on its modules (``self.l_aux = ...``)."""
+    kept = []
+    for module in model.modules():
+        for value in vars(module).values():
+            items = value if isinstance(value, (list, tuple)) else \
+                list(value.values()) if isinstance(value, dict) else [value]
+            kept += [t for t in items if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    return kept

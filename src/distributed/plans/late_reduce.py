@@ -24,7 +24,11 @@ Checked on the recorded graph first, then by a probe:
   parts' outputs, anything computed from them before the point, or the
   router's outputs (an auxiliary loss on the router logits would get its
   gradient summed ``tp`` times);
-* precision: a residual layer whose output is bfloat16 or float16 keeps its
+* residual layers only (:mod:`torchtp.plans.residual_path`): ``out - x`` must
+  not depend on ``x`` (``x`` read once, by a plain addition, and only plain
+  additions after it), in the recorded graph and in a training-mode one
+  (dropout on the residual), and no tensor kept on a module may be computed
+  from the parts; a layer whose output is bfloat16 or float16 keeps its
   per-branch all-reduces (each rank's ``x + part`` would round the residual);
 * probe, for every rank: the model runs with each part returning that rank's
   partial sum (bias on rank 0 only) and the point replaced by the recorded
@@ -35,7 +39,9 @@ Checked on the recorded graph first, then by a probe:
   recorded ones on every rank (nothing else saw a partial sum).
 
 A point that fails keeps its parts' own all-reduces; ``describe_plan()``
-notes why.
+notes why, except for a layer the graph check already rules out (every
+module with a residual shape is tried; a sequential residual layer, as in
+Llama, is not worth a note).
 """
 
 from __future__ import annotations
@@ -54,12 +60,13 @@ from .dataflow import (
     Region,
     Trace,
     differs,
-    first_input,
-    first_output,
+    kept_on_modules,
     output_tensors,
     probe_mode,
 )
 from .linear_view import linear_view
+from .module_io import first_input, first_output, other_outputs, with_first_output
+from .residual_path import path_problem, training_problems
 from .resolved import Rules
 from .styles import ParallelStyle, Rowwise, ShardContext
 from .styles_partial import (
@@ -119,6 +126,7 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
                            "every expert to sum them once")
         return
     used: set[str] = set()
+    layers: list[tuple[Point, list[str]]] = []  # residual layers: probed together below
     for point in _points(trace, plain, balanced):
         mine = plain if point.block is not None else balanced
         parts = sorted(point.region.producers & mine, key=trace.order.index)
@@ -126,20 +134,49 @@ def late_reduces(model: nn.Module, trace: Trace, consumers: list[str],
             continue
         routers = sorted(point.region.producers - mine, key=trace.order.index)
         problem = _graph_problem(trace, point, parts, routers, styles)
-        if problem is not None and point.block is not None:
-            continue  # every block is tried: a sequential residual layer is not worth a note
-        problem = problem or _precision_problem(point, ctx) \
-            or _probe_problem(model, trace, point, parts, styles, ctx) \
-            or _gradient_problem(model, trace, parts, routers)
+        if point.block is not None:
+            if problem is not None or routers:
+                continue  # every block is tried: a sequential residual layer is not noted
+            problem = _residual_problem(trace, point, parts) or _precision_problem(point, ctx)
+            if problem is None:
+                layers.append((point, parts))
+                used.update(parts)
+            else:
+                _note(rules, point, parts, problem)
+            continue
+        problem = problem or _probe_problems(model, trace, [(point, parts)], styles, ctx)[
+            point.name] or _gradient_problem(model, trace, parts, routers)
         if problem is not None:
-            rules.notes.append(f"{parts} keep one all-reduce each: summing them once at "
-                               f"'{point.name}' {problem}")
+            _note(rules, point, parts, problem)
             continue
         _take(trace, point, parts, routers, styles, rules)
         used.update(parts)
+    _take_layers(model, trace, layers, styles, rules, ctx)
+
+
+def _take_layers(model: nn.Module, trace: Trace, layers: list[tuple[Point, list[str]]],
+                 styles: dict[str, ParallelStyle | str], rules: Rules, ctx: ShardContext) -> None:
+    """Probe every residual layer at once (one run per rank, one training-mode run), then
+    take those that pass."""
+    if not layers:
+        return
+    probed = _probe_problems(model, trace, layers, styles, ctx)
+    trained = training_problems(model, trace.inputs, [(p.name, parts) for p, parts in layers])
+    for point, parts in layers:
+        problem = probed[point.name] or trained[point.name]
+        if problem is not None:
+            _note(rules, point, parts, problem)
+        else:
+            _take(trace, point, parts, [], styles, rules)
+
+
+def _note(rules: Rules, point: Point, parts: list[str], problem: str) -> None:
+    rules.notes.append(f"{parts} keep one all-reduce each: summing them once at "
+                       f"'{point.name}' {problem}")
 
 
 def _reduces_itself(style: ParallelStyle | str | None) -> bool:
+    """A weight-columns split that all-reduces its own output (balanced or by whole heads)."""
     return isinstance(style, Rowwise) and not isinstance(style, RowwisePartial) \
         and not style.split_input
 
@@ -201,6 +238,14 @@ def _graph_problem(trace: Trace, point: Point, parts: list[str], routers: list[s
     return None
 
 
+def _residual_problem(trace: Trace, point: Point, parts: list[str]) -> str | None:
+    """For a residual point: whether ``out - x`` depends on ``x`` in the recorded graph."""
+    if point.block is None:
+        return None
+    parts_nodes = {id(trace.calls[p][0].output_node) for p in parts}
+    return path_problem(point.node, point.block.input_node, parts_nodes)
+
+
 def _precision_problem(point: Point, ctx: ShardContext) -> str | None:
     """A residual layer in half precision: each rank's own ``x + part`` rounds the residual,
     so the sum would carry ``tp`` roundings of it instead of the unsplit layer's one."""
@@ -212,31 +257,54 @@ def _precision_problem(point: Point, ctx: ShardContext) -> str | None:
             "with float32 weights, are summed once)")
 
 
-def _probe_problem(model: nn.Module, trace: Trace, point: Point, parts: list[str],
-                   styles: dict[str, ParallelStyle | str], ctx: ShardContext) -> str | None:
-    """Run every rank's partial sums up to ``point`` (see the module docstring)."""
-    total: torch.Tensor | None = None
+def _probe_problems(model: nn.Module, trace: Trace, checks: list[tuple[Point, list[str]]],
+                    styles: dict[str, ParallelStyle | str], ctx: ShardContext
+                    ) -> dict[str, str | None]:
+    """Per point, why its probe fails (see the module docstring); ``None``: it passes.
+
+    The points run together (each is replaced by its recorded full value, so they
+    do not see each other's partial sums); a failure of the whole run, which
+    cannot be told apart, runs them again one by one.
+    """
+    shared, verdicts = _probe_run(model, trace, checks, styles, ctx)
+    if shared is None:
+        return verdicts
+    if len(checks) == 1:
+        return {checks[0][0].name: shared}
+    return {point.name: _probe_problems(model, trace, [(point, parts)], styles, ctx)[point.name]
+            for point, parts in checks}
+
+
+def _probe_run(model: nn.Module, trace: Trace, checks: list[tuple[Point, list[str]]],
+               styles: dict[str, ParallelStyle | str], ctx: ShardContext
+               ) -> tuple[str | None, dict[str, str | None]]:
+    """Every rank's partial sums up to the points: a failure of the run, or per point."""
+    totals: dict[str, torch.Tensor] = {}
     for rank in range(ctx.world_size):
         local = ShardContext(ctx.world_size, rank, None, ctx.model_name)
-        seen: list[torch.Tensor] = []
+        seen: dict[str, list[torch.Tensor]] = {point.name: [] for point, _ in checks}
         try:
-            with _partial_run(model, point, parts, styles, local, seen), torch.no_grad():
+            with _partial_run(model, checks, styles, local, seen), torch.no_grad():
                 args, kwargs = trace.inputs
                 outs = output_tensors(model(*args, **kwargs))
         except Exception as err:  # the local computation does not even run
-            return f"failed in the probe (rank {rank}: {type(err).__name__}: {err})"
-        if len(seen) != 1:
-            return f"failed in the probe (rank {rank}: reached {len(seen)} times)"
+            return f"failed in the probe (rank {rank}: {type(err).__name__}: {err})", {}
+        for name, values in seen.items():
+            if len(values) != 1:
+                return f"failed in the probe (rank {rank}: reached {len(values)} times)", {}
+            totals[name] = values[0] if name not in totals else totals[name] + values[0]
         for got, want in zip(outs, trace.outputs, strict=False):
             why = differs(got, want, rank)
             if why is not None:
-                return f"changes the model's outputs ({why}): a partial sum is read elsewhere"
-        total = seen[0] if total is None else total + seen[0]
-    why = differs(total, point.value, 0)
-    if why is not None:
-        return (f"does not give the full value ({why.split(': ', 1)[1]}): something added "
-                "before that point (a residual, a shared term) is not split")
-    return None
+                return (f"changes the model's outputs ({why}): a partial sum is read "
+                        "elsewhere"), {}
+    verdicts: dict[str, str | None] = {}
+    for point, _ in checks:
+        why = differs(totals[point.name], point.value, 0)
+        verdicts[point.name] = None if why is None else (
+            f"does not give the full value ({why.split(': ', 1)[1]}): something added before "
+            "that point (a residual, a shared term) is not split")
+    return None, verdicts
 
 
 def _gradient_problem(model: nn.Module, trace: Trace, parts: list[str],
@@ -264,7 +332,7 @@ def _gradient_problem(model: nn.Module, trace: Trace, parts: list[str],
                                                                        name in parts)))
         args, kwargs = trace.inputs
         with probe_mode(model, training=True), torch.enable_grad():
-            outs = [*output_tensors(model(*args, **kwargs)), *_kept_on_modules(model)]
+            outs = [*output_tensors(model(*args, **kwargs)), *kept_on_modules(model)]
     except Exception as err:
         return f"failed in the training-mode probe ({type(err).__name__}: {err})"
     finally:
@@ -296,42 +364,35 @@ def _note_call(name: str, called: set[str], seen: dict[str, torch.Tensor], zero:
     return hook
 
 
-def _kept_on_modules(model: nn.Module) -> list[torch.Tensor]:
-    """Tensors with a gradient history a forward left on its modules (``self.l_aux = ...``)."""
-    kept = []
-    for module in model.modules():
-        for value in vars(module).values():
-            items = value if isinstance(value, (list, tuple)) else \
-                list(value.values()) if isinstance(value, dict) else [value]
-            kept += [t for t in items if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    return kept
-
-
 @contextlib.contextmanager
-def _partial_run(model: nn.Module, point: Point, parts: list[str],
+def _partial_run(model: nn.Module, checks: list[tuple[Point, list[str]]],
                  styles: dict[str, ParallelStyle | str], ctx: ShardContext,
-                 seen: list[torch.Tensor]) -> Iterator[None]:
-    """Parts return this rank's partial sums; the point records its value, then goes on full."""
+                 seen: dict[str, list[torch.Tensor]]) -> Iterator[None]:
+    """Parts return this rank's partial sums; each point records its value, then goes on
+    with its recorded full value."""
     handles: list[RemovableHandle] = []
     try:
-        for name in parts:
-            module = model.get_submodule(name)
-            style = styles[name]
-            assert isinstance(style, Rowwise)
-            handles.append(module.register_forward_hook(_partial_hook(module, style, ctx)))
-        target = model.get_submodule(point.name)
-        if point.reads:
-            handles.append(target.register_forward_pre_hook(_seen_input(point.value, seen)))
-        elif point.block is not None:
-            handles.append(target.register_forward_hook(_seen_residual(point.block, seen),
-                                                        with_kwargs=True))
-        else:
-            handles.append(target.register_forward_hook(_seen_output(point.value, seen)))
+        for point, parts in checks:
+            for name in parts:
+                module = model.get_submodule(name)
+                style = styles[name]
+                assert isinstance(style, Rowwise)
+                handles.append(module.register_forward_hook(_partial_hook(module, style, ctx)))
+            handles.append(_seen_hook(model.get_submodule(point.name), point,
+                                      seen[point.name]))
         with probe_mode(model):
             yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _seen_hook(target: nn.Module, point: Point, seen: list[torch.Tensor]) -> RemovableHandle:
+    if point.reads:
+        return target.register_forward_pre_hook(_seen_input(point.value, seen))
+    if point.block is not None:
+        return target.register_forward_hook(_seen_residual(point.block, seen), with_kwargs=True)
+    return target.register_forward_hook(_seen_output(point.value, seen))
 
 
 def _partial_hook(module: nn.Module, style: Rowwise, ctx: ShardContext) -> Any:
@@ -368,14 +429,22 @@ def _seen_output(full: torch.Tensor, seen: list[torch.Tensor]) -> Any:
 
 
 def _seen_residual(block: Block, seen: list[torch.Tensor]) -> Any:
-    """Record this rank's output minus its input; go on with the recorded full output."""
+    """Record this rank's output less its input; go on with the recorded full output.
+
+    Its other outputs (attention weights...) must be the recorded ones: a partial
+    sum returned beside the output would reach the caller unsummed.
+    """
     def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: object) -> object:
         x, y = first_input(args, kwargs), first_output(out)
-        seen.append((y - x).clone() if x is not None and y is not None else torch.full_like(
-            block.output, float("nan")))
-        if isinstance(out, torch.Tensor):
-            return block.output.clone()
-        return (block.output.clone(), *out[1:]) if isinstance(out, tuple) else out
+        if x is None or y is None:
+            raise ValueError("the layer's input or output is not a tensor in this call")
+        seen.append((y - x).clone())
+        others = other_outputs(out)
+        whys = [differs(got, want, 0) for got, want in zip(others, block.others, strict=False)]
+        if len(others) != len(block.others) or any(whys):
+            raise ValueError("its other outputs change with the partial sums (a partial sum "
+                             "returned beside the output?)")
+        return with_first_output(out, block.output.clone())
     return hook
 
 
@@ -391,7 +460,8 @@ def _take(trace: Trace, point: Point, parts: list[str], routers: list[str],
         producers = () if point.block is not None else tuple(
             sorted(trace.region(name).producers, key=trace.order.index))
         style = styles[name]
-        styles[name] = RowwisePartial(producers, None if type(style) is Rowwise else style)  # type: ignore[arg-type]
+        assert isinstance(style, Rowwise)  # a part reduces its own output (_reduces_itself)
+        styles[name] = RowwisePartial(producers, None if type(style) is Rowwise else style)
         rules.why[name] = (f"dataflow: one of {len(parts)} row-split Linears whose outputs are "
                            f"only summed; left as partial sums, reduced once at {where}")
     lone = [n for n in [point.name, *routers] if isinstance(styles.get(n), str)]

@@ -43,8 +43,8 @@ from ..core import log as _log
 from ..core.errors import RankMismatchError
 from ..layers import ColumnParallelLinear
 from .constraints import Constraint
-from .dataflow import first_input, first_output
 from .linear_view import LinearView
+from .module_io import first_input, first_output, with_first_output
 from .styles import LayerPlan, ParallelStyle, Rowwise, ShardContext
 
 
@@ -141,19 +141,18 @@ class ReduceResidual(ParallelStyle):
     sums, each rank's output is ``x`` plus its own part, so the parts are summed
     once, the residual kept once. Forward: one all-reduce of ``(..., hidden)``;
     backward: identity (the residual's gradient and the parts' flow as they
-    would). ``x`` is the first positional argument or ``hidden_states``; the
-    output a tensor or a tuple whose first element is one.
+    would). ``x`` is the first positional argument or ``hidden_states`` (after
+    any forward pre-hook changed it); the output a tensor or a tuple whose first
+    element is one. The hook runs before the module's other forward hooks, so
+    they see the summed output.
     """
 
     name = "reduce_residual"
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size > 1:
-            # The current call's input (a layer's forward does not call itself; a
-            # forward that raised leaves it for the next call to replace).
-            current: dict[str, torch.Tensor] = {}
-            module.register_forward_pre_hook(_keep_input(layer.fqn, current), with_kwargs=True)
-            module.register_forward_hook(_reduce_residual(layer.fqn, ctx.group, current))
+            module.register_forward_hook(_reduce_residual(layer.fqn, ctx.group),
+                                         with_kwargs=True, prepend=True)
         return module
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
@@ -200,34 +199,18 @@ def _reduce_input(fqn: str, group: ProcessGroup | None, routers: tuple[str, ...]
     return hook
 
 
-def _keep_input(fqn: str, current: dict[str, torch.Tensor]) -> Any:
-    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        x = first_input(args, kwargs)
-        if x is None:
-            raise TypeError(f"module '{fqn}' (style 'reduce_residual') was called without a "
-                            "tensor input (first positional argument or hidden_states)")
-        current["x"] = x
-    return hook
-
-
-def _reduce_residual(fqn: str, group: ProcessGroup | None,
-                     current: dict[str, torch.Tensor]) -> Any:
-    def hook(_m: nn.Module, _args: object, out: object) -> object:
-        x = current.pop("x")
-        y = first_output(out)
-        if y is None or y.shape != x.shape:
-            raise TypeError(f"module '{fqn}' (style 'reduce_residual') returned "
-                            f"{type(out).__name__}; the style needs a tensor (or a tuple "
-                            f"starting with one) of its input's shape {tuple(x.shape)}")
+def _reduce_residual(fqn: str, group: ProcessGroup | None) -> Any:
+    """The forward hook of ``reduce_residual``: ``x + all-reduce(out - x)`` as the output."""
+    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: object) -> object:
+        x, y = first_input(args, kwargs), first_output(out)
+        if x is None or y is None or y.shape != x.shape:
+            raise TypeError(f"module '{fqn}' (style 'reduce_residual') needs a tensor input "
+                            "(first positional argument or hidden_states) and an output of its "
+                            f"shape (a tensor, or a tuple starting with one); got "
+                            f"{type(out).__name__}")
         # (..., hidden): each rank's out - x is its parts' partial sum.
-        full = x + reduce_from_tensor_parallel_region(y - x, group, inplace=True)
-        if isinstance(out, torch.Tensor):
-            return full
-        seq: Any = out  # a tuple, a namedtuple or a list (first_output found a tensor in it)
-        rest = list(seq[1:])
-        if isinstance(seq, list):
-            return [full, *rest]
-        return (full, *rest) if type(seq) is tuple else type(seq)(full, *rest)
+        return with_first_output(out, x + reduce_from_tensor_parallel_region(y - x, group,
+                                                                             inplace=True))
     return hook
 
 
