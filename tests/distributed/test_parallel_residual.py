@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ._parallel_residual import check_parallel_residual
 
@@ -76,8 +77,6 @@ def test_sequence_parallelism_refuses_a_partial_output_projection():
 
 def test_a_half_precision_residual_layer_keeps_one_all_reduce_per_branch():
     # In bfloat16 each rank's x + part rounds the residual: tp roundings instead of one.
-    import torch
-
     import torchtp
 
     from ._parallel_residual import ParallelNet
@@ -90,3 +89,20 @@ def test_a_half_precision_residual_layer_keeps_one_all_reduce_per_branch():
     assert plan.collectives() == {"all_reduce": 4}
     assert any("once at 'layers.0' is not done in bfloat16" in n and "2 roundings" in n
                for n in plan.notes), plan.notes
+
+
+@pytest.mark.parametrize("layer, why", [
+    (lambda x, p: x + p, None),
+    (lambda x, p: (x + p) + p, None),
+    (lambda x, p: x + x + p, "its input is read 2 times"),
+    (lambda x, p: x + torch.sigmoid(x) * p, "its input is read 2 times"),
+    (lambda x, p: 0.5 * x + p, "MulBackward0 lies between its input and its output"),
+    (lambda x, p: torch.add(x, p, alpha=2), "AddBackward0 lies between"),
+])
+def test_the_residual_path_rule(layer, why):
+    # out - x must not depend on x: read once, by a plain addition, only additions after it.
+    from torchtp.plans.residual_path import path_problem
+
+    x, p = (torch.randn(3, requires_grad=True) * 1 for _ in range(2))  # non-leaf nodes
+    problem = path_problem(layer(x, p).grad_fn, x.grad_fn, {id(p.grad_fn)})
+    assert problem is None if why is None else why in problem, problem

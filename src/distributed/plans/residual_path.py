@@ -43,7 +43,8 @@ def path_problem(out_node: Any, x_node: Any, part_nodes: set[int]) -> str | None
             continue
         region[id(node)] = node
         stack.extend(node_inputs(node))
-    readers = [n for n in region.values() if any(i is x_node for i in node_inputs(n))]
+    # Each edge into x counts (x + x reads it twice from one node).
+    readers = [n for n in region.values() for i in node_inputs(n) if i is x_node]
     if len(readers) != 1:
         return (f"is not possible: its input is read {len(readers)} times on the way to its "
                 "output (a gate or a scale computed from the residual?)")
