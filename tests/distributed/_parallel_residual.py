@@ -137,3 +137,24 @@ def check_parallel_residual(rank: int, world_size: int, kind: str) -> dict[str, 
     plan = wrapped.resolved_plan
     return {"styles": {n: s.name for n, s in plan.assignments.items()}, "why": dict(plan.why),
             "notes": list(plan.notes), "counts": counts}
+
+
+class _DictBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"hidden": x + self.proj(x)}
+
+
+def check_reduce_residual_needs_a_tensor(rank: int, world_size: int) -> str:
+    """A hand-written plan puts ``reduce_residual`` on a module returning a dict: the first
+    forward raises a TypeError naming the module and the fix, on every rank."""
+    wrapped = torchtp.DistributedModelWrapper(nn.Sequential(_DictBlock()),
+                                              plan={"0": "reduce_residual"})
+    try:
+        wrapped(torch.randn(2, DIM))
+    except TypeError as err:
+        return str(err)
+    raise AssertionError("reduce_residual ran on a dict output")

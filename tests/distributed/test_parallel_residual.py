@@ -106,3 +106,12 @@ def test_the_residual_path_rule(layer, why):
     x, p = (torch.randn(3, requires_grad=True) * 1 for _ in range(2))  # non-leaf nodes
     problem = path_problem(layer(x, p).grad_fn, x.grad_fn, {id(p.grad_fn)})
     assert problem is None if why is None else why in problem, problem
+
+
+def test_reduce_residual_on_a_module_without_a_tensor_output_raises_on_every_rank(ranks):
+    from ._parallel_residual import check_reduce_residual_needs_a_tensor
+
+    for msg in ranks(check_reduce_residual_needs_a_tensor, 2):
+        assert msg.startswith("module '0' (style 'reduce_residual', world_size=2) needs a tensor "
+                              "input"), msg
+        assert "got dict. Plan its output projections 'rowwise'" in msg, msg

@@ -204,10 +204,12 @@ def _reduce_residual(fqn: str, group: ProcessGroup | None) -> Any:
     def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: object) -> object:
         x, y = first_input(args, kwargs), first_output(out)
         if x is None or y is None or y.shape != x.shape:
-            raise TypeError(f"module '{fqn}' (style 'reduce_residual') needs a tensor input "
-                            "(first positional argument or hidden_states) and an output of its "
-                            f"shape (a tensor, or a tuple starting with one); got "
-                            f"{type(out).__name__}")
+            raise TypeError(f"module '{fqn}' (style 'reduce_residual', world_size="
+                            f"{group_size(group)}) needs a tensor input (first positional "
+                            "argument or hidden_states) and an output of its shape (a tensor, "
+                            f"or a tuple starting with one); got {type(out).__name__}. Plan its "
+                            "output projections 'rowwise' instead of 'rowwise_partial' and "
+                            "leave it out of the plan")
         # (..., hidden): each rank's out - x is its parts' partial sum.
         return with_first_output(out, x + reduce_from_tensor_parallel_region(y - x, group,
                                                                              inplace=True))
