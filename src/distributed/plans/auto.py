@@ -120,6 +120,13 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
         elif name not in styles:
             styles[name], rules.why[name] = _lone(name, module, id(module) in tied, trace, ctx,
                                                    rules.notes)
+    name = _token_embedding(model, tied, ctx.world_size)
+    if name is not None:
+        # Split by vocabulary alone: the cost model keeps it split only where the
+        # bytes it saves pay for its all-reduce (torchtp.plans.choose).
+        styles[name] = "embedding_rowwise"
+        rules.why[name] = ("the token embedding, without a tied head: rows (vocabulary) "
+                           "split, lookups all-reduced")
     if trace is not None:  # a hand-written MoE's experts: one all-reduce, not one each
         late_reduces(model, trace, consumers, styles, rules, ctx)
     order = list(dict(model.named_modules()))
@@ -536,6 +543,25 @@ def _pair_pays(pair: Pair, trace: Trace, linears: dict[str, nn.Module], memory: 
     for name in pair.styles:
         rules.why[name] = why
     return False
+
+
+def _token_embedding(model: nn.Module, tied: set[int], tp: int) -> str | None:
+    """The token embedding when the vocabulary split computes it exactly (a plain untied
+    ``nn.Embedding`` with a row for each of ``tp`` > 1 ranks): the model's
+    ``get_input_embeddings()`` where it has one (HF), else its largest embedding.
+    Position and bias tables are left alone."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        found = getter() if callable(getter) else None
+    except Exception:  # a model that does not implement it
+        found = None
+    embeddings = [m for m in model.modules() if type(m) is nn.Embedding]
+    if found is None and not callable(getter) and embeddings:
+        found = max(embeddings, key=lambda m: m.num_embeddings)
+    if not (type(found) is nn.Embedding and found.max_norm is None and not found.sparse
+            and id(found) not in tied and found.num_embeddings >= tp > 1):
+        return None
+    return next(n for n, m in model.named_modules() if m is found)
 
 
 def _weight_bytes(module: nn.Module) -> int:
