@@ -37,6 +37,7 @@ from typing import Literal
 
 import torch
 
+from ..core.env import env_int
 from ..core.log import debug_enabled, logger
 
 ENV = "TP_OVERLAP"
@@ -96,17 +97,8 @@ def chunks() -> int:
     Raises:
         ValueError: not an integer >= 1.
     """
-    raw = os.environ.get(CHUNKS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CHUNKS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{CHUNKS_ENV}={raw!r} must be an integer >= 1 (chunks per sequence "
-                         "shard; 1 issues one collective per chunk of the whole shard)")
-    return value
+    return env_int(CHUNKS_ENV, DEFAULT_CHUNKS, 1, "chunks per sequence shard; 1 issues one "
+                   "collective per chunk of the whole shard")
 
 
 def reset() -> None:

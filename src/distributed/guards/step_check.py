@@ -32,7 +32,6 @@ ranks compare them with ONE all-reduce (max of ``cat(d, -d)``: max equals
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..comm import ops as _comm
 from ..comm.runtime import ProcessGroup, group_size
 from ..core import torch_compat as _torch_compat
+from ..core.env import env_int
 from ..core.errors import RankMismatchError
 from ..core.log import logger
 from ..layers import layouts_of
@@ -99,17 +99,8 @@ def period_from_env() -> int:
     Raises:
         ValueError: the variable is not an integer >= 0.
     """
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return DEFAULT_PERIOD
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{ENV}={raw!r} must be an integer >= 0 (steps between weight checks; "
-                         "0 turns the optimizer-step check off)")
-    return value
+    return env_int(ENV, DEFAULT_PERIOD, 0, "steps between weight checks; 0 turns the "
+                   "optimizer-step check off")
 
 
 def track(model: nn.Module, group: ProcessGroup | None) -> None:
