@@ -56,16 +56,20 @@ def path_problem(out_node: Any, x_node: Any, part_nodes: set[int]) -> str | None
         if node is readers[0]:
             return None
         node = next((i for i in node_inputs(node) if i is not None
-                     and _reaches(i, readers[0], region)), None)
+                     and _reaches(i, {id(readers[0])}, region)), None)
 
 
-def _reaches(start: Any, target: Any, region: dict[int, Any]) -> bool:
+def _reaches(start: Any, targets: set[int], region: dict[int, Any] | None = None) -> bool:
+    """Whether walking back from ``start`` (inside ``region`` when given) meets a node of
+    ``targets`` (ids)."""
     stack, seen = [start], set()
     while stack:
         node = stack.pop()
-        if node is target:
+        if node is None or id(node) in seen:
+            continue
+        if id(node) in targets:
             return True
-        if node is None or id(node) not in region or id(node) in seen:
+        if region is not None and id(node) not in region:
             continue
         seen.add(id(node))
         stack.extend(node_inputs(node))
@@ -106,7 +110,7 @@ def _training_verdict(layer: str, parts: list[str], seen: dict[str, Any],
     problem = path_problem(seen[f"{layer}:out"], seen[f"{layer}:x"], part_nodes)
     if problem is not None:
         return f"{problem} (in training mode)"
-    if any(_reaches_any(n, part_nodes) for n in kept):
+    if any(_reaches(n, part_nodes) for n in kept):
         return ("is not possible: a tensor kept on a module (an auxiliary loss?) is computed "
                 "from the parts' outputs, and its gradient would cover only this rank's part")
     return None
@@ -125,16 +129,3 @@ def _layer_nodes(layer: str, seen: dict[str, Any]) -> Callable[..., None]:
         if x is not None and y is not None:
             seen[f"{layer}:x"], seen[f"{layer}:out"] = x.grad_fn, y.grad_fn
     return hook
-
-
-def _reaches_any(start: Any, targets: set[int]) -> bool:
-    stack, seen = [start], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        if id(node) in targets:
-            return True
-        seen.add(id(node))
-        stack.extend(node_inputs(node))
-    return False
