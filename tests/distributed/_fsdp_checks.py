@@ -44,13 +44,17 @@ CASES = (
     Case("llama", KV1, {"sequence_parallel": True}),
     Case("qwen3", {}, {"sequence_parallel": True, "loss_parallel": True}, checkpointing=True),
     Case("llama", KV1, {}, ("k_proj", "o_proj")),  # adapters of replicated KV rows, split input
+    # Parallel residual: both branches' partial sums reduced once per layer (reduce_residual),
+    # plain and with LoRA on the two partial output projections.
+    Case("gpt_neox", {}, {}),
+    Case("gpt_neox", {}, {}, ("dense", "dense_4h_to_h")),
 )
 
 
 def _fsdp(wrapped: nn.Module, cfg: Any) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    for layer in wrapped.model.layers:
+    for layer in wrapped.base_model.base_model.layers:  # the decoder's (Llama, GPT-NeoX)
         fully_shard(layer, mesh=cfg.mesh["dp"])
     return fully_shard(wrapped, mesh=cfg.mesh["dp"])
 
@@ -87,10 +91,14 @@ def synced_grads(rank: int, world_size: int) -> dict[str, Any]:
         ref_losses, ref_norms = _train(ref, ids, torch.nn.utils.clip_grad_norm_, _trainable(ref))
         wrapped = torchtp.DistributedModelWrapper(_build(case), **case.options)
         _with_lora(wrapped.base_model, case.lora)
-        assert any(getattr(m, "tp_grad_sync", None) for m in wrapped.modules())
+        # Replicated KV heads or per-head norms (GPT-NeoX at tp 2 has neither).
+        assert case.arch == "gpt_neox" or any(getattr(m, "tp_grad_sync", None)
+                                              for m in wrapped.modules())
         model = _fsdp(wrapped, cfg)
         calls = [0]
-        wrapped.model.layers[0].mlp.register_forward_pre_hook(
+        assert case.arch != "gpt_neox" or any(
+            s.name == "reduce_residual" for s in wrapped.resolved_plan.assignments.values())
+        wrapped.base_model.base_model.layers[0].mlp.register_forward_pre_hook(
             lambda *_, c=calls: c.__setitem__(0, c[0] + 1))
         losses, norms = _train(model, mine, torchtp.clip_grad_norm_, _trainable(model))
         assert calls[0] == STEPS * (2 if case.checkpointing else 1)  # recomputed in backward
