@@ -158,3 +158,32 @@ def check_reduce_residual_needs_a_tensor(rank: int, world_size: int) -> str:
     except TypeError as err:
         return str(err)
     raise AssertionError("reduce_residual ran on a dict output")
+
+
+def check_fused_checkpoints(rank: int, world_size: int, out: str) -> list[str]:
+    """GPT-NeoX with both branches reduced once per layer (at tp 3 its 4 heads split 2/1/1):
+    the consolidated HF save equals the unsharded model tensor for tensor, and a DCP training
+    state loads into a fresh fused model with the same logits. Returns the fused layers."""
+    from torchtp.checkpoint.dcp import load_training_state, save_training_state
+
+    from ._hf_checks import inputs
+    from ._hf_models import build
+
+    torchtp.init_tensor_parallel()
+    wrapped = torchtp.DistributedModelWrapper(build("gpt_neox"))
+    fused = sorted(n for n, s in wrapped.resolved_plan.assignments.items()
+                   if s.name == "reduce_residual")
+    wrapped.save_pretrained(f"{out}/hf")
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(f"{out}/hf").state_dict()
+        for name, want in build("gpt_neox").state_dict().items():
+            assert torch.equal(saved[name], want), name
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    save_training_state(f"{out}/dcp", wrapped, opt, step=1)
+    fresh = torchtp.DistributedModelWrapper(build("gpt_neox", seed=5))
+    load_training_state(f"{out}/dcp", fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    batch = inputs("gpt_neox")
+    torch.testing.assert_close(fresh(**batch).logits, wrapped(**batch).logits, rtol=0, atol=0)
+    return fused

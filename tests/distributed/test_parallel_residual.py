@@ -115,3 +115,10 @@ def test_reduce_residual_on_a_module_without_a_tensor_output_raises_on_every_ran
         assert msg.startswith("module '0' (style 'reduce_residual', world_size=2) needs a tensor "
                               "input"), msg
         assert "got dict. Plan its output projections 'rowwise'" in msg, msg
+
+
+def test_fused_layers_save_and_resume_exactly_at_uneven_tp(ranks, tmp_path):
+    from ._parallel_residual import check_fused_checkpoints
+
+    for fused in ranks(check_fused_checkpoints, 3, str(tmp_path), timeout=240):
+        assert fused == ["gpt_neox.layers.0", "gpt_neox.layers.1"]
