@@ -219,8 +219,8 @@ def _subset_save(rank: int, world_size: int, tmp: str, what: str) -> dict:
         model = get_peft_model(wrapped.base_model, LoraConfig(r=4, target_modules=["q_proj"]))
     batch = inputs("llama")
     with torch.no_grad():
-        # Shapes agreed after the same previous collectives (health.before keys them by
-        # the 3 before): the next forward goes straight into its all-reduces.
+        # Shapes agreed in the same context of previous collectives (health.before):
+        # the next forward goes straight into its all-reduces.
         for _ in range(4):
             model(**batch)
     out = os.path.join(tmp, what)

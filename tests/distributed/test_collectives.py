@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import torchtp
-from torchtp.comm import regions
+from torchtp.comm import health, regions
 
 from ._reference import chunk, seeded
 
@@ -173,3 +174,32 @@ def _mismatched_shapes(rank: int, world_size: int) -> str:
 
 def test_tp_check_shapes_catches_mismatched_collectives_on_every_rank(ranks):
     assert ranks(_mismatched_shapes, 2, env={"TP_CHECK_SHAPES": "1"}) == ["raised", "raised"]
+
+
+def _alternating_forwards(rank: int, world_size: int) -> int:
+    st = health.state(dist.group.WORLD)
+    prefill, decode = (1, 16, 4), (1, 1, 4)
+
+    def forward(shape: tuple[int, ...]) -> None:  # a 4-layer model: 8 all-reduces of one shape
+        for _ in range(8):
+            torchtp.all_reduce_sum(torch.ones(shape))
+
+    for i in range(6):  # each context's signature is agreed once
+        forward(prefill if i % 2 else decode)
+    before = st.agreements
+    for i in range(20):
+        forward(prefill if i % 2 else decode)
+    steady = st.agreements - before
+    # Both shapes are remembered, yet a rank that runs a prefill where the others
+    # decode is still caught: each context remembers one signature.
+    with pytest.raises(torchtp.RankMismatchError,
+                       match=r"rank 0: \('all_reduce', \(1, 16, 4\), 'torch.float32'\), "
+                             r"rank 1: \('all_reduce', \(1, 1, 4\), 'torch.float32'\)"):
+        torchtp.all_reduce_sum(torch.ones(prefill if rank == 0 else decode))
+    return steady
+
+
+def test_forwards_alternating_shapes_agree_once_and_still_catch_a_mismatch(ranks):
+    # Keyed by the last 3 collectives alone, "3 prefill all-reduces before" meets the
+    # prefill's 4th all-reduce and the decode's 1st: two store round trips per pair.
+    assert ranks(_alternating_forwards, 2) == [0, 0]

@@ -64,9 +64,10 @@ def _forward(tp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _settle(module: nn.Module, x: torch.Tensor) -> None:
     """Forwards until ``x``'s collectives are remembered as agreed in a steady context.
 
-    A signature is remembered per op after the same previous collectives
-    (``health.before``, 3 of them), so after 4 equal forwards the next one checks
-    nothing unless its shape changes.
+    A signature is remembered per op and context of the previous collectives
+    (``health.before``: the last runs of equal signatures, the current one counted
+    up to 3), so after 4 equal forwards the next one checks nothing unless its
+    shape changes.
     """
     with torch.no_grad():
         for _ in range(4):

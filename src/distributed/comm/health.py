@@ -80,9 +80,18 @@ class GroupState:
     rank: int
     size: int
     seq: int = 0  # index of the next torchtp collective
-    # (op, previous collectives' signatures) -> the signature last agreed there
+    # (op, context) -> the signature last agreed there; the context sums up the
+    # previous collectives (see _advance)
     agreed: dict[tuple[str, Any], tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
-    previous: tuple[Any, ...] = ()  # (op, shape, dtype) of this group's last collectives
+    # The last collectives as runs of equal signatures (see _advance): the finished
+    # runs as ((op, shape, dtype), count), the current one's signature and count, and
+    # the count of the last finished run with the current one's signature (0: none).
+    runs: tuple[tuple[Any, int], ...] = ()
+    current: Any = None
+    count: int = 0
+    earlier: int = 0
+    context: tuple[Any, ...] = ((), 0, False)  # what the next collective's memory is keyed by
+    agreements: int = 0  # signatures agreed through the store (each a store round trip)
     # Collectives whose signature this rank checked through the store and whose key it
     # has not deleted yet (deleted once every rank is known to have read it).
     checks: list[int] = field(default_factory=list)
@@ -156,28 +165,58 @@ def before(op: str, tensor: torch.Tensor, st: GroupState) -> int:
         raise InconsistentGroupError(st.poisoned)
     n = st.seq
     st.seq = n + 1
-    # Remembered per (op, previous collectives): ranks in step so far passed the same
-    # previous signatures (agreed, or equal to agreed ones), so they all consult the
-    # same memory, and a rank whose shape differs from it checks while the others
-    # answer from inside their collective. Nothing rank-local may enter the key (not
-    # even forward vs backward: ranks on different code paths are what this catches).
-    # A model alternating shapes (an MoE layer's (N, H) all-reduce between the
-    # attention's (B, T, H) ones) then skips the check for all of them; one memory per
-    # op would flip and cost a store round trip on every call.
-    key = (op, st.previous)
+    # Remembered per (op, context of the previous collectives): ranks in step so far
+    # passed the same previous signatures (agreed, or equal to agreed ones), so they
+    # all consult the same memory, and a rank whose shape differs from it checks while
+    # the others answer from inside their collective. Nothing rank-local may enter the
+    # key (not even forward vs backward: ranks on different code paths are what this
+    # catches), and each key remembers one signature, so two ranks with different
+    # shapes can never both skip.
+    key = (op, st.context)
     agreed = st.agreed.get(key)
     if _logging.CHECK_SHAPES or agreed is None or agreed[0] != tensor.shape \
             or agreed[1] != tensor.dtype:
         _agree_signature(st, n, op, tensor)
+        st.agreements += 1
         if len(st.agreed) >= _MEMORY:  # shapes that vary step to step: start afresh
             st.agreed.clear()
         st.agreed[key] = (tensor.shape, tensor.dtype)
-    st.previous = (*st.previous[1 - _CONTEXT:], (op, tensor.shape, tensor.dtype))
+    _advance(st, (op, tensor.shape, tensor.dtype))
     return n
 
 
 _MEMORY = 512  # remembered signatures per group
-_CONTEXT = 3  # previous collectives a remembered signature is keyed by
+_CONTEXT = 3  # runs of the history (and the first counts of the last one) in the key
+_RUNS = 4  # runs kept: the key's, and one more to find where the current signature ran before
+
+
+def _advance(st: GroupState, sig: tuple[str, torch.Size, torch.dtype]) -> None:
+    """Add collective ``sig`` to the history and set the next collective's context.
+
+    The context is the signatures of the last :data:`_CONTEXT` runs of equal
+    signatures, the current run's length up to :data:`_CONTEXT`, and whether
+    that run is as long as the last earlier run of the same signature. The
+    flag tells the end of a run from its middle: a model whose forwards
+    alternate shapes (prefill ``(1, 128, H)`` then decode ``(1, 1, H)``, 8
+    all-reduces each) meets the context "3 prefill all-reduces before" both
+    inside the prefill and at the decode's first all-reduce; keyed by that
+    alone, the memory would flip twice per pair of forwards, a store round trip
+    each. A model alternating single collectives (an MoE layer's ``(N, H)``
+    all-reduce between the attention's ``(B, T, H)`` ones) is remembered too.
+    Everything here comes from the group's own collectives, the same on every
+    rank in step.
+    """
+    if sig == st.current:
+        st.count += 1
+        if st.count > _CONTEXT and st.count != st.earlier:
+            return  # neither a counted length nor the earlier run's reached: same context
+    else:
+        if st.current is not None:
+            st.runs = (*st.runs[2 - _RUNS:], (st.current, st.count))
+        st.earlier = next((c for s, c in reversed(st.runs) if s == sig), 0)
+        st.current, st.count = sig, 1
+    sigs = (*(s for s, _ in st.runs[1 - _CONTEXT:]), st.current)
+    st.context = (sigs, min(st.count, _CONTEXT), 0 < st.earlier <= st.count)
 
 
 def _signature(op: str, tensor: torch.Tensor) -> str:
