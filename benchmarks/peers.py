@@ -11,6 +11,12 @@ slowest rank per repetition, median over repetitions). Prints a table of
 milliseconds and ratios to the floor and writes JSON.
 
     .venv/bin/python benchmarks/peers.py --json peers.json
+
+``--device cuda`` runs the same on CUDA tensors, with a CUDA synchronize around
+every timed call. The ranks then use ``"cpu:gloo,cuda:gloo"``: NCCL refuses two
+ranks on one GPU, so on a one-GPU machine every variant's all-reduce goes
+through Gloo's host copies alike (ratios between variants are what it shows).
+``--dtype bfloat16`` casts every variant's weights.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -37,10 +44,17 @@ from torchtp.cli._launch import launch
 SEQ = 128
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _timed(fn: Any) -> float:
+    _sync()
     dist.barrier()
     start = time.perf_counter()
     fn()
+    _sync()
     return time.perf_counter() - start
 
 
@@ -59,13 +73,16 @@ def _local(t: Any) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _forward(rank: int, world: int, reps: int, hf_path: str) -> dict[str, Any]:
-    models, failures = build_all(rank, world, hf_path)
+def _forward(rank: int, world: int, reps: int, hf_path: str, device: str,
+             dtype: torch.dtype) -> dict[str, Any]:
+    models, failures = build_all(rank, world, hf_path, device, dtype)
     ids = torch.randint(0, SMALL["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
     times: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in models}
     with torch.inference_mode():
-        want = build_llama()(ids).logits
-        errors = {n: (_local(m(ids).logits) - want).abs().max().item() for n, m in models.items()}
+        want = build_llama().to(device=device, dtype=dtype)(ids).logits.float()
+        errors = {n: (_local(m(ids).logits).float() - want).abs().max().item()
+                  for n, m in models.items()}
         steps = {n: _decode_step(m, ids) for n, m in models.items()}
         for name, m in models.items():  # warm-up
             m(ids, use_cache=False)
@@ -80,10 +97,14 @@ def _forward(rank: int, world: int, reps: int, hf_path: str) -> dict[str, Any]:
     return {"times": times, "failures": failures, "max_abs_error_vs_unsharded": errors}
 
 
-def _train(rank: int, world: int, reps: int) -> dict[str, list[float]]:
+def _train(rank: int, world: int, reps: int, device: str, dtype: torch.dtype) -> dict[str, list[float]]:
     ids = torch.randint(0, SMALL["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(2))
-    models = {"torchtp": torchtp_model().train(), "dtensor": dtensor_model(world).train()}
-    opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
+    ids = ids.to(device)
+    models = {"torchtp": torchtp_model(device, dtype).train(),
+              "dtensor": dtensor_model(world, device, dtype).train()}
+    # foreach=False: DTensor refuses a foreach op over its mix of DTensor and plain
+    # parameters (the default on CUDA); both variants take the same per-tensor path.
+    opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3, foreach=False) for n, m in models.items()}
 
     def step(name: str) -> None:
         opts[name].zero_grad(set_to_none=True)
@@ -100,14 +121,16 @@ def _train(rank: int, world: int, reps: int) -> dict[str, list[float]]:
     return times
 
 
-def _rank(rank: int, world: int, reps: int, hf_path: str) -> dict[str, Any]:
+def _rank(rank: int, world: int, reps: int, hf_path: str, device: str = "cpu",
+          dtype_name: str = "float32") -> dict[str, Any]:
     warnings.filterwarnings("ignore")
+    dtype = getattr(torch, dtype_name)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    result = _forward(rank, world, reps, hf_path)
-    result["train"] = _train(rank, world, max(3, reps // 2))
+    result = _forward(rank, world, reps, hf_path, device, dtype)
+    result["train"] = _train(rank, world, max(3, reps // 2), device, dtype)
     return result
 
 
@@ -156,22 +179,34 @@ def render(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=30, help="interleaved repetitions per variant")
     parser.add_argument("--tp", default="2,4", help="tp sizes (default 2,4)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
+    backend = "gloo" if args.device == "cpu" else "cpu:gloo,cuda:gloo"
     results = []
     with tempfile.TemporaryDirectory(prefix="torchtp-peers-") as tmp:
         build_llama().save_pretrained(tmp)  # for transformers' from_pretrained(tp_plan="auto")
         for tp in (int(x) for x in args.tp.split(",")):
             print(f"tp={tp}: {args.reps} interleaved repetitions ...", file=sys.stderr, flush=True)
-            results.append(summarize(tp, launch(_rank, tp, args.reps, tmp, timeout=1800)))
+            results.append(summarize(tp, launch(_rank, tp, args.reps, tmp, args.device, args.dtype,
+                                                backend=backend, timeout=1800)))
     print(render(results))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": SMALL, "seq": SEQ, "reps": args.reps,
+                                               "device": _device_name(args.device),
+                                               "dtype": args.dtype, "torch": torch.__version__,
                                                "loadavg_after": os.getloadavg(), "results": results},
                                               indent=2))
 
