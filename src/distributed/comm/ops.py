@@ -315,7 +315,10 @@ class Ride:
 
     values: torch.Tensor  # (k,) uint8, 0 or 1: sums over <= 256 ranks are exact in every float dtype
     device: torch.device  # for the separate all-reduce when no all-reduce carried them
-    result: list[float] | None = None  # the sums over the group, once reduced
+    # (k,) the sums over the group on the collective's device, once reduced; read on
+    # the host (``result``) only when asked, so a GPU forward is not stopped halfway
+    sums: torch.Tensor | None = None
+    result: list[float] | None = None
 
 
 _RIDES: dict[object, list[Ride]] = {}  # per group, the rides waiting for its next all-reduce
@@ -354,7 +357,9 @@ def ride_hash(group: ProcessGroup | None, data: bytes, device: torch.device) -> 
     digest = hashlib.blake2b(data, digest_size=8).digest()
     # (64,) uint8 bits: one numpy call, no Python loop (this runs on every forward).
     bits = torch.from_numpy(np.unpackbits(np.frombuffer(digest, dtype=np.uint8)))
-    return ride_next_all_reduce(group, bits, device)
+    # Moved to the device now, before the forward: a copy from pageable host memory
+    # waits for the device's queue, which mid-forward would stop the host there.
+    return ride_next_all_reduce(group, bits.to(device), device)
 
 
 def ride_agrees(group: ProcessGroup | None, ride: Ride, size: int) -> bool:
@@ -370,8 +375,10 @@ def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
     """The sums of ``ride``'s values over ``group``: one small all-reduce if none carried them."""
     cancel_ride(group, ride)
     if ride.result is None:
-        values = ride.values.to(device=ride.device, dtype=torch.float64)
-        ride.result = all_reduce_(values, group).tolist()
+        if ride.sums is None:
+            values = ride.values.to(device=ride.device, dtype=torch.float64)
+            ride.sums = all_reduce_(values, group)
+        ride.result = ride.sums.tolist()
     return ride.result
 
 
@@ -394,10 +401,12 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
     work = st.group.allreduce([buf], _allreduce_options(_SUM))  # as all_reduce_ does
     _health.finish(work, st, n, "all_reduce", buf, shown=tensor)
     flat.copy_(buf[:flat.numel()])
-    sums, start = buf[flat.numel():].tolist(), 0
+    # A copy of the (k,) sums, not a view that would keep the activation-sized buffer
+    # alive; still on the device: ride_result reads them on the host when asked.
+    sums, start = buf[flat.numel():].clone(), 0
     for ride in rides:
         k = ride.values.numel()
-        ride.result, start = sums[start:start + k], start + k
+        ride.sums, start = sums[start:start + k], start + k
     return tensor
 
 

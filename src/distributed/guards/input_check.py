@@ -17,8 +17,11 @@ every rank gives the same verdict. A forward without such an all-reduce (a
 replicated model, sequence parallelism's gathers and reduce-scatters) pays
 one separate all-reduce of the 64 values. Only on a mismatch does an
 ``all_gather_object`` of per-argument digests name the argument and the
-ranks. On GPU, hashing copies each input's sample to the host (a
-synchronisation) and reading the sums is another, at the forward's end.
+ranks. On GPU, hashing copies each input's sample to the host and moves the
+hash bits to the device before the forward (where the host waits for the
+device's queue anyway); the sums stay on the device until the forward's end,
+where reading them is the one other synchronisation, so the host never waits
+in the middle of the forward.
 
 Inputs of a first parallel layer that takes this rank's input shard (a
 ``ColumnParallelLinear``, weight columns = ``in_features`` split, style
