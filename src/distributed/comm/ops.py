@@ -316,9 +316,8 @@ class Ride:
     values: torch.Tensor  # (k,) uint8, 0 or 1: sums over <= 256 ranks are exact in every float dtype
     device: torch.device  # for the separate all-reduce when no all-reduce carried them
     # (k,) the sums over the group on the collective's device, once reduced; read on
-    # the host (``result``) only when asked, so a GPU forward is not stopped halfway
+    # the host (ride_result) only when asked, so a GPU forward is not stopped halfway
     sums: torch.Tensor | None = None
-    result: list[float] | None = None
 
 
 _RIDES: dict[object, list[Ride]] = {}  # per group, the rides waiting for its next all-reduce
@@ -374,12 +373,9 @@ def ride_agrees(group: ProcessGroup | None, ride: Ride, size: int) -> bool:
 def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
     """The sums of ``ride``'s values over ``group``: one small all-reduce if none carried them."""
     cancel_ride(group, ride)
-    if ride.result is None:
-        if ride.sums is None:
-            values = ride.values.to(device=ride.device, dtype=torch.float64)
-            ride.sums = all_reduce_(values, group)
-        ride.result = ride.sums.tolist()
-    return ride.result
+    if ride.sums is None:
+        ride.sums = all_reduce_(ride.values.to(device=ride.device, dtype=torch.float64), group)
+    return ride.sums.tolist()
 
 
 def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
