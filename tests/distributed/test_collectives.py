@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torchtp
-from torchtp.comm import health, regions
+from torchtp.comm import health, ops, regions
 
 from ._reference import chunk, seeded
 
@@ -50,7 +50,45 @@ def _check_collectives(rank: int, world_size: int) -> None:
     got.sum().backward()
     want = torch.ones_like(base) if rank == src else torch.zeros_like(base)
     torch.testing.assert_close(value.grad, want)
+    # A broadcast's source (and a rank it already served) may finish it while another
+    # rank still reads the broadcast's shape agreement; the agreement of the next new
+    # shape must not delete what that rank has to read. Each shape here is new.
+    for k in range(1, 21):
+        got = torchtp.broadcast_tensor(seeded(k, 3, seed=k) * rank, src=src)
+        torch.testing.assert_close(got, seeded(k, 3, seed=k) * src)
+        ops.all_reduce(seeded(k, 5, seed=k), None)
+    _check_rides(rank, world_size)
     torchtp.synchronize_across_ranks()
+
+
+def _check_rides(rank: int, world_size: int) -> None:
+    """Hash bits riding an all-reduce (the input check's and the experts' route check's):
+    the model's sum is the same on every rank and every ride's sums are right, on both
+    paths: Gloo's list of tensors, and the one buffer other backends and CUDA get."""
+    st = health.state(None)
+    assert st.cpu_gloo  # these processes run Gloo
+    for cpu_gloo in (True, False):
+        st.cpu_gloo = cpu_gloo  # which path the next riding all-reduce takes
+        for dtype in (torch.float32, torch.bfloat16):
+            # A sum whose float rounding depends on the values: bit-exact or not at all.
+            x = (seeded(3, 5, seed=rank) * 1e3 ** rank).to(dtype)
+            want = ops.all_reduce(x, None)
+            same = ops.ride_hash(None, b"every rank hashes this", x.device)
+            mine = ops.ride_hash(None, f"rank {rank}".encode(), x.device)
+            got = ops.all_reduce_(x.clone(), None)  # the next float sum all-reduce: both ride
+            # Replicated: bit-identical on every rank. Against the plain all-reduce: over
+            # 2 ranks a sum of two numbers, bit-exact; over more, the backend may add in
+            # another order once the values travel along (one rounding per addition).
+            everyone = [torch.empty_like(got) for _ in range(world_size)]
+            dist.all_gather(everyone, got)
+            assert all(torch.equal(g, got) for g in everyone), (cpu_gloo, dtype)
+            if world_size == 2:
+                assert torch.equal(got, want), (cpu_gloo, dtype)
+            torch.testing.assert_close(got, want)
+            assert set(ops.ride_result(None, same)) <= {0.0, float(world_size)}
+            assert ops.ride_agrees(None, same, world_size)
+            assert not ops.ride_agrees(None, mine, world_size)
+    st.cpu_gloo = True
 
 
 def _check_regions(rank: int, world_size: int) -> None:

@@ -79,6 +79,9 @@ class GroupState:
     group: ProcessGroup
     rank: int
     size: int
+    # CPU tensors go to Gloo (alone, or as "cpu:gloo" beside another backend), which
+    # sums a list of tensors in one collective (the riding all-reduce's fast path)
+    cpu_gloo: bool = False
     seq: int = 0  # index of the next torchtp collective
     # (op, context) -> the signature last agreed there; the context sums up the
     # previous collectives (see _advance)
@@ -123,7 +126,9 @@ def state(group: ProcessGroup | None) -> GroupState:
     st = _STATES.get(pg)  # type: ignore[arg-type]
     if st is None:
         assert pg is not None, "a collective needs a process group"
-        st = GroupState(pg, dist.get_rank(pg), dist.get_world_size(pg))
+        backend = str(dist.get_backend(pg))
+        st = GroupState(pg, dist.get_rank(pg), dist.get_world_size(pg),
+                        cpu_gloo=backend == "gloo" or "cpu:gloo" in backend)
         _STATES[pg] = st
         # First use of this group by torchtp, whoever started it: from here on
         # torchtp's collectives hold tensors that must be released before exit.
@@ -368,16 +373,34 @@ def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
     if tensor.device.type != "cpu":
         # NCCL's wait only orders streams; its own watchdog bounds the time.
         _wait_converting(work, st, n)
-        st.completed = max(st.completed, n)
+        _completed(st, n, op)
         return
     try:
         while not _waited(work, st, n):
             _answer_store(st, n, op, tensor if shown is None else shown, work)
-        st.completed = max(st.completed, n)
+        _completed(st, n, op)
     finally:
         # Also when this rank raises instead (a handled RankMismatchError, another
         # rank's failure): the collective is still in the backend's hands.
         _hold(st, (tensor,) if out is None else (tensor, out))
+
+
+# Collectives a rank may finish before every other rank issued them: a broadcast's
+# source, or a rank the source already served, is done while a late rank may still
+# be reading the broadcast's shape agreement.
+_ROOTED = ("broadcast",)
+
+
+def _completed(st: GroupState, n: int, op: str) -> None:
+    """Note collective ``n`` as done where that proves every rank issued it.
+
+    :func:`_agree_signature` deletes this rank's agreement keys up to
+    ``st.completed``, which is safe only when every rank has read them, that
+    is, issued the collective. A rooted collective proves nothing about the
+    other ranks, so it does not move the mark.
+    """
+    if op not in _ROOTED:
+        st.completed = max(st.completed, n)
 
 
 def wait_and_hold(work: Any, st: GroupState, tensors: tuple[torch.Tensor, ...],

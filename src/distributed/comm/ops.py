@@ -313,7 +313,7 @@ class Ride:
     costs no collective of its own.
     """
 
-    values: torch.Tensor  # (k,) uint8, 0 or 1: sums over <= 256 ranks are exact in every float dtype
+    values: torch.Tensor  # (k,) 0 or 1: sums over <= 256 ranks are exact in every float dtype
     device: torch.device  # for the separate all-reduce when no all-reduce carried them
     # (k,) the sums over the group on the collective's device, once reduced; read on
     # the host (ride_result) only when asked, so a GPU forward is not stopped halfway
@@ -327,10 +327,11 @@ _SUM = torch_op("sum")  # what rides and sum-like reductions (average) communica
 
 def ride_next_all_reduce(group: ProcessGroup | None, values: torch.Tensor,
                          device: torch.device) -> Ride:
-    """Sum ``values`` (``(k,)`` uint8, each 0 or 1) with ``group``'s next float sum all-reduce.
+    """Sum ``values`` (``(k,)``, each 0 or 1) with ``group``'s next float sum all-reduce.
 
-    That all-reduce's own tensor is reduced unchanged (the values are appended
-    to a copy of it, which is copied back); it is agreed and counted as one
+    That all-reduce's own tensor is reduced as without them (the values travel
+    beside it in the same collective; over more than 2 ranks the backend may add
+    in another order, identical on every rank); it is agreed and counted as one
     all-reduce of its own shape, so every rank of ``group`` must make the same
     calls before it. Several rides waiting for the same all-reduce (the input
     check's and an experts layer's route check) travel together, in order.
@@ -348,17 +349,34 @@ def cancel_ride(group: ProcessGroup | None, ride: Ride) -> None:
         waiting.remove(ride)
 
 
+# The 8 bits of each byte value, high bit first, as 8 float32 0.0/1.0 (32 bytes)
+_BYTE_BITS = [np.unpackbits(np.array([b], dtype=np.uint8)).astype(np.float32).tobytes()
+              for b in range(256)]
+
+
 def ride_hash(group: ProcessGroup | None, data: bytes, device: torch.device) -> Ride:
     """Ride the 64 bits of a blake2b hash of ``data`` (values 0 or 1) on the next all-reduce.
 
     Read the verdict with :func:`ride_agrees` after that all-reduce ran.
     """
-    digest = hashlib.blake2b(data, digest_size=8).digest()
-    # (64,) uint8 bits: one numpy call, no Python loop (this runs on every forward).
-    bits = torch.from_numpy(np.unpackbits(np.frombuffer(digest, dtype=np.uint8)))
-    # Moved to the device now, before the forward: a copy from pageable host memory
-    # waits for the device's queue, which mid-forward would stop the host there.
-    return ride_next_all_reduce(group, bits.to(device), device)
+    return ride_digest(group, hashlib.blake2b(data, digest_size=8).digest(), device)
+
+
+def ride_digest(group: ProcessGroup | None, digest: bytes, device: torch.device) -> Ride:
+    """Ride the bits of ``digest`` (8 bytes: 64 values 0 or 1) on the next all-reduce.
+
+    Read the verdict with :func:`ride_agrees` after that all-reduce ran.
+    """
+    # (64,) float32 bits from a byte table and one torch call: this runs before every
+    # forward, right after the last one evicted the caches, where every further
+    # library call (numpy's unpackbits, a dtype conversion) costs ~10 us of misses.
+    bits = torch.frombuffer(bytearray(b"".join([_BYTE_BITS[b] for b in digest])),
+                            dtype=torch.float32)
+    if device.type != "cpu":
+        # Moved to the device now, before the forward: a copy from pageable host
+        # memory waits for the device's queue, which mid-forward would stop the host.
+        bits = bits.to(device)
+    return ride_next_all_reduce(group, bits, device)
 
 
 def ride_agrees(group: ProcessGroup | None, ride: Ride, size: int) -> bool:
@@ -372,8 +390,8 @@ def ride_agrees(group: ProcessGroup | None, ride: Ride, size: int) -> bool:
 
 def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
     """The sums of ``ride``'s values over ``group``: one small all-reduce if none carried them."""
-    cancel_ride(group, ride)
     if ride.sums is None:
+        cancel_ride(group, ride)
         ride.sums = all_reduce_(ride.values.to(device=ride.device, dtype=torch.float64), group)
     return ride.sums.tolist()
 
@@ -382,24 +400,35 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
                        rides: list[Ride]) -> torch.Tensor:
     """Sum ``tensor`` (contiguous, ``(...)``) and the rides' values in one collective."""
     st = _health.state(group)
-    flat = tensor.view(-1)
+    # (k,) every ride's values, in the tensor's dtype and on its device
     extra = rides[0].values if len(rides) == 1 else torch.cat([r.values for r in rides])
-    if extra.device != flat.device:
-        extra = extra.to(flat.device)
-    # (numel + k,) in the tensor's dtype (cat promotes the uint8 bits): the real buffer
-    # goes to the backend.
-    buf = torch.cat([flat, extra])
-    # Agreed and counted as the caller's all-reduce: every rank appends the same k
+    if extra.device != tensor.device or extra.dtype != tensor.dtype:
+        extra = extra.to(device=tensor.device, dtype=tensor.dtype)
+    # Agreed and counted as the caller's all-reduce: every rank adds the same k
     # values, and a shape mismatch is named in the model's shapes.
     n = _health.before("all_reduce", tensor, st)
     if _COUNTERS or debug_enabled():
         count("all_reduce", tensor, group)
-    work = st.group.allreduce([buf], _allreduce_options(_SUM))  # as all_reduce_ does
-    _health.finish(work, st, n, "all_reduce", buf, shown=tensor)
-    flat.copy_(buf[:flat.numel()])
-    # A copy of the (k,) sums, not a view that would keep the activation-sized buffer
-    # alive; still on the device: ride_result reads them on the host when asked.
-    sums, start = buf[flat.numel():].clone(), 0
+    if st.cpu_gloo and tensor.device.type == "cpu":
+        # Gloo sums a list of tensors as one collective, packing them in C++: the
+        # activation is neither copied into a longer buffer nor copied back here.
+        work = st.group.allreduce_coalesced([tensor, extra], _COALESCED)
+        _health.finish(work, st, n, "all_reduce", tensor, out=extra)
+        sums = extra
+    else:
+        # Other backends and devices (NCCL, Gloo's CUDA path) get one buffer: (numel + k,)
+        flat = tensor.view(-1)
+        buf = torch.cat([flat, extra])
+        work = st.group.allreduce([buf], _allreduce_options(_SUM))  # as all_reduce_ does
+        _health.finish(work, st, n, "all_reduce", buf, shown=tensor)
+        flat.copy_(buf[:flat.numel()])
+        # A copy of the (k,) sums, not a view that would keep the activation-sized
+        # buffer alive; still on the device: ride_result reads them when asked.
+        sums = buf[flat.numel():].clone()
+    if len(rides) == 1:
+        rides[0].sums = sums
+        return tensor
+    start = 0
     for ride in rides:
         k = ride.values.numel()
         ride.sums, start = sums[start:start + k], start + k
@@ -437,6 +466,8 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
 
 
 _OPTIONS: dict[object, dist.AllreduceOptions] = {}
+_COALESCED = dist.AllreduceCoalescedOptions()  # a riding all-reduce's options on Gloo: a sum
+_COALESCED.reduceOp = dist.ReduceOp(_SUM)
 
 
 def _allreduce_options(reduce_op: TorchOp) -> dist.AllreduceOptions:

@@ -9,15 +9,18 @@ strided sample of at most 256 elements
 (:func:`torchtp.guards.fingerprints.sample_bytes`) are hashed into one 64-bit
 hash. Its bits, as 64 values 0 or 1, ride along with the forward's first floating-point sum
 all-reduce over the TP group (:func:`torchtp.comm.ops.ride_next_all_reduce`:
-appended to a copy of its buffer, the model's values copied back untouched),
-so no extra collective runs. After the forward every rank reads the 64 sums:
+on Gloo one collective over the model's tensor and the 64 values, elsewhere one
+buffer holding both), so no extra collective runs. After the forward every rank reads the 64 sums:
 the ranks' hashes are all equal exactly when every sum is 0 or ``tp`` (exact
 in any float dtype up to 256 ranks), and every rank reads the same sums, so
 every rank gives the same verdict. A forward without such an all-reduce (a
 replicated model, sequence parallelism's gathers and reduce-scatters) pays
 one separate all-reduce of the 64 values. Only on a mismatch does an
 ``all_gather_object`` of per-argument digests name the argument and the
-ranks. On GPU, hashing copies each input's sample to the host and moves the
+ranks. The hashing and the verdict use as few Python calls as they can: between
+two forwards every call runs with cold caches (about 10 us each on a CPU),
+which, not the work, is the check's cost (docs/benchmarks.md, "Input check").
+On GPU, hashing copies each input's sample to the host and moves the
 hash bits to the device before the forward (where the host waits for the
 device's queue anyway); the sums stay on the device until the forward's end,
 where reading them is the one other synchronisation, so the host never waits
@@ -36,7 +39,7 @@ everything under ``TP_CHECK_INPUTS=0``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,16 +92,16 @@ class InputCheck:
         self.pending = None
         # Every rank rides, with or without tensor arguments: the riding all-reduce
         # must carry the same number of values on every rank.
-        data, device = _hashed(args, kwargs, self.shard_width)
+        digest, device = _digest(args, kwargs, self.shard_width)
         if device is None:
             device = next(self.module.parameters(), torch.empty(0)).device
-        self.pending = _Forward(args, kwargs, _comm.ride_hash(self.group, data, device))
+        self.pending = _Forward(args, kwargs, _comm.ride_digest(self.group, digest, device))
 
     def returned(self) -> None:
         """The forward returned: every rank reads the summed hash bits, the same verdict."""
         fwd, self.pending = self.pending, None
-        if fwd is not None:
-            _verdict(fwd, self.group, self.size, self.shard_width)
+        if fwd is not None and not _comm.ride_agrees(self.group, fwd.ride, self.size):
+            _raise_mismatch(fwd, self.group, self.shard_width)
 
     def cleanup(self) -> None:
         """After the forward: a forward that raised must not leave its hash riding."""
@@ -117,10 +120,6 @@ def first_layer_shard_width(model: nn.Module, layer_names: list[str]) -> int | N
     return None
 
 
-def _checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from named_tensors(args, kwargs, _SKIP)
-
-
 def _shape_only(t: torch.Tensor, shard_width: int | None) -> bool:
     return shard_width is not None and t.is_floating_point() and t.dim() > 0 \
         and t.shape[-1] == shard_width
@@ -133,27 +132,25 @@ def _detail(t: torch.Tensor, shard_width: int | None) -> str:
     return tensor_digest(t)
 
 
-def _hashed(args: tuple[Any, ...], kwargs: dict[str, Any],
+def _digest(args: tuple[Any, ...], kwargs: dict[str, Any],
             shard_width: int | None) -> tuple[bytes, torch.device | None]:
-    """What the ranks' hashes are taken of: every argument's name, shape, dtype and
+    """The 8-byte hash the ranks compare: every argument's name, shape, dtype and
     sampled values (the shape alone for an input shard); and the inputs' device
-    (``None``: no tensors). Few Python steps: it runs before every forward."""
-    parts: list[bytes] = []
-    device = None
-    for name, t in _checked(args, kwargs):
-        device = t.device if device is None else device
-        if _shape_only(t, shard_width):
-            parts.append(f"{name}={tuple(t.shape[:-1])}+shard{t.dtype};".encode())
+    (``None``: no tensors). Few calls: it runs before every forward, right after
+    the last one evicted the caches, where each call costs microseconds of misses."""
+    h = hashlib.blake2b(digest_size=8)
+    found = named_tensors(args, kwargs, _SKIP)
+    for name, t in found:
+        if shard_width is not None and _shape_only(t, shard_width):
+            h.update(f"{name}={t.shape[:-1]}+shard{t.dtype};".encode())
         else:
-            parts.append(f"{name}={tuple(t.shape)}{t.dtype}:".encode())
-            parts.append(sample_bytes(t))
-    return b"".join(parts), device
+            h.update(f"{name}={t.shape}{t.dtype}:".encode())
+            h.update(sample_bytes(t))
+    return h.digest(), (found[0][1].device if found else None)
 
 
-def _verdict(fwd: _Forward, group: ProcessGroup | None, size: int,
-             shard_width: int | None) -> None:
-    """Raise :class:`RankMismatchError` on every rank if the ranks' hashes differ."""
-    if _comm.ride_agrees(group, fwd.ride, size):
-        return
-    mine = {name: _detail(t, shard_width) for name, t in _checked(fwd.args, fwd.kwargs)}
+def _raise_mismatch(fwd: _Forward, group: ProcessGroup | None, shard_width: int | None) -> None:
+    """The ranks' hashes differ: raise :class:`RankMismatchError` on every rank, naming
+    the argument and the ranks (one ``all_gather_object`` of per-argument digests)."""
+    mine = {name: _detail(t, shard_width) for name, t in named_tensors(fwd.args, fwd.kwargs, _SKIP)}
     raise_different_inputs(all_gather_object(mine, group, "the input check"), "every forward")
