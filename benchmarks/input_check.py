@@ -24,6 +24,13 @@ critical path, so that share is what a user waits for it).
     python benchmarks/input_check.py                # all cases (about 2 min on 2 cores)
     python benchmarks/input_check.py --rounds 100   # fewer rounds
     python benchmarks/input_check.py --case 0 --rounds 800  # one case, many rounds
+    python benchmarks/input_check.py --device cuda          # CUDA tensors (GPU checklist)
+
+With ``--device cuda`` the model and the token ids live on the GPU, both ranks
+share GPU 0 over ``"cpu:gloo,cuda:gloo"`` (NCCL refuses two ranks per GPU) and
+every forward ends with a CUDA synchronize, inside both clocks: the CPU clock
+then shows the host's work per forward (the check's hashing, its one host copy
+of each input's sample, the bits' copy to the device, reading the sums).
 """
 
 from __future__ import annotations
@@ -64,6 +71,11 @@ def _pin(rank: int) -> bool:
     return True
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _forwards(model: torch.nn.Module, ids: torch.Tensor, grad: bool,
               rounds: int) -> torch.Tensor:
     """``(2, arms, rounds)``: wall and CPU seconds of each forward, this rank."""
@@ -80,6 +92,7 @@ def _forwards(model: torch.nn.Module, ids: torch.Tensor, grad: bool,
                 dist.barrier()
                 wall, cpu = time.perf_counter(), time.thread_time()
                 model(input_ids=ids)
+                _sync()
                 cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
                 if i >= WARMUP:
                     times[:, arm, i - WARMUP] = torch.tensor([wall, cpu])
@@ -112,7 +125,8 @@ def _rows(name: str, mode: str, times: torch.Tensor) -> list[str]:
     return rows
 
 
-def _rank(rank: int, world: int, store: str, rounds: int, out: str, only: list[int]) -> None:
+def _rank(rank: int, world: int, store: str, rounds: int, out: str, only: list[int],
+          device: str = "cpu") -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -120,12 +134,15 @@ def _rank(rank: int, world: int, store: str, rounds: int, out: str, only: list[i
 
     pinned = _pin(rank)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    rows = [f"pinned to one core per rank: {pinned}; load average before: "
+    backend = "gloo" if device == "cpu" else "cpu:gloo,cuda:gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+    rows = [f"device: {where}; pinned to one core per rank: {pinned}; load average before: "
             f"{os.getloadavg()[0]:.2f}", ""]
     for name, overrides, batch, tokens in [c for i, c in enumerate(CASES) if i in only]:
-        model = torchtp.DistributedModelWrapper(build_llama(**overrides))
-        ids = torch.randint(0, 2048, (batch, tokens), generator=torch.Generator().manual_seed(1))
+        model = torchtp.DistributedModelWrapper(build_llama(**overrides).to(device))
+        ids = torch.randint(0, 2048, (batch, tokens),
+                            generator=torch.Generator().manual_seed(1)).to(device)
         n = rounds if overrides else max(20, rounds // 3)
         for grad in (False, True):
             model.train(grad)
@@ -144,11 +161,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--case", type=int, action="append",
                         help="only this case (index into CASES; repeatable)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     only = args.case if args.case else list(range(len(CASES)))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "table.md")
-        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.rounds, out, only), nprocs=2)
+        mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.rounds, out, only,
+                              args.device), nprocs=2)
         text = Path(out).read_text()
         head, table = text.split("\n\n", 1)
         print(head + "\n")
