@@ -425,7 +425,7 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
         # A copy of the (k,) sums, not a view that would keep the activation-sized
         # buffer alive; still on the device: ride_result reads them when asked.
         sums = buf[flat.numel():].clone()
-    if len(rides) == 1:
+    if len(rides) == 1:  # the usual case: its sums are the whole tensor, no slicing op
         rides[0].sums = sums
         return tensor
     start = 0
