@@ -26,7 +26,12 @@ from .comm.runtime import (
     shutdown_tensor_parallel,
 )
 from .core import deprecated
-from .core.errors import InconsistentGroupError, MissingProcessGroupError, RankMismatchError
+from .core.errors import (
+    GroupDestroyedError,
+    InconsistentGroupError,
+    MissingProcessGroupError,
+    RankMismatchError,
+)
 from .core.log import configure_from_env, logger
 from .layers import (
     ColumnParallelLinear,
@@ -70,6 +75,7 @@ __all__ = [
     "ColumnParallelLinear",
     "DistributedModelWrapper",
     "FeatureParallelEmbedding",
+    "GroupDestroyedError",
     "InconsistentGroupError",
     "MissingProcessGroupError",
     "RankMismatchError",

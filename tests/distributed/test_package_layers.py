@@ -113,8 +113,10 @@ def test_every_folder_says_its_job_and_what_it_may_import(package):
 
 # What one wrap + one forward at world size 1 runs, in files (benchmarks/wrap_files.py).
 # A ratchet: lower these when work leaves the path (issue 21 asked for <= 12 and <= 16).
-# At tp 1 the wrapper stops after placing the model (decision 106).
-MOST_FILES = {"mlp": 5, "hf-llama": 5}
+# At tp 1 the wrapper stops after placing the model (decision 106); the sixth file is
+# comm/group_ref.py, through which every holder of a group (here the plan's shard context)
+# holds it weakly (decision 148).
+MOST_FILES = {"mlp": 6, "hf-llama": 6}
 
 
 def test_a_wrap_at_world_size_1_does_not_travel_further():

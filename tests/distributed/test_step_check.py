@@ -34,7 +34,7 @@ def test_step_check_period_from_env(monkeypatch):
 
 
 def _digest(t: torch.Tensor) -> torch.Tensor:
-    plan = step_check._Plan(None, 10, ["t"], [t])
+    plan = step_check._Plan(10, ["t"], [t], None)
     return step_check.digest(plan, [t])
 
 

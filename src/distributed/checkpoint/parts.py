@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.group_ref import WeakGroup
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup
 from ..layers.owned import split_group
@@ -52,7 +53,7 @@ class Part:
     """
 
     model: nn.Module
-    group: ProcessGroup | None
+    group: WeakGroup[ProcessGroup | None] = WeakGroup(required=True)  # held weakly (comm.group_ref)
     stage: int | None = None
     stages: int = 1
     tied: torch.Tensor | None = None

@@ -22,6 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import ops as _comm
+from .group_ref import GroupRef
 from .runtime import ProcessGroup, group_size
 
 
@@ -35,13 +36,14 @@ class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int],
                 group: ProcessGroup) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+        ctx.send, ctx.recv = send, recv
+        ctx.group = GroupRef(group)
         return _comm.all_to_all(x, send, recv, group)
 
     @staticmethod
     @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _comm.all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return _comm.all_to_all(grad, ctx.recv, ctx.send, ctx.group()), None, None, None
 
 
 def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int],

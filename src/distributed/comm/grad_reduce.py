@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from ..core import torch_compat as _torch_compat
 from . import ops as _comm
+from .group_ref import GroupRef
 from .runtime import ProcessGroup
 from .tensor_memo import TensorMemo
 
@@ -103,16 +104,17 @@ class SharedGrad:
         self.seen, self.partial, self.result = 0, None, None
 
 
-def _all_reduce_start(group: ProcessGroup) -> Callable[[torch.Tensor], Finish]:
+def _all_reduce_start(group: GroupRef) -> Callable[[torch.Tensor], Finish]:
     def start(partial: torch.Tensor) -> Finish:
-        return _comm.all_reduce_start(partial, group).wait
+        return _comm.all_reduce_start(partial, group()).wait
     return start
 
 
 def all_reduce_grads(group: ProcessGroup) -> SharedGrad:
     """A :class:`SharedGrad` whose reduction is the all-reduce of the replicated input's
     gradient (no sequence parallelism)."""
-    return SharedGrad(_all_reduce_start(group), lambda t: _comm.all_reduce_(t, group))
+    ref = GroupRef(group)  # the graph of a kept output must not keep the group alive
+    return SharedGrad(_all_reduce_start(ref), lambda t: _comm.all_reduce_(t, ref()))
 
 
 class _EnterShared(torch.autograd.Function):

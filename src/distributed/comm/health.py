@@ -45,6 +45,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,6 +57,7 @@ import torch.distributed as dist
 from ..core import log as _logging
 from ..core import torch_compat as _torch_compat
 from ..core.errors import InconsistentGroupError, RankMismatchError
+from .group_ref import WeakGroup
 from .timeout import collective_timeout
 
 ProcessGroup = dist.ProcessGroup
@@ -74,11 +76,16 @@ REPORTED = "_torchtp_reported"
 
 @dataclass
 class GroupState:
-    """torchtp's view of one process group on this rank."""
+    """torchtp's view of one process group on this rank.
 
-    group: ProcessGroup
+    Lives exactly as long as its group: :data:`_STATES` holds it under a weak
+    key and it holds the group weakly, so a destroyed group takes its state
+    (store, held tensors, waiting rides) with it.
+    """
+
     rank: int
     size: int
+    group: WeakGroup[ProcessGroup] = WeakGroup(required=True)
     # CPU tensors go to Gloo (alone, or as "cpu:gloo" beside another backend), which
     # sums a list of tensors in one collective (the riding all-reduce's fast path)
     cpu_gloo: bool = False
@@ -107,6 +114,9 @@ class GroupState:
     # Tensors of finished CPU collectives that Gloo's worker may still hold,
     # with the first one's use count while the work was alive (see _hold).
     held: list[tuple[tuple[torch.Tensor, ...], int]] = field(default_factory=list)
+    # Values waiting to travel with the group's next all-reduce or all-gather, in
+    # order (torchtp.comm.ops.Ride: the input check's hash bits, an MoE route check)
+    rides: list[Any] = field(default_factory=list)
     _store: Any = None
 
     @property
@@ -117,7 +127,7 @@ class GroupState:
         return self._store
 
 
-_STATES: dict[ProcessGroup, GroupState] = {}
+_STATES: weakref.WeakKeyDictionary[ProcessGroup, GroupState] = weakref.WeakKeyDictionary()
 
 
 def state(group: ProcessGroup | None) -> GroupState:
@@ -127,7 +137,7 @@ def state(group: ProcessGroup | None) -> GroupState:
     if st is None:
         assert pg is not None, "a collective needs a process group"
         backend = str(dist.get_backend(pg))
-        st = GroupState(pg, dist.get_rank(pg), dist.get_world_size(pg),
+        st = GroupState(dist.get_rank(pg), dist.get_world_size(pg), pg,
                         cpu_gloo=backend == "gloo" or "cpu:gloo" in backend)
         _STATES[pg] = st
         # First use of this group by torchtp, whoever started it: from here on

@@ -24,6 +24,8 @@ from math import prod
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..core import torch_compat as _torch_compat
+
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "tp")
 """The dimensions torchtp builds, outermost (slowest over ranks) first."""
 
@@ -86,4 +88,6 @@ def build_mesh(sizes: Mapping[str, int | None], device_type: str, who: str = "in
             any group is created.
     """
     shape = mesh_sizes(dist.get_world_size(), sizes, who, spelling)
-    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    _torch_compat.hold_mesh_groups_weakly(mesh)  # a kept mesh must not keep its groups alive
+    return mesh

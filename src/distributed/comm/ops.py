@@ -229,7 +229,7 @@ class Pending:
     index: int | None
     op: str
     tensor: torch.Tensor
-    group: ProcessGroup | None
+    st: _health.GroupState | None  # holds the group weakly; None: nothing to wait for
     out: torch.Tensor
     done: bool = False
 
@@ -239,8 +239,9 @@ class Pending:
             self.done = True
             if _TRACES:
                 _trace("wait", self.op, self.index, self.out)
-            _finish(self.work, self.index, self.op, self.tensor, self.group,
-                    None if self.out is self.tensor else self.out)
+            if self.work is not None and self.index is not None and self.st is not None:
+                _health.finish(self.work, self.st, self.index, self.op, self.tensor,
+                               None if self.out is self.tensor else self.out)
             if _TRACES:
                 _trace("done", self.op, self.index, self.out)
         return self.out
@@ -250,7 +251,8 @@ def _issued(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor
             group: ProcessGroup | None, out: torch.Tensor) -> Pending:
     if _TRACES:
         _trace("issue", op, n, out)
-    return Pending(work, n, op, tensor, group, out, done=work is None)
+    st = None if work is None or n is None else _health.state(group)
+    return Pending(work, n, op, tensor, st, out, done=work is None)
 
 
 def all_reduce_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pending:
@@ -264,7 +266,7 @@ def all_reduce_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pendin
     the same either way.
     """
     assert tensor.is_contiguous(), "all_reduce_start needs a contiguous tensor"
-    if _RIDES or _compiling() or has_torch_function_unary(tensor):
+    if _compiling() or has_torch_function_unary(tensor) or _health.state(group).rides:
         out = all_reduce_(tensor, group)
         return _issued(None, None, "all_reduce", out, group, out)
     st = _health.state(group)
@@ -320,7 +322,6 @@ class Ride:
     sums: torch.Tensor | None = None
 
 
-_RIDES: dict[object, list[Ride]] = {}  # per group, the rides waiting for its next all-reduce
 _RIDE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SUM = torch_op("sum")  # what rides and sum-like reductions (average) communicate
 
@@ -338,14 +339,14 @@ def ride_next_all_reduce(group: ProcessGroup | None, values: torch.Tensor,
     Read the sums with :func:`ride_result`.
     """
     ride = Ride(values, device)
-    _RIDES.setdefault(dist.group.WORLD if group is None else group, []).append(ride)
+    _health.state(group).rides.append(ride)
     return ride
 
 
 def cancel_ride(group: ProcessGroup | None, ride: Ride) -> None:
     """Stop ``ride`` from joining a later all-reduce (its forward raised)."""
-    waiting = _RIDES.get(dist.group.WORLD if group is None else group)
-    if waiting is not None and ride in waiting:
+    waiting = _health.state(group).rides
+    if ride in waiting:
         waiting.remove(ride)
 
 
@@ -397,9 +398,9 @@ def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
 
 
 def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
-                       rides: list[Ride]) -> torch.Tensor:
-    """Sum ``tensor`` (contiguous, ``(...)``) and the rides' values in one collective."""
-    st = _health.state(group)
+                       st: _health.GroupState) -> torch.Tensor:
+    """Sum ``tensor`` (contiguous, ``(...)``) and the waiting rides' values in one collective."""
+    rides, st.rides = st.rides, []
     # (k,) every ride's values, in the tensor's dtype and on its device
     extra = rides[0].values if len(rides) == 1 else torch.cat([r.values for r in rides])
     if extra.device != tensor.device or extra.dtype != tensor.dtype:
@@ -443,17 +444,15 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
     """
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
     reduce_op = torch_op(op)
-    if _RIDES and name == "all_reduce" and reduce_op == _SUM and tensor.dtype in _RIDE_DTYPES \
-            and not _compiling() and _health.state(group).size <= 256:
-        rides = _RIDES.pop(dist.group.WORLD if group is None else group, None)
-        if rides:
-            return _all_reduce_riding(tensor, group, rides)
     if _compiling() or has_torch_function_unary(tensor):
         # Traced (the graph holds the collective; nothing to record) or a tensor
         # subclass: torch.distributed's own dispatch handles both.
         dist.all_reduce(tensor, op=reduce_op, group=group)
         return tensor
     st = _health.state(group)
+    if st.rides and name == "all_reduce" and reduce_op == _SUM and tensor.dtype in _RIDE_DTYPES \
+            and st.size <= 256:
+        return _all_reduce_riding(tensor, group, st)
     n = _health.before(name, tensor, st)
     if _COUNTERS or debug_enabled():
         count(name, tensor, group)

@@ -32,6 +32,7 @@ from torch.autograd.function import once_differentiable
 from . import grad_reduce as _grad_reduce
 from . import health as _health
 from . import ops as _comm
+from .group_ref import GroupRef
 from .runtime import ProcessGroup, group_rank, group_size
 from .tensor_memo import TensorMemo
 
@@ -58,13 +59,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+        ctx.group = GroupRef(group)
         return x.view_as(x)
 
     @staticmethod
     @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.all_reduce(grad, ctx.group), None
+        return _comm.all_reduce(grad, ctx.group()), None
 
 
 class _CopyPairToRegion(torch.autograd.Function):
@@ -79,14 +80,14 @@ class _CopyPairToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, group: ProcessGroup
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.group = group
+        ctx.group = GroupRef(group)
         return a.view_as(a), b.view_as(b)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_a: torch.Tensor, grad_b: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return _comm.all_reduce(grad_a, ctx.group), _comm.all_reduce(grad_b, ctx.group), None
+        return _comm.all_reduce(grad_a, ctx.group()), _comm.all_reduce(grad_b, ctx.group()), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -121,13 +122,13 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.size = group, dim, x.shape[dim]
+        ctx.group, ctx.dim, ctx.size = GroupRef(group), dim, x.shape[dim]
         return _comm.split(x, dim, group_rank(group), group_size(group))
 
     @staticmethod
     @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _comm.all_gather(grad, ctx.dim, ctx.group, ctx.size), None, None
+        return _comm.all_gather(grad, ctx.dim, ctx.group(), ctx.size), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -141,13 +142,13 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int,
                 size: int | None) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
+        ctx.group, ctx.dim = GroupRef(group), dim
         return _comm.all_gather(x, dim, group, size)
 
     @staticmethod
     @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        g = ctx.group
+        g = ctx.group()
         return _comm.split(grad, ctx.dim, group_rank(g), group_size(g)), None, None, None
 
 
@@ -161,13 +162,13 @@ class _ReduceScatterRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.size = group, dim, x.shape[dim]
+        ctx.group, ctx.dim, ctx.size = GroupRef(group), dim, x.shape[dim]
         return _comm.reduce_scatter(x, dim, group)
 
     @staticmethod
     @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _comm.all_gather(grad, ctx.dim, ctx.group, ctx.size), None, None
+        return _comm.all_gather(grad, ctx.dim, ctx.group(), ctx.size), None, None
 
 
 def _needs_grad(x: torch.Tensor) -> bool:

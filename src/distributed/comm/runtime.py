@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..core.errors import MissingProcessGroupError, launch_hint
 from ..core.log import configure_from_env, logger
 from . import health as _health
+from .group_ref import WeakGroup, groups_alive
 from .timeout import collective_timeout, set_collective_timeout
 
 if TYPE_CHECKING:
@@ -69,15 +70,16 @@ class TensorParallelConfig:
     local_rank: int = 0
     backend: str | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    group: ProcessGroup | None = None
+    # The groups are held weakly (comm.group_ref): a config never keeps a group alive.
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()
     dp_size: int = 1
     dp_rank: int = 0
-    dp_group: ProcessGroup | None = None
+    dp_group: WeakGroup[ProcessGroup | None] = WeakGroup()
     mesh: DeviceMesh | None = None
     ep_size: int = 1
     pp_size: int = 1
     pp_rank: int = 0
-    pp_group: ProcessGroup | None = None
+    pp_group: WeakGroup[ProcessGroup | None] = WeakGroup()
 
     @property
     def tp_size(self) -> int:
@@ -167,7 +169,8 @@ def _with_mesh(base: TensorParallelConfig, sizes: dict[str, int | None], who: st
 def _adopt(local_rank: int, sizes: dict[str, int | None], who: str,
            spelling: dict[str, str]) -> TensorParallelConfig:
     """The config of the running default group; an existing mesh of the same sizes is reused."""
-    if (_CONFIG is not None and _CONFIG.mesh is not None and _CONFIG.group is not None
+    if (_CONFIG is not None and groups_alive(_CONFIG) and _CONFIG.mesh is not None
+            and _CONFIG.group is not None
             and all(v in (None, _CONFIG.mesh[n].size()) for n, v in sizes.items())):
         return _CONFIG
     return _with_mesh(_config_from_group(local_rank), sizes, who, spelling)
@@ -270,7 +273,8 @@ def _init(sizes: dict[str, int | None], backend: str | None,
           spelling: dict[str, str], ep: int | None = None) -> TensorParallelConfig:
     """Start or adopt the default group and lay it out as the mesh of ``sizes``; record ``ep``."""
     global _CONFIG
-    before = _CONFIG.ep_size if _CONFIG is not None and _CONFIG.group is not None else 1
+    before = (_CONFIG.ep_size if _CONFIG is not None and groups_alive(_CONFIG)
+              and _CONFIG.group is not None else 1)
     cfg = _start(sizes, backend, timeout, who, spelling, ep)
     # Validated by _start; a call without ep keeps the running group's (idempotent).
     ep_size = before if ep is None else ep
@@ -377,7 +381,7 @@ def get_tensor_parallel_config() -> TensorParallelConfig:
     """
     running = dist.is_available() and dist.is_initialized()
     # A cached config is stale once a group was started or destroyed after it.
-    if _CONFIG is not None and (_CONFIG.group is not None) == running:
+    if _CONFIG is not None and groups_alive(_CONFIG) and (_CONFIG.group is not None) == running:
         return _CONFIG
     if running:
         return _config_from_group(_env_int("LOCAL_RANK", 0))

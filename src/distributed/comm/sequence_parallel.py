@@ -60,6 +60,7 @@ from ..core.torch_compat import is_view
 from . import ops as _comm
 from .chunked import Product, all_gather_apply
 from .grad_reduce import Finish, SharedGrad
+from .group_ref import GroupRef, WeakGroup
 from .runtime import ProcessGroup, group_rank, group_size
 from .tensor_memo import TensorMemo
 
@@ -97,7 +98,7 @@ def _gather(x: torch.Tensor, dim: int, group: ProcessGroup, length: int | None) 
     return _owned(full)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     return _owned(_comm.reduce_scatter(pad_sequence(x, dim, group_size(group)), dim, group))
 
 
@@ -116,9 +117,10 @@ def _gather_start(x: torch.Tensor, dim: int, group: ProcessGroup,
     return finish
 
 
-def _reduce_scatter_start(dim: int, group: ProcessGroup) -> Callable[[torch.Tensor], Finish]:
+def _reduce_scatter_start(dim: int, ref: GroupRef) -> Callable[[torch.Tensor], Finish]:
     """:func:`_reduce_scatter` without waiting (the start of a :class:`SharedGrad`)."""
     def start(x: torch.Tensor) -> Finish:
+        group = ref()
         d = dim % x.dim()
         padded = pad_sequence(x, d, group_size(group))
         full = (padded.movedim(d, 0) if d else padded).contiguous()  # (S * tp, ...)
@@ -135,8 +137,9 @@ def shared_sequence_grads(group: ProcessGroup, dim: int) -> SharedGrad:
     """A :class:`SharedGrad` whose reduction is the reduce-scatter of a gathered input's
     gradient: the projections fed one gathered block input overlap it with their weight
     gradients (see :mod:`torchtp.comm.grad_reduce`)."""
-    return SharedGrad(_reduce_scatter_start(dim, group),
-                      lambda t: _reduce_scatter(t, dim, group))
+    ref = GroupRef(group)  # the graph of a kept output must not keep the group alive
+    return SharedGrad(_reduce_scatter_start(dim, ref),
+                      lambda t: _reduce_scatter(t, dim, ref()))
 
 
 @dataclass(eq=False)
@@ -163,13 +166,13 @@ class _ScatterToShards(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.length = group, dim, x.shape[dim]
+        ctx.group, ctx.dim, ctx.length = GroupRef(group), dim, x.shape[dim]
         return _shard(x, dim, group)
 
     @staticmethod
     @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(grad, ctx.dim, ctx.group, ctx.length), None, None
+        return _gather(grad, ctx.dim, ctx.group(), ctx.length), None, None
 
 
 class _GatherFromShards(torch.autograd.Function):
@@ -187,7 +190,7 @@ class _GatherFromShards(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int, length: int | None,
                 partial: bool, shared: SharedGrad | None = None,
                 plan: GatherPlan | None = None) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.partial, ctx.shared = group, dim, partial, shared
+        ctx.group, ctx.dim, ctx.partial, ctx.shared = GroupRef(group), dim, partial, shared
         if shared is not None:  # projections overlapping the reduce-scatter pass no gradient
             ctx.set_materialize_grads(False)
         if plan is None:
@@ -203,7 +206,7 @@ class _GatherFromShards(torch.autograd.Function):
             return ctx.shared.settle(grad), None, None, None, None, None, None
         assert grad is not None  # materialized without a SharedGrad
         back = _reduce_scatter if ctx.partial else _shard
-        return back(grad, ctx.dim, ctx.group), None, None, None, None, None, None
+        return back(grad, ctx.dim, ctx.group()), None, None, None, None, None, None
 
 
 class _ReduceScatterToShards(torch.autograd.Function):
@@ -216,13 +219,13 @@ class _ReduceScatterToShards(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.length = group, dim, x.shape[dim]
+        ctx.group, ctx.dim, ctx.length = GroupRef(group), dim, x.shape[dim]
         return _reduce_scatter(x, dim, group)
 
     @staticmethod
     @once_differentiable  # its collectives are not differentiable: no double backward
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(grad, ctx.dim, ctx.group, ctx.length), None, None
+        return _gather(grad, ctx.dim, ctx.group(), ctx.length), None, None
 
 
 def _needs_grad(x: torch.Tensor) -> bool:
@@ -286,7 +289,7 @@ def gather_for_tensor_parallel(x: torch.Tensor, group: ProcessGroup | None, dim:
     shared = shared_sequence_grads(group, dim)
     full = _GatherFromShards.apply(x, group, dim, length, True, shared, plan)
     _GATHERED.put(group, full, GatheredInput(x, _torch_compat.version_counter(x),
-                                             Regather(group, dim, length), shared))
+                                             Regather(dim, length, group), shared))
     if plan is not None:
         _remember_products(full, linears, plan.outputs)
     return full
@@ -362,9 +365,9 @@ class Regather:
         users: Projections that will call :meth:`full` in the backward.
     """
 
-    group: ProcessGroup
     dim: int
     length: int | None
+    group: WeakGroup[ProcessGroup] = WeakGroup(required=True)  # held weakly (group_ref)
     users: int = 0
     _full: torch.Tensor | None = None
     _pending: int = 0

@@ -59,7 +59,9 @@ class TensorMemo(Generic[V]):
         self._entries.clear()
 
     def _key(self, group: ProcessGroup | None, tensor: torch.Tensor) -> Hashable:
-        return group if self._last_per_group else id(tensor)
+        # By the group's id, not the group: the memo must not keep a group alive (a
+        # reused id is harmless: the entry still has to hold this very tensor)
+        return id(group) if self._last_per_group else id(tensor)
 
     def _dropper(self, key: Hashable) -> Callable[[weakref.ref[torch.Tensor]], None]:
         def drop(ref: weakref.ref[torch.Tensor]) -> None:

@@ -29,3 +29,12 @@ def launch_hint(world_size: int) -> str:
         f"launch one process per rank, e.g. `torchrun --nproc-per-node {world_size} script.py`, "
         "and call torchtp.init_tensor_parallel() before building parallel layers"
     )
+
+
+class GroupDestroyedError(MissingProcessGroupError):
+    """A layer, hook or autograd node used a process group that was destroyed.
+
+    torchtp holds process groups weakly (:mod:`torchtp.comm.group_ref`), so
+    ``dist.destroy_process_group()`` frees a group at once; whatever was built
+    on it cannot run any more.
+    """

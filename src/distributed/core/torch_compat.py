@@ -214,6 +214,25 @@ def is_view(tensor: torch.Tensor) -> bool:
     return tensor._base is not None
 
 
+def hold_mesh_groups_weakly(mesh: Any) -> None:
+    """Make ``mesh`` (a ``DeviceMesh`` torchtp built) hold its process groups weakly.
+
+    Since torch 2.13 a ``DeviceMesh`` keeps its groups in ``_pg_registry`` (a
+    dict, for ``torch.compile``'s look-ups), so a mesh alive after
+    ``dist.destroy_process_group()`` keeps every group alive until the
+    interpreter shuts down, where Gloo's workers may abort the process
+    (:mod:`torchtp.comm.group_ref`). A weak-valued registry answers the same
+    look-ups while the groups live. Meshes without the registry (torch before
+    2.13) hold group names only: nothing to do.
+    Checked: torch 2.13.0.
+    """
+    import weakref
+
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        mesh._pg_registry = weakref.WeakValueDictionary(registry)
+
+
 def at_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass now running completes without an error.
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm.group_ref import WeakGroup
 from ..comm.health import REPORTED, GroupState, fail, inconsistent, post, state
 from ..comm.runtime import ProcessGroup
 from ..core import log as _logging
@@ -45,6 +46,8 @@ class ForwardGuard:
     Args:
         group: The TP group (more than one rank).
     """
+
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
 
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import ops as _comm
+from ..comm.group_ref import WeakGroup
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup
 from ..core import log as _logging
@@ -79,6 +80,8 @@ class InputCheck:
         shard_width: This rank's share of ``in_features`` when the model's first
             parallel layer takes input shards; ``None`` otherwise.
     """
+
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
 
     def __init__(self, module: nn.Module, group: ProcessGroup | None, size: int,
                  shard_width: int | None) -> None:

@@ -41,6 +41,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm import ops as _comm
+from ..comm.group_ref import GroupRef, WeakGroup
 from ..comm.runtime import ProcessGroup, group_size
 from ..core import torch_compat as _torch_compat
 from ..core.env import env_int
@@ -67,8 +68,8 @@ _CAUSE_PRESENCE = (
     "a gradient present on some TP ranks only: a backward, zero_grad or requires_grad change "
     "that ran on some ranks only")
 
-# Wrapped models (weak) -> (TP group, check period).
-_MODELS: weakref.WeakKeyDictionary[nn.Module, tuple[ProcessGroup, int]] = (
+# Wrapped models (weak) -> (TP group, held weakly; check period).
+_MODELS: weakref.WeakKeyDictionary[nn.Module, tuple[GroupRef, int]] = (
     weakref.WeakKeyDictionary())
 _GENERATION = [0]  # bumped by track(): cached optimizer plans are recomputed
 _HOOK: list[object] = []  # the global hook's handle, once registered
@@ -78,10 +79,10 @@ _HOOK: list[object] = []  # the global hook's handle, once registered
 class _Plan:
     """The replicated parameters of one optimizer that one TP group must agree on."""
 
-    group: ProcessGroup
     period: int
     names: list[str]
     params: list[torch.Tensor]
+    group: WeakGroup[ProcessGroup] = WeakGroup(required=True)  # held weakly (comm.group_ref)
     steps: int = 0
     # present-parameter indices -> (segment id per sampled element, its weight)
     layouts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(
@@ -115,7 +116,7 @@ def track(model: nn.Module, group: ProcessGroup | None) -> None:
     if period == 0:
         logger.debug("%s=0: replicated state is not checked at optimizer steps", ENV)
         return
-    _MODELS[model] = (group, period)
+    _MODELS[model] = (GroupRef(group, "the optimizer-step check"), period)
     _GENERATION[0] += 1
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
@@ -149,7 +150,15 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
 
 
 def _plans(optimizer: torch.optim.Optimizer) -> list[_Plan]:
-    """The plans for ``optimizer``, cached until its parameter groups or the models change."""
+    """The plans for ``optimizer``, cached until its parameter groups or the models change.
+
+    A model whose group was destroyed is no longer checked (nothing can reach its peers).
+    """
+    gone = [model for model, (ref, _period) in list(_MODELS.items()) if not ref.alive]
+    if gone:
+        for model in gone:
+            del _MODELS[model]
+        _GENERATION[0] += 1
     key = (_GENERATION[0], *((id(g["params"]), len(g["params"])) for g in optimizer.param_groups))
     cached = _PLANS.get(optimizer)
     if cached is not None and cached[0] == key:
@@ -164,8 +173,10 @@ def _plans(optimizer: torch.optim.Optimizer) -> list[_Plan]:
     return plans
 
 
-def _plan(model: nn.Module, held: set[int], group: ProcessGroup, period: int) -> _Plan | None:
+def _plan(model: nn.Module, held: set[int], ref: GroupRef, period: int) -> _Plan | None:
     """The replicated parameters of ``model`` that the optimizer holds (None: none of its own)."""
+    group = ref()
+    assert group is not None  # track() records groups of more than one rank only
     split = {id(p) for mod in model.modules() for attr, p in mod.named_parameters(recurse=False)
              if (lay := layouts_of(mod).get(attr)) is not None and lay.dim is not None}
     mine = [(n, p) for n, p in model.named_parameters() if id(p) in held]
@@ -176,7 +187,7 @@ def _plan(model: nn.Module, held: set[int], group: ProcessGroup, period: int) ->
         logger.debug("optimizer step check: the optimizer holds only split parameters of %s",
                      type(model).__name__)
         return None
-    return _Plan(group, period, [n for n, _ in replicated], [p for _, p in replicated])
+    return _Plan(period, [n for n, _ in replicated], [p for _, p in replicated], group)
 
 
 @torch.no_grad()

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from ..comm import overlap
+from ..comm.group_ref import WeakGroup
+from ..comm.runtime import ProcessGroup
 from ..comm.sequence_parallel import (
     gather_for_tensor_parallel,
     gather_from_sequence_shards,
@@ -166,6 +168,8 @@ def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) 
 
 class _Hooks:
     """The forward hooks that move hidden states between shards and full sequences."""
+
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
 
     def __init__(self, ctx: ShardContext, config: object) -> None:
         self.group = ctx.group

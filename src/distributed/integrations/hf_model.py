@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
-from ..comm.runtime import get_tensor_parallel_config
+from ..comm.group_ref import WeakGroup
+from ..comm.runtime import ProcessGroup, get_tensor_parallel_config
 from ..guards.agreement import agree
 from ..layers import layouts_of
 from ..plans.sources import HUGGINGFACE, is_family
@@ -27,14 +28,24 @@ from ..plans.sources import HUGGINGFACE, is_family
 _ACCEPTED = {"is_main_process", "max_shard_size", "safe_serialization"}
 
 
+class _Owner:
+    """What the replaced methods need of the wrapper (not the wrapper: the model must not
+    own its owner); the group held weakly (comm.group_ref)."""
+
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()
+
+    def __init__(self, base_model: nn.Module, group: ProcessGroup | None, rank: int,
+                 world_size: int) -> None:
+        self.base_model, self.group, self.rank, self.world_size = (
+            base_model, group, rank, world_size)
+
+
 def guard_hf_model(wrapper: Any) -> None:
     """Replace ``save_pretrained``/``push_to_hub``/``resize_token_embeddings`` on the wrapped HF model."""
     model = wrapper.base_model
     if not is_family(model, HUGGINGFACE):
         return
-    # A namespace, not the wrapper: the model must not own its owner.
-    owner = SimpleNamespace(base_model=model, group=wrapper.group, rank=wrapper.rank,
-                            world_size=wrapper.world_size)
+    owner = _Owner(model, wrapper.group, wrapper.rank, wrapper.world_size)
     model.save_pretrained = functools.partial(_save_pretrained, owner)
     model.push_to_hub = functools.partial(_push_to_hub, owner)
     if _vocab_is_split(model):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.devices import default_device
+from ..comm.group_ref import WeakGroup
 from ..comm.ops import _compiling
 from ..comm.regions import (
     gather_from_tensor_parallel_region,
@@ -66,7 +67,7 @@ class VocabSplit(ShardedModule):
     embedding_dim: int
     vocab_start: int
     vocab_end: int
-    group: ProcessGroup | None
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
     world_size: int
     rank: int
 
@@ -187,7 +188,7 @@ class FeatureParallelEmbedding(ShardedModule, nn.Embedding):
         group: Process group; ``None`` for the default TP group.
     """
 
-    group: ProcessGroup | None
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
     world_size: int
     rank: int
 

@@ -25,12 +25,13 @@ a subclass of it that adds the region operators around that forward.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from ..comm import ops as _comm
+from ..comm.group_ref import WeakGroup
 from ..comm.regions import copy_pair_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from ..comm.runtime import ProcessGroup
 from ..core import log as _log
@@ -66,7 +67,7 @@ class ParallelExperts(ShardedModule):
         tp_rank: This rank.
     """
 
-    tp_group: ProcessGroup | None
+    tp_group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
     tp_world_size: int
     tp_rank: int
     tp_name: str = "experts"  # the module's name in the model, for errors
@@ -232,9 +233,10 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
         shard = layout.take(full)  # (E, 2I/tp, H) or (E, H, I/tp), a fresh copy
         setattr(module, pname, nn.Parameter(shard, requires_grad=full.requires_grad))
     module.__class__ = _parallel_class(type(module))
-    module.__dict__.update(tp_layouts=dict(layouts), tp_group=group, tp_world_size=world_size,
-                           tp_rank=rank, expert_range=expert_range, expert_forward=forward,
-                           tp_name=name, dispatch=dispatch)
+    cast(ParallelExperts, module).tp_group = group  # through its WeakGroup: held weakly
+    module.__dict__.update(tp_layouts=dict(layouts), tp_world_size=world_size, tp_rank=rank,
+                           expert_range=expert_range, expert_forward=forward, tp_name=name,
+                           dispatch=dispatch)
     if dispatch != "all_reduce":  # every rank's first expert, then E (balanced, like the cut)
         total = int(module.__dict__["num_experts"])  # before it becomes this rank's count
         module.__dict__.update(expert_starts=tuple(shard_offsets(total, world_size)))

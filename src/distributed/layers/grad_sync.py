@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..comm import ops as _comm
+from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup
 
 
@@ -34,7 +35,7 @@ from ..comm.runtime import ProcessGroup
 class GradSync:
     """Sum a parameter's gradient over ``group``: whole, or only local ``rows``."""
 
-    group: ProcessGroup | None
+    group: WeakGroup[ProcessGroup | None] = WeakGroup(required=True)  # held weakly (comm.group_ref)
     rows: tuple[int, int] | None = None  # (start, count) along dim 0 of the local tensor
 
 

@@ -27,6 +27,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..comm.chunked import Product, all_gather_apply, matmul_reduce_scatter
+from ..comm.group_ref import GroupRef
 from ..comm.runtime import ProcessGroup
 from ._shape import rows
 
@@ -39,7 +40,7 @@ class _LinearReduceScatter(torch.autograd.Function):
                 chunks: int) -> torch.Tensor:
         y = matmul_reduce_scatter(x, dim, group, Product(weight), chunks)  # (B, S, out)
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.dim, ctx.chunks, ctx.length = group, dim, chunks, x.shape[dim]
+        ctx.group, ctx.dim, ctx.chunks, ctx.length = GroupRef(group), dim, chunks, x.shape[dim]
         return y
 
     @staticmethod
@@ -50,7 +51,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         # Autocast ran the forward product in grad's dtype: so do the gradients.
         products = [Product(weight.to(grad.dtype), transposed=True)] if need_x else []
-        full, outs = all_gather_apply(grad, ctx.dim, ctx.group, ctx.length, products,
+        full, outs = all_gather_apply(grad, ctx.dim, ctx.group(), ctx.length, products,
                                       ctx.chunks)  # (B, T, out), [(B, T, in/tp)]
         grad_x = outs[0].to(x.dtype) if need_x else None
         grad_w = None

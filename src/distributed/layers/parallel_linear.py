@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..comm.devices import default_device
+from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup
 from ..core.layouts import ParamLayout, shard_range
 from ._base import check_splittable, full_linear, linear_layouts, resolve_placement
@@ -43,7 +44,7 @@ class ParallelLinear(ShardedModule, nn.Module):
     overlap: bool | None = None
     weight: nn.Parameter
     bias: nn.Parameter | None
-    group: ProcessGroup | None
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
     world_size: int
     rank: int
     in_features: int

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..comm import ops as _comm
+from ..comm.group_ref import WeakGroup
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_size, resolve_group
 from ..core.errors import RankMismatchError
@@ -43,6 +44,13 @@ from .placement import SCHEDULES, schedule_kind, stage_ids
 from .stage import Stage
 
 __all__ = ["SCHEDULES", "PipelineSchedule"]
+
+
+class _Stage(PipelineStage):
+    """torch's pipeline stage, holding its group weakly (:mod:`torchtp.comm.group_ref`): a
+    schedule the script keeps must not keep the group alive past its destruction."""
+
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()
 
 
 class PipelineSchedule:
@@ -82,6 +90,10 @@ class PipelineSchedule:
             goes on).
     """
 
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # the pipeline group, held weakly (comm.group_ref)
+    dp_group: WeakGroup[ProcessGroup | None] = WeakGroup()
+    _tied: WeakGroup[ProcessGroup | None] = WeakGroup()
+
     def __init__(self, stages: nn.Module | Sequence[nn.Module], microbatches: int,
                  schedule: str = "1f1b", group: ProcessGroup | None = None,
                  ignore_index: int = -100, dp_group: ProcessGroup | None = None,
@@ -99,7 +111,7 @@ class PipelineSchedule:
                "stages": self.stages[0].stages if self.stages else None}, self.group)
         kind = schedule_kind(schedule)
         device = next(self.stages[0].parameters()).device
-        self._pipes = [PipelineStage(m, s.stage, s.stages, device, group=self.group)
+        self._pipes = [_Stage(m, s.stage, s.stages, device, group=self.group)
                        for m, s in zip(given, self.stages, strict=True)]
         pipes: Any = self._pipes[0] if kind.style == "single" else self._pipes
         self._schedule = kind.cls(pipes, n_microbatches=microbatches, loss_fn=self._loss,
@@ -439,6 +451,7 @@ def _tied_group(pipe: ProcessGroup | None, style: str) -> ProcessGroup | None:
     mine = None
     for pair in sorted({tuple(p) for p in pairs if p[0] != p[1]}):
         group = dist.new_group(list(pair))
-        if pair == (ranks[0], last):
+        # A middle stage is no member of its pipeline's pair (new_group's sentinel): None
+        if pair == (ranks[0], last) and isinstance(group, dist.ProcessGroup):
             mine = group
     return mine

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup
 from ..core.layouts import ParamLayout, shard_range
 from ..layers import ColumnParallelLinear, RowParallelLinear
@@ -50,7 +51,7 @@ class ShardContext:
 
     world_size: int
     rank: int
-    group: ProcessGroup | None
+    group: WeakGroup[ProcessGroup | None] = WeakGroup(required=True)  # held weakly (comm.group_ref)
     model_name: str = "model"
 
 

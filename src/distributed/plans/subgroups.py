@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 
+from ..comm.group_ref import GroupRef
 from ..comm.runtime import get_tensor_parallel_config
 from ..core.layouts import group_ranks
 from .styles import ShardContext
 
-# Keyed by the TP group object too: a group destroyed and started again in the
-# same process gets fresh sub-groups instead of dead ones.
-_CACHE: dict[tuple[int, int, int], dist.ProcessGroup | None] = {}
+# TP group (weak key) -> {(tp size, units): sub-group, held weakly}: nothing here keeps
+# a group alive (comm.group_ref), and a group started again gets fresh sub-groups.
+_CACHE: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, int], GroupRef]] = (
+    weakref.WeakKeyDictionary())
 
 
 def sharing_subgroup(ctx: ShardContext, units: int) -> dist.ProcessGroup | None:
@@ -30,12 +34,13 @@ def sharing_subgroup(ctx: ShardContext, units: int) -> dist.ProcessGroup | None:
     """
     if ctx.group is None or ctx.world_size == 1:
         return None
-    key = (id(ctx.group), ctx.world_size, units)
-    if key not in _CACHE:
+    known = _CACHE.setdefault(ctx.group, {})
+    key = (ctx.world_size, units)
+    if key not in known or not known[key].alive:
         ranks = [[tp_ranks[i] for i in sharing] for tp_ranks in _all_tp_groups(ctx)
                  for sharing in group_ranks(units, ctx.world_size)]
-        _CACHE[key], _ = dist.new_subgroups_by_enumeration(ranks)
-    return _CACHE[key]
+        known[key] = GroupRef(dist.new_subgroups_by_enumeration(ranks)[0], "a KV-head sub-group")
+    return known[key]()
 
 
 def _all_tp_groups(ctx: ShardContext) -> list[list[int]]:

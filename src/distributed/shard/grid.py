@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..comm.group_ref import GroupRef
 from ..comm.runtime import ProcessGroup
+from ..core import torch_compat as _torch_compat
 from . import _index
 from ._index import Shape
 
@@ -52,7 +54,8 @@ class Grid:
         self.name = name
         self.ranks: tuple[int, ...] = self._check_ranks(ranks)
         self.mesh: DeviceMesh | None = None
-        self._groups: dict[tuple[int, ...], ProcessGroup] = {}
+        # held weakly (comm.group_ref): the grid never keeps a destroyed group alive
+        self._groups: dict[tuple[int, ...], GroupRef] = {}
         if init and _running():
             self._build(device_type)
 
@@ -76,6 +79,7 @@ class Grid:
         layout = torch.tensor(self.ranks, dtype=torch.int64).reshape(self.shape)
         names = tuple(f"{self.name}_axis{i}" for i in range(self.ndim))
         self.mesh = DeviceMesh(device_type, layout, mesh_dim_names=names)
+        _torch_compat.hold_mesh_groups_weakly(self.mesh)  # the grid must not keep groups alive
         # Groups over several axes: new_group is collective over the whole
         # world, so every rank creates every group here, in the same order.
         for n in range(2, self.ndim + 1):
@@ -91,7 +95,7 @@ class Grid:
             members = [self.ranks[i] for i in _index.group_members(self.shape, device, axes)]
             group = dist.new_group(sorted(members))
             if dist.get_rank() in members:
-                self._groups[axes] = group
+                self._groups[axes] = GroupRef(group, f"Grid {self.name}")
 
     # -- shape ------------------------------------------------------------------
     @property
@@ -183,7 +187,9 @@ class Grid:
         key = tuple(sorted(axes))
         if len(key) == 1:
             return self.mesh.get_group(key[0])
-        return self._groups[key]
+        group = self._groups[key]()
+        assert group is not None  # built from a running group
+        return group
 
     def root_rank(self, root: int | Sequence[int], axes: Sequence[int], what: str = "root") -> int:
         """Global rank of in-group multi-index ``root`` in this process's group along ``axes``."""

@@ -17,6 +17,7 @@ from ..checkpoint.save_pretrained import save_pretrained
 from ..checkpoint.save_sharded import save_sharded
 from ..checkpoint.st_writer import parse_size
 from ..comm import overlap as overlap_switch
+from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_group
 from ..core.torch_compat import registered_child
 from ..guards import checks, forward_guard, hooks, step_check
@@ -131,6 +132,8 @@ class DistributedModelWrapper(nn.Module):
             contradicts the process group. Raised on every rank.
         RankMismatchError: ranks disagree on world size, plan or layer shapes.
     """
+
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # the TP group, held weakly (comm.group_ref)
 
     def __init__(
         self, model: nn.Module, world_size: int | None = None, rank: int | None = None,
