@@ -118,3 +118,87 @@ def test_llama_needs_two_all_reduces_per_layer_forward_and_backward(ranks, world
         # Training: the backward all-reduces each layer's attention and MLP input gradients.
         assert out["training"] == ({"all_reduce": 2 * LAYERS}, {"all_reduce": 2 * LAYERS})
         assert out["sharing"] == [True, False, False, True, True]
+
+
+# Ported from PyTorch's test_tp_style (ColwiseParallel, RowwiseParallel): the collectives a
+# single layer needs, forward and backward, with torchtp's checks on. The input check
+# rides them; only a step with none at all pays one all-reduce of its own (issue 35).
+def _one(style: str) -> torch.nn.Module:
+    """One Linear (16 -> 16), the same weights on every rank."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16))
+
+
+def _style_counts(style: str, grad_input: bool, train: bool,
+                  x: torch.Tensor) -> tuple[dict[str, int], dict[str, int]]:
+    import torch.distributed as dist
+
+    import torchtp
+
+    ref, model = _one(style), torchtp.DistributedModelWrapper(_one(style), plan={"0": style})
+    full, x = x, x.clone().requires_grad_(grad_input)
+    if style == "rowwise":  # a lone rowwise layer takes this rank's input shard, as in PyTorch
+        x = x.detach().chunk(dist.get_world_size(), -1)[dist.get_rank()]
+    with torch.set_grad_enabled(train), torchtp.count_collectives() as fwd:
+        out = model(x)
+    with torchtp.count_collectives() as bwd:
+        if train:
+            out.sum().backward()
+    if style != "colwise":  # a colwise output stays split: its check is the gradient's
+        torch.testing.assert_close(out, ref(full), rtol=1e-5, atol=1e-6)
+    if train and grad_input:  # the input's gradient is the unsharded one
+        x_ref = x.detach().clone().requires_grad_()
+        ref(x_ref).sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    return dict(fwd.counts), dict(bwd.counts)
+
+
+def _mismatch_in_backward(rank: int) -> str:
+    """Colwise, training: the forward has no collective, so the hash of per-rank inputs
+    rides the backward's input-gradient all-reduce and the backward raises, on every rank."""
+    import torchtp
+
+    model = torchtp.DistributedModelWrapper(_one("colwise"), plan={"0": "colwise"})
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    out = model(x)  # no collective yet: nothing can be known
+    with pytest.raises(torchtp.RankMismatchError, match="differs on TP ranks") as err:
+        out.sum().backward()
+    same = torch.randn(4, 16, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    model(same).sum().backward()  # still in step afterwards
+    # Eval-like: the check's own all-reduce at the forward's end.
+    with pytest.raises(torchtp.RankMismatchError, match="differs on TP ranks"), torch.no_grad():
+        model(x)
+    gather = torchtp.DistributedModelWrapper(_one("colwise_gather_output"),
+                                             plan={"0": "colwise_gather_output"})
+    with pytest.raises(torchtp.RankMismatchError, match="differs on TP ranks"):
+        gather(x)  # rides the forward's all-gather: raised by the forward itself
+    return str(err.value)
+
+
+def _styles(rank: int, world_size: int) -> dict[str, object]:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    cases = {
+        "colwise train": ("colwise", True, True), "colwise train, input without grad":
+        ("colwise", False, True), "colwise eval": ("colwise", True, False),
+        "colwise gather train": ("colwise_gather_output", True, True),
+        "colwise gather eval": ("colwise_gather_output", False, False),
+        "rowwise train": ("rowwise", False, True), "rowwise eval": ("rowwise", False, False),
+    }
+    out: dict[str, object] = {name: _style_counts(*case, x) for name, case in cases.items()}
+    out["mismatch"] = _mismatch_in_backward(rank)
+    return out
+
+
+def test_checks_ride_the_collectives_a_step_already_has(ranks):
+    for out in ranks(_styles, 2, timeout=180):
+        # PyTorch's test_colwise_parallel_style: nothing forward, one all-reduce backward.
+        assert out["colwise train"] == ({}, {"all_reduce": 1})
+        assert out["colwise gather train"] == ({"all_gather": 1}, {"all_reduce": 1})
+        # test_rowwise_parallel_style: one all-reduce forward (the input needs no gradient).
+        assert out["rowwise train"] == ({"all_reduce": 1}, {})
+        assert out["rowwise eval"] == ({"all_reduce": 1}, {})
+        assert out["colwise gather eval"] == ({"all_gather": 1}, {})
+        # Steps with no collective at all: the check's own all-reduce of 64 values.
+        assert out["colwise eval"] == ({"all_reduce": 1}, {})
+        assert out["colwise train, input without grad"] == ({"all_reduce": 1}, {})
+        assert "argument 0 differs on TP ranks [1]" in out["mismatch"]

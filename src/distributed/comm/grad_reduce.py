@@ -155,6 +155,11 @@ def enter_shared(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, Sh
     return found
 
 
+def entered(group: ProcessGroup | None) -> bool:
+    """Whether a tensor entered the region of ``group`` since :func:`forget`."""
+    return _LAST.holds(group)
+
+
 def forget() -> None:
     """Drop the entries (see :func:`torchtp.comm.regions.forget_shared_inputs`)."""
     _LAST.clear()

@@ -378,7 +378,7 @@ def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
 
     ``out``: the collective's output when it is not ``tensor``. ``shown``: the
     tensor whose signature was agreed, when ``tensor`` carries more values
-    (:func:`torchtp.comm.ops.ride_next_all_reduce`).
+    (:func:`torchtp.comm.ops.ride_next_collective`).
     """
     if tensor.device.type != "cpu":
         # NCCL's wait only orders streams; its own watchdog bounds the time.

@@ -260,13 +260,13 @@ def all_reduce_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pendin
 
     ``tensor`` must be contiguous and owned by the caller. Counted, logged and
     shape-agreed as an ``all_reduce``, like :func:`all_reduce_`. While rides
-    wait for the group's next all-reduce (:func:`ride_next_all_reduce`), or
+    wait for the group's next collective (:func:`ride_next_collective`), or
     under ``torch.compile``, it runs as the blocking :func:`all_reduce_` does
     (the returned handle is already complete), so the collectives issued are
     the same either way.
     """
     assert tensor.is_contiguous(), "all_reduce_start needs a contiguous tensor"
-    if _compiling() or has_torch_function_unary(tensor) or _health.state(group).rides:
+    if _compiling() or has_torch_function_unary(tensor) or _riding(_health.state(group), tensor):
         out = all_reduce_(tensor, group)
         return _issued(None, None, "all_reduce", out, group, out)
     st = _health.state(group)
@@ -281,9 +281,14 @@ def all_gather_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pendin
     """Start gathering every rank's ``tensor`` ``(d0, ...)`` into ``(world * d0, ...)`` (dim 0).
 
     Equal shapes on every rank; the caller pads and rearranges. Counted and
-    agreed as an ``all_gather``, like :func:`all_gather`.
+    agreed as an ``all_gather``, like :func:`all_gather`. While rides wait for the
+    group, it runs blocking with them on board (:func:`all_gather`), as
+    :func:`all_reduce_start` does.
     """
     local = tensor.contiguous()
+    if not _compiling() and _riding(_health.state(group), local):
+        out = _all_gather_riding(local, group, _health.state(group))
+        return _issued(None, None, "all_gather", local, group, out)
     world = dist.get_world_size(group)
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype,
                       device=local.device)
@@ -309,14 +314,15 @@ def reduce_scatter_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pe
 
 @dataclass(eq=False)  # rides are found by identity (their values are tensors)
 class Ride:
-    """A few values summed over a group along with its next float all-reduce.
+    """A few values summed over a group, travelling with its next float all-reduce or
+    all-gather (:func:`ride_next_collective`).
 
     :mod:`torchtp.guards.input_check` uses it so that checking a forward's inputs
-    costs no collective of its own.
+    costs no collective of its own wherever the step has one.
     """
 
     values: torch.Tensor  # (k,) 0 or 1: sums over <= 256 ranks are exact in every float dtype
-    device: torch.device  # for the separate all-reduce when no all-reduce carried them
+    device: torch.device  # for the separate all-reduce when no collective carried them
     # (k,) the sums over the group on the collective's device, once reduced; read on
     # the host (ride_result) only when asked, so a GPU forward is not stopped halfway
     sums: torch.Tensor | None = None
@@ -326,17 +332,19 @@ _RIDE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SUM = torch_op("sum")  # what rides and sum-like reductions (average) communicate
 
 
-def ride_next_all_reduce(group: ProcessGroup | None, values: torch.Tensor,
+def ride_next_collective(group: ProcessGroup | None, values: torch.Tensor,
                          device: torch.device) -> Ride:
-    """Sum ``values`` (``(k,)``, each 0 or 1) with ``group``'s next float sum all-reduce.
+    """Sum ``values`` (``(k,)``, each 0 or 1) over ``group`` with its next collective that
+    can carry them: a floating-point sum all-reduce or all-gather, forward or backward.
 
-    That all-reduce's own tensor is reduced as without them (the values travel
-    beside it in the same collective; over more than 2 ranks the backend may add
-    in another order, identical on every rank); it is agreed and counted as one
-    all-reduce of its own shape, so every rank of ``group`` must make the same
-    calls before it. Several rides waiting for the same all-reduce (the input
-    check's and an experts layer's route check) travel together, in order.
-    Read the sums with :func:`ride_result`.
+    That collective's own tensor is reduced or gathered as without them (the
+    values travel beside it; over more than 2 ranks an all-reduce may add in
+    another order, identical on every rank); it is counted as the model's own
+    op and agreed with the number of values riding, so every rank of ``group``
+    must make the same calls before it. Several rides waiting for the same
+    collective (the input check's and an experts layer's route check) travel
+    together, in order. Read the sums with :func:`ride_result`: it runs one
+    small all-reduce if no collective carried them.
     """
     ride = Ride(values, device)
     _health.state(group).rides.append(ride)
@@ -344,7 +352,7 @@ def ride_next_all_reduce(group: ProcessGroup | None, values: torch.Tensor,
 
 
 def cancel_ride(group: ProcessGroup | None, ride: Ride) -> None:
-    """Stop ``ride`` from joining a later all-reduce (its forward raised)."""
+    """Stop ``ride`` from joining a later collective (its forward raised)."""
     waiting = _health.state(group).rides
     if ride in waiting:
         waiting.remove(ride)
@@ -356,17 +364,17 @@ _BYTE_BITS = [np.unpackbits(np.array([b], dtype=np.uint8)).astype(np.float32).to
 
 
 def ride_hash(group: ProcessGroup | None, data: bytes, device: torch.device) -> Ride:
-    """Ride the 64 bits of a blake2b hash of ``data`` (values 0 or 1) on the next all-reduce.
+    """Ride the 64 bits of a blake2b hash of ``data`` (values 0 or 1) on the next collective.
 
-    Read the verdict with :func:`ride_agrees` after that all-reduce ran.
+    Read the verdict with :func:`ride_agrees` after that collective ran.
     """
     return ride_digest(group, hashlib.blake2b(data, digest_size=8).digest(), device)
 
 
 def ride_digest(group: ProcessGroup | None, digest: bytes, device: torch.device) -> Ride:
-    """Ride the bits of ``digest`` (8 bytes: 64 values 0 or 1) on the next all-reduce.
+    """Ride the bits of ``digest`` (8 bytes: 64 values 0 or 1) on the next collective.
 
-    Read the verdict with :func:`ride_agrees` after that all-reduce ran.
+    Read the verdict with :func:`ride_agrees` after that collective ran.
     """
     # (64,) float32 bits from a byte table and one torch call: this runs before every
     # forward, right after the last one evicted the caches, where every further
@@ -377,7 +385,7 @@ def ride_digest(group: ProcessGroup | None, digest: bytes, device: torch.device)
         # Moved to the device now, before the forward: a copy from pageable host
         # memory waits for the device's queue, which mid-forward would stop the host.
         bits = bits.to(device)
-    return ride_next_all_reduce(group, bits, device)
+    return ride_next_collective(group, bits, device)
 
 
 def ride_agrees(group: ProcessGroup | None, ride: Ride, size: int) -> bool:
@@ -397,43 +405,89 @@ def ride_result(group: ProcessGroup | None, ride: Ride) -> list[float]:
     return ride.sums.tolist()
 
 
+def _riding(st: _health.GroupState, tensor: torch.Tensor) -> bool:
+    """Whether rides wait for ``st``'s group and can travel in ``tensor``'s collective."""
+    return bool(st.rides) and tensor.dtype in _RIDE_DTYPES and st.size <= 256
+
+
+def _take_rides(st: _health.GroupState, like: torch.Tensor) -> tuple[list[Ride], torch.Tensor]:
+    """The rides waiting for ``st``'s group, and their values ``(k,)`` in ``like``'s dtype
+    and on its device (0 and 1: exact in every float dtype)."""
+    rides, st.rides = st.rides, []
+    extra = rides[0].values if len(rides) == 1 else torch.cat([r.values for r in rides])
+    if extra.device != like.device or extra.dtype != like.dtype:
+        extra = extra.to(device=like.device, dtype=like.dtype)
+    return rides, extra
+
+
+def _riding_op(op: str, k: int) -> str:
+    """The op a riding collective is agreed as: the model's op and shape, plus the number
+    of values riding, so ranks that disagree on the rides raise instead of mixing them."""
+    return f"{op} (+{k} check values)"
+
+
+def _hand_sums(rides: list[Ride], sums: torch.Tensor) -> None:
+    """Give each ride its slice of ``sums`` ``(k,)``, in the order they travelled."""
+    if len(rides) == 1:  # the usual case: its sums are the whole tensor, no slicing op
+        rides[0].sums = sums
+        return
+    start = 0
+    for ride in rides:
+        k = ride.values.numel()
+        ride.sums, start = sums[start:start + k], start + k
+
+
 def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
                        st: _health.GroupState) -> torch.Tensor:
     """Sum ``tensor`` (contiguous, ``(...)``) and the waiting rides' values in one collective."""
-    rides, st.rides = st.rides, []
-    # (k,) every ride's values, in the tensor's dtype and on its device
-    extra = rides[0].values if len(rides) == 1 else torch.cat([r.values for r in rides])
-    if extra.device != tensor.device or extra.dtype != tensor.dtype:
-        extra = extra.to(device=tensor.device, dtype=tensor.dtype)
-    # Agreed and counted as the caller's all-reduce: every rank adds the same k
-    # values, and a shape mismatch is named in the model's shapes.
-    n = _health.before("all_reduce", tensor, st)
-    if _COUNTERS or debug_enabled():
+    rides, extra = _take_rides(st, tensor)
+    op = _riding_op("all_reduce", extra.numel())
+    n = _health.before(op, tensor, st)
+    if _COUNTERS or debug_enabled():  # counted as the model's own all-reduce
         count("all_reduce", tensor, group)
     if st.cpu_gloo and tensor.device.type == "cpu":
         # Gloo sums a list of tensors as one collective, packing them in C++: the
         # activation is neither copied into a longer buffer nor copied back here.
         work = st.group.allreduce_coalesced([tensor, extra], _COALESCED)
-        _health.finish(work, st, n, "all_reduce", tensor, out=extra)
+        _health.finish(work, st, n, op, tensor, out=extra)
         sums = extra
     else:
         # Other backends and devices (NCCL, Gloo's CUDA path) get one buffer: (numel + k,)
         flat = tensor.view(-1)
         buf = torch.cat([flat, extra])
         work = st.group.allreduce([buf], _allreduce_options(_SUM))  # as all_reduce_ does
-        _health.finish(work, st, n, "all_reduce", buf, shown=tensor)
+        _health.finish(work, st, n, op, buf, shown=tensor)
         flat.copy_(buf[:flat.numel()])
         # A copy of the (k,) sums, not a view that would keep the activation-sized
         # buffer alive; still on the device: ride_result reads them when asked.
         sums = buf[flat.numel():].clone()
-    if len(rides) == 1:  # the usual case: its sums are the whole tensor, no slicing op
-        rides[0].sums = sums
-        return tensor
-    start = 0
-    for ride in rides:
-        k = ride.values.numel()
-        ride.sums, start = sums[start:start + k], start + k
+    _hand_sums(rides, sums)
     return tensor
+
+
+def _all_gather_riding(local: torch.Tensor, group: ProcessGroup | None,
+                       st: _health.GroupState) -> torch.Tensor:
+    """Gather ``local`` (contiguous, ``(d0, ...)``) into ``(world * d0, ...)`` with the
+    waiting rides' values in the same collective.
+
+    Each rank sends ``(numel + k,)``: its tensor, then its ``k`` values; the values
+    of every rank arrive, and their sums over the ranks are what a riding
+    all-reduce gives. Costs one copy of the gathered tensor (its rows are
+    interleaved with the values).
+    """
+    rides, extra = _take_rides(st, local)
+    op, numel, world = _riding_op("all_gather", extra.numel()), local.numel(), st.size
+    buf = torch.cat([local.view(-1), extra])  # (numel + k,)
+    flat = buf.new_empty(world * buf.numel())  # (world * (numel + k),)
+    n = _health.before(op, local, st)
+    if _COUNTERS or debug_enabled():  # counted as the model's own all-gather
+        count("all_gather", local, group)
+    work = gather_single(flat, buf, group=group, async_op=True)
+    _health.finish(work, st, n, op, buf, out=flat, shown=local)
+    gathered = flat.view(world, buf.numel())  # (world, numel + k)
+    # (k,) every rank's values summed: 0/1 over at most 256 ranks, exact in any float dtype
+    _hand_sums(rides, gathered[:, numel:].sum(0, dtype=torch.float64))
+    return gathered[:, :numel].reshape(world * local.shape[0], *local.shape[1:])
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum",
@@ -450,8 +504,7 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
         dist.all_reduce(tensor, op=reduce_op, group=group)
         return tensor
     st = _health.state(group)
-    if st.rides and name == "all_reduce" and reduce_op == _SUM and tensor.dtype in _RIDE_DTYPES \
-            and st.size <= 256:
+    if name == "all_reduce" and reduce_op == _SUM and _riding(st, tensor):
         return _all_reduce_riding(tensor, group, st)
     n = _health.before(name, tensor, st)
     if _COUNTERS or debug_enabled():
@@ -520,11 +573,15 @@ def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None,
         local = torch.cat([tensor, tensor.new_zeros(widths)], dim)
     local = local.contiguous()
     # Gather into (world * d0, ...) along dim 0, where collectives are contiguous.
-    out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype,
-                      device=local.device)
-    n = record("all_gather", local, group)
-    work = gather_single(out, local, group=group, async_op=n is not None)
-    _finish(work, n, "all_gather", local, group, out)
+    if not _compiling() and not has_torch_function_unary(local) \
+            and _riding(_health.state(group), local):
+        out = _all_gather_riding(local, group, _health.state(group))
+    else:
+        out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype,
+                          device=local.device)
+        n = record("all_gather", local, group)
+        work = gather_single(out, local, group=group, async_op=n is not None)
+        _finish(work, n, "all_gather", local, group, out)
     if dim == 0 and sizes is None:
         return out
     chunks = out.chunk(world, dim=0)

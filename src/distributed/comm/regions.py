@@ -217,6 +217,13 @@ def copy_pair_to_tensor_parallel_region(a: torch.Tensor, b: torch.Tensor,
     return _CopyPairToRegion.apply(a, b, group)
 
 
+def reduces_in_backward(group: ProcessGroup | None) -> bool:
+    """Whether a tensor that needs a gradient entered ``group``'s region since the last
+    :func:`forget_shared_inputs` (the forward running now): a backward through it
+    all-reduces its gradient over ``group``."""
+    return _LAST_COPY.holds(group) or _grad_reduce.entered(group)
+
+
 def forget_shared_inputs() -> None:
     """Drop the region entries of :func:`copy_to_tensor_parallel_region`.
 

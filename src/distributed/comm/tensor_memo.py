@@ -50,6 +50,10 @@ class TensorMemo(Generic[V]):
             return value
         return None
 
+    def holds(self, group: ProcessGroup | None) -> bool:
+        """Whether a live entry was put for ``group`` (``last_per_group`` memos)."""
+        return id(group) in self._entries
+
     def __len__(self) -> int:
         """Live entries."""
         return len(self._entries)

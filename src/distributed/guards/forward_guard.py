@@ -14,7 +14,7 @@ outputs that raised on this rank is reported the same way at its next forward.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -146,14 +146,42 @@ def _watch_backward(st: GroupState, out: Any) -> None:
     def finished() -> None:
         st.backward_open = False
 
-    def started(_grads: Any) -> None:
-        if not st.backward_open:
-            st.backward_open = True
-            _torch_compat.at_end_of_backward(finished)
+    def started() -> None:
+        st.backward_open = True
+
+    after_backward(out, finished, started)
+
+
+def after_backward(out: Any, finished: Callable[[], None],
+                   started: Callable[[], None] | None = None) -> bool:
+    """Call ``finished`` at the end of each backward pass through ``out`` that succeeds.
+
+    ``out``: a forward's output (a tensor, a tuple or list, or a mapping such as
+    HF's ``ModelOutput``). ``started`` runs when such a backward reaches ``out``.
+    Hooks on the outputs' ``grad_fn`` nodes; the end is the autograd engine's own
+    (:func:`torchtp.core.torch_compat.at_end_of_backward`), so callbacks queued
+    first run first.
+
+    Returns:
+        Whether any output has a ``grad_fn`` (else no backward can reach it).
+    """
+    active = [False]
+
+    def done() -> None:
+        active[0] = False
+        finished()
+
+    def begin(_grads: Any) -> None:
+        if not active[0]:  # once per backward pass, whichever output it reaches first
+            active[0] = True
+            if started is not None:
+                started()
+            _torch_compat.at_end_of_backward(done)
 
     values = out.values() if isinstance(out, Mapping) else out \
         if isinstance(out, (tuple, list)) else (out,)
-    for value in values:
-        node = getattr(value, "grad_fn", None) if isinstance(value, torch.Tensor) else None
-        if node is not None:
-            node.register_prehook(started)
+    nodes = [node for value in values if isinstance(value, torch.Tensor)
+             and (node := value.grad_fn) is not None]
+    for node in nodes:
+        node.register_prehook(begin)
+    return bool(nodes)

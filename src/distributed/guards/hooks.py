@@ -66,7 +66,7 @@ def install(model: nn.Module, ctx: ShardContext, layer_names: list[str],
         lambda _m, _a, _k: faults.before(),
         lambda _m, a, k: inputs.before(a, k),
     ]
-    returned: list[Callable[[Any], None]] = [faults.returned, lambda _out: inputs.returned()]
+    returned: list[Callable[[Any], None]] = [faults.returned, inputs.returned]
     always: list[Callable[[], None]] = [faults.after, inputs.cleanup,
                                         regions.forget_shared_inputs]
     _register(model, tuple(before), tuple(returned), tuple(always))

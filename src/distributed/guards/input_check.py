@@ -7,24 +7,27 @@ a PEFT model around it. Training and eval alike.
 Cost: before the forward, every input tensor's name, shape, dtype and a
 strided sample of at most 256 elements
 (:func:`torchtp.guards.fingerprints.sample_bytes`) are hashed into one 64-bit
-hash. Its bits, as 64 values 0 or 1, ride along with the forward's first floating-point sum
-all-reduce over the TP group (:func:`torchtp.comm.ops.ride_next_all_reduce`:
-on Gloo one collective over the model's tensor and the 64 values, elsewhere one
-buffer holding both), so no extra collective runs. After the forward every rank reads the 64 sums:
-the ranks' hashes are all equal exactly when every sum is 0 or ``tp`` (exact
-in any float dtype up to 256 ranks), and every rank reads the same sums, so
-every rank gives the same verdict. A forward without such an all-reduce (a
-replicated model, sequence parallelism's gathers and reduce-scatters) pays
-one separate all-reduce of the 64 values. Only on a mismatch does an
+hash. Its bits, as 64 values 0 or 1, ride the group's next collective that can
+carry them (:func:`torchtp.comm.ops.ride_next_collective`): the forward's first
+floating-point sum all-reduce or all-gather, so checking adds no collective to
+a step that has one. The ranks' hashes are all equal exactly when every sum is
+0 or ``tp`` (exact in any float dtype up to 256 ranks), and every rank reads the
+same sums, so every rank gives the same verdict. Where the forward itself issues
+no collective (every layer weight-rows-split, its output kept split: PyTorch's
+``ColwiseParallel``) but whose backward all-reduces the gradient of an input
+that needs one, the hash waits for that all-reduce and the verdict is read at
+the end of the backward, before any optimizer step. A step with no collective at
+all (eval or ``torch.no_grad()`` through such a model, a replicated model) pays
+one all-reduce of the 64 values at the end of the forward. Only on a mismatch does an
 ``all_gather_object`` of per-argument digests name the argument and the
 ranks. The hashing and the verdict use as few Python calls as they can: between
 two forwards every call runs with cold caches (about 10 us each on a CPU),
 which, not the work, is the check's cost (docs/benchmarks.md, "Input check").
 On GPU, hashing copies each input's sample to the host and moves the
 hash bits to the device before the forward (where the host waits for the
-device's queue anyway); the sums stay on the device until the forward's end,
-where reading them is the one other synchronisation, so the host never waits
-in the middle of the forward.
+device's queue anyway); the sums stay on the device until the verdict is read,
+the one other synchronisation, so the host never waits in the middle of the
+forward.
 
 Inputs of a first parallel layer that takes this rank's input shard (a
 ``ColumnParallelLinear``, weight columns = ``in_features`` split, style
@@ -48,12 +51,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import ops as _comm
+from ..comm import regions
 from ..comm.group_ref import WeakGroup
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup
 from ..core import log as _logging
 from ..layers import ColumnParallelLinear
 from .fingerprints import named_tensors, raise_different_inputs, sample_bytes, tensor_digest
+from .forward_guard import after_backward
 
 _SKIP = ("past", "cache")  # keyword arguments holding each rank's shard of a KV cache
 
@@ -86,31 +91,83 @@ class InputCheck:
     def __init__(self, module: nn.Module, group: ProcessGroup | None, size: int,
                  shard_width: int | None) -> None:
         self.module, self.group, self.size, self.shard_width = module, group, size, shard_width
-        self.pending: _Forward | None = None
+        self.pending: _Forward | None = None  # the forward running now
+        self.open: list[_Forward] = []  # returned forwards whose verdict is still to be read
 
     def before(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Hash the inputs; the hash rides the forward's first all-reduce."""
+        """Hash the inputs; the hash rides the group's next collective."""
         if not _logging.CHECK_INPUTS or not dist.is_initialized():
             return
         self.pending = None
-        # Every rank rides, with or without tensor arguments: the riding all-reduce
+        # Earlier forwards whose hashes travelled since (a backward's all-reduce carried
+        # them but the forward was never backwarded to its end): their verdicts first.
+        self.settle(carried_only=True)
+        # Every rank rides, with or without tensor arguments: the riding collective
         # must carry the same number of values on every rank.
         digest, device = _digest(args, kwargs, self.shard_width)
         if device is None:
             device = next(self.module.parameters(), torch.empty(0)).device
         self.pending = _Forward(args, kwargs, _comm.ride_digest(self.group, digest, device))
 
-    def returned(self) -> None:
-        """The forward returned: every rank reads the summed hash bits, the same verdict."""
+    def returned(self, out: Any) -> None:
+        """The forward returned ``out``: read its verdict, or leave it to its backward.
+
+        A forward whose collectives carried the hash is judged now. One that
+        issued none but whose backward will all-reduce an input gradient over
+        the group (a weight-rows-split layer fed a tensor that needs a
+        gradient) leaves the hash waiting for that all-reduce and is judged at
+        the end of the backward through ``out``, before any optimizer step.
+        Otherwise the step has no collective at all, and the hash travels in
+        one all-reduce of its own now. Every rank takes the same path.
+        """
         fwd, self.pending = self.pending, None
-        if fwd is not None and not _comm.ride_agrees(self.group, fwd.ride, self.size):
-            _raise_mismatch(fwd, self.group, self.shard_width)
+        if fwd is None:
+            return
+        self.open.append(fwd)
+        if fwd.ride.sums is None and torch.is_grad_enabled() \
+                and regions.reduces_in_backward(self.group) and after_backward(out, self.settle):
+            return
+        self.settle()
 
     def cleanup(self) -> None:
         """After the forward: a forward that raised must not leave its hash riding."""
         fwd, self.pending = self.pending, None
         if fwd is not None:
             _comm.cancel_ride(self.group, fwd.ride)
+
+    def settle(self, carried_only: bool = False) -> None:
+        """Read the verdict of every open forward, oldest first; raise on a mismatch.
+
+        Hashes that no collective carried travel in one small all-reduce
+        (:func:`torchtp.comm.ops.ride_result`), unless ``carried_only``.
+
+        Raises:
+            RankMismatchError: a forward's inputs differ across the ranks (on
+                every rank: the sums are the same everywhere).
+        """
+        while self.open and (not carried_only or self.open[0].ride.sums is not None):
+            fwd = self.open.pop(0)
+            if not _comm.ride_agrees(self.group, fwd.ride, self.size):
+                for later in self.open:  # the group's rides stay aligned on every rank
+                    _comm.cancel_ride(self.group, later.ride)
+                self.open.clear()
+                _raise_mismatch(fwd, self.group, self.shard_width)
+
+
+def describe(world_size: int, collectives: dict[str, int]) -> str:
+    """How the input check travels for a model whose forward issues ``collectives``
+    (one line for ``describe_plan()``)."""
+    if world_size == 1:
+        return "input check: none at tp 1 (one rank: nothing to compare)"
+    if not _logging.CHECK_INPUTS:
+        return "input check: off (TP_CHECK_INPUTS=0)"
+    if collectives.get("all_reduce") or collectives.get("all_gather"):
+        return ("input check: every forward; its hash rides the forward's first all-reduce or "
+                "all-gather (no collective of its own)")
+    return ("input check: every forward; the forward has no collective, so in training its hash "
+            "rides the backward's input-gradient all-reduce (verdict at the end of the backward, "
+            "before any optimizer step); a step with no collective at all (eval, no_grad, an "
+            "input that needs no gradient) pays one all-reduce of 64 values")
 
 
 def first_layer_shard_width(model: nn.Module, layer_names: list[str]) -> int | None:

@@ -230,8 +230,8 @@ class PipelineSchedule:
             return
         digest = tensor_digest(input_ids) + tensor_digest(labels)
         ride = _comm.ride_hash(self.group, digest.encode(), input_ids.device)
-        flag = _comm.ride_next_all_reduce(self.group, torch.tensor([int(bad)], dtype=torch.uint8),
-                                           input_ids.device)
+        flag = _comm.ride_next_collective(self.group, torch.tensor([int(bad)], dtype=torch.uint8),
+                                          input_ids.device)
         refused = _comm.ride_result(self.group, flag)[0]
         same = _comm.ride_agrees(self.group, ride, group_size(self.group))
         if error is not None:

@@ -20,7 +20,7 @@ from ..comm import overlap as overlap_switch
 from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_group
 from ..core.torch_compat import registered_child
-from ..guards import checks, forward_guard, hooks, step_check
+from ..guards import checks, forward_guard, hooks, input_check, step_check
 from ..integrations.adapter_hosts import (
     Detached,
     attach_adapters,
@@ -397,9 +397,11 @@ class DistributedModelWrapper(nn.Module):
         save_pretrained(self, directory, max_shard_size, timeout)
 
     def describe_plan(self) -> str:
-        """The applied plan as text (rules, every module's final style and why, collectives),
-        then this rank's and the full model's parameter counts."""
-        return f"{self.resolved_plan.table()}\n{parameter_summary(self.base_model)}"
+        """The applied plan as text (rules, every module's final style and why, collectives,
+        how the input check travels), then this rank's and the full model's parameter counts."""
+        plan = self.resolved_plan
+        checks = input_check.describe(self.world_size, plan.collectives())
+        return f"{plan.table()}\n{checks}\n{parameter_summary(self.base_model)}"
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, "
