@@ -94,6 +94,27 @@ def _check_rides(rank: int, world_size: int) -> None:
             assert ops.ride_agrees(None, same, world_size)
             assert not ops.ride_agrees(None, mine, world_size)
     st.cpu_gloo = True
+    _check_gather_rides(rank, world_size)
+
+
+def _check_gather_rides(rank: int, world_size: int) -> None:
+    """Hash bits riding an all-gather (a forward whose first collective gathers): the
+    gathered tensor is the plain one, bit for bit, along any dim and for uneven shares;
+    the sums are right; ranks whose rides differ raise instead of mixing them."""
+    for dtype, dim, size in ((torch.float32, 0, None), (torch.bfloat16, -1, None),
+                             (torch.float32, 1, 3 * world_size - 1)):
+        width = 3 if size is None else (3 if rank < world_size - 1 else 2)
+        x = seeded(2, width, 4, seed=rank).to(dtype).movedim(1, dim % 3)
+        want = ops.all_gather(x, dim, None, size)
+        same = ops.ride_hash(None, b"every rank hashes this", x.device)
+        got = ops.all_gather(x, dim, None, size)  # the next all-gather carries it
+        assert torch.equal(got, want), (dtype, dim)
+        assert same.sums is not None and ops.ride_agrees(None, same, world_size)
+    if rank == 0:  # a ride on this rank only: the ranks' collectives would not line up
+        ops.ride_hash(None, b"rank 0 only", x.device)
+    with pytest.raises(torchtp.RankMismatchError, match=r"\+64 check values"):
+        ops.all_gather(x, 0, None)
+    health.state(None).rides.clear()
 
 
 def _check_regions(rank: int, world_size: int) -> None:

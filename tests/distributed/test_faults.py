@@ -110,8 +110,9 @@ def test_shape_faults_raise_rank_mismatch_on_every_rank(ranks):
         assert kind == "ValueError" and "input last dimension must be 16, got 15" in msg, seen
         kind, msg, _ = seen["first_call_mismatch"]
         assert kind == "RankMismatchError", seen
-        assert "rank 0: ('all_reduce', (2, 3, 16), 'torch.float32'), rank 1: " \
-               "('all_reduce', (3, 2, 16), 'torch.float32')" in msg
+        # The forward's first all-reduce carries the input check's 64 values.
+        assert "rank 0: ('all_reduce', (2, 3, 16), 'torch.float32', '+64 check values'), " \
+               "rank 1: ('all_reduce', (3, 2, 16), 'torch.float32', '+64 check values')" in msg
         kind, msg, _ = seen["dtype_mismatch"]
         assert kind == "RankMismatchError" and "torch.float64" in msg, (rank, seen)
         kind, msg, took = seen["changed_on_one_rank"]

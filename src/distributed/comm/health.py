@@ -90,9 +90,10 @@ class GroupState:
     # sums a list of tensors in one collective (the riding all-reduce's fast path)
     cpu_gloo: bool = False
     seq: int = 0  # index of the next torchtp collective
-    # (op, context) -> the signature last agreed there; the context sums up the
-    # previous collectives (see _advance)
-    agreed: dict[tuple[str, Any], tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
+    # (op, values riding, context) -> the signature last agreed there; the context sums
+    # up the previous collectives (see _advance)
+    agreed: dict[tuple[str, int, Any], tuple[torch.Size, torch.dtype]] = field(
+        default_factory=dict)
     # The last collectives as runs of equal signatures (see _advance): the finished
     # runs as ((op, shape, dtype), count), the current one's signature and count, and
     # the count of the last finished run with the current one's signature (0: none).
@@ -169,12 +170,14 @@ def raise_if_poisoned(st: GroupState) -> None:
         raise InconsistentGroupError(st.poisoned)
 
 
-def before(op: str, tensor: torch.Tensor, st: GroupState) -> int:
+def before(op: str, tensor: torch.Tensor, st: GroupState, riding: int = 0) -> int:
     """Run before every torchtp collective; returns its index.
 
     Raises if the group is poisoned, and agrees on the signature when it
     differs from the last one agreed for ``op`` (or always, under
-    ``TP_CHECK_SHAPES=1``).
+    ``TP_CHECK_SHAPES=1``). ``riding``: values of torchtp's checks travelling
+    in the same collective (:func:`torchtp.comm.ops.ride_next_collective`), part
+    of the signature, so ranks that disagree on them raise instead of mixing them.
     """
     if st.poisoned is not None:
         raise InconsistentGroupError(st.poisoned)
@@ -187,11 +190,13 @@ def before(op: str, tensor: torch.Tensor, st: GroupState) -> int:
     # key (not even forward vs backward: ranks on different code paths are what this
     # catches), and each key remembers one signature, so two ranks with different
     # shapes can never both skip.
-    key = (op, st.context)
+    # The values riding are keyed like the op (a collective that carries them and one
+    # that does not each have their memory), and left out of the context.
+    key = (op, riding, st.context)
     agreed = st.agreed.get(key)
     if _logging.CHECK_SHAPES or agreed is None or agreed[0] != tensor.shape \
             or agreed[1] != tensor.dtype:
-        _agree_signature(st, n, op, tensor)
+        _agree_signature(st, n, op, tensor, riding)
         st.agreements += 1
         if len(st.agreed) >= _MEMORY:  # shapes that vary step to step: start afresh
             st.agreed.clear()
@@ -234,13 +239,16 @@ def _advance(st: GroupState, sig: tuple[str, torch.Size, torch.dtype]) -> None:
     st.context = (sigs, min(st.count, _CONTEXT), 0 < st.earlier <= st.count)
 
 
-def _signature(op: str, tensor: torch.Tensor) -> str:
+def _signature(op: str, tensor: torch.Tensor, riding: int = 0) -> str:
+    if riding:
+        return repr((op, tuple(tensor.shape), str(tensor.dtype), f"+{riding} check values"))
     return repr((op, tuple(tensor.shape), str(tensor.dtype)))
 
 
-def _agree_signature(st: GroupState, n: int, op: str, tensor: torch.Tensor) -> None:
+def _agree_signature(st: GroupState, n: int, op: str, tensor: torch.Tensor,
+                     riding: int) -> None:
     store = st.store
-    mine = _signature(op, tensor)
+    mine = _signature(op, tensor, riding)
     store.set(f"torchtp/sig/{n}/{st.rank}", "check " + mine)
     if st.checks:
         # Everyone has read the keys of the checks up to the last collective this rank
@@ -373,7 +381,8 @@ def fail(group: ProcessGroup | None, error: BaseException) -> BaseException:
 
 
 def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
-           out: torch.Tensor | None = None, shown: torch.Tensor | None = None) -> None:
+           out: torch.Tensor | None = None, shown: torch.Tensor | None = None,
+           riding: int = 0) -> None:
     """Wait for collective ``n``; while it is slow, answer the store and watch for failures.
 
     ``out``: the collective's output when it is not ``tensor``. ``shown``: the
@@ -387,7 +396,7 @@ def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
         return
     try:
         while not _waited(work, st, n):
-            _answer_store(st, n, op, tensor if shown is None else shown, work)
+            _answer_store(st, n, op, tensor if shown is None else shown, work, riding)
         _completed(st, n, op)
     finally:
         # Also when this rank raises instead (a handled RankMismatchError, another
@@ -511,7 +520,8 @@ def _wait_converting(work: Any, st: GroupState, n: int) -> None:
         raise_converted(st, f"collective {n}", err)
 
 
-def _answer_store(st: GroupState, n: int, op: str, tensor: torch.Tensor, work: Any) -> None:
+def _answer_store(st: GroupState, n: int, op: str, tensor: torch.Tensor, work: Any,
+                  riding: int = 0) -> None:
     """(Blocked in collective ``n``) react to another rank's failure, exit or shape check."""
     for rank, m, kind, msg in _failure_records(st):
         if kind == "exit" and rank != st.rank and not _waited_grace(work, st, n):
@@ -528,7 +538,7 @@ def _answer_store(st: GroupState, n: int, op: str, tensor: torch.Tensor, work: A
     requested = any(st.store.check([f"torchtp/sig/{n}/{r}"])
                     for r in range(st.size) if r != st.rank)
     if requested:
-        st.store.set(f"torchtp/sig/{n}/{st.rank}", "blocked " + _signature(op, tensor))
+        st.store.set(f"torchtp/sig/{n}/{st.rank}", "blocked " + _signature(op, tensor, riding))
         _compare_signatures(st, n, op, _gather(st, "sig", n), dangling=True)
 
 

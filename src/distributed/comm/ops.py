@@ -420,12 +420,6 @@ def _take_rides(st: _health.GroupState, like: torch.Tensor) -> tuple[list[Ride],
     return rides, extra
 
 
-def _riding_op(op: str, k: int) -> str:
-    """The op a riding collective is agreed as: the model's op and shape, plus the number
-    of values riding, so ranks that disagree on the rides raise instead of mixing them."""
-    return f"{op} (+{k} check values)"
-
-
 def _hand_sums(rides: list[Ride], sums: torch.Tensor) -> None:
     """Give each ride its slice of ``sums`` ``(k,)``, in the order they travelled."""
     if len(rides) == 1:  # the usual case: its sums are the whole tensor, no slicing op
@@ -441,22 +435,23 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
                        st: _health.GroupState) -> torch.Tensor:
     """Sum ``tensor`` (contiguous, ``(...)``) and the waiting rides' values in one collective."""
     rides, extra = _take_rides(st, tensor)
-    op = _riding_op("all_reduce", extra.numel())
-    n = _health.before(op, tensor, st)
+    # Agreed as the model's all-reduce with k values riding (health.before)
+    op, k = "all_reduce", extra.numel()
+    n = _health.before(op, tensor, st, riding=k)
     if _COUNTERS or debug_enabled():  # counted as the model's own all-reduce
         count("all_reduce", tensor, group)
     if st.cpu_gloo and tensor.device.type == "cpu":
         # Gloo sums a list of tensors as one collective, packing them in C++: the
         # activation is neither copied into a longer buffer nor copied back here.
         work = st.group.allreduce_coalesced([tensor, extra], _COALESCED)
-        _health.finish(work, st, n, op, tensor, out=extra)
+        _health.finish(work, st, n, op, tensor, out=extra, riding=k)
         sums = extra
     else:
         # Other backends and devices (NCCL, Gloo's CUDA path) get one buffer: (numel + k,)
         flat = tensor.view(-1)
         buf = torch.cat([flat, extra])
         work = st.group.allreduce([buf], _allreduce_options(_SUM))  # as all_reduce_ does
-        _health.finish(work, st, n, op, buf, shown=tensor)
+        _health.finish(work, st, n, op, buf, shown=tensor, riding=k)
         flat.copy_(buf[:flat.numel()])
         # A copy of the (k,) sums, not a view that would keep the activation-sized
         # buffer alive; still on the device: ride_result reads them when asked.
@@ -476,14 +471,14 @@ def _all_gather_riding(local: torch.Tensor, group: ProcessGroup | None,
     interleaved with the values).
     """
     rides, extra = _take_rides(st, local)
-    op, numel, world = _riding_op("all_gather", extra.numel()), local.numel(), st.size
+    op, k, numel, world = "all_gather", extra.numel(), local.numel(), st.size
     buf = torch.cat([local.view(-1), extra])  # (numel + k,)
     flat = buf.new_empty(world * buf.numel())  # (world * (numel + k),)
-    n = _health.before(op, local, st)
+    n = _health.before(op, local, st, riding=k)
     if _COUNTERS or debug_enabled():  # counted as the model's own all-gather
         count("all_gather", local, group)
     work = gather_single(flat, buf, group=group, async_op=True)
-    _health.finish(work, st, n, op, buf, out=flat, shown=local)
+    _health.finish(work, st, n, op, buf, out=flat, shown=local, riding=k)
     gathered = flat.view(world, buf.numel())  # (world, numel + k)
     # (k,) every rank's values summed: 0/1 over at most 256 ranks, exact in any float dtype
     _hand_sums(rides, gathered[:, numel:].sum(0, dtype=torch.float64))

@@ -400,8 +400,10 @@ class DistributedModelWrapper(nn.Module):
         """The applied plan as text (rules, every module's final style and why, collectives,
         how the input check travels), then this rank's and the full model's parameter counts."""
         plan = self.resolved_plan
-        checks = input_check.describe(self.world_size, plan.collectives())
-        return f"{plan.table()}\n{checks}\n{parameter_summary(self.base_model)}"
+        lines = [plan.table(), parameter_summary(self.base_model)]
+        if self.group is not None:  # a planning-only wrap (no group) runs no check
+            lines.insert(1, input_check.describe(self.world_size, plan.collectives()))
+        return "\n".join(lines)
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, rank={self.rank}, "
