@@ -1,32 +1,46 @@
-"""Exit codes of many short tensor-parallel runs: does any run end abnormally?
+"""Exit codes and exit times of many short tensor-parallel jobs, beside a plain-torch control.
 
 Each run starts ``--tp`` fresh Python processes the way ``torchrun`` does
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment),
-and each process starts the group, wraps a tiny model, runs three forwards
-and ends. ``--start torchtp`` calls ``torchtp.init_tensor_parallel()`` and
-returns from the script, leaving the exit to torchtp's shutdown;
-``--start dist`` calls ``dist.init_process_group("gloo")`` itself (as
-Trainer, accelerate and Lightning do) and ends with
-``dist.destroy_process_group()``; ``both`` runs each. ``--error mismatch``
-first feeds each rank a different batch in training mode and handles the
-``RankMismatchError`` the input check raises on every rank. A run passes when
-every process exits with 0. Torch's Gloo can abort a process at exit
-("terminate called without an active exception", exit code -6) after all of
-its work is done; this counts how often (column SIGABRT).
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment);
+each process runs one short job and ends. A variant is ``work/start/error``:
 
-    .venv/bin/python benchmarks/exit_loop.py [--runs 100] [--tp 2] [--fail-rank R] [--jobs J]
-        [--start torchtp|dist|both] [--error none|mismatch|both] [--load N]
+* ``start``: ``torchtp`` calls ``torchtp.init_tensor_parallel()`` (or
+  ``init_parallel(pp=2)``) and returns from the script, leaving the exit to
+  torchtp; ``dist`` calls ``dist.init_process_group("gloo")`` itself and ends
+  with ``dist.destroy_process_group()``, as HF Trainer, accelerate and
+  Lightning do.
+* ``error``: ``mismatch`` first feeds each rank a different batch in training
+  mode and handles the ``RankMismatchError`` every rank raises.
+* ``work``: ``forward`` wraps a 3-layer MLP, runs an eval forward and a
+  training forward and backward, then the script's own ``all_gather_object``
+  (issue 35's job); ``generate`` greedy-decodes 4 tokens with a tiny HF Llama;
+  ``save`` writes a tiny Llama with ``save_pretrained``; ``pipeline`` runs one
+  training step of a 2-stage ``PipelineSchedule`` and an optimizer step;
+  ``moe`` runs a forward and backward of a tiny Qwen3-MoE; ``control`` is plain
+  torch: the same kind of collectives on plain tensors (all-reduce, all-gather,
+  ``all_gather_object``), the same handled exception, no torchtp.
 
-``--runs`` is per variant. ``--jobs J`` runs J launches at a time and
-``--load N`` starts N busy-loop processes beside them (more load, as on a
-busy node).
+A run passes when every process exits with 0. Torch's Gloo can abort a process
+at exit ("terminate called without an active exception", exit code -6) when a
+process group outlives ``destroy_process_group()`` into the interpreter's
+shutdown (docs/decisions.md, "Who owns a process group"); the SIGABRT column
+counts those runs. A process's *exit time* is from the last line of its script
+to the end of the process (the script prints ``time.time()`` there; the parent
+notes when the process ended): what torchtp's exit handling costs. "slow" counts
+runs with a process whose exit took more than 1 s longer than the control's
+median (of the same ``start``).
 
-``--fail-rank R`` makes rank R fail after the first all-reduce instead (it
-raises RuntimeError; with ``--fail-how input`` it passes an input of the
-wrong width, which torchtp's layer rejects on that rank only; with ``exit`` it
-calls ``sys.exit(1)``); the run then
-passes when rank R exits with 1 and the other ranks report an error naming
-rank R, all within ``--deadline`` seconds (no rank waits for a timeout).
+    .venv/bin/python benchmarks/exit_loop.py [--runs 250] [--variants all|forward|work|LIST]
+        [--load N] [--jobs J] [--tp 2]
+
+``--load N`` starts N busy-loop processes beside the runs (a loaded node);
+``--jobs J`` runs J launches at a time.
+
+``--fail-rank R`` (with ``--variants forward/torchtp/none``) makes rank R fail
+after four forwards instead (``--fail-how raise``: RuntimeError; ``input``: an
+input of the wrong width, which torchtp's layer rejects on that rank only;
+``exit``: ``sys.exit(1)``); the run then passes when rank R exits with 1 and the
+other ranks report an error naming rank R, all within ``--deadline`` seconds.
 "lag" is the time between the first and the last process exit of a run.
 """
 
@@ -36,54 +50,117 @@ import argparse
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 SCRIPT = r"""
-import os, sys, torch
+import os, sys, time, torch
+import torch.distributed as dist
 from torch import nn
-import torchtp
 
-start = os.environ.get("EXIT_LOOP_START", "torchtp")
+work, start, error = (os.environ[f"EXIT_LOOP_{k}"] for k in ("WORK", "START", "ERROR"))
+fail_rank, how = int(os.environ["EXIT_LOOP_FAIL_RANK"]), os.environ["EXIT_LOOP_FAIL_HOW"]
+if work != "control":
+    import torchtp
 if start == "torchtp":
-    torchtp.init_tensor_parallel()
-else:  # as Trainer, accelerate and Lightning do: torchtp never started this group
-    torch.distributed.init_process_group("gloo")
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
-tp = torchtp.DistributedModelWrapper(model)
-fail_rank = int(os.environ["EXIT_LOOP_FAIL_RANK"])
-how = os.environ["EXIT_LOOP_FAIL_HOW"]
-failing = torch.distributed.get_rank() == fail_rank
-x = torch.randn(2, 32)
-if os.environ.get("EXIT_LOOP_ERROR") == "mismatch":
-    # Rank-dependent batch: the training forward's input check raises
-    # RankMismatchError on every rank; the script handles it and goes on.
-    try:
-        tp(x + torch.distributed.get_rank())
-        raise AssertionError("the input check did not raise")
-    except torchtp.RankMismatchError:
-        pass
-# The fault comes at step 4: by then every rank remembers the collectives' shapes as
-# agreed (health.before keys them by the 3 collectives before), so the others are
-# inside their next collective, not checking its shape, when the failing rank stops.
-with torch.no_grad():
-    for step in range(6):
-        if failing and step == 4 and how == "input":
-            x = torch.randn(2, 31)  # wrong input on this rank only
-        if failing and step == 4 and how == "raise":
-            raise RuntimeError("boom")  # after four forwards' all-reduces
-        if failing and step == 4 and how == "exit":
-            print("bad batch: exiting", file=sys.stderr)
-            sys.exit(1)  # no exception reaches sys.excepthook
-        y = tp(x)
-print("ok", float(y.sum()))
+    torchtp.init_parallel(pp=2) if work == "pipeline" else torchtp.init_tensor_parallel()
+else:  # as Trainer, accelerate and Lightning do: the script starts and ends the group
+    dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+
+
+def llama():
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+if work == "control":  # plain torch: the same kinds of collectives, no torchtp
+    x = torch.randn(2, 32)
+    if error == "mismatch":
+        try:
+            raise ValueError("a handled error")
+        except ValueError:
+            pass
+    t = x.clone()
+    dist.all_reduce(t)
+    dist.all_gather(list(torch.empty(world, 2, 32).unbind(0)), x)
+    dist.all_gather_object([None] * world, float(t.sum()))
+elif work == "forward":
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 32))
+    tp = torchtp.DistributedModelWrapper(model)
+    x = torch.randn(2, 32)
+    if error == "mismatch":  # rank-dependent batch: every rank raises, the script goes on
+        try:
+            tp(x + rank)
+            raise AssertionError("the input check did not raise")
+        except torchtp.RankMismatchError:
+            pass
+    tp.eval()
+    with torch.no_grad():
+        for step in range(6 if fail_rank >= 0 else 1):
+            # The fault comes at step 4: the others are inside their next collective.
+            if rank == fail_rank and step == 4:
+                if how == "input":
+                    x = torch.randn(2, 31)  # wrong input on this rank only
+                elif how == "raise":
+                    raise RuntimeError("boom")
+                else:
+                    print("bad batch: exiting", file=sys.stderr)
+                    sys.exit(1)  # no exception reaches sys.excepthook
+            y = tp(x)
+    tp.train()
+    tp(x).sum().backward()
+    dist.all_gather_object([None] * world, float(y.sum()))
+elif work == "generate":
+    tp = torchtp.DistributedModelWrapper(llama().eval())
+    tp.generate(ids[:, :4], max_new_tokens=4, do_sample=False)
+elif work == "save":
+    tp = torchtp.DistributedModelWrapper(llama())
+    tp.save_pretrained(os.environ["EXIT_LOOP_DIR"])
+elif work == "pipeline":
+    from torchtp.pipeline import PipelineSchedule, decoder_stage
+    if start == "dist":
+        torchtp.init_parallel(pp=2)  # adopts the script's group
+    stage = decoder_stage(llama(), rank, world)
+    pipe = PipelineSchedule(stage, 2, "1f1b")
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    pipe.step(ids, ids)
+    opt.step()
+elif work == "moe":
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      moe_intermediate_size=24, num_experts=4,
+                                      num_experts_per_tok=2, intermediate_size=48)
+    tp = torchtp.DistributedModelWrapper(transformers.Qwen3MoeForCausalLM(cfg).train())
+    tp(input_ids=ids, labels=ids).loss.backward()
+print("END", time.time(), flush=True)
 if start == "dist":
-    torch.distributed.destroy_process_group()
+    dist.destroy_process_group()
 """
+
+WORKS = ("forward", "generate", "save", "pipeline", "moe")
+FORWARD = ["forward/torchtp/none", "forward/torchtp/mismatch", "forward/dist/none",
+           "forward/dist/mismatch"]
+WORK = [f"{w}/{s}/none" for w in WORKS[1:] for s in ("dist", "torchtp")]
+CONTROLS = ["control/dist/none", "control/dist/mismatch", "control/torchtp/none"]
+VARIANTS = {"forward": FORWARD, "work": WORK, "control": CONTROLS,
+            "all": FORWARD + WORK + CONTROLS}
 
 
 def _free_port() -> int:
@@ -92,48 +169,78 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Run:
+    """One launch: each process's exit code (``None``: killed at the deadline), stderr's
+    last line and exit time (s from its script's last line to its end; ``None``: unknown)."""
+
+    codes: list[int | None]
+    tails: list[str]
+    exits: list[float | None]
+    lag: float  # s between the first and the last process exit
+
+
+@dataclass
+class Tally:
+    """A variant's runs."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    exits: list[float] = field(default_factory=list)
+    lags: list[float] = field(default_factory=list)
+
+
 def one_run(tp: int, fail_rank: int, how: str, deadline: float, start: str = "torchtp",
-            error: str = "none") -> tuple[list[int | None], float, list[str]]:
-    """Start ``tp`` rank processes.
+            error: str = "none", work: str = "forward") -> Run:
+    """Launch ``tp`` rank processes of one job (see the module docstring) and wait for them.
 
-    ``start``: ``"torchtp"`` (``init_tensor_parallel``) or ``"dist"``
-    (``dist.init_process_group``, ending with ``dist.destroy_process_group()``);
-    ``error``: ``"mismatch"`` feeds each rank a different batch first and
-    handles the ``RankMismatchError``.
-
-    Returns:
-        Their exit codes (``None``: killed at the deadline), the seconds between
-        the first and the last process exit (how long the others took to be
-        told), and the last stderr line of each.
+    Control processes run the plain-torch ``start`` analogue: ``torchtp`` there means
+    the script starts the group itself and never destroys it.
     """
-    port = _free_port()
-    procs = []
-    for rank in range(tp):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   EXIT_LOOP_FAIL_RANK=str(fail_rank), EXIT_LOOP_FAIL_HOW=how,
-                   EXIT_LOOP_START=start, EXIT_LOOP_ERROR=error,
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True))
-    start = time.monotonic()
+    # The control's analogue of a torchtp-started group: started by the script, never destroyed
+    script_start = "none" if work == "control" and start == "torchtp" else start
+    env_base = dict(os.environ, WORLD_SIZE=str(tp), LOCAL_WORLD_SIZE=str(tp),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                    EXIT_LOOP_FAIL_RANK=str(fail_rank), EXIT_LOOP_FAIL_HOW=how,
+                    EXIT_LOOP_START=script_start, EXIT_LOOP_ERROR=error, EXIT_LOOP_WORK=work,
+                    OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory(prefix="exit_loop-") as tmp:
+        env_base["EXIT_LOOP_DIR"] = os.path.join(tmp, "saved")
+        procs = [subprocess.Popen([sys.executable, "-c", SCRIPT],
+                                  env=dict(env_base, RANK=str(r), LOCAL_RANK=str(r)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(tp)]
+        return _collect(procs, deadline)
+
+
+def _collect(procs: list[subprocess.Popen[str]], deadline: float) -> Run:
+    """Wait for every process (killing what is left at ``deadline``), noting when each ended."""
     ended: dict[int, float] = {}
-    while len(ended) < tp and time.monotonic() - start < deadline:
-        for rank, p in enumerate(procs):
-            if rank not in ended and p.poll() is not None:
-                ended[rank] = time.monotonic()
-        time.sleep(0.02)
-    codes: list[int | None] = []
-    tails: list[str] = []
-    for rank, p in enumerate(procs):
-        if rank not in ended:
+    out: dict[int, tuple[str, str]] = {}
+
+    def watch(rank: int, p: subprocess.Popen[str]) -> None:
+        try:
+            out[rank] = p.communicate(timeout=deadline)
+            ended[rank] = time.time()
+        except subprocess.TimeoutExpired:
             p.kill()
-        err = p.communicate()[1].strip()
-        codes.append(p.returncode if rank in ended else None)
-        tails.append(err.splitlines()[-1] if err else "")
+            out[rank] = p.communicate()
+
+    threads = [threading.Thread(target=watch, args=(r, p)) for r, p in enumerate(procs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = [p.returncode if r in ended else None for r, p in enumerate(procs)]
+    tails = [err.strip().splitlines()[-1] if err.strip() else "" for _o, err in
+             (out[r] for r in range(len(procs)))]
+    exits = [_exit_time(out[r][0], ended.get(r)) for r in range(len(procs))]
     lag = max(ended.values()) - min(ended.values()) if ended else deadline
-    return codes, lag, tails
+    return Run(codes, tails, exits, lag)
+
+
+def _exit_time(stdout: str, ended: float | None) -> float | None:
+    marks = [line.split()[1] for line in stdout.splitlines() if line.startswith("END ")]
+    return None if not marks or ended is None else ended - float(marks[-1])
 
 
 def _busy_loops(count: int) -> list[subprocess.Popen[bytes]]:
@@ -141,54 +248,75 @@ def _busy_loops(count: int) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
-def _variant(args: argparse.Namespace, start: str, error: str) -> tuple[Counter[str], list[float]]:
-    """Run ``args.runs`` launches of one variant; count passes, failures and SIGABRTs."""
-    outcomes: Counter[str] = Counter()
-    seconds = []
+def _passed(run: Run, fail_rank: int) -> bool:
+    if fail_rank < 0:
+        return all(c == 0 for c in run.codes)
+    others = [t for r, t in enumerate(run.tails) if r != fail_rank]
+    return run.codes[fail_rank] == 1 and None not in run.codes \
+        and all(f"rank {fail_rank}" in t for t in others)
 
-    def launch(_i: int) -> tuple[list[int | None], float, list[str]]:
-        return one_run(args.tp, args.fail_rank, args.fail_how, args.deadline, start, error)
+
+def run_variant(args: argparse.Namespace, variant: str) -> Tally:
+    """``args.runs`` launches of ``variant`` (``work/start/error``), ``args.jobs`` at a time."""
+    work, start, error = variant.split("/")
+    tally = Tally()
+
+    def launch(_i: int) -> Run:
+        return one_run(args.tp, args.fail_rank, args.fail_how, args.deadline, start, error, work)
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        for i, (codes, took, tails) in enumerate(pool.map(launch, range(args.runs))):
-            seconds.append(took)
-            if args.fail_rank < 0:
-                ok = all(c == 0 for c in codes)
-            else:
-                others = [t for r, t in enumerate(tails) if r != args.fail_rank]
-                ok = codes[args.fail_rank] == 1 and all(
-                    f"rank {args.fail_rank}" in t for t in others) and None not in codes
-            outcomes["pass" if ok else "FAIL"] += 1
-            outcomes["abort"] += any(c == -signal.SIGABRT for c in codes)
+        for i, run in enumerate(pool.map(launch, range(args.runs))):
+            ok = _passed(run, args.fail_rank)
+            tally.outcomes["pass" if ok else "fail"] += 1
+            tally.outcomes["abort"] += any(c == -signal.SIGABRT for c in run.codes)
+            tally.exits += [e for e in run.exits if e is not None]
+            tally.lags.append(run.lag)
             if not ok:
-                print(f"{start}/{error} run {i}: exit codes {codes} after {took:.1f}s; "
-                      f"stderr tails: {tails}", flush=True)
-            if (i + 1) % 10 == 0:
-                print(f"{start}/{error}: {i + 1} runs, {outcomes['pass']} passed",
+                print(f"{variant} run {i}: exit codes {run.codes}; stderr tails: {run.tails}",
+                      flush=True)
+            if (i + 1) % 25 == 0:
+                print(f"{variant}: {i + 1} runs, {tally.outcomes['pass']} passed",
                       file=sys.stderr, flush=True)
-    return outcomes, sorted(seconds)
+    return tally
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def table(rows: dict[str, Tally], runs: int) -> list[str]:
+    """The results as a markdown table; exit times against the control of the same start."""
+    controls = {v.split("/")[1]: statistics.median(t.exits) for v, t in rows.items()
+                if v.startswith("control/") and t.exits}
+    lines = ["| variant | runs | exited 0 | SIGABRT | other failures | exit s median / p99 / max "
+             "| control's median exit s | slow (> control + 1 s) |",
+             "|---|---:|---:|---:|---:|---|---:|---:|"]
+    for variant, t in rows.items():
+        start = variant.split("/")[1]
+        base = controls.get(start, controls.get("dist", float("nan")))
+        slow = sum(e > base + 1.0 for e in t.exits)
+        lines.append(f"| {variant} | {runs} | {t.outcomes['pass']} | {t.outcomes['abort']} "
+                     f"| {t.outcomes['fail'] - t.outcomes['abort']} "
+                     f"| {_quantile(t.exits, 0.5):.2f} / {_quantile(t.exits, 0.99):.2f} / "
+                     f"{max(t.exits, default=float('nan')):.2f} | {base:.2f} | {slow} |")
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=100, help="runs per variant")
+    ap.add_argument("--runs", type=int, default=250, help="runs per variant")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--variants", default="all",
+                    help="all, forward, work, control, or a comma list of work/start/error")
     ap.add_argument("--fail-rank", type=int, default=-1)
-    ap.add_argument("--fail-how", choices=["raise", "input", "exit"], default="raise",
-                    help="the failing rank raises RuntimeError, passes a wrong input width, "
-                    "or calls sys.exit(1)")
-    ap.add_argument("--start", choices=["torchtp", "dist", "both"], default="torchtp",
-                    help="init_tensor_parallel, dist.init_process_group (ending with "
-                    "destroy_process_group), or one variant of each")
-    ap.add_argument("--error", choices=["none", "mismatch", "both"], default="none",
-                    help="mismatch: a handled RankMismatchError (different batches) first")
+    ap.add_argument("--fail-how", choices=["raise", "input", "exit"], default="raise")
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="busy-loop processes running beside the launches")
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds per run")
     ap.add_argument("--jobs", type=int, default=1, help="launches running at the same time")
     args = ap.parse_args()
-    starts = ["torchtp", "dist"] if args.start == "both" else [args.start]
-    errors = ["none", "mismatch"] if args.error == "both" else [args.error]
+    variants = VARIANTS.get(args.variants) or args.variants.split(",")
     loops = _busy_loops(args.load)
 
     def stop(*_: object) -> None:  # SIGTERM (timeout, kill): leave no busy loop behind
@@ -197,24 +325,21 @@ def main() -> None:
         os._exit(143)
 
     signal.signal(signal.SIGTERM, stop)
-    rows = []
+    rows: dict[str, Tally] = {}
+    began = time.time()
     try:
-        for start in starts:
-            for error in errors:
-                rows.append((start, error, *_variant(args, start, error)))
+        for variant in variants:
+            rows[variant] = run_variant(args, variant)
     finally:
         for p in loops:
             p.kill()
             p.wait()
-    fail = f"{args.fail_rank} ({args.fail_how})" if args.fail_rank >= 0 else "-"
-    print(f"busy loops beside: {args.load}, launches at a time: {args.jobs}")
-    print("| start | handled error | runs | tp | fail rank | passed | failed | SIGABRT "
-          "| median lag s | max lag s |")
-    print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
-    for start, error, outcomes, seconds in rows:
-        print(f"| {start} | {error} | {args.runs} | {args.tp} | {fail} | {outcomes['pass']} "
-              f"| {outcomes['FAIL']} | {outcomes['abort']} | {seconds[len(seconds) // 2]:.1f} "
-              f"| {seconds[-1]:.1f} |")
+    load = os.getloadavg()
+    print(f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(began))}-"
+          f"{time.strftime('%H:%M UTC', time.gmtime())}, tp {args.tp}, busy loops beside: "
+          f"{args.load}, launches at a time: {args.jobs}, load average at the end: "
+          f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    print("\n".join(table(rows, args.runs)))
 
 
 if __name__ == "__main__":

@@ -232,6 +232,7 @@ def _exit_loop() -> object:
     spec = importlib.util.spec_from_file_location("exit_loop", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -252,7 +253,8 @@ def exit_loop(tmp_path_factory: pytest.TempPathFactory) -> object:
 @pytest.mark.parametrize("how", ["raise", "input", "exit"])
 def test_a_rank_that_raises_exits_at_once_and_the_others_name_it(exit_loop, how):
     """torchrun-style processes (init_tensor_parallel, torchtp's exit handler), not the harness."""
-    codes, lag, tails = exit_loop.one_run(2, 1, how, deadline=DEADLINE)
+    run = exit_loop.one_run(2, 1, how, deadline=DEADLINE)
+    codes, lag, tails = run.codes, run.lag, run.tails
     assert codes == [1, 1], tails
     # With sys.exit(1) rank 1's exit handler ends its bounded wait for rank 0 early.
     expected = {"raise": "RuntimeError: boom", "input": "ValueError",
@@ -264,12 +266,21 @@ def test_a_rank_that_raises_exits_at_once_and_the_others_name_it(exit_loop, how)
     assert lag < 30, (lag, tails)
 
 
-def test_successful_runs_exit_with_zero(exit_loop):
-    """A short version of `benchmarks/exit_loop.py --runs 100` (see docs/troubleshooting.md)."""
-    for _ in range(2):
-        codes, lag, tails = exit_loop.one_run(2, -1, "raise", deadline=DEADLINE)
-        assert codes == [0, 0], tails
-        assert lag < 30, lag  # the bounded exit barrier waits only for the slower rank
+# A short, quiet version of `benchmarks/exit_loop.py` (docs/benchmarks.md, issue 35): the
+# job of issue 35 (the script starts and destroys the group, a handled RankMismatchError,
+# its own all_gather_object) aborted at exit in 7 of 20 runs before torchtp stopped holding
+# groups: 5 runs pass by chance with probability (13/20)^5 = 12%, and
+# test_group_lifetime checks the cause itself. torchtp's own exit (it started the group) too.
+EXIT_RUNS = {"forward/dist/mismatch": 5, "forward/torchtp/none": 2}
+
+
+@pytest.mark.parametrize("variant", list(EXIT_RUNS))
+def test_short_jobs_exit_with_zero(exit_loop, variant):
+    work, start, error = variant.split("/")
+    for _ in range(EXIT_RUNS[variant]):
+        run = exit_loop.one_run(2, -1, "raise", DEADLINE, start, error, work)
+        assert run.codes == [0, 0], run.tails
+        assert run.lag < 30, run.lag  # the bounded exit barrier waits only for the slower rank
 
 
 class _LateWork:
@@ -447,8 +458,3 @@ def test_exit_protection_on_a_group_torchtp_did_not_start(ranks):
     assert seen[1]["waited"][0] is False and seen[1]["waited"][1] < 30, seen[1]
 
 
-def test_started_with_init_process_group_a_handled_error_exits_with_zero(exit_loop):
-    """`benchmarks/exit_loop.py --start dist --error mismatch` once: the script ends with
-    dist.destroy_process_group() after a handled RankMismatchError; every rank exits 0."""
-    codes, _lag, tails = exit_loop.one_run(2, -1, "raise", DEADLINE, "dist", "mismatch")
-    assert codes == [0, 0], tails
