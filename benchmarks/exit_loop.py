@@ -18,7 +18,10 @@ each process runs one short job and ends. A variant is ``work/start/error``:
   training step of a 2-stage ``PipelineSchedule`` and an optimizer step;
   ``moe`` runs a forward and backward of a tiny Qwen3-MoE; ``control`` is plain
   torch: the same kind of collectives on plain tensors (all-reduce, all-gather,
-  ``all_gather_object``), the same handled exception, no torchtp.
+  ``all_gather_object``), the same handled exception, no torchtp (``start``
+  ``torchtp`` there: the script starts the group and never destroys it);
+  ``hfcontrol`` also imports transformers and generates with the tiny Llama
+  unsharded on every rank, the control of the HF jobs.
 
 A run passes when every process exits with 0. Torch's Gloo can abort a process
 at exit ("terminate called without an active exception", exit code -6) when a
@@ -27,8 +30,8 @@ shutdown (docs/decisions.md, "Who owns a process group"); the SIGABRT column
 counts those runs. A process's *exit time* is from the last line of its script
 to the end of the process (the script prints ``time.time()`` there; the parent
 notes when the process ended): what torchtp's exit handling costs. "slow" counts
-runs with a process whose exit took more than 1 s longer than the control's
-median (of the same ``start``).
+processes whose exit took more than 1 s longer than the control's median (the
+plain control of the same ``start``; for the HF jobs, ``hfcontrol``).
 
     .venv/bin/python benchmarks/exit_loop.py [--runs 250] [--variants all|forward|work|LIST]
         [--load N] [--jobs J] [--tp 2]
@@ -67,7 +70,7 @@ from torch import nn
 
 work, start, error = (os.environ[f"EXIT_LOOP_{k}"] for k in ("WORK", "START", "ERROR"))
 fail_rank, how = int(os.environ["EXIT_LOOP_FAIL_RANK"]), os.environ["EXIT_LOOP_FAIL_HOW"]
-if work != "control":
+if not work.endswith("control"):
     import torchtp
 if start == "torchtp":
     torchtp.init_parallel(pp=2) if work == "pipeline" else torchtp.init_tensor_parallel()
@@ -86,7 +89,9 @@ def llama():
 
 
 ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-if work == "control":  # plain torch: the same kinds of collectives, no torchtp
+if work == "hfcontrol":  # the HF jobs' control: transformers imported and run, no torchtp
+    llama().eval().generate(ids[:, :4], max_new_tokens=4, do_sample=False)
+if work in ("control", "hfcontrol"):  # plain torch: the same kinds of collectives
     x = torch.randn(2, 32)
     if error == "mismatch":
         try:
@@ -158,7 +163,8 @@ WORKS = ("forward", "generate", "save", "pipeline", "moe")
 FORWARD = ["forward/torchtp/none", "forward/torchtp/mismatch", "forward/dist/none",
            "forward/dist/mismatch"]
 WORK = [f"{w}/{s}/none" for w in WORKS[1:] for s in ("dist", "torchtp")]
-CONTROLS = ["control/dist/none", "control/dist/mismatch", "control/torchtp/none"]
+CONTROLS = ["control/dist/none", "control/dist/mismatch", "control/torchtp/none",
+            "hfcontrol/dist/none"]
 VARIANTS = {"forward": FORWARD, "work": WORK, "control": CONTROLS,
             "all": FORWARD + WORK + CONTROLS}
 
@@ -197,7 +203,7 @@ def one_run(tp: int, fail_rank: int, how: str, deadline: float, start: str = "to
     the script starts the group itself and never destroys it.
     """
     # The control's analogue of a torchtp-started group: started by the script, never destroyed
-    script_start = "none" if work == "control" and start == "torchtp" else start
+    script_start = "none" if work.endswith("control") and start == "torchtp" else start
     env_base = dict(os.environ, WORLD_SIZE=str(tp), LOCAL_WORLD_SIZE=str(tp),
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                     EXIT_LOOP_FAIL_RANK=str(fail_rank), EXIT_LOOP_FAIL_HOW=how,
@@ -287,19 +293,21 @@ def _quantile(values: list[float], q: float) -> float:
 
 def table(rows: dict[str, Tally], runs: int) -> list[str]:
     """The results as a markdown table; exit times against the control of the same start."""
-    controls = {v.split("/")[1]: statistics.median(t.exits) for v, t in rows.items()
-                if v.startswith("control/") and t.exits}
+    controls = {tuple(v.split("/")[:2]): statistics.median(t.exits) for v, t in rows.items()
+                if v.split("/")[0].endswith("control") and t.exits}
     lines = ["| variant | runs | exited 0 | SIGABRT | other failures | exit s median / p99 / max "
              "| control's median exit s | slow (> control + 1 s) |",
              "|---|---:|---:|---:|---:|---|---:|---:|"]
     for variant, t in rows.items():
-        start = variant.split("/")[1]
-        base = controls.get(start, controls.get("dist", float("nan")))
-        slow = sum(e > base + 1.0 for e in t.exits)
+        work, start = variant.split("/")[:2]
+        # The HF jobs against the control that imports and runs transformers too
+        base = controls.get(("hfcontrol", "dist") if work in WORKS[1:] else ("control", start))
+        against = "-" if work.endswith("control") or base is None else f"{base:.2f}"
+        slow = "-" if against == "-" else str(sum(e > base + 1.0 for e in t.exits))
         lines.append(f"| {variant} | {runs} | {t.outcomes['pass']} | {t.outcomes['abort']} "
                      f"| {t.outcomes['fail'] - t.outcomes['abort']} "
                      f"| {_quantile(t.exits, 0.5):.2f} / {_quantile(t.exits, 0.99):.2f} / "
-                     f"{max(t.exits, default=float('nan')):.2f} | {base:.2f} | {slow} |")
+                     f"{max(t.exits, default=float('nan')):.2f} | {against} | {slow} |")
     return lines
 
 
@@ -308,7 +316,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=250, help="runs per variant")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--variants", default="all",
-                    help="all, forward, work, control, or a comma list of work/start/error")
+                    help="all, forward, work, control, or work/start/error (comma-separated)")
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-how", choices=["raise", "input", "exit"], default="raise")
     ap.add_argument("--load", type=int, default=0, metavar="N",
@@ -316,7 +324,7 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds per run")
     ap.add_argument("--jobs", type=int, default=1, help="launches running at the same time")
     args = ap.parse_args()
-    variants = VARIANTS.get(args.variants) or args.variants.split(",")
+    variants = [v for item in args.variants.split(",") for v in VARIANTS.get(item, [item])]
     loops = _busy_loops(args.load)
 
     def stop(*_: object) -> None:  # SIGTERM (timeout, kill): leave no busy loop behind
