@@ -302,8 +302,9 @@ def table(rows: dict[str, Tally], runs: int) -> list[str]:
         work, start = variant.split("/")[:2]
         # The HF jobs against the control that imports and runs transformers too
         base = controls.get(("hfcontrol", "dist") if work in WORKS[1:] else ("control", start))
-        against = "-" if work.endswith("control") or base is None else f"{base:.2f}"
-        slow = "-" if against == "-" else str(sum(e > base + 1.0 for e in t.exits))
+        against, slow = "-", "-"
+        if base is not None and not work.endswith("control"):
+            against, slow = f"{base:.2f}", str(sum(e > base + 1.0 for e in t.exits))
         lines.append(f"| {variant} | {runs} | {t.outcomes['pass']} | {t.outcomes['abort']} "
                      f"| {t.outcomes['fail'] - t.outcomes['abort']} "
                      f"| {_quantile(t.exits, 0.5):.2f} / {_quantile(t.exits, 0.99):.2f} / "

@@ -143,6 +143,31 @@ def _edited_weight(rank: int, at_step: int) -> str:
     return _raises(opt.step, r"weights of '4\.weight' .*likely a wrong shard file or a rank-local edit")
 
 
+def _nan_on_one_rank(rank: int) -> list[str]:
+    """A NaN in one rank's copy: of a replicated gradient (caught at that step), and of a
+    replicated weight between weight checks (its gradients turn NaN there: caught at the
+    next step). A maximum over NaN depends on the comparison order, so a NaN digest
+    alone would slip through."""
+    out = []
+    model, opt = _wrapped()
+    _backward(model, 0)
+    if rank == 0:
+        model.base_model[4].bias.grad[0] = float("nan")
+    out.append(_raises(opt.step, r"gradients of '4\.bias' \(NaN or inf on some ranks only\)"))
+    model, opt = _wrapped()
+    for step in range(2):
+        opt.zero_grad()
+        _backward(model, step)
+        opt.step()  # the first step checks the weights too (then every 10th)
+    if rank == 0:
+        with torch.no_grad():
+            model.base_model[4].weight[0] = float("nan")  # the replicated LayerNorm
+    opt.zero_grad()
+    _backward(model, 2)
+    out.append(_raises(opt.step, r"NaN or inf on some ranks only"))
+    return out
+
+
 def _untouched_and_off(rank: int) -> list[Any]:
     """A plain optimizer issues no collective; TP_STEP_CHECK=0 lets torch's clip through."""
     plain = nn.Linear(4, 4)
@@ -174,4 +199,5 @@ def cases(rank: int, world_size: int) -> dict[str, Any]:
         "edit_first": _edited_weight(rank, 0),
         "edit_step_n": _edited_weight(rank, 3),
         "untouched": _untouched_and_off(rank),
+        "nan": _nan_on_one_rank(rank),
     }

@@ -14,7 +14,7 @@ from torch import nn
 
 import torchtp
 
-from ._models import gather_param, mlp
+from ._models import deep_mlp, gather_param, mlp
 from ._reference import seeded
 
 DIFFERENT = r"argument 0 differs on TP ranks \[1\] .*data sampler"
@@ -136,3 +136,34 @@ def _disabled(rank: int, world_size: int) -> list[str]:
 def test_check_can_be_turned_off(ranks):
     out = ranks(_disabled, 2, env={"TP_CHECK_INPUTS": "0"})
     assert out == [[{"all_reduce": 1}], [{"all_reduce": 1}]]
+
+
+def _edited_in_eval(rank: int, world_size: int) -> list[object]:
+    """A replicated weight changed on one rank after wrapping, eval only (no optimizer
+    step ever checks it): caught within TP_STEP_CHECK forwards, riding the input check."""
+    wrapped = torchtp.DistributedModelWrapper(deep_mlp().eval())
+    x = seeded(2, 16, seed=3)
+    with torch.no_grad():
+        wrapped(x)  # the first forward checks the weights too
+        if rank == 1:
+            wrapped.base_model[4].weight.mul_(1.01)  # the replicated LayerNorm's weight
+        raised_at = None
+        for forward in range(1, 12):
+            try:
+                wrapped(x)
+            except torchtp.RankMismatchError as err:
+                raised_at, message = forward, str(err)
+                break
+        with torchtp.count_collectives() as counted:
+            wrapped.base_model[4].weight.copy_(deep_mlp()[4].weight)  # repaired
+            wrapped(x)
+    return [raised_at, message, dict(counted.counts)]
+
+
+def test_a_replicated_weight_edited_on_one_rank_is_caught_in_eval(ranks):
+    for raised_at, message, counts in ranks(_edited_in_eval, 2):
+        assert raised_at == 10  # the 11th forward: TP_STEP_CHECK (10) after the first
+        assert message.startswith("replicated weight '4.weight' differs on TP ranks [1] from "
+                                  "TP rank 0 (the replicated weights are checked every "
+                                  "TP_STEP_CHECK forwards, eval included")
+        assert counts == {"all_reduce": 2}  # the model's two pairs: nothing of its own

@@ -21,6 +21,9 @@ def test_rank_local_changes_raise_on_every_rank_and_torchtp_clip_stays_exact(ran
                               "5.0.lora_A.default.weight"]
     # plain optimizer: no collective; torchtp's: one all-reduce; TP_STEP_CHECK=0: none
     assert out["untouched"] == [0, {"all_reduce:step_check": 1}, 0]
+    # a NaN on one rank only: in a gradient, and in a weight between weight checks
+    assert "optimizer step 1:" in out["nan"][0]
+    assert "optimizer step 3:" in out["nan"][1]
 
 
 def test_step_check_period_from_env(monkeypatch):

@@ -56,7 +56,9 @@ from ..comm.group_ref import WeakGroup
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup
 from ..core import log as _logging
+from ..core.errors import RankMismatchError
 from ..layers import ColumnParallelLinear
+from . import step_check
 from .fingerprints import named_tensors, raise_different_inputs, sample_bytes, tensor_digest
 from .forward_guard import after_backward
 
@@ -65,10 +67,12 @@ _SKIP = ("past", "cache")  # keyword arguments holding each rank's shard of a KV
 
 @dataclass
 class _Forward:
-    """One forward's check: its inputs (for the slow, naming path) and the riding digest."""
+    """One forward's check: its inputs and, on every ``TP_STEP_CHECK``-th forward, the
+    replicated weights (for the slow, naming path), and the riding digest."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    weights: list[tuple[str, torch.Tensor]]
     ride: _comm.Ride
 
 
@@ -93,6 +97,9 @@ class InputCheck:
         self.module, self.group, self.size, self.shard_width = module, group, size, shard_width
         self.pending: _Forward | None = None  # the forward running now
         self.open: list[_Forward] = []  # returned forwards whose verdict is still to be read
+        # Forwards so far, and every how many the replicated weights join the hash (the
+        # optimizer-step check's period: eval-only use is checked too; 0: never)
+        self.forwards, self.period = 0, step_check.period_from_env()
 
     def before(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Hash the inputs; the hash rides the group's next collective."""
@@ -104,10 +111,23 @@ class InputCheck:
         self.settle(carried_only=True)
         # Every rank rides, with or without tensor arguments: the riding collective
         # must carry the same number of values on every rank.
-        digest, device = _digest(args, kwargs, self.shard_width)
+        weights = self._weights()
+        digest, device = _digest(args, kwargs, self.shard_width, weights)
         if device is None:
             device = next(self.module.parameters(), torch.empty(0)).device
-        self.pending = _Forward(args, kwargs, _comm.ride_digest(self.group, digest, device))
+        self.pending = _Forward(args, kwargs, weights,
+                                _comm.ride_digest(self.group, digest, device))
+
+    def _weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The replicated weights on every ``period``-th forward, the first included: a
+        rank-local change to one (an edit, a wrong file) is caught in eval-only use too,
+        where no optimizer step checks them. The same forwards on every rank in step."""
+        due = self.period and self.forwards % self.period == 0
+        self.forwards += 1
+        if not due:
+            return []
+        return [(f"replicated weight '{n}'", step_check.local(p))
+                for n, p in step_check.replicated_parameters(self.module)]
 
     def returned(self, out: Any) -> None:
         """The forward returned ``out``: read its verdict, or leave it to its backward.
@@ -192,12 +212,13 @@ def _detail(t: torch.Tensor, shard_width: int | None) -> str:
     return tensor_digest(t)
 
 
-def _digest(args: tuple[Any, ...], kwargs: dict[str, Any],
-            shard_width: int | None) -> tuple[bytes, torch.device | None]:
+def _digest(args: tuple[Any, ...], kwargs: dict[str, Any], shard_width: int | None,
+            weights: list[tuple[str, torch.Tensor]]) -> tuple[bytes, torch.device | None]:
     """The 8-byte hash the ranks compare: every argument's name, shape, dtype and
-    sampled values (the shape alone for an input shard); and the inputs' device
-    (``None``: no tensors). Few calls: it runs before every forward, right after
-    the last one evicted the caches, where each call costs microseconds of misses."""
+    sampled values (the shape alone for an input shard), then ``weights``' the same
+    way; and the inputs' device (``None``: no tensors). Few calls: it runs before
+    every forward, right after the last one evicted the caches, where each call
+    costs microseconds of misses."""
     h = hashlib.blake2b(digest_size=8)
     found = named_tensors(args, kwargs, _SKIP)
     for name, t in found:
@@ -206,11 +227,26 @@ def _digest(args: tuple[Any, ...], kwargs: dict[str, Any],
         else:
             h.update(f"{name}={t.shape}{t.dtype}:".encode())
             h.update(sample_bytes(t))
+    for name, t in weights:
+        h.update(f"{name}={t.shape}{t.dtype}:".encode())
+        h.update(sample_bytes(t))
     return h.digest(), (found[0][1].device if found else None)
 
 
 def _raise_mismatch(fwd: _Forward, group: ProcessGroup | None, shard_width: int | None) -> None:
     """The ranks' hashes differ: raise :class:`RankMismatchError` on every rank, naming
-    the argument and the ranks (one ``all_gather_object`` of per-argument digests)."""
+    the argument (or replicated weight) and the ranks (one ``all_gather_object`` of
+    per-argument digests)."""
     mine = {name: _detail(t, shard_width) for name, t in named_tensors(fwd.args, fwd.kwargs, _SKIP)}
-    raise_different_inputs(all_gather_object(mine, group, "the input check"), "every forward")
+    mine.update((name, tensor_digest(t)) for name, t in fwd.weights)
+    everyone = all_gather_object(mine, group, "the input check")
+    first = everyone[0]
+    differ = [n for n in mine if any(d.get(n) != first.get(n) for d in everyone)]
+    if differ and all(n.startswith("replicated weight") for n in differ):
+        ranks = [r for r, d in enumerate(everyone) if d.get(differ[0]) != first.get(differ[0])]
+        raise RankMismatchError(
+            f"{differ[0]} differs on TP ranks {ranks} from TP rank 0 (the replicated weights "
+            f"are checked every {step_check.ENV} forwards, eval included; every TP rank must "
+            f"hold the same copy of a parameter no layout splits): likely "
+            f"{step_check.CAUSE_WEIGHT}")
+    raise_different_inputs(everyone, "every forward")

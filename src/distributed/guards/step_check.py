@@ -61,7 +61,7 @@ _CAUSE_GRAD = (
     "torch.nn.utils.clip_grad_norm_ / Accelerator.clip_grad_norm_ / Lightning's "
     "gradient_clip_val on a self-wrapped model (they clip each rank by the norm of its own "
     "shards), or a DDP over the TP group that averaged or broadcast gradients")
-_CAUSE_WEIGHT = (
+CAUSE_WEIGHT = (
     "a wrong shard file or a rank-local edit on some ranks, or a DDP broadcast of one rank's "
     "weights into the others")
 _CAUSE_PRESENCE = (
@@ -173,16 +173,21 @@ def _plans(optimizer: torch.optim.Optimizer) -> list[_Plan]:
     return plans
 
 
+def replicated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every parameter of ``model`` that no layout splits: each TP
+    rank holds its own copy, which must stay equal to the others'."""
+    split = {id(p) for mod in model.modules() for attr, p in mod.named_parameters(recurse=False)
+             if (lay := layouts_of(mod).get(attr)) is not None and lay.dim is not None}
+    return [(n, p) for n, p in model.named_parameters() if id(p) not in split]
+
+
 def _plan(model: nn.Module, held: set[int], ref: GroupRef, period: int) -> _Plan | None:
     """The replicated parameters of ``model`` that the optimizer holds (None: none of its own)."""
     group = ref()
     assert group is not None  # track() records groups of more than one rank only
-    split = {id(p) for mod in model.modules() for attr, p in mod.named_parameters(recurse=False)
-             if (lay := layouts_of(mod).get(attr)) is not None and lay.dim is not None}
-    mine = [(n, p) for n, p in model.named_parameters() if id(p) in held]
-    if not mine:
+    if not any(id(p) in held for p in model.parameters()):
         return None
-    replicated = [(n, p) for n, p in mine if id(p) not in split]
+    replicated = [(n, p) for n, p in replicated_parameters(model) if id(p) in held]
     if not replicated:
         logger.debug("optimizer step check: the optimizer holds only split parameters of %s",
                      type(model).__name__)
@@ -194,7 +199,13 @@ def _plan(model: nn.Module, held: set[int], ref: GroupRef, period: int) -> _Plan
 def check(plan: _Plan) -> None:
     """Compare the digests of ``plan``'s replicated gradients (and weights) across its group.
 
-    Collective over ``plan.group``: one all-reduce of ``4 * len(plan.params)`` float64.
+    Collective over ``plan.group``: one all-reduce of ``16 * len(plan.params)`` float64.
+    A digest that is not finite (a NaN or inf in one rank's copy) travels as a flag
+    beside a finite stand-in: a maximum over NaN depends on the order the backend
+    compares in, so the NaN itself would be lost on some ranks. Gradients that are not
+    finite on some rank, at a step that does not check the weights, check them at
+    once (a second all-reduce): one rank's NaN weight turns every rank's gradients NaN
+    through the layers' all-reduces, and only the weights still tell the ranks apart.
 
     Raises:
         RankMismatchError: on every rank, naming the parameters that differ and the cause.
@@ -203,23 +214,41 @@ def check(plan: _Plan) -> None:
     plan.steps += 1
     grads = digest(plan, [p.grad for p in plan.params])
     weights = digest(plan, list(plan.params)) if with_weights else torch.zeros_like(grads)
-    mine = torch.cat([grads, weights])  # (4K,): grad norms, grad samples, weight norms, samples
-    both = _comm.all_reduce_as(torch.cat([mine, -mine]), plan.group, "max", "step_check")
-    high, low = both[:mine.numel()], -both[mine.numel():]
+    broken = _compare(plan, torch.cat([grads, weights]))
+    if not with_weights and broken:
+        _compare(plan, torch.cat([grads, digest(plan, list(plan.params))]))
+
+
+def _compare(plan: _Plan, mine: torch.Tensor) -> bool:
+    """One all-reduce of ``mine`` ``(4K,)`` (grad norms, grad samples, weight norms, weight
+    samples) over ``plan.group``; raise where the ranks differ.
+
+    Returns:
+        Whether some rank's gradient digests are not finite (the same answer on every rank).
+    """
+    finite = mine.isfinite()
+    # (8K,): the digests (non-finite ones as 0), then 0 where finite, 1 where not
+    flagged = torch.cat([torch.where(finite, mine, 0.0), (~finite).to(mine.dtype)])
+    both = _comm.all_reduce_as(torch.cat([flagged, -flagged]), plan.group, "max", "step_check")
+    high, low = both[:flagged.numel()], -both[flagged.numel():]
     bad = (high - low) > RTOL * torch.maximum(high.abs(), low.abs())
+    count = mine.numel()
+    nonfinite = set(bad[count:].nonzero().flatten().tolist())  # finite on some ranks only
+    bad = bad[:count] | bad[count:]  # (4K,): a digest differs, or is finite on some ranks only
     if bool(bad.any()):
-        raise _mismatch(plan, bad.nonzero().flatten().tolist(), high, low)
+        raise _mismatch(plan, bad.nonzero().flatten().tolist(), high, low, nonfinite)
+    return bool(high[count:count + count // 2].any())
 
 
 def digest(plan: _Plan, tensors: list[torch.Tensor | None]) -> torch.Tensor:
     """``(2K,)`` float64: the L2 norms of ``tensors`` (-1 where None), then their sample sums."""
     count = len(tensors)
-    local = [None if t is None else _local(t) for t in tensors]
-    present = tuple(i for i, t in enumerate(local) if t is not None and t.numel())
-    chosen = [t for t in local if t is not None and t.numel()]
-    device = next((t.device for t in local if t is not None), torch.device("cpu"))
+    held = [None if t is None else local(t) for t in tensors]
+    present = tuple(i for i, t in enumerate(held) if t is not None and t.numel())
+    chosen = [t for t in held if t is not None and t.numel()]
+    device = next((t.device for t in held if t is not None), torch.device("cpu"))
     norms = torch.full((count,), -1.0, dtype=torch.float64, device=device)
-    norms[[i for i, t in enumerate(local) if t is not None]] = 0.0  # empty tensors: 0
+    norms[[i for i, t in enumerate(held) if t is not None]] = 0.0  # empty tensors: 0
     sums = torch.zeros(count, dtype=torch.float64, device=device)
     if chosen:
         norms[torch.tensor(present, device=device)] = _norms(chosen, device)
@@ -244,7 +273,8 @@ def _norms(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a parameter or gradient."""
     # FSDP2: TP peers hold the same DP shard of a replicated parameter; compare that.
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -268,20 +298,23 @@ def _layout(plan: _Plan, present: tuple[int, ...], chosen: list[torch.Tensor],
 
 
 def _mismatch(plan: _Plan, slots: list[int], high: torch.Tensor,
-              low: torch.Tensor) -> RankMismatchError:
+              low: torch.Tensor, nonfinite: set[int]) -> RankMismatchError:
     """The error for the differing digest ``slots`` (identical on every rank: built from the
     all-reduced values). Weights first: differing weights also make the gradients differ."""
     count = len(plan.params)
     kinds: dict[int, dict[int, tuple[float, float]]] = {}  # kind -> {param index: (lo, hi)}
+    odd: set[tuple[int, int]] = set()  # (kind, param index): not finite on some ranks
     for slot in slots:
         part, index = divmod(slot, count)
         lo, hi = float(low[slot]), float(high[slot])
         kind = 0 if part >= 2 else 1 if part == 0 and lo < 0 <= hi else 2
         kinds.setdefault(kind, {}).setdefault(index, (lo, hi))
+        if slot in nonfinite:
+            odd.add((kind, index))
     for index in kinds.get(1, {}):  # a missing gradient's sample differs too: say it once
         kinds.get(2, {}).pop(index, None)
     kinds = {kind: found for kind, found in kinds.items() if found}
-    causes = {0: ("weights", _CAUSE_WEIGHT), 1: ("gradient presence", _CAUSE_PRESENCE),
+    causes = {0: ("weights", CAUSE_WEIGHT), 1: ("gradient presence", _CAUSE_PRESENCE),
               2: ("gradients", _CAUSE_GRAD)}
     parts = []
     for kind in sorted(kinds):
@@ -291,6 +324,8 @@ def _mismatch(plan: _Plan, slots: list[int], high: torch.Tensor,
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
         lo, hi = kinds[kind][found[0]]
         spread = "" if kind == 1 else f" (first digest {lo:.6g} .. {hi:.6g} over ranks)"
+        if (kind, found[0]) in odd:
+            spread = " (NaN or inf on some ranks only)"
         parts.append(f"{what} of {names}{more}{spread}: likely {cause}")
     return RankMismatchError(
         f"optimizer step {plan.steps}: replicated parameters (split along no dimension, so all "
