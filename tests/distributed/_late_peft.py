@@ -4,28 +4,40 @@ from __future__ import annotations
 
 import sys
 
-import pytest
+import torch
 
 import torchtp
 
-from ._hf_checks import inputs
+from ._hf_checks import inputs, loss_of
 from ._hf_models import build
 
-# Only the MLP is split: the attention projections stay nn.Linear, so PEFT's
-# "all-linear" finds targets and builds adapters that leave the split layers out.
-MLP_ONLY = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
-            "model.layers.*.mlp.down_proj": "rowwise"}
+# fp32, a few AdamW steps: see test_peft's CLOSE.
+CLOSE = {"rtol": 1e-4, "atol": 1e-5}
 
 
-def peft_imported_after_the_wrap(rank: int, world_size: int) -> list[bool]:
-    seen = ["peft" in sys.modules]
-    wrapped = torchtp.DistributedModelWrapper(build("llama"), plan=MLP_ONLY)
+def peft_imported_after_the_wrap(rank: int, world_size: int) -> list[object]:
+    """Wrap, then ``import peft`` and ``get_peft_model`` on the wrapped model, with explicit
+    targets (PEFT's own error before) and ``"all-linear"`` (it left torchtp's layers out):
+    the adapters sit on torchtp's layers and train exactly as the unsharded LoRA model."""
+    seen: list[object] = ["peft" in sys.modules]
+    wrapped = {t: torchtp.DistributedModelWrapper(build("llama")) for t in ("names", "all")}
     seen.append("peft" in sys.modules)  # wrapping a model with no PEFT layer imports no PEFT
     from peft import LoraConfig, get_peft_model
 
-    lora = get_peft_model(wrapped.base_model, LoraConfig(r=2, target_modules="all-linear"))
-    with pytest.raises(ValueError, match=r"is a PEFT layer built before torchtp's PEFT support "
-                       r"was installed \(peft was imported after DistributedModelWrapper.*"
-                       r"import peft before wrapping the model"):
-        lora(**inputs("llama"))
+    batch = inputs("llama")
+    for key, targets in (("names", ["q_proj", "v_proj", "down_proj"]), ("all", "all-linear")):
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian")
+        base = build("llama")  # seeds itself: built before the adapters' seed
+        torch.manual_seed(5)
+        ref = get_peft_model(base, config)
+        torch.manual_seed(5)
+        tp = get_peft_model(wrapped[key].base_model, config)
+        bases = {type(m.get_base_layer()).__name__ for m in tp.modules() if hasattr(m, "lora_A")}
+        seen.append(sorted(bases))
+        opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+                for m in (ref, tp)]
+        for model, opt in zip((ref, tp), opts, strict=True):
+            loss_of(model, batch).backward()
+            opt.step()
+        torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **CLOSE)
     return seen

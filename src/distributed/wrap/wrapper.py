@@ -26,6 +26,7 @@ from ..integrations.adapter_hosts import (
     attach_adapters,
     check_late_peft,
     detach_adapters,
+    watch_for_peft,
 )
 from ..integrations.guards import guard_frameworks
 from ..layers.ddp_guard import check_fsdp
@@ -161,6 +162,8 @@ class DistributedModelWrapper(nn.Module):
             options = Options(*flags, experts_required=required)
             if "peft" in sys.modules:  # PEFT LoRA layers: planned on their base layers
                 detached = detach_adapters(model)
+            else:  # PEFT imported later still learns torchtp's layers at its import
+                watch_for_peft()
             resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan,
                                        budget)
             period = {f"{step_check.ENV} (optimizer-step check period)":
