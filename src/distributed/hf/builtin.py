@@ -17,7 +17,31 @@ _BERT = {
     "encoder.layer.*.output.dense": "rowwise",
 }
 
+def _t5_stack(stack: str, attention: tuple[str, ...], mlp: str) -> dict[str, str]:
+    """One T5 stack: each attention's q/k/v by whole heads, o rowwise; the relative position
+    table whole on every rank, its gradient summed (each rank's heads read their columns);
+    the feed-forward (plain ``wi`` or gated ``wi_0``/``wi_1``) as a pair."""
+    plan = {}
+    for layer, name in enumerate(attention):
+        lead = f"{stack}.block.*.layer.{layer}.{name}"
+        plan.update({f"{lead}.q": "colwise", f"{lead}.k": "colwise", f"{lead}.v": "colwise",
+                     f"{lead}.o": "rowwise"})
+    plan[f"{stack}.block.*.layer.0.SelfAttention.relative_attention_bias"] = \
+        "replicated_with_grad_allreduce"
+    ffn = f"{stack}.block.*.layer.{mlp}.DenseReluDense"
+    plan.update({f"{ffn}.wi": "colwise", f"{ffn}.wi_0": "colwise", f"{ffn}.wi_1": "colwise",
+                 f"{ffn}.wo": "rowwise"})
+    return plan
+
+
+# T5 (and mT5, UMT5): encoder self-attention, decoder self- and cross-attention.
+_T5 = {**_t5_stack("encoder", ("SelfAttention",), "1"),
+       **_t5_stack("decoder", ("SelfAttention", "EncDecAttention"), "2")}
+
 BUILTIN_PLANS: dict[str, dict[str, str]] = {
+    "t5": _T5,
+    "mt5": _T5,
+    "umt5": _T5,
     # GPT-2: c_attn is a Conv1D with q|k|v stacked along out_features.
     "gpt2": {
         "h.*.attn.c_attn": "packed_colwise",

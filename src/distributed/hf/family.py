@@ -11,6 +11,7 @@ counts (:mod:`~torchtp.hf.config_view`).
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, cast
 
 from torch import nn
@@ -48,7 +49,13 @@ class HuggingFace:
         prefix = cast(str, hf.base_model_prefix) if hf.base_model is not model else ""
         model_type = getattr(hf.config, "model_type", "")
         rules = builtin_plan(model_type, prefix)
-        return None if rules is None else Rules(f"torchtp built-in plan for {model_type!r}", rules)
+        if rules is None:
+            return None
+        # A built-in plan covers an architecture's variants (T5's plain or gated
+        # feed-forward): the rules for modules this model lacks are dropped, not warned of.
+        names = [name for name, _ in model.named_modules()]
+        rules = {p: s for p, s in rules.items() if any(fnmatch.fnmatchcase(n, p) for n in names)}
+        return Rules(f"torchtp built-in plan for {model_type!r}", rules)
 
     def no_builtin(self, model: nn.Module) -> ValueError:
         """Why ``plan="builtin"`` cannot be honoured, listing the architectures that have one."""

@@ -36,7 +36,9 @@ GROUP_ATTRS = ("num_key_value_groups", "n_rep")  # query heads per KV head
 # Per-head attention biases (ALiBi) that some models compute once, outside their
 # attention modules, and pass in by keyword: keyword -> whether dim 0 is
 # (batch * heads) (Bloom's ``alibi``, ``(B*H, 1, kv)``) or heads (MPT's
-# ``position_bias``, ``(H, 1, kv)``).
+# ``position_bias``, ``(H, 1, kv)``). T5's ``position_bias`` ``(B, H, q, k)`` (heads
+# on dim 1) is narrowed when it arrives whole; the first layer computes it through
+# ``compute_bias``, which :func:`local_overrides` narrows, so later layers get it local.
 HEAD_BIAS_KWARGS = {"alibi": True, "position_bias": False}
 
 
@@ -72,7 +74,27 @@ def local_overrides(module: nn.Module, info: HeadInfo, ctx: ShardContext) -> dic
         if getattr(module, attr, None) == info.heads // info.kv_heads:
             out[attr] = heads // kv
     out.update(attention_overrides(module, info.heads, info.kv_heads, info.head_dim, heads, kv))
+    if callable(getattr(module, "compute_bias", None)):
+        out["compute_bias"] = _local_bias(module.compute_bias, _head_range(info, ctx))
     return out
+
+
+def _head_range(info: HeadInfo, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
+    """This rank's query heads as one ``(first, count)`` segment."""
+    (first, count), _ = head_share(info.heads, info.kv_heads, ctx.world_size, ctx.rank)
+    return ((first, count),)
+
+
+def _local_bias(compute: Any, share: tuple[tuple[int, int], ...]) -> Any:
+    """A T5-style ``compute_bias`` (the relative position bias of every head,
+    ``(1, H, q, k)``, from a table held whole on every rank) that returns this rank's
+    heads only. The table's gradient then covers this rank's heads' columns; its
+    style (``replicated_with_grad_allreduce``) sums it over the group."""
+
+    def local(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return cut(compute(*args, **kwargs), 1, share)  # (1, H/tp, q, k)
+
+    return local
 
 
 def local_values(obj: object, heads: int, kv_heads: int, head_dim: int, local_heads: int,
@@ -112,9 +134,13 @@ def narrow_head_biases(module: nn.Module, info: HeadInfo, ctx: ShardContext
              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         for key, batched in keys.items():
             bias = kwargs.get(key)
-            if not isinstance(bias, torch.Tensor) or bias.dim() != 3:
+            if not isinstance(bias, torch.Tensor):
                 continue
-            if batched and bias.shape[0] % heads == 0:  # (B*H, 1, kv) -> (B*count, 1, kv)
+            if bias.dim() == 4 and bias.shape[1] == heads:  # T5: (B, H, q, k) -> (B, count, ...)
+                kwargs[key] = cut(bias, 1, share)
+            elif bias.dim() != 3:
+                continue
+            elif batched and bias.shape[0] % heads == 0:  # (B*H, 1, kv) -> (B*count, 1, kv)
                 kwargs[key] = cut(bias.unflatten(0, (-1, heads)), 1, share).flatten(0, 1)
             elif not batched and bias.shape[0] == heads:  # (H, 1, kv) -> (count, 1, kv)
                 kwargs[key] = cut(bias, 0, share)

@@ -23,7 +23,8 @@ from .styles_heads import Part
 # hand-written models (torchtitan: n_heads/n_kv_heads/n_rep; timm: num_heads/attn_dim).
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
-HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size")
+HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size",
+                  "key_value_proj_dim")  # the last: T5
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def head_info(module: nn.Module, config: object) -> HeadInfo | None:
     if kv is None:
         kv = 1 if getattr(config, "multi_query", False) else heads
     hidden = _first_int(config, ("hidden_size", "n_embd", "d_model"))
-    head_dim = (_first_int(module, HEAD_DIM_ATTRS) or _first_int(config, ("head_dim",))
+    head_dim = (_first_int(module, HEAD_DIM_ATTRS) or _first_int(config, ("head_dim", "d_kv"))
                 or (hidden // heads if hidden else None))
     return HeadInfo(heads, kv, head_dim) if head_dim else None
 

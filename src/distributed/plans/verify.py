@@ -30,6 +30,7 @@ control; a plan the user passed is refused with the reason, unless
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
@@ -180,7 +181,10 @@ def _probe_patterns(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadI
                     out[key] = (pair, None, names.get(key, attention))
                 else:
                     pairs[key] = pair
-        verdicts, _ = _simulate(probe, trace, list(pairs.values()), ctx)
+        # Every layer of a checked pattern runs split, as after the wrap: a value one layer
+        # hands the next per head (T5's position bias) is then local where it is read.
+        verdicts, _ = _simulate(probe, trace, [*pairs.values(), *_every_layer(probe, trace, pairs)],
+                                ctx)
         for key, pair in pairs.items():
             why_not = verdicts[pair.consumer]
             out[key] = (None if why_not is None else (
@@ -188,6 +192,25 @@ def _probe_patterns(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadI
                 f"reproduce each rank's slice of its output projection's input ({why_not})"),
                 pair.consumer, names[key])
         return out, probe is not model
+
+
+def _every_layer(probe: nn.Module, trace: Trace, pairs: dict[str, Pair]) -> list[Pair]:
+    """The pairs of the probe's other layers of each checked pattern (its modules named
+    with their layer numbers), so every layer runs split as after the wrap."""
+    out = []
+    for key, pair in pairs.items():
+        assert pair.attention is not None  # head pairs only
+        for name, _ in probe.named_modules():
+            if name == pair.attention or _stars(name) != key:
+                continue
+            styles = {renamed: s for n, s in pair.styles.items()
+                      if (renamed := _renumber(n, pair.attention, name)) is not None}
+            consumer = _renumber(pair.consumer, pair.attention, name)
+            if consumer is not None and len(styles) == len(pair.styles) \
+                    and all(n in trace.calls for n in styles):
+                out.append(dataclasses.replace(pair, consumer=consumer, styles=styles,
+                                               attention=name))
+    return out
 
 
 def _cache_key(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadInfo],
