@@ -33,6 +33,7 @@ from .core.errors import (
     RankMismatchError,
 )
 from .core.log import configure_from_env, logger
+from .integrations import wrap_steps as _wrap_steps  # noqa: F401 - registers its wrap steps
 from .layers import (
     ColumnParallelLinear,
     FeatureParallelEmbedding,

@@ -25,8 +25,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("hf", ("hf",)),
     ("guards and training", ("guards", "training")),
     ("checkpoint", ("checkpoint",)),
-    ("framework integrations the wrapper uses", ("integrations",)),
     ("wrap", ("wrap", "pipeline")),
+    ("framework integrations (on top of the wrapper)", ("integrations",)),
 ]
 # What users call: they may import anything.
 ENTRY_POINTS = ("", "__main__", "tensor_parallel", "cli", "integrations.lightning",
@@ -94,6 +94,67 @@ def _files() -> dict[str, tuple[str, bool]]:
 
 def test_no_layer_imports_a_higher_one():
     assert violations(_files()) == []
+
+
+def _graph(files: dict[str, tuple[str, bool]], folders: bool) -> dict[str, set[str]]:
+    """Who imports whom: modules, or (``folders``) top-level folders."""
+    known = set(files)
+    out: dict[str, set[str]] = {}
+    for name, (source, is_package) in files.items():
+        for target in imports_of(source, name, is_package):
+            while target not in known and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in known:
+                a, b = (name.split(".")[0], target.split(".")[0]) if folders else (name, target)
+                if a != b:
+                    out.setdefault(a, set()).add(b)
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one node (each an import cycle)."""
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(v: str, edges: dict[str, set[str]], into: list[str]) -> None:
+        stack = [(v, iter(sorted(edges.get(v, ()))))]
+        seen.add(v)
+        while stack:
+            node, children = stack[-1]
+            child = next((c for c in children if c not in seen), None)
+            if child is None:
+                stack.pop()
+                into.append(node)
+            else:
+                seen.add(child)
+                stack.append((child, iter(sorted(edges.get(child, ())))))
+
+    nodes = set(graph) | {t for ts in graph.values() for t in ts}
+    for v in sorted(nodes):
+        if v not in seen:
+            visit(v, graph, order)
+    reverse: dict[str, set[str]] = {}
+    for a, bs in graph.items():
+        for b in bs:
+            reverse.setdefault(b, set()).add(a)
+    seen.clear()
+    groups = []
+    for v in reversed(order):
+        if v not in seen:
+            group: list[str] = []
+            visit(v, reverse, group)
+            if len(group) > 1:
+                groups.append(sorted(group))
+    return groups
+
+
+@pytest.mark.parametrize("folders", [False, True], ids=["files", "folders"])
+def test_no_import_cycle(folders):
+    assert cycles(_graph(_files(), folders)) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_check_fails_on_an_upward_import():

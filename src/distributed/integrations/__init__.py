@@ -3,7 +3,8 @@
 Each submodule imports its framework when it is imported itself, so
 ``import torchtp`` never needs them. See docs/integrations.md.
 
-Layer 7 (the modules the wrapper uses: adapters, framework guards) and entry
-points (``lightning``, ``transformers``, which build wrappers). May import: every
-layer below ``wrap``; the entry points anything.
+The layer on top of the wrapper: its steps in every wrap (``wrap_steps``, which
+``torchtp`` imports: PEFT adapters set aside and put back, framework guards) and
+entry points (``lightning``, ``transformers``, which build wrappers). May import:
+every layer below, ``wrap`` included; nothing below imports it.
 """

@@ -2,5 +2,6 @@
 resolve -> agree -> apply -> hooks; each parallel dimension is one module
 (``tp`` today).
 
-May import: every layer below (not ``integrations``' entry points, ``cli``).
+May import: every layer below (never ``integrations`` or ``cli``: the
+integrations layer registers its steps in :mod:`.frameworks`).
 """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,14 +20,6 @@ from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_group
 from ..core.torch_compat import registered_child
 from ..guards import checks, forward_guard, hooks, input_check, step_check
-from ..integrations.adapter_hosts import (
-    Detached,
-    attach_adapters,
-    check_late_peft,
-    detach_adapters,
-    watch_for_peft,
-)
-from ..integrations.guards import guard_frameworks
 from ..layers.ddp_guard import check_fsdp
 from ..layers.expert_dispatch import Dispatch
 from ..layers.parallel_linear import ParallelLinear
@@ -36,6 +27,7 @@ from ..plans import ResolvedPlan, ShardContext
 from ..plans.resolve import AUTO, PlanArg
 from ..training import rng
 from ..training.options import Options
+from . import frameworks
 from . import tp as tp_step
 
 
@@ -149,7 +141,8 @@ class DistributedModelWrapper(nn.Module):
         group = resolve_group(group)
         error: BaseException | None = None
         ctx, resolved, fingerprint = None, None, {"world_size": world_size}
-        detached: list[Detached] = []
+        steps = frameworks.STEPS  # PEFT adapters, framework guards (torchtp.integrations)
+        detached: Any = None
         expert_parallel, required = _experts_option(expert_parallel, group)
         flags = (loss_parallel, sequence_parallel, expert_parallel, expert_dispatch)
         try:
@@ -160,10 +153,7 @@ class DistributedModelWrapper(nn.Module):
                 self._keep_whole(model, ctx, (plan, flags, example_inputs, verify_plan, budget))
                 return
             options = Options(*flags, experts_required=required)
-            if "peft" in sys.modules:  # PEFT LoRA layers: planned on their base layers
-                detached = detach_adapters(model)
-            else:  # PEFT imported later still learns torchtp's layers at its import
-                watch_for_peft()
+            detached = steps.set_aside(model)  # LoRA layers: planned on their base layers
             resolved = tp_step.resolve(model, plan, ctx, options, example_inputs, verify_plan,
                                        budget)
             period = {f"{step_check.ENV} (optimizer-step check period)":
@@ -189,11 +179,11 @@ class DistributedModelWrapper(nn.Module):
             set_overlap(model, overlap)
             self.loss_parallel = loss_parallel
             self.sequence_parallel = options.sequence is not None
-            guard_frameworks(self)  # HF model methods; accelerate's and Lightning's DDP
-            hooks.install(model, ctx, self.parallelized_layers, (check_late_peft,))
+            steps.after_wrap(self)  # HF model methods; accelerate's and Lightning's DDP
+            hooks.install(model, ctx, self.parallelized_layers, steps.per_forward)
             self.train(model.training)  # records where dropout would draw (see train)
         finally:
-            attach_adapters(detached)  # around the parallel base layers (or restored on error)
+            steps.put_back(detached)  # around the parallel base layers (or restored on error)
 
     def _keep_whole(self, model: nn.Module, ctx: ShardContext, planning: tuple[Any, ...]) -> None:
         """tp 1: keep every module as it is; plan now only what the caller gave.
@@ -224,12 +214,13 @@ class DistributedModelWrapper(nn.Module):
         adapters set aside meanwhile), without changing the model."""
         ctx, plan, flags, verify, budget = self.__dict__["_planning"]
         options = Options(*flags)
-        detached = detach_adapters(self.base_model) if "peft" in sys.modules else []
+        steps = frameworks.STEPS
+        detached = steps.set_aside(self.base_model)
         try:
             resolved = tp_step.resolve(self.base_model, plan, ctx, options, example_inputs,
                                        verify, budget)
         finally:
-            attach_adapters(detached)
+            steps.put_back(detached)
         self.__dict__["_resolved"] = resolved
         self.sequence_parallel = options.sequence is not None
         return resolved
