@@ -146,7 +146,7 @@ def check_groups_freed(rank: int, world_size: int, workdir: str,
     for name in names:
         _start(workdir, name)
         kept = SCENARIOS[name](workdir)
-        refs = [weakref.ref(g) for g in [dist.group.WORLD, *health._STATES.keys()]]
+        refs = [weakref.ref(dist.group.WORLD), *(st.ref for st in health._STATES.values())]
         dist.destroy_process_group()
         alive[name] = [f"group {i}:\n" + "\n".join(holders(ref()))
                        for i, ref in enumerate(refs) if ref() is not None]

@@ -32,7 +32,8 @@ ProcessGroup = dist.ProcessGroup
 G = TypeVar("G", bound="ProcessGroup | None")  # ProcessGroup, or ProcessGroup | None
 
 
-def _destroyed(holder: str) -> GroupDestroyedError:
+def destroyed(holder: str) -> GroupDestroyedError:
+    """The error for ``holder`` using a group that was destroyed."""
     return GroupDestroyedError(
         f"{holder} used a process group that was destroyed (dist.destroy_process_group() or "
         "torchtp.shutdown_tensor_parallel()); torchtp holds groups weakly so that a destroyed "
@@ -64,7 +65,7 @@ class GroupRef:
             return None
         group = self._ref()
         if group is None:
-            raise _destroyed(self._holder)
+            raise destroyed(self._holder)
         return group
 
     @property
@@ -112,7 +113,7 @@ class WeakGroup(Generic[G]):
             return None
         group: G | None = ref()
         if group is None:
-            raise _destroyed(f"{_describe(obj)}'s {self._name}")
+            raise destroyed(f"{_describe(obj)}'s {self._name}")
         return group
 
     def __set__(self, obj: object, group: G) -> None:

@@ -41,6 +41,7 @@ issued on the group, identical on every rank that is in step).
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import sys
 import threading
@@ -57,7 +58,7 @@ import torch.distributed as dist
 from ..core import log as _logging
 from ..core import torch_compat as _torch_compat
 from ..core.errors import InconsistentGroupError, RankMismatchError
-from .group_ref import WeakGroup
+from .group_ref import destroyed
 from .timeout import collective_timeout
 
 ProcessGroup = dist.ProcessGroup
@@ -78,14 +79,15 @@ REPORTED = "_torchtp_reported"
 class GroupState:
     """torchtp's view of one process group on this rank.
 
-    Lives exactly as long as its group: :data:`_STATES` holds it under a weak
-    key and it holds the group weakly, so a destroyed group takes its state
-    (store, held tensors, waiting rides) with it.
+    Lives exactly as long as its group: it holds the group weakly (``ref``,
+    :mod:`torchtp.comm.group_ref`), and the group's death removes it from
+    :data:`_STATES`, so a destroyed group takes its state (store, held tensors,
+    waiting rides) with it.
     """
 
     rank: int
     size: int
-    group: WeakGroup[ProcessGroup] = WeakGroup(required=True)
+    ref: weakref.ref[ProcessGroup]  # the group, held weakly
     # CPU tensors go to Gloo (alone, or as "cpu:gloo" beside another backend), which
     # sums a list of tensors in one collective (the riding all-reduce's fast path)
     cpu_gloo: bool = False
@@ -114,11 +116,20 @@ class GroupState:
     backward_open: bool = False  # a backward through a wrapped model started, not yet finished
     # Tensors of finished CPU collectives that Gloo's worker may still hold,
     # with the first one's use count while the work was alive (see _hold).
-    held: list[tuple[tuple[torch.Tensor, ...], int]] = field(default_factory=list)
+    held: collections.deque[tuple[tuple[torch.Tensor, ...], int]] = field(
+        default_factory=lambda: collections.deque(maxlen=HELD))
     # Values waiting to travel with the group's next all-reduce or all-gather, in
     # order (torchtp.comm.ops.Ride: the input check's hash bits, an MoE route check)
     rides: list[Any] = field(default_factory=list)
     _store: Any = None
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The group (raises :class:`~torchtp.core.errors.GroupDestroyedError` once destroyed)."""
+        group = self.ref()
+        if group is None:
+            raise destroyed("torchtp's state of a process group")
+        return group
 
     @property
     def store(self) -> Any:
@@ -128,22 +139,31 @@ class GroupState:
         return self._store
 
 
-_STATES: weakref.WeakKeyDictionary[ProcessGroup, GroupState] = weakref.WeakKeyDictionary()
+# Tensors of the last collectives held until Gloo's worker let go of them (see _hold)
+HELD = 64
+# id(group) -> its state; an entry leaves when its group dies (GroupState.ref's
+# callback), so an id is never mistaken for a later group's.
+_STATES: dict[int, GroupState] = {}
 
 
 def state(group: ProcessGroup | None) -> GroupState:
     """Return (creating it on first use) the state of ``group`` (``None``: the default group)."""
     pg = dist.group.WORLD if group is None else group
-    st = _STATES.get(pg)  # type: ignore[arg-type]
-    if st is None:
-        assert pg is not None, "a collective needs a process group"
-        backend = str(dist.get_backend(pg))
-        st = GroupState(dist.get_rank(pg), dist.get_world_size(pg), pg,
-                        cpu_gloo=backend == "gloo" or "cpu:gloo" in backend)
-        _STATES[pg] = st
-        # First use of this group by torchtp, whoever started it: from here on
-        # torchtp's collectives hold tensors that must be released before exit.
-        protect_exit()
+    st = _STATES.get(id(pg))
+    return st if st is not None else _new_state(pg)
+
+
+def _new_state(pg: ProcessGroup | None) -> GroupState:
+    assert pg is not None, "a collective needs a process group"
+    key = id(pg)
+    backend = str(dist.get_backend(pg))
+    st = GroupState(dist.get_rank(pg), dist.get_world_size(pg),
+                    weakref.ref(pg, lambda _ref: _STATES.pop(key, None)),
+                    cpu_gloo=backend == "gloo" or "cpu:gloo" in backend)
+    _STATES[key] = st
+    # First use of this group by torchtp, whoever started it: from here on
+    # torchtp's collectives hold tensors that must be released before exit.
+    protect_exit()
     return st
 
 
@@ -397,11 +417,13 @@ def finish(work: Any, st: GroupState, n: int, op: str, tensor: torch.Tensor,
     try:
         while not _waited(work, st, n):
             _answer_store(st, n, op, tensor if shown is None else shown, work, riding)
-        _completed(st, n, op)
+        if n > st.completed and op not in _ROOTED:  # _completed, inline: every collective
+            st.completed = n
     finally:
         # Also when this rank raises instead (a handled RankMismatchError, another
-        # rank's failure): the collective is still in the backend's hands.
-        _hold(st, (tensor,) if out is None else (tensor, out))
+        # rank's failure): the collective is still in the backend's hands. Inline
+        # _hold: this runs on every collective.
+        st.held.append(((tensor,) if out is None else (tensor, out), _use_count(tensor)))
 
 
 # Collectives a rank may finish before every other rank issued them: a broadcast's
@@ -450,15 +472,19 @@ def _hold(st: GroupState, tensors: tuple[torch.Tensor, ...]) -> None:
     done. While torchtp holds the Python tensors, the worker's release frees
     nothing Python-owned; :func:`settle` waits for the releases at exit.
     Called with ``work`` still alive, so the use count includes its references.
+    The last :data:`HELD` collectives are held (a deque: no scan per collective);
+    Gloo's worker lets go of a collective microseconds after it completes, long
+    before 64 more have run.
     """
-    if st.held:
-        st.held = [h for h in st.held if _lent(h)]
-    st.held.append((tensors, _torch_compat.use_count(tensors[0])))
+    st.held.append((tensors, _use_count(tensors[0])))
+
+
+_use_count = _torch_compat.use_count
 
 
 def _lent(held: tuple[tuple[torch.Tensor, ...], int]) -> bool:
     """Whether the collective of ``held`` still exists (its tensors are still referenced by it)."""
-    return _torch_compat.use_count(held[0][0]) >= held[1]
+    return _use_count(held[0][0]) >= held[1]
 
 
 def settle(timeout: float, warn: bool = True) -> bool:
@@ -473,10 +499,12 @@ def settle(timeout: float, warn: bool = True) -> bool:
         True when every worker let go in time.
     """
     deadline = time.monotonic() + timeout
-    for st in _STATES.values():
+    for st in list(_STATES.values()):
         while True:
-            st.held = [h for h in st.held if _lent(h)]
-            if not st.held:
+            kept = [h for h in st.held if _lent(h)]
+            st.held.clear()
+            st.held.extend(kept)
+            if not kept:
                 break
             if time.monotonic() > deadline:
                 log = _logging.logger.warning if warn else _logging.logger.debug

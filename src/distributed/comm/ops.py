@@ -21,6 +21,7 @@ compute can run while it travels (:mod:`torchtp.comm.overlap`);
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -492,27 +493,30 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
     ``name``: the op it is recorded, counted and shape-agreed as (see :func:`all_reduce_as`).
     """
     assert tensor.is_contiguous(), "all_reduce_ needs a contiguous tensor"
-    reduce_op = torch_op(op)
+    reduce_op = _SUM if op == "sum" else torch_op(op)
     if _compiling() or has_torch_function_unary(tensor):
         # Traced (the graph holds the collective; nothing to record) or a tensor
         # subclass: torch.distributed's own dispatch handles both.
         dist.all_reduce(tensor, op=reduce_op, group=group)
         return tensor
     st = _health.state(group)
-    if name == "all_reduce" and reduce_op == _SUM and _riding(st, tensor):
+    if st.rides and name == "all_reduce" and reduce_op == _SUM and _riding(st, tensor):
         return _all_reduce_riding(tensor, group, st)
     n = _health.before(name, tensor, st)
-    if _COUNTERS or debug_enabled():
+    if _COUNTERS or logger.isEnabledFor(logging.DEBUG):
         count(name, tensor, group)
     # Straight to the process group: dist.all_reduce's Python wrapper (its logging
     # decorator, group-membership and tensor checks, which state() and before() make
     # redundant here) costs about 10 us per call, paid by every forward's all-reduces.
-    work = st.group.allreduce([tensor], _allreduce_options(reduce_op))
-    _health.finish(work, st, n, name, tensor)
+    pg = group if group is not None else st.group
+    opts = _OPT_SUM if reduce_op is _SUM else _allreduce_options(reduce_op)
+    _health.finish(pg.allreduce([tensor], opts), st, n, name, tensor)
     return tensor
 
 
 _OPTIONS: dict[object, dist.AllreduceOptions] = {}
+_OPT_SUM = dist.AllreduceOptions()  # the sum's, built once: every forward's all-reduces use it
+_OPT_SUM.reduceOp = dist.ReduceOp(_SUM)
 _COALESCED = dist.AllreduceCoalescedOptions()  # a riding all-reduce's options on Gloo: a sum
 _COALESCED.reduceOp = dist.ReduceOp(_SUM)
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm import ops as _comm
 from ..comm import overlap as _overlap
 from ..comm.regions import (
     rank_local_error,
@@ -153,11 +154,15 @@ class ColumnParallelLinear(ParallelLinear):
                 if mismatch is None:
                     raise
                 raise mismatch from err
-        if not x.dim() or x.shape[-1] != self.expected_input_features:
-            mismatch = input_mismatch(self, x, self.expected_input_features)
+        group, weight = self.group, self.weight  # each read once (a weak group, a Parameter)
+        # (out, in/tp): its columns are this rank's share of the input features
+        expected = weight.shape[1] if self.input_is_parallel else self.in_features
+        if not x.dim() or x.shape[-1] != expected:
+            mismatch = input_mismatch(self, x, expected)
             # Other ranks may be fine and already waiting in the collective: tell them.
-            raise rank_local_error(self.group, mismatch)  # type: ignore[arg-type]
-        group = require_group(self._name, self.group, self.world_size)
+            raise rank_local_error(group, mismatch)  # type: ignore[arg-type]
+        if group is None:
+            group = require_group(self._name, group, self.world_size)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
         if self.sequence_dim is not None and not self.partial_output \
@@ -165,9 +170,9 @@ class ColumnParallelLinear(ParallelLinear):
                 and _overlap.enabled("sequence", self.overlap, x.device):
             # (B, S, out): this rank's sequence shard, each piece's reduce-scatter
             # beside the next piece's product.
-            y = linear_reduce_scatter(x, self.weight, group, self.sequence_dim, _overlap.chunks())
+            y = linear_reduce_scatter(x, weight, group, self.sequence_dim, _overlap.chunks())
             return y if self.bias is None else y.add_(self.bias)
-        return self.sum_partial(F.linear(x, self.weight), group)
+        return self.sum_partial(F.linear(x, weight), group)
 
     def sum_partial(self, partial: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         """This rank's partial sum ``(..., out)`` -> the layer's output, bias added once.
@@ -182,12 +187,15 @@ class ColumnParallelLinear(ParallelLinear):
                 partial, self.bias, self.rank == 0)
         if self.sequence_dim is not None:  # (B, S, out): this rank's sequence shard
             y = reduce_scatter_to_sequence_shards(partial, group, self.sequence_dim)
-        else:
+        elif (partial.requires_grad and torch.is_grad_enabled()) or not partial.is_contiguous():
             y = reduce_from_tensor_parallel_region(partial, group, inplace=True)
-        if self.bias is not None:
+        else:  # no autograd node needed: the plain in-place sum of our own temporary
+            y = _comm.all_reduce_(partial, group)
+        bias = self.bias
+        if bias is not None:
             # Once, after the sum, so its gradient equals nn.Linear's. In place: y is
             # our own all-reduced temporary and the matmul's backward does not need it.
-            y = y.add_(self.bias)
+            y = y.add_(bias)
         return y
 
     def extra_repr(self) -> str:

@@ -143,11 +143,13 @@ class RowParallelLinear(ParallelLinear):
                 if mismatch is None:
                     raise
                 raise mismatch from err
+        group = self.group  # read once: a weakly held group (comm.group_ref)
         if not x.dim() or x.shape[-1] != self.in_features:
             mismatch = input_mismatch(self, x, self.in_features)
             # Other ranks may be fine and already waiting in the collective: tell them.
-            raise rank_local_error(self.group, mismatch)  # type: ignore[arg-type]
-        if self.group is None and x.requires_grad:
+            raise rank_local_error(group, mismatch)  # type: ignore[arg-type]
+        needs_grad = x.requires_grad and torch.is_grad_enabled()
+        if group is None and x.requires_grad:
             raise MissingProcessGroupError(
                 f"{self._name()}: the input gradient needs an all-reduce across "
                 f"world_size={self.world_size} ranks but no process group is running; "
@@ -156,17 +158,16 @@ class RowParallelLinear(ParallelLinear):
             # The gather before us reduce-scatters the input gradient; this saves the
             # sequence shard x was gathered from, not x.
             y = linear_on_gathered(x, self.weight, self.bias, self.overlap)  # (B, T, out/tp)
-        elif self.group is not None and x.requires_grad and torch.is_grad_enabled() \
-                and not torch.compiler.is_compiling() \
+        elif needs_grad and group is not None and not torch.compiler.is_compiling() \
                 and _overlap.enabled("grad_reduce", self.overlap, x.device):
             # The input-gradient all-reduce runs beside the weight gradient.
-            y = linear_reducing_input_grad(x, self.weight, self.bias, self.group)  # (..., out/tp)
+            y = linear_reducing_input_grad(x, self.weight, self.bias, group)  # (..., out/tp)
         else:
-            if self.group is not None:
-                x = copy_to_tensor_parallel_region(x, self.group)
+            if needs_grad and group is not None:  # identity forward, all-reduce backward
+                x = copy_to_tensor_parallel_region(x, group)
             y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
         if self.gather_output:
-            group = require_group(self._name, self.group, self.world_size)
+            group = require_group(self._name, group, self.world_size)
             y = gather_from_tensor_parallel_region(y, group, -1, self.out_features)  # (..., out)
         return y
 
