@@ -26,7 +26,7 @@ each process runs one short job and ends. A variant is ``work/start/error``:
 A run passes when every process exits with 0. Torch's Gloo can abort a process
 at exit ("terminate called without an active exception", exit code -6) when a
 process group outlives ``destroy_process_group()`` into the interpreter's
-shutdown (docs/decisions.md, "Who owns a process group"); the SIGABRT column
+shutdown (docs/decisions.md, decision 148); the SIGABRT column
 counts those runs. A process's *exit time* is from the last line of its script
 to the end of the process (the script prints ``time.time()`` there; the parent
 notes when the process ended): what torchtp's exit handling costs. "slow" counts
@@ -193,6 +193,7 @@ class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     exits: list[float] = field(default_factory=list)
     lags: list[float] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)  # 1-minute load average after each run
 
 
 def one_run(tp: int, fail_rank: int, how: str, deadline: float, start: str = "torchtp",
@@ -277,6 +278,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> Tally:
             tally.outcomes["abort"] += any(c == -signal.SIGABRT for c in run.codes)
             tally.exits += [e for e in run.exits if e is not None]
             tally.lags.append(run.lag)
+            tally.loads.append(os.getloadavg()[0])
             if not ok:
                 print(f"{variant} run {i}: exit codes {run.codes}; stderr tails: {run.tails}",
                       flush=True)
@@ -296,8 +298,8 @@ def table(rows: dict[str, Tally], runs: int) -> list[str]:
     controls = {tuple(v.split("/")[:2]): statistics.median(t.exits) for v, t in rows.items()
                 if v.split("/")[0].endswith("control") and t.exits}
     lines = ["| variant | runs | exited 0 | SIGABRT | other failures | exit s median / p99 / max "
-             "| control's median exit s | slow (> control + 1 s) |",
-             "|---|---:|---:|---:|---:|---|---:|---:|"]
+             "| control's median exit s | slow (> control + 1 s) | load average (1 min) |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for variant, t in rows.items():
         work, start = variant.split("/")[:2]
         # The HF jobs against the control that imports and runs transformers too
@@ -308,7 +310,8 @@ def table(rows: dict[str, Tally], runs: int) -> list[str]:
         lines.append(f"| {variant} | {runs} | {t.outcomes['pass']} | {t.outcomes['abort']} "
                      f"| {t.outcomes['fail'] - t.outcomes['abort']} "
                      f"| {_quantile(t.exits, 0.5):.2f} / {_quantile(t.exits, 0.99):.2f} / "
-                     f"{max(t.exits, default=float('nan')):.2f} | {against} | {slow} |")
+                     f"{max(t.exits, default=float('nan')):.2f} | {against} | {slow} "
+                     f"| {statistics.mean(t.loads):.1f} |")
     return lines
 
 
@@ -339,6 +342,7 @@ def main() -> None:
     try:
         for variant in variants:
             rows[variant] = run_variant(args, variant)
+            print(table({variant: rows[variant]}, args.runs)[-1], file=sys.stderr, flush=True)
     finally:
         for p in loops:
             p.kill()

@@ -13,9 +13,10 @@ between rounds.
 
 End-to-end differences of a few percent drown in this machine's noise, so
 each per-call guard's own work is timed alone, in the same processes, on the
-same inputs (median of many calls): its steps in :mod:`torchtp.guards.hooks`, and
-the dispatch of the three hooks themselves (a forward of an identity module
-with and without them). Their sum is what the guards add to every forward.
+same inputs (median of many calls): the forward door's three hooks
+(:mod:`torchtp.guards.forward_door`), and the dispatch of three hooks
+themselves (a forward of an identity module with and without them). Their sum
+is what the guards add to every forward.
 
     .venv/bin/python benchmarks/percall_guards.py [--rounds 15] [--batch 2] [--tokens 16]
 """
@@ -65,39 +66,33 @@ def _alone(fn: Any, n: int = 2000) -> float:
 
 
 def _guards_alone(wrapped: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[str, float]:
-    """Each per-call guard's own work per forward, microseconds, timed alone."""
+    """The forward door's own work per forward, microseconds, timed alone: its three
+    hooks called as torch calls them (the input check's hash riding a collective that
+    carried it, as the model's first all-reduce does), and the hooks' dispatch."""
     from torchtp.comm import ops as _comm
-    from torchtp.comm import regions
-    from torchtp.guards.forward_guard import ForwardGuard
-    from torchtp.guards.input_check import InputCheck
-    from torchtp.layers import ddp_guard
+    from torchtp.guards.forward_door import ForwardDoor
+    from torchtp.plans import ShardContext
 
     model = wrapped.base_model
     kwargs = {"input_ids": ids, "use_cache": False}
-    inputs, faults = InputCheck(model, group, dist.get_world_size(group), None), ForwardGuard(group)
+    ctx = ShardContext(dist.get_world_size(group), dist.get_rank(group), group)
+    door = ForwardDoor(model, ctx, [])
 
-    def input_check() -> None:
-        inputs.before((), kwargs)  # hash + join the next all-reduce
-        ride = inputs.pending.ride  # type: ignore[union-attr]
-        ride.result = [0.0] * 64  # as if the model's all-reduce carried it
-        inputs.returned()  # the verdict
+    def forward_door() -> None:
+        door.before(model, (), kwargs)  # hash + join the next collective
+        ride = door.inputs.pending.ride  # type: ignore[union-attr]
+        ride.sums = torch.zeros(64)  # as if the model's all-reduce carried it
+        door.returned(model, (), kwargs, None)  # the verdict
+        door.always(model, (), kwargs, None)
         _comm.cancel_ride(group, ride)
-
-    def fault_report() -> None:
-        faults.before()
-        faults.returned(None)
-        faults.after()
 
     probe = torch.nn.Identity()
     bare = _alone(lambda: probe(ids))
-    from torchtp.guards import hooks
-
-    hooks._register(probe, (lambda m, a, k: None,), (lambda o: None,), (lambda: None,))
+    probe.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True)
+    probe.register_forward_hook(lambda m, a, k, o: None, with_kwargs=True)
+    probe.register_forward_hook(lambda m, a, k, o: None, with_kwargs=True, always_call=True)
     return {
-        "input check": _alone(input_check),
-        "fault report": _alone(fault_report),
-        "stale DDP check": _alone(lambda: ddp_guard.check_active_ddp(model)),
-        "shared-input release": _alone(regions.forget_shared_inputs),
+        "forward door (its three hooks' work)": _alone(forward_door),
         "three hooks' dispatch": _alone(lambda: probe(ids)) - bare,
     }
 

@@ -6,10 +6,12 @@ import code not counted, on rank 0 of a real tensor-parallel job: two
 torchrun-style processes on Gloo, each wrapping the same model. Three moments:
 ``wrap`` (one ``DistributedModelWrapper(model)`` plus its first forward),
 ``plan`` (the same with an explicit plan) and ``steady`` (a later forward, after
-three warm-up forwards). ``calls`` counts every Python call of a steady forward
-(``cProfile``), torchtp's and torch's, beside a hand-written tensor-parallel
-forward of the same model (the floor: the same layers' math and all-reduces
-with ``torch.distributed`` directly).
+three warm-up forwards). ``calls`` counts every call of a steady forward
+(``cProfile``: Python functions and builtins, torchtp's, torch's and the
+model's), beside a hand-written tensor-parallel forward of the same model with
+the explicit plan (the floor: weights sliced in place, one
+``torch.distributed.all_reduce`` per weight-column split, as
+benchmarks/_variants.py builds it).
 
     python benchmarks/wrap_files.py            # MLP and tiny HF Llama at world size 2
     python benchmarks/wrap_files.py --list     # also the files
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import fnmatch
 import json
 import os
 import pstats
@@ -92,53 +95,74 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict[str, Any]], di
 }
 
 
-def _floor_mlp(model: nn.Module, group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The MLP's forward by hand: the first Linear's rows and the second's columns, one
-    all-reduce, the third whole."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    w1 = model[0].weight.chunk(world)[rank]
-    b1 = model[0].bias.chunk(world)[rank]
-    w2 = model[2].weight.chunk(world, 1)[rank]
+class _FloorRowwise(nn.Module):
+    """A hand-written weight-column split: the local matmul, one ``dist.all_reduce``."""
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(nn.functional.linear(x, w1, b1))
-        y = nn.functional.linear(h, w2)
-        dist.all_reduce(y, group=group)
-        return model[4](torch.relu(y + model[2].bias))
-    return forward
+    def __init__(self, linear: nn.Linear, group: Any) -> None:
+        super().__init__()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        self.weight = nn.Parameter(linear.weight.detach().chunk(world, 1)[rank].contiguous())
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight)  # (..., out), this rank's partial sum
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+def _floor(model: nn.Module, plan: dict[str, str], group: Any) -> nn.Module:
+    """The model by hand, as benchmarks/_variants.py's floor: ``colwise`` Linears' rows
+    sliced in place, ``rowwise`` ones replaced by :class:`_FloorRowwise`."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name, mod in list(model.named_modules()):
+        style = next((v for k, v in plan.items() if fnmatch.fnmatchcase(name, k)), None)
+        if style == "colwise":
+            mod.weight = nn.Parameter(mod.weight.detach().chunk(world)[rank].contiguous())
+            if mod.bias is not None:
+                mod.bias = nn.Parameter(mod.bias.detach().chunk(world)[rank].contiguous())
+        elif style == "rowwise":
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, _FloorRowwise(mod, group))
+    return model
+
+
+def _calls(run: Callable[[], Any]) -> int:
+    """Calls ``run`` makes (cProfile: Python functions and builtins)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    return int(pstats.Stats(profiler).total_calls)  # type: ignore[attr-defined]
+
+
+def _case(build: Callable[[], nn.Module], kwargs: dict[str, Any], plan: dict[str, str],
+          world_size: int) -> dict[str, Any]:
+    """One model's files and functions per moment, and calls per steady forward."""
+    holder: dict[str, Any] = {}
+
+    def wrap_and_forward(explicit: dict[str, str] | None = None) -> None:
+        holder["model"] = torchtp.DistributedModelWrapper(build(), plan=explicit)
+        with torch.no_grad():
+            holder["model"](**kwargs)
+
+    out: dict[str, Any] = {"wrap": entered(wrap_and_forward),
+                           "plan": entered(lambda: wrap_and_forward(plan))}
+    model = holder["model"]
+    with torch.no_grad():
+        for _ in range(3):
+            model(**kwargs)
+        out["steady"] = entered(lambda: model(**kwargs))
+        out["calls"] = _calls(lambda: model(**kwargs))
+        if world_size > 1:
+            floor = _floor(build(), plan, dist.group.WORLD)
+            floor(**kwargs)
+            out["floor calls"] = _calls(lambda: floor(**kwargs))
+    return out
 
 
 def measure(world_size: int) -> dict[str, dict[str, Any]]:
     """On this rank: files and functions entered per case and moment, calls per forward."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, (build, inputs, plan) in CASES.items():
-        kwargs = inputs()
-        holder: dict[str, Any] = {}
-
-        def wrap_and_forward(explicit: dict[str, str] | None = None) -> None:
-            holder["model"] = torchtp.DistributedModelWrapper(build(), plan=explicit)
-            with torch.no_grad():
-                holder["model"](**kwargs)
-
-        wrap = entered(wrap_and_forward)
-        planned = entered(lambda p=plan: wrap_and_forward(p))
-        model = holder["model"]
-        with torch.no_grad():
-            for _ in range(3):
-                model(**kwargs)
-            steady = entered(lambda: model(**kwargs))
-            profiler = cProfile.Profile()
-            profiler.runcall(lambda: model(**kwargs))
-        calls = pstats.Stats(profiler).total_calls  # type: ignore[attr-defined]
-        out[name] = {"wrap": wrap, "plan": planned, "steady": steady, "calls": calls}
-        if name == "mlp" and world_size > 1:
-            floor = _floor_mlp(build(), dist.group.WORLD)
-            with torch.no_grad():
-                floor(kwargs["input"])
-                profiler = cProfile.Profile()
-                profiler.runcall(lambda: floor(kwargs["input"]))
-            out[name]["floor calls"] = pstats.Stats(profiler).total_calls  # type: ignore[attr-defined]
-    return out
+    return {name: _case(build, inputs(), plan, world_size)
+            for name, (build, inputs, plan) in CASES.items()}
 
 
 def _rank_main() -> None:

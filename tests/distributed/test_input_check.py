@@ -167,3 +167,13 @@ def test_a_replicated_weight_edited_on_one_rank_is_caught_in_eval(ranks):
                                   "TP rank 0 (the replicated weights are checked every "
                                   "TP_STEP_CHECK forwards, eval included")
         assert counts == {"all_reduce": 2}  # the model's two pairs: nothing of its own
+
+
+def test_sampling_leaves_storages_resizable():
+    """numpy sees copies only: Tensor.numpy() marks a storage not resizable for good, and
+    FSDP2 frees an unsharded parameter (a replicated weight the check samples) by resizing."""
+    from torchtp.guards.fingerprints import sample_bytes
+
+    for t in (torch.arange(8), torch.zeros(8), torch.zeros(1000), torch.zeros(8, requires_grad=True)):
+        sample_bytes(t)
+        t.untyped_storage().resize_(0)  # raises if numpy saw this storage

@@ -9,7 +9,7 @@ torchtp's per-group state) kept it until the interpreter shut down, and a
 Gloo worker that then freed a finished collective's tensor had to take the
 GIL of a finalizing interpreter: the process aborted with "terminate called
 without an active exception" after all its work was done (docs/decisions.md,
-"Who owns a process group").
+decision 148).
 
 So torchtp never owns a group: every object that keeps one past a call
 stores it through :class:`GroupRef` (autograd nodes, closures) or a
@@ -92,7 +92,7 @@ class WeakGroup(Generic[G]):
         self._name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self._slot, self._name = f"_{name}_ref", name
+        self._slot, self._name = slot(name), name
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> None: ...
@@ -123,6 +123,14 @@ class WeakGroup(Generic[G]):
         """Whether ``obj``'s group is unset, ``None`` or not destroyed (never raises)."""
         ref = obj.__dict__.get(self._slot)
         return ref is None or ref() is not None
+
+
+def slot(name: str) -> str:
+    """Where a :class:`WeakGroup` attribute ``name`` keeps its weak reference (``None`` for
+    a single process) in the instance's ``__dict__``: a hot path reads it without a call,
+    ``ref = obj.__dict__[slot("group")]``, and reads the attribute itself (which raises,
+    naming ``obj``) only when ``ref()`` is dead."""
+    return f"_{name}_ref"
 
 
 def groups_alive(obj: object) -> bool:

@@ -158,13 +158,23 @@ def _new_state(pg: ProcessGroup | None) -> GroupState:
     key = id(pg)
     backend = str(dist.get_backend(pg))
     st = GroupState(dist.get_rank(pg), dist.get_world_size(pg),
-                    weakref.ref(pg, lambda _ref: _STATES.pop(key, None)),
+                    weakref.ref(pg, lambda _ref: _forget(key)),
                     cpu_gloo=backend == "gloo" or "cpu:gloo" in backend)
     _STATES[key] = st
     # First use of this group by torchtp, whoever started it: from here on
     # torchtp's collectives hold tensors that must be released before exit.
     protect_exit()
     return st
+
+
+def _forget(key: int) -> None:
+    """The group of ``_STATES[key]`` died: its state lets go of what it kept for it (a
+    layer or hook may still hold the state itself)."""
+    st = _STATES.pop(key, None)
+    if st is not None:
+        st._store = None
+        st.held.clear()
+        st.rides.clear()
 
 
 def forget_all() -> None:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.overrides import has_torch_function_unary
 
 from ..core.layouts import cut, shard_range, shard_sizes
-from ..core.log import debug_enabled, logger
+from ..core.log import logger
 from . import health as _health
 from .reductions import TorchOp, torch_op
 from .runtime import ProcessGroup
@@ -119,7 +119,7 @@ def record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> int | N
         return None
     st = _health.state(group)
     n = _health.before(op, tensor, st)
-    if _COUNTERS or debug_enabled():
+    if _COUNTERS or logger.isEnabledFor(logging.DEBUG):
         count(op, tensor, group)
     return n
 
@@ -132,7 +132,7 @@ def count(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
     """
     if _compiling():
         return
-    debug = debug_enabled()
+    debug = logger.isEnabledFor(logging.DEBUG)
     if not (_COUNTERS or debug):
         return
     size = dist.get_world_size(group)
@@ -272,7 +272,7 @@ def all_reduce_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pendin
         return _issued(None, None, "all_reduce", out, group, out)
     st = _health.state(group)
     n = _health.before("all_reduce", tensor, st)
-    if _COUNTERS or debug_enabled():
+    if _COUNTERS or logger.isEnabledFor(logging.DEBUG):
         count("all_reduce", tensor, group)
     work = st.group.allreduce([tensor], _allreduce_options(_SUM))  # as all_reduce_ does
     return _issued(work, n, "all_reduce", tensor, group, tensor)
@@ -439,7 +439,7 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
     # Agreed as the model's all-reduce with k values riding (health.before)
     op, k = "all_reduce", extra.numel()
     n = _health.before(op, tensor, st, riding=k)
-    if _COUNTERS or debug_enabled():  # counted as the model's own all-reduce
+    if _COUNTERS or logger.isEnabledFor(logging.DEBUG):  # counted as the model's own
         count("all_reduce", tensor, group)
     if st.cpu_gloo and tensor.device.type == "cpu":
         # Gloo sums a list of tensors as one collective, packing them in C++: the
@@ -476,7 +476,7 @@ def _all_gather_riding(local: torch.Tensor, group: ProcessGroup | None,
     buf = torch.cat([local.view(-1), extra])  # (numel + k,)
     flat = buf.new_empty(world * buf.numel())  # (world * (numel + k),)
     n = _health.before(op, local, st, riding=k)
-    if _COUNTERS or debug_enabled():  # counted as the model's own all-gather
+    if _COUNTERS or logger.isEnabledFor(logging.DEBUG):  # counted as the model's own
         count("all_gather", local, group)
     work = gather_single(flat, buf, group=group, async_op=True)
     _health.finish(work, st, n, op, buf, out=flat, shown=local, riding=k)
@@ -635,7 +635,7 @@ def all_to_all(tensor: torch.Tensor, send: list[int], recv: list[int],
     n = None
     if not _compiling():  # as record(), but counted with the rows this rank sends
         n = _health.before("all_to_all", shown, _health.state(group))
-        if _COUNTERS or debug_enabled():
+        if _COUNTERS or logger.isEnabledFor(logging.DEBUG):
             count("all_to_all", local, group)
     work = dist.all_to_all_single(out, local, output_split_sizes=recv, input_split_sizes=send,
                                   group=group, async_op=n is not None)

@@ -17,7 +17,12 @@ copy_to            identity (enter the region)          all-reduce (sum partial 
 reduce_from        all-reduce (sum partial outputs)     identity
 scatter_to         split, keep this rank's chunk        all-gather the chunks' grads
 gather_from        all-gather the chunks                split, keep this rank's chunk
+sum_statistic      all-reduce (sum partial statistics)  all-reduce (sum partial grads)
 =================  ===================================  ==============================
+
+``sum_statistic`` is the one operator whose output stays *inside* the region:
+a statistic summed over the ranks' shards (a norm's sum of squares over every
+head) that each rank then applies to its own shard only.
 
 Chunks follow the balanced split rule (:func:`torchtp.core.layouts.shard_sizes`):
 a size that does not divide by the group size gives chunks that differ by
@@ -32,6 +37,7 @@ from torch.autograd.function import once_differentiable
 from . import grad_reduce as _grad_reduce
 from . import health as _health
 from . import ops as _comm
+from . import tensor_memo as _tensor_memo
 from .group_ref import GroupRef
 from .runtime import ProcessGroup, group_rank, group_size
 from .tensor_memo import TensorMemo
@@ -171,6 +177,25 @@ class _ReduceScatterRegion(torch.autograd.Function):
         return _comm.all_gather(grad, ctx.dim, ctx.group(), ctx.size), None, None
 
 
+class _SumStatistic(torch.autograd.Function):
+    """forward: all-reduce (sum) of partial statistics; backward: all-reduce (sum).
+
+    Each rank sums a statistic over its shard; the total is used by every rank
+    on its own shard only, so each rank's gradient of the total is partial and
+    the full gradient of every rank's part is their sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = GroupRef(group)
+        return _comm.all_reduce(x, group)
+
+    @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _comm.all_reduce(grad, ctx.group()), None
+
+
 def _needs_grad(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
@@ -236,6 +261,7 @@ def forget_shared_inputs() -> None:
     """
     _LAST_COPY.clear()
     _grad_reduce.forget()
+    _tensor_memo.KEPT = False
 
 
 def reduce_from_tensor_parallel_region(
@@ -295,3 +321,20 @@ def reduce_scatter_to_tensor_parallel_region(
     if not _needs_grad(x):
         return _comm.reduce_scatter(x, dim, group)
     return _ReduceScatterRegion.apply(x, group, dim)
+
+
+def sum_statistic_over_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum a per-shard statistic over the ranks. forward: all-reduce; backward: all-reduce.
+
+    For a statistic of the whole tensor that each rank applies to its own shard
+    (the mean of squares of a norm over every head, each rank holding some heads).
+
+    Args:
+        x: This rank's partial statistic, e.g. ``(B, T, 1)`` sums of squares.
+        group: The TP group.
+    """
+    if group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _comm.all_reduce(x, group)
+    return _SumStatistic.apply(x, group)

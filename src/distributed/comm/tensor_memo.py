@@ -18,6 +18,9 @@ from ..core import torch_compat as _torch_compat
 from .runtime import ProcessGroup
 
 V = TypeVar("V")
+# Whether any memo put an entry since the per-forward cleanup last ran
+# (regions.forget_shared_inputs): read by the forward door without a call.
+KEPT = False
 _Entry = tuple["weakref.ref[torch.Tensor]", int, V]
 
 
@@ -36,6 +39,8 @@ class TensorMemo(Generic[V]):
 
     def put(self, group: ProcessGroup | None, tensor: torch.Tensor, value: V) -> None:
         """Remember ``value`` for ``tensor`` at its current version."""
+        global KEPT
+        KEPT = True
         key = self._key(group, tensor)
         ref = weakref.ref(tensor, self._dropper(key))
         self._entries[key] = (ref, _torch_compat.version_counter(tensor), value)

@@ -172,14 +172,16 @@ def ddp_leave_alone(ddp: Any, module: nn.Module, names: list[str]) -> None:
     ddp._module_parameters = kept
 
 
-def active_ddp() -> Any:
-    """The ``DistributedDataParallel`` whose forward is running its module now, else ``None``.
+def _active_ddp() -> Callable[[], Any]:
+    return _ddp_class()._get_active_ddp_module  # type: ignore[attr-defined]
 
-    ``DistributedDataParallel._get_active_ddp_module()``: DDP sets it around
-    ``self.module(...)`` in its forward (not with the Python reducer).
-    Checked: torch 2.13.0, 2.14.1.
-    """
-    return _ddp_class()._get_active_ddp_module()  # type: ignore[attr-defined]
+
+# active_ddp(): the ``DistributedDataParallel`` whose forward is running its module now,
+# else ``None`` (``DistributedDataParallel._get_active_ddp_module``: DDP sets it around
+# ``self.module(...)`` in its forward, not with the Python reducer). torch's own
+# classmethod, not a wrapper: the forward door asks before every forward.
+# Checked: torch 2.13.0, 2.14.1.
+active_ddp: Callable[[], Any] = _active_ddp()
 
 
 def ddp_parameters(ddp: Any) -> list[torch.Tensor]:

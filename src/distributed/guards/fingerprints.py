@@ -26,19 +26,25 @@ _NUMPY = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.
 
 def sample_bytes(t: torch.Tensor) -> bytes | memoryview:
     """The bytes of a strided sample of at most :data:`SAMPLES` of ``t``'s elements (on GPU:
-    a copy to the host, a synchronisation)."""
+    a copy to the host, a synchronisation).
+
+    numpy only ever sees a copy: ``Tensor.numpy()`` marks the tensor's storage as
+    not resizable for good, and FSDP2 frees an unsharded parameter by resizing its
+    storage (a replicated weight is sampled while FSDP2 holds it unsharded).
+    """
     if t.is_cpu and t.numel() <= SAMPLES and t.dtype in _NUMPY and not t.requires_grad \
             and t.is_contiguous():
-        # The usual input (a short batch of token ids): numpy's view of its memory, no
-        # copy and a single torch call. Before every forward, right after the last
-        # forward evicted the caches, each further call costs ~10 us of misses.
-        return t.numpy().data
+        # The usual input (a short batch of token ids): numpy's view of a copy, two torch
+        # calls. Before every forward, right after the last forward evicted the caches,
+        # each further call costs ~10 us of misses.
+        return t.clone().numpy().data
     if t.device.type == "meta" or not t.numel():
         return b""
     flat = t.detach().reshape(-1)
     # Small tensors (token ids of a short batch) are taken whole: two ops fewer per forward.
     sample = flat if flat.numel() <= SAMPLES else flat[:: flat.numel() // SAMPLES][:SAMPLES]
-    return sample.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return sample.cpu().clone(memory_format=torch.contiguous_format).view(
+        torch.uint8).numpy().tobytes()
 
 
 def tensor_digest(t: torch.Tensor) -> str:

@@ -2,25 +2,27 @@
 
 An exception raised on some ranks only between two collectives of a forward
 leaves the ranks' collective sequences misaligned: if the user catches it and
-goes on, every later collective pairs with the wrong one. The wrapper's per-call
-hooks (:mod:`torchtp.guards.hooks`) run a :class:`ForwardGuard` on the model it wraps, which reports it like
+goes on, every later collective pairs with the wrong one. The forward door
+(:mod:`torchtp.guards.forward_door`) calls :func:`report_escaped` for one that
+left a forward of the model it guards, which reports it like
 :func:`torchtp.comm.health.fail` (the group stays usable if every rank raised at
 the same point, else it is poisoned on every rank), however the model is
 called: through the wrapper, or directly (``TensorParallelTrainer`` and
 HF's ``generate`` call the HF model itself). A backward through the model's
-outputs that raised on this rank is reported the same way at its next forward.
+outputs that raised on this rank (:func:`watch_backward`) is reported the same
+way at its next forward (:func:`report_failed_backward`). Torch runs no hook
+for a ``BaseException`` such as ``KeyboardInterrupt``: the wrapper's forward
+reports those with :func:`report_interrupted`.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..comm.group_ref import WeakGroup
 from ..comm.health import REPORTED, GroupState, fail, inconsistent, post, state
 from ..comm.runtime import ProcessGroup
 from ..core import log as _logging
@@ -28,79 +30,20 @@ from ..core import torch_compat as _torch_compat
 from ..core.errors import InconsistentGroupError, RankMismatchError
 
 
-class ForwardGuard:
-    """Report an exception escaping the wrapped model's forward to the group.
-
-    However the model is called (through the wrapper, by ``TensorParallelTrainer``,
-    by HF's ``generate``), :mod:`torchtp.guards.hooks` calls these three steps from its
-    hooks on the model: :meth:`before` reports a backward through an earlier
-    output that raised on this rank, then marks the call pending;
-    :meth:`returned` clears the mark when the forward returned (and, with
-    gradients, watches the backward through the output); :meth:`after`, which
-    torch also runs when the forward raised an ``Exception`` (``always_call``),
-    reports that exception if the mark is still set. Torch runs no hook for a
-    ``BaseException`` such as ``KeyboardInterrupt``: the wrapper's forward
-    reports those with :func:`report_interrupted`. Costs a few microseconds
-    per forward; the hooks skip it under ``torch.compile``.
-
-    Args:
-        group: The TP group (more than one rank).
-    """
-
-    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
-
-    def __init__(self, group: ProcessGroup | None) -> None:
-        self.group = group
-        self.pending = False
-
-    def _active(self) -> GroupState | None:
-        if not dist.is_initialized():
-            return None
-        st = state(self.group)
-        return None if st.size == 1 else st
-
-    def before(self) -> None:
-        """Before the forward: report an abandoned backward, mark the call pending."""
-        st = self._active()
-        if st is None:
-            return
-        self.pending = False
-        if st.backward_open and not _torch_compat.in_backward():
-            _report_failed_backward(st)
-        self.pending = True
-
-    def returned(self, out: Any) -> None:
-        """The forward returned ``out``: clear the mark, watch the backward through it."""
-        if self.pending:
-            self.pending = False
-            st = self._active()
-            if st is not None and torch.is_grad_enabled():
-                _watch_backward(st, out)
-
-    def after(self) -> None:
-        """After the forward, raised or not: report an exception that escaped it."""
-        if self.pending:  # the forward raised: "returned" did not run
-            self.pending = False
-            st = self._active()
-            err = sys.exc_info()[1]  # torch calls always_call hooks inside its except
-            if st is not None and err is not None:
-                _report_escaped(st, err)
-
-
 def report_interrupted(group: ProcessGroup | None, err: BaseException) -> None:
     """Report a ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``) that left a forward.
 
-    :func:`guard_module`'s hooks report ``Exception``s only; the wrapper's
-    forward calls this for the rest. ``Exception``s are ignored here.
+    The forward door's hooks report ``Exception``s only; the wrapper's forward
+    calls this for the rest. ``Exception``s are ignored here.
     """
     if isinstance(err, Exception) or not dist.is_initialized():
         return
     st = state(group)
     if st.size > 1:
-        _report_escaped(st, err)
+        report_escaped(st, err)
 
 
-def _report_escaped(st: GroupState, err: BaseException) -> None:
+def report_escaped(st: GroupState, err: BaseException) -> None:
     """Report ``err`` (escaping a forward on this rank) unless every rank already knows."""
     if st.poisoned is not None or getattr(err, REPORTED, False) \
             or isinstance(err, (RankMismatchError, InconsistentGroupError)):
@@ -120,7 +63,7 @@ def _report_escaped(st: GroupState, err: BaseException) -> None:
             st.poisoned = inconsistent(st.rank, f"rank {st.rank} raised {what} in a forward")
 
 
-def _report_failed_backward(st: GroupState) -> None:
+def report_failed_backward(st: GroupState) -> None:
     """The last backward through a wrapped model raised on this rank: report it, then raise.
 
     Raises:
@@ -140,7 +83,7 @@ def _report_failed_backward(st: GroupState) -> None:
     raise InconsistentGroupError(st.poisoned)
 
 
-def _watch_backward(st: GroupState, out: Any) -> None:
+def watch_backward(st: GroupState, out: Any) -> None:
     """Mark a backward through ``out`` as open until it completes (hooks on the grad_fns)."""
 
     def finished() -> None:

@@ -52,7 +52,7 @@ from torch import nn
 
 from ..comm import ops as _comm
 from ..comm import regions
-from ..comm.group_ref import WeakGroup
+from ..comm.health import GroupState
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup
 from ..core import log as _logging
@@ -79,22 +79,18 @@ class _Forward:
 class InputCheck:
     """Check the wrapped model's inputs on every forward (see the module docstring).
 
-    :mod:`torchtp.guards.hooks` calls :meth:`before` from its pre-hook, :meth:`returned`
+    :mod:`torchtp.guards.forward_door` calls :meth:`before` from its pre-hook, :meth:`returned`
     when the forward returned and :meth:`cleanup` after it, raised or not.
 
     Args:
         module: The wrapped model.
-        group: The TP group (more than one rank).
-        size: Its number of ranks.
+        st: The TP group's state (more than one rank; it holds the group weakly).
         shard_width: This rank's share of ``in_features`` when the model's first
             parallel layer takes input shards; ``None`` otherwise.
     """
 
-    group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
-
-    def __init__(self, module: nn.Module, group: ProcessGroup | None, size: int,
-                 shard_width: int | None) -> None:
-        self.module, self.group, self.size, self.shard_width = module, group, size, shard_width
+    def __init__(self, module: nn.Module, st: GroupState, shard_width: int | None) -> None:
+        self.module, self.st, self.shard_width = module, st, shard_width
         self.pending: _Forward | None = None  # the forward running now
         self.open: list[_Forward] = []  # returned forwards whose verdict is still to be read
         # Forwards so far, and every how many the replicated weights join the hash (the
@@ -116,7 +112,7 @@ class InputCheck:
         if device is None:
             device = next(self.module.parameters(), torch.empty(0)).device
         self.pending = _Forward(args, kwargs, weights,
-                                _comm.ride_digest(self.group, digest, device))
+                                _comm.ride_digest(self.st.group, digest, device))
 
     def _weights(self) -> list[tuple[str, torch.Tensor]]:
         """The replicated weights on every ``period``-th forward, the first included: a
@@ -145,7 +141,8 @@ class InputCheck:
             return
         self.open.append(fwd)
         if fwd.ride.sums is None and torch.is_grad_enabled() \
-                and regions.reduces_in_backward(self.group) and after_backward(out, self.settle):
+                and regions.reduces_in_backward(self.st.group) \
+                and after_backward(out, self.settle):
             return
         self.settle()
 
@@ -153,7 +150,7 @@ class InputCheck:
         """After the forward: a forward that raised must not leave its hash riding."""
         fwd, self.pending = self.pending, None
         if fwd is not None:
-            _comm.cancel_ride(self.group, fwd.ride)
+            _comm.cancel_ride(self.st.group, fwd.ride)
 
     def settle(self, carried_only: bool = False) -> None:
         """Read the verdict of every open forward, oldest first; raise on a mismatch.
@@ -167,11 +164,12 @@ class InputCheck:
         """
         while self.open and (not carried_only or self.open[0].ride.sums is not None):
             fwd = self.open.pop(0)
-            if not _comm.ride_agrees(self.group, fwd.ride, self.size):
+            group = self.st.group
+            if not _comm.ride_agrees(group, fwd.ride, self.st.size):
                 for later in self.open:  # the group's rides stay aligned on every rank
-                    _comm.cancel_ride(self.group, later.ride)
+                    _comm.cancel_ride(group, later.ride)
                 self.open.clear()
-                _raise_mismatch(fwd, self.group, self.shard_width)
+                _raise_mismatch(fwd, group, self.shard_width)
 
 
 def describe(world_size: int, collectives: dict[str, int]) -> str:

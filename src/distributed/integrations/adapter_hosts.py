@@ -34,7 +34,6 @@ def peft_loaded() -> bool:
     from . import peft
 
     peft.install()
-    _PEFT_READY.append(True)
     return True
 
 
@@ -80,38 +79,9 @@ class _InstallAfter(importlib.abc.Loader):
         peft_loaded()
 
 
-def check_late_peft(model: nn.Module) -> None:
-    """Before a forward at tp > 1: PEFT that escaped :func:`watch_for_peft` is taught
-    torchtp's layers now.
-
-    A PEFT imported without passing the watcher (another import system) builds
-    its LoRA layers without torchtp's hooks: PEFT refuses explicit torchtp
-    targets, and ``target_modules="all-linear"`` leaves every torchtp layer out.
-    Such adapters are refused here, on every rank alike.
-
-    Raises:
-        ValueError: the model holds LoRA layers built before torchtp's PEFT hooks
-            were installed, naming one and the fix.
-    """
-    if "peft" not in sys.modules or _PEFT_READY:
-        return
-    built = next((name for name, m in model.named_modules()
-                  if type(m).__module__.startswith("peft.")), None)
-    if built is not None:
-        raise ValueError(
-            f"'{built}' is a PEFT layer built before torchtp's PEFT support was installed "
-            "(peft was imported after DistributedModelWrapper(...)), so PEFT did not adapt "
-            "torchtp's parallel layers (\"all-linear\" leaves them out); import peft before "
-            "wrapping the model, then call get_peft_model(wrapped.base_model, ...)")
-    peft_loaded()
-
-
-_PEFT_READY: list[bool] = []  # non-empty once the hooks are installed
-
-
 def detach_adapters(model: nn.Module) -> list[Detached]:
     """Put each LoRA layer's base layer in its place; return what was taken out."""
-    if not peft_loaded():  # never imports PEFT (see check_late_peft for PEFT imported later)
+    if not peft_loaded():  # never imports PEFT (see watch_for_peft for PEFT imported later)
         return []
     from peft.tuners.lora import LoraLayer
 

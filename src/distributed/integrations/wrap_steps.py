@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from ..wrap.frameworks import FrameworkSteps, register
-from .adapter_hosts import attach_adapters, check_late_peft, detach_adapters, watch_for_peft
+from .adapter_hosts import attach_adapters, detach_adapters, watch_for_peft
 from .guards import guard_frameworks
 
 
@@ -24,4 +24,4 @@ def _set_aside(model: nn.Module) -> Any:
 
 
 register(FrameworkSteps(set_aside=_set_aside, put_back=attach_adapters,
-                        after_wrap=guard_frameworks, per_forward=(check_late_peft,)))
+                        after_wrap=guard_frameworks))

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..comm import ops as _comm
 from ..comm import overlap as _overlap
+from ..comm.group_ref import slot
 from ..comm.regions import (
     rank_local_error,
     reduce_from_tensor_parallel_region,
@@ -20,6 +21,8 @@ from ._base import require_group
 from ._shape import input_mismatch
 from .linear_reduce_scatter import linear_reduce_scatter
 from .parallel_linear import ParallelLinear
+
+_GROUP = slot("group")  # where ParallelLinear's WeakGroup keeps its weak reference
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -154,7 +157,10 @@ class ColumnParallelLinear(ParallelLinear):
                 if mismatch is None:
                     raise
                 raise mismatch from err
-        group, weight = self.group, self.weight  # each read once (a weak group, a Parameter)
+        ref, weight = self.__dict__[_GROUP], self.weight  # the weak group: read without a call
+        group = ref() if ref is not None else None
+        if group is None and ref is not None:
+            group = self.group  # destroyed: raises GroupDestroyedError, naming this layer
         # (out, in/tp): its columns are this rank's share of the input features
         expected = weight.shape[1] if self.input_is_parallel else self.in_features
         if not x.dim() or x.shape[-1] != expected:

@@ -58,7 +58,7 @@ def check_active_ddp(model: nn.Module) -> None:
     Such a DDP listed its parameters before the wrapper replaced the Linear
     weights (or before PEFT added adapters): its reducer holds the old ones,
     so the new ones would never be averaged (or DDP waits for gradients that
-    never come). :mod:`torchtp.guards.hooks` calls this before every forward of the
+    never come). :mod:`torchtp.guards.forward_door` calls this before every forward of the
     wrapped model, so it finds that DDP the first time its forward calls into
     ``model``; a DDP whose module does not contain ``model`` (a model merely
     called from its forward) is none of its business.

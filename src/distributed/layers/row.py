@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import overlap as _overlap
+from ..comm.group_ref import slot
 from ..comm.regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -20,6 +21,8 @@ from ._shape import input_mismatch
 from .linear_grad_reduce import linear_reducing_input_grad
 from .parallel_linear import ParallelLinear
 from .sequence_linear import linear_on_gathered
+
+_GROUP = slot("group")  # where ParallelLinear's WeakGroup keeps its weak reference
 
 
 class RowParallelLinear(ParallelLinear):
@@ -143,7 +146,10 @@ class RowParallelLinear(ParallelLinear):
                 if mismatch is None:
                     raise
                 raise mismatch from err
-        group = self.group  # read once: a weakly held group (comm.group_ref)
+        ref = self.__dict__[_GROUP]  # the weak group, read without a call (comm.group_ref)
+        group = ref() if ref is not None else None
+        if group is None and ref is not None:
+            group = self.group  # destroyed: raises GroupDestroyedError, naming this layer
         if not x.dim() or x.shape[-1] != self.in_features:
             mismatch = input_mismatch(self, x, self.in_features)
             # Other ranks may be fine and already waiting in the collective: tell them.

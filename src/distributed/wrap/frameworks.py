@@ -1,11 +1,11 @@
 """The steps the integrations layer adds to every wrap (it imports ``wrap``, never the reverse).
 
 PEFT's LoRA layers are set aside while the model is planned and put back
-around the parallel base layers; the frameworks users train with are guarded
-once the model is wrapped (HF model methods, accelerate's and Lightning's DDP);
-a check runs before every forward (adapters built without torchtp's PEFT
-support). :mod:`torchtp.integrations.wrap_steps` registers them when
-``torchtp`` is imported; until then a wrap runs none of them.
+around the parallel base layers (and a PEFT imported later is watched for);
+the frameworks users train with are guarded once the model is wrapped (HF
+model methods, accelerate's and Lightning's DDP).
+:mod:`torchtp.integrations.wrap_steps` registers them when ``torchtp`` is
+imported; until then a wrap runs none of them.
 """
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ class FrameworkSteps:
             token for ``put_back``.
         put_back: After the layers are swapped (or on an error): restore them.
         after_wrap: Once the wrapper is complete: guard the frameworks.
-        per_forward: Checks of the model before each of its forwards.
     """
 
     set_aside: Callable[[nn.Module], Any] = lambda _model: None
     put_back: Callable[[Any], None] = lambda _token: None
     after_wrap: Callable[[nn.Module], None] = lambda _wrapper: None
-    per_forward: tuple[Callable[[nn.Module], None], ...] = ()
 
 
 STEPS = FrameworkSteps()

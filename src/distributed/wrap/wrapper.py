@@ -19,7 +19,7 @@ from ..comm import overlap as overlap_switch
 from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_group
 from ..core.torch_compat import registered_child
-from ..guards import checks, forward_guard, hooks, input_check, step_check
+from ..guards import checks, forward_door, forward_guard, input_check, step_check
 from ..layers.ddp_guard import check_fsdp
 from ..layers.expert_dispatch import Dispatch
 from ..layers.parallel_linear import ParallelLinear
@@ -180,7 +180,7 @@ class DistributedModelWrapper(nn.Module):
             self.loss_parallel = loss_parallel
             self.sequence_parallel = options.sequence is not None
             steps.after_wrap(self)  # HF model methods; accelerate's and Lightning's DDP
-            hooks.install(model, ctx, self.parallelized_layers, steps.per_forward)
+            forward_door.install(model, ctx, self.parallelized_layers)
             self.train(model.training)  # records where dropout would draw (see train)
         finally:
             steps.put_back(detached)  # around the parallel base layers (or restored on error)

@@ -1,0 +1,123 @@
+"""The forward door: everything torchtp checks per call of a wrapped model, in one place.
+
+Safety is one service entered at three doors (docs/design.md): the wrap
+(:mod:`torchtp.guards.checks`), each forward (this module) and each optimizer
+step (:mod:`torchtp.guards.step_check`). At tp > 1, :func:`install` records
+the model for the training features that look it up later (clipping, the
+optimizer-step check) and puts three hooks on the wrapped model
+(``base_model``), so they run however it is called (through the wrapper,
+``TensorParallelTrainer``, ``generate``, a PEFT model around it):
+
+* before the forward: refuse a DDP built before the model was sharded (only
+  while a DDP runs a forward: :func:`torchtp.layers.ddp_guard.check_active_ddp`),
+  report a backward through an earlier output that raised on this rank, mark
+  the forward running, hash the inputs to ride the step's first collective
+  (:class:`torchtp.guards.input_check.InputCheck`);
+* when it returned: watch the backward through its output, read the input
+  verdict;
+* always, also when it raised (``always_call``): report an escaped exception
+  to the other ranks, drop a hash that did not ride, forget the inputs shared
+  by sibling layers within the forward.
+
+The steps that only run on a failure (the reports) live in
+:mod:`torchtp.guards.forward_guard`, so a forward that succeeds enters this
+module and the input check's only. The RNG streams' layer hooks are the
+wrapper's (``train(mode)``, training mode only). Nothing runs under
+``torch.compile``. At tp 1 nothing cross-rank needs checking: no hook is
+installed, and the model draws dropout masks from the caller's generator,
+exactly as the unwrapped model does. ``benchmarks/percall_guards.py``
+measures the door's per-call cost.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import regions, tensor_memo
+from ..comm.health import state
+from ..core import torch_compat as _torch_compat
+from ..layers import ddp_guard
+from ..plans import ShardContext
+from ..training import clip
+from . import forward_guard, step_check
+from .input_check import InputCheck, first_layer_shard_width
+
+
+class ForwardDoor:
+    """The per-call safety of one wrapped model (see the module docstring).
+
+    Args:
+        model: The wrapped model (``wrapper.base_model``), already sliced.
+        ctx: Where the shards went.
+        layer_names: The swapped layers, in module order.
+    """
+
+    def __init__(self, model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None:
+        # The group's state (it holds the group weakly: comm.health.GroupState)
+        self.st = state(ctx.group)
+        self.inputs = InputCheck(model, self.st, first_layer_shard_width(model, layer_names))
+        self.running = False  # a forward began and has not returned (for the fault report)
+
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook."""
+        if torch.compiler.is_compiling():
+            return
+        if _torch_compat.active_ddp() is not None:  # a DDP runs its forward into us
+            ddp_guard.check_active_ddp(module)
+        if not dist.is_initialized():
+            return
+        self.running = False
+        if self.st.backward_open and not _torch_compat.in_backward():
+            forward_guard.report_failed_backward(self.st)
+        self.running = True
+        self.inputs.before(args, kwargs)
+
+    def returned(self, _module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any],
+                 out: Any) -> None:
+        """Forward hook: the forward returned ``out``."""
+        if torch.compiler.is_compiling() or not self.running:
+            return
+        self.running = False
+        if torch.is_grad_enabled():
+            forward_guard.watch_backward(self.st, out)
+        self.inputs.returned(out)
+
+    def always(self, _module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any],
+               _out: Any) -> None:
+        """Forward hook that also runs when the forward raised (``always_call``)."""
+        if torch.compiler.is_compiling():
+            return
+        if self.running:  # the forward raised: "returned" did not run
+            self.running = False
+            err = sys.exc_info()[1]  # torch calls always_call hooks inside its except
+            if err is not None and dist.is_initialized():
+                forward_guard.report_escaped(self.st, err)
+        self.inputs.cleanup()
+        if tensor_memo.KEPT:  # region entries would keep the forward's graph alive
+            regions.forget_shared_inputs()
+
+
+def install(model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None:
+    """At tp > 1: record ``model`` for the training features and hook its forward.
+
+    Args:
+        model: The wrapped model (``wrapper.base_model``), already sliced.
+        ctx: Where the shards went.
+        layer_names: The swapped layers, in module order.
+    """
+    if ctx.world_size == 1:  # one rank holds everything: nothing to agree on or look up
+        return
+    clip.track(model)
+    step_check.track(model, ctx.group)
+    ddp_guard.install()  # later DDPs leave the shards alone
+    if ctx.group is None:  # a planning-only wrap (world_size given, no group): no forward runs
+        return
+    door = ForwardDoor(model, ctx, layer_names)
+    model.register_forward_pre_hook(door.before, with_kwargs=True)
+    model.register_forward_hook(door.returned, with_kwargs=True)
+    model.register_forward_hook(door.always, with_kwargs=True, always_call=True)
