@@ -202,6 +202,41 @@ def check_grouped_mm(rank: int, world_size: int, whole: bool) -> None:
             _dispatch_in_dtype(dtype)
 
 
+def check_grouped_mm_uneven(rank: int, world_size: int) -> list[tuple[int, ...]]:
+    """Under grouped_mm with 32 expert features at tp 3 (float32: 12/12/8; bfloat16: 16/8/8;
+    never 11/11/10): routes, logits, loss and every gradient equal one process's. Returns
+    the local ``down_proj`` shape per dtype."""
+    batch = _batch()
+    shapes = []
+    # float32: the all-reduce sums three partial outputs in another order (~1e-7 relative);
+    # gradients of O(1e-3..1) after two layers: rtol 1e-4 as GRADS. bfloat16 (8 bits of
+    # mantissa): one rounding of each partial sum, ~1e-2 relative on logits of O(1).
+    for dtype, tol in ((torch.float32, {"rtol": 1e-4, "atol": 1e-5}),
+                       (torch.bfloat16, {"rtol": 3e-2, "atol": 3e-2})):
+        ref = build_moe("mixtral", intermediate_size=32).to(dtype).train()
+        model = build_moe("mixtral", intermediate_size=32).to(dtype).train()
+        for m in (ref, model):
+            m.config._experts_implementation = "grouped_mm"
+        wrapped = torchtp.DistributedModelWrapper(model)
+        with torch.no_grad():
+            assert all(torch.equal(a, b) for a, b in
+                       zip(_routes(ref, batch), _routes(wrapped, batch), strict=True))
+        want, got = ref(**batch), wrapped(**batch)
+        torch.testing.assert_close(got.logits, want.logits, **tol)
+        shapes.append(tuple(wrapped.base_model.model.layers[0].mlp.experts.down_proj.shape))
+        if dtype != torch.float32:  # bfloat16 gradients: rounding, not layout, dominates
+            continue
+        want.loss.backward()
+        got.loss.backward()
+        ref_params = dict(ref.named_parameters())
+        for name, p in wrapped.base_model.named_parameters():
+            module_name, _, pname = name.rpartition(".")
+            torch.testing.assert_close(p.grad, expected_local(
+                wrapped.base_model.get_submodule(module_name), pname, ref_params[name].grad),
+                **tol, msg=lambda m, n=name: f"{n}: {m}")
+    return shapes
+
+
 def _dispatch_in_dtype(dtype: torch.dtype) -> None:
     """All-to-all dispatch under grouped_mm with ``dtype`` token states and the router's
     float32 weights: the experts run in ``dtype`` and the output comes back in it, as

@@ -26,6 +26,7 @@ from ._moe_checks import (
     check_dp_tp,
     check_generate,
     check_grouped_mm,
+    check_grouped_mm_uneven,
     check_hub_layout,
     check_moe,
     check_resume,
@@ -116,6 +117,15 @@ def test_three_ranks_split_unevenly_and_match_one_process(ranks):
 
 def test_grouped_mm_experts_match_one_process(ranks):
     ranks(check_grouped_mm, 2, _sentinel(), timeout=120)
+
+
+def test_grouped_mm_runs_uneven_feature_shares_at_tp3(ranks):
+    # 32 float32 features at tp 3: blocks of 4 features (16 bytes, grouped_mm's row
+    # alignment) as 12/12/8 instead of 11/11/10, which grouped_mm rejects; in bfloat16
+    # (blocks of 8) as 16/8/8, run under grouped_mm and checked against one process too.
+    shapes = ranks(check_grouped_mm_uneven, 3, timeout=180)
+    assert shapes == [[(4, 32, 12), (4, 32, 16)], [(4, 32, 12), (4, 32, 8)],
+                      [(4, 32, 8), (4, 32, 8)]], shapes
 
 
 def test_expert_shards_save_reload_and_consolidate(ranks, tmp_path):

@@ -17,7 +17,10 @@ interleaved        ``gate_up_proj`` rows ``[2s, 2s+2n)`` (gate/up pairs)
 =================  =========================================================
 
 where ``[s, s+n)`` is this rank's balanced share of the ``I`` intermediate
-features (:func:`torchtp.core.layouts.shard_range`). Experts with biases
+features (:func:`torchtp.core.layouts.shard_range`), cut in blocks of
+:func:`feature_block` features: ``grouped_mm`` (transformers' default experts
+kernel) needs every row of ``down_proj`` to start on a 16-byte boundary, so at
+tp 3 an ``I = 32`` in float32 is kept as 12/12/8 features, never 11/11/10. Experts with biases
 (GPT-OSS), without a gate or with a norm after each expert are refused: their
 output is not a sum of per-rank partial outputs.
 
@@ -137,16 +140,38 @@ def _geometry(module: nn.Module, fqn: str,
     return e, inter, layout
 
 
+def feature_block(inter: int, parts: int, itemsize: int) -> int:
+    """Features per block of an expert's ``inter`` features split over ``parts`` ranks.
+
+    ``grouped_mm`` rejects a ``down_proj`` whose rows do not start on a 16-byte
+    boundary, so a block is 16 bytes of the weights' dtype (4 float32 or 8
+    bfloat16 features), halved until it divides ``inter`` and leaves every rank
+    at least one block: a share of whole blocks is aligned whenever the unsharded
+    experts are. The dtype is the one the model is wrapped in (cast a model to
+    bfloat16 before wrapping it, as ``from_pretrained(dtype=...)`` does).
+
+    Example:
+        >>> feature_block(32, 3, 4), feature_block(32, 3, 2), feature_block(30, 4, 4)
+        (4, 8, 2)
+    """
+    block = max(1, 16 // itemsize)
+    while block > 1 and (inter % block or inter // block < parts):
+        block //= 2
+    return block
+
+
 def _layouts(module: nn.Module, inter: int, layout: ExpertsLayout,
              ctx: ShardContext) -> dict[str, ParamLayout]:
     """This rank's layout of ``gate_up_proj`` and ``down_proj`` (see the module docstring)."""
-    start, n = shard_range(inter, ctx.world_size, ctx.rank)
+    down = getattr(module, DOWN)
+    block = feature_block(inter, ctx.world_size, down.element_size())
+    start, n = shard_range(inter // block, ctx.world_size, ctx.rank, block)
     transposed = layout.transposed
     if layout.concatenated:
         gate_up_rows: tuple[tuple[int, int], ...] = ((start, n), (inter + start, n))
     else:  # gate/up interleaved: feature i is rows 2i and 2i+1
         gate_up_rows = ((2 * start, 2 * n),)
-    gate_up, down = getattr(module, GATE_UP), getattr(module, DOWN)
+    gate_up = getattr(module, GATE_UP)
     return {GATE_UP: ParamLayout(tuple(gate_up.shape), 2 if transposed else 1, gate_up_rows),
             DOWN: ParamLayout(tuple(down.shape), 1 if transposed else 2, ((start, n),))}
 
