@@ -49,7 +49,36 @@ def table() -> str:
             for n in plan.notes if "kept replicated" in n)) or "-"
         rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
                     f"{len(wrapped.parallelized_layers)} | {notes} |")
-    return "\n".join(rows)
+    return "\n".join(rows + _newer_families())
+
+
+def _newer_families() -> list[str]:
+    """Issue 37's families (tests/distributed/test_hf_new_families.py), parameters per rank
+    at tp 2 (rank 0 holds the largest share)."""
+    import torchtp
+    from tests.distributed._hf_models import build
+    from tests.distributed.test_hf_new_families import MLA, OLMO
+
+    rows = ["", "Newer decoder families, checked at tp 2, 3 and 4 by "
+            "`tests/distributed/test_hf_new_families.py` (logits, every gradient, two SGD steps, "
+            "greedy generation):", "",
+            "| architecture (test config) | model class | plan source | split by whole heads "
+            "| whole, gradient summed | parameters per rank at tp 2 |",
+            "|---|---|---|---|---|---:|"]
+    for arch in OLMO + MLA:
+        model = build(arch)
+        full = sum(p.numel() for p in model.parameters())
+        wrapped = torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+        plan = wrapped.resolved_plan
+        leaf = {n: re.sub(r".*[.]", "", n) for n in plan.assignments}
+        shared = sorted({leaf[n] for n, s in plan.assignments.items()
+                         if getattr(s, "name", "") == "mla_kv_a_proj"})
+        heads = sorted({leaf[n] for n, why in plan.why.items()
+                        if "whole heads" in why and leaf[n] not in shared})
+        share = sum(p.numel() for p in wrapped.parameters()) / full
+        rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
+                    f"{', '.join(heads)} | {', '.join(shared) or '-'} | {share:.2f} |")
+    return rows
 
 
 if __name__ == "__main__":

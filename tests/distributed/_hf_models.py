@@ -68,6 +68,8 @@ def _more_configs(tf: object) -> dict:
         "starcoder2": lambda: tf.Starcoder2Config(**c, num_key_value_heads=4),
         "olmo": lambda: tf.OlmoConfig(**c, num_key_value_heads=4),
         "olmo2": lambda: tf.Olmo2Config(**c, num_key_value_heads=4),
+        # q/k norms over all heads, 2 KV heads: replicated on 2 ranks each at tp 4.
+        "olmo2-gqa": lambda: tf.Olmo2Config(**c, num_key_value_heads=2),
         "granite": lambda: tf.GraniteConfig(**c, num_key_value_heads=4),
         "cohere": lambda: tf.CohereConfig(**c, num_key_value_heads=4),
         "phi": lambda: tf.PhiConfig(**c),
@@ -113,6 +115,20 @@ def _uneven_configs(tf: object) -> dict:
                                                head_dim=8),
         "qwen2-uneven": lambda: tf.Qwen2Config(**c, num_attention_heads=14, num_key_value_heads=2,
                                                head_dim=6),
+        # Multi-head latent attention (dense layers only: the MoE layers are checked in
+        # float64 by test_moe), query LoRA (V3) and a plain q_proj (V2); 10 heads.
+        "deepseek_v3-uneven": lambda: tf.DeepseekV3Config(
+            **c, num_attention_heads=10, num_key_value_heads=10, q_lora_rank=24,
+            kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,
+            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=24, n_group=1, topk_group=1, rope_scaling=None),
+        "deepseek_v2-uneven": lambda: tf.DeepseekV2Config(
+            **c, num_attention_heads=10, num_key_value_heads=10, q_lora_rank=None,
+            kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,
+            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=24, rope_scaling=None),
+        "olmo2-uneven": lambda: tf.Olmo2Config(**c, num_attention_heads=10,
+                                               num_key_value_heads=2, head_dim=8),
         "llama-tied-uneven": lambda: tf.LlamaConfig(**c, num_attention_heads=7,
                                                     num_key_value_heads=7,
                                                     tie_word_embeddings=True),
@@ -138,4 +154,5 @@ GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_ne
              "gemma", "gpt_bigcode", "gemma2", "starcoder2", "olmo", "olmo2", "granite", "cohere",
              "phi", "stablelm", "mistral-mqa", "llama-bias", "falcon", "falcon-new", "gptj",
              "codegen", "bloom", "mpt", "t5", "bart", "llama-uneven", "qwen2-uneven",
-             "llama-tied-uneven", "gpt2-uneven"}
+             "llama-tied-uneven", "gpt2-uneven", "olmo2-gqa", "olmo2-uneven",
+             "deepseek_v3-uneven", "deepseek_v2-uneven"}

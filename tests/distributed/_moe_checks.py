@@ -90,6 +90,13 @@ ARCHS = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"]
 # sums round a router input differently in float32 (tp 3 sums three partials), everything
 # upstream of a router gets float32-level gradient differences, ~1e-6 relative.
 ROUTER_TOL = {"rtol": 1e-5, "atol": 1e-7}
+# OLMoE normalises q and k over all heads in float32 (its RMSNorm casts up, whatever the
+# model's dtype): split by heads, the sum of squares adds the ranks' partial sums in another
+# order, ~1e-7 relative, so everything after the first attention agrees to float32 level.
+FLOAT32_NORMS = {"olmoe"}
+# Their steps are checked with SGD, not AdamW: Adam divides every gradient by its own
+# magnitude, so on a gradient near zero float32-level noise (1e-9 absolute) becomes a step
+# difference of 1e-5 and more (seen), which says nothing about the split.
 
 
 def check_moe(rank: int, world_size: int, archs: list[str], expert_parallel: bool | int = False,
@@ -119,6 +126,8 @@ def check_one(arch: str, expert_parallel: bool | int = False,
     goes to experts 0 and 1, so rank 1's experts (expert parallel) get no token.
     """
     overrides = {"num_local_experts": 3} if arch == "mixtral-e3" else {}
+    tol = ROUTER_TOL if arch in FLOAT32_NORMS else TOL
+    grad_tol = ROUTER_TOL if arch in FLOAT32_NORMS else grad_tol
     starved = arch == "mixtral-starved"
     arch = arch.removesuffix("-e3").removesuffix("-starved")
     ref = build_moe(arch, **overrides).train()
@@ -133,10 +142,10 @@ def check_one(arch: str, expert_parallel: bool | int = False,
         assert all(torch.equal(a, b) for a, b in
                    zip(_routes(ref, batch), _routes(wrapped, batch), strict=True))
     want, got = ref(**batch), wrapped(**batch)
-    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    torch.testing.assert_close(got.logits, want.logits, **tol)
     if want.get("aux_loss") is not None:  # DeepSeek-V3 and GPT-OSS have none
-        torch.testing.assert_close(got.aux_loss, want.aux_loss, **TOL)
-    torch.testing.assert_close(got.loss, want.loss, **TOL)
+        torch.testing.assert_close(got.aux_loss, want.aux_loss, **tol)
+    torch.testing.assert_close(got.loss, want.loss, **tol)
     want.loss.backward()
     got.loss.backward()
     ref_params, checked = dict(ref.named_parameters()), []
@@ -158,8 +167,9 @@ def check_one(arch: str, expert_parallel: bool | int = False,
         [p.grad for p in ref.parameters()]).to(norm.dtype), rtol=1e-6, atol=0)  # float32 sum
     # One AdamW step each (torchtp's optimizer-step check runs on the wrapped one): the
     # next forward still matches, and every replicated parameter is equal on every rank.
+    optimizer = torch.optim.SGD if arch in FLOAT32_NORMS else torch.optim.AdamW
     for model in (ref, wrapped):  # a second step: the AdamW states must match too
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = optimizer(model.parameters(), lr=1e-2)
         opt.step()
         opt.zero_grad()
         model(**batch).loss.backward()

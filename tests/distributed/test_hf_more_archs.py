@@ -4,13 +4,15 @@ grads, an SGD step, generation."""
 
 from __future__ import annotations
 
+from torchtp.hf.builtin import HEAD_NORM_TYPES
+
 from ._hf_checks import check_archs
 from ._hf_models import build
 
 # Which plan source each architecture ends up with (chosen by cost) when transformers
 # ships no plan for it (as 5.23 does for all but the 'HF plan' ones); see expected_source.
 SOURCES = {
-    "gemma2": "HF plan", "starcoder2": "HF plan", "olmo": "HF plan", "olmo2": "HF plan",
+    "gemma2": "HF plan", "starcoder2": "HF plan", "olmo": "HF plan", "olmo2": "torchtp built-in",
     "granite": "HF plan", "mistral-mqa": "HF plan", "llama-bias": "HF plan",
     "falcon": "auto", "falcon-new": "auto", "gptj": "auto", "cohere": "auto", "phi": "auto",
     "roberta": "torchtp built-in", "electra": "torchtp built-in",
@@ -37,8 +39,9 @@ def test_more_architectures_at_tp4(ranks):
 
 def expected_source(arch: str, without_hf_plan: str) -> str:
     """The model's own HF plan comes first once transformers ships one (CodeGen from 5.24),
-    unless the automatic plan reduces a parallel-residual layer once."""
+    unless the automatic plan reduces a parallel-residual layer once or torchtp's built-in
+    plan keeps the heads of q/k norms over all heads local (OLMo-2)."""
     config = build(arch).config
-    if arch in PARALLEL_RESIDUAL:
+    if arch in PARALLEL_RESIDUAL or config.model_type in HEAD_NORM_TYPES:
         return without_hf_plan
     return "HF plan" if getattr(config, "base_model_tp_plan", None) else without_hf_plan

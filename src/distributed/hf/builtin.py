@@ -8,6 +8,9 @@ MLP one; tied embeddings stay replicated.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
 _BERT = {
     "encoder.layer.*.attention.self.query": "colwise",
     "encoder.layer.*.attention.self.key": "colwise",
@@ -106,6 +109,46 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
 # Head-model outputs that the built-in plans split (their input is replicated).
 _HEADS = {"phi3": {"lm_head": "colwise_gather_output"},
           "gptj": {"lm_head": "colwise_gather_output"}}
+
+
+# Models whose attention normalises q and k over all heads (OLMo-2 and its kin): their HF
+# plans gather q/k/v ("we need to replicate here due to the added norm on q and k"). The
+# built-in plan is that plan with whole heads kept local instead: q/k/v split by heads,
+# the norms split with them (their mean of squares summed over the ranks, decision 152).
+HEAD_NORM_TYPES = frozenset({"olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2",
+                             "olmo_hybrid"})
+_LOCAL_HEADS = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
+
+
+def heads_kept_local(hf_rules: dict[str, str]) -> dict[str, str]:
+    """``hf_rules`` with its attention's gathered q/k/v and split-input o made local."""
+    attention = (".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj",
+                 ".self_attn.o_proj")
+    return {k: _LOCAL_HEADS.get(v, v) if k.endswith(attention) else v
+            for k, v in hf_rules.items()}
+
+
+# Multi-head latent attention (DeepSeek-V2/V3 and the models built on it): the latent
+# down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms stay whole on every
+# rank (small, and read by every head); the up-projections split by whole heads, each
+# head's nope/rope (q) or nope/value (kv) features together; o_proj by the same heads.
+_LATENT_ATTENTION = {"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise",
+                     "o_proj": "rowwise"}
+
+
+def latent_attention_plan(names: Iterable[str],
+                          hf_rules: dict[str, str] | None) -> dict[str, str] | None:
+    """The model's HF plan (if any) with every latent attention split by heads, or ``None``
+    when no module is a latent attention's ``kv_b_proj``. ``kv_a_proj_with_mqa`` gets its
+    style (``mla_kv_a_proj``) when the heads are split (:mod:`torchtp.plans.head_split`)."""
+    attentions = {re.sub(r"\.\d+(?=\.|$)", ".*", n.rpartition(".")[0])
+                  for n in names if n.endswith(".kv_b_proj")}
+    if not attentions:
+        return None
+    rules = dict(hf_rules or {})
+    for attention in sorted(attentions):
+        rules.update({f"{attention}.{leaf}": style for leaf, style in _LATENT_ATTENTION.items()})
+    return rules
 
 
 def builtin_plan(model_type: str, prefix: str) -> dict[str, str] | None:

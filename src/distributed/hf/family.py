@@ -19,7 +19,13 @@ from torch import nn
 from ..plans.attention_local import local_values
 from ..plans.resolved import Rules
 from ..plans.sources import HUGGINGFACE, ExpertsLayout
-from .builtin import BUILTIN_PLANS, builtin_plan
+from .builtin import (
+    BUILTIN_PLANS,
+    HEAD_NORM_TYPES,
+    builtin_plan,
+    heads_kept_local,
+    latent_attention_plan,
+)
 from .compat import expert_parallel_forward, experts_flags, mark_expert_parallel
 from .config_view import is_local_config, local_config
 from .detect import is_hf_model, text_config
@@ -48,12 +54,19 @@ class HuggingFace:
         hf: Any = model
         prefix = cast(str, hf.base_model_prefix) if hf.base_model is not model else ""
         model_type = getattr(hf.config, "model_type", "")
+        names = [name for name, _ in model.named_modules()]
         rules = builtin_plan(model_type, prefix)
+        own = hf_plan(model) if model_type in HEAD_NORM_TYPES else None
+        if own:
+            rules = heads_kept_local(own)
+        if rules is None:
+            rules = latent_attention_plan(names, hf_plan(model))
         if rules is None:
             return None
         # A built-in plan covers an architecture's variants (T5's plain or gated
         # feed-forward): the rules for modules this model lacks are dropped, not warned of.
-        names = [name for name, _ in model.named_modules()]
+        # HF's rules for expert parameters (planned by their experts module) stay.
+        names += [name for name, _ in model.named_parameters()]
         rules = {p: s for p, s in rules.items() if any(fnmatch.fnmatchcase(n, p) for n in names)}
         return Rules(f"torchtp built-in plan for {model_type!r}", rules)
 
@@ -62,7 +75,7 @@ class HuggingFace:
         model_type = getattr(cast(Any, model).config, "model_type", "")
         return ValueError(f"plan='builtin': torchtp has no built-in plan for "
                           f"model_type={model_type!r}; built-in plans exist for "
-                          f"{sorted(BUILTIN_PLANS)}")
+                          f"{sorted(BUILTIN_PLANS.keys() | HEAD_NORM_TYPES)}")
 
     def inner_model(self, model: nn.Module) -> tuple[str, nn.Module] | None:
         """The HF model inside a PEFT model."""

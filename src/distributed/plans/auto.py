@@ -47,14 +47,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..core.layouts import cut
+from ..layers.shared_by_heads import rms_norm_of_shard
 from .attention_local import local_overrides, narrow_head_biases
 from .dataflow import Inputs, Region, Trace, differs, probe_mode, record
-from .heads import HeadInfo, head_info, head_parts, is_attention, query_part
+from .heads import HeadInfo, head_info, head_parts, is_attention, output_part
 from .late_reduce import late_reduces
 from .linear_view import linear_view
 from .resolved import Rules
 from .styles import Colwise, ParallelStyle, ReplicatedWithGradAllreduce, Rowwise, ShardContext
-from .styles_heads import HeadColumns, HeadSplit
+from .styles_heads import HeadColumns, HeadNorm, HeadSplit, norm_epsilon
 
 SOURCE = "auto: dataflow pairs (any model)"
 EXAMPLE_TOKENS = (2, 4)  # (batch, sequence) of inputs derived from the model
@@ -78,6 +79,8 @@ class Pair:
     info: HeadInfo | None = None
     how: str = "feature-wise ops only"
     norms: tuple[str, ...] = ()  # per-head_dim norms on the way (Qwen3's q_norm/k_norm)
+    # Norms over all heads on the way (OLMo-2's q_norm/k_norm): name -> (style, producer).
+    head_norms: Mapping[str, tuple[HeadNorm, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def producers(self) -> list[str]:
@@ -384,7 +387,7 @@ def _alternatives(model: nn.Module, b: str, producers: list[str], linears: dict[
 
 def _head_pair(b: str, producers: list[str], views: dict[str, Any], info: HeadInfo | None,
                layout: str, owner: str, width: int) -> Pair | None:
-    if info is None or info.heads * info.head_dim != width:
+    if info is None or info.heads * info.value_dim != width:
         return None
     styles: dict[str, ParallelStyle] = {}
     for p in producers:
@@ -392,7 +395,7 @@ def _head_pair(b: str, producers: list[str], views: dict[str, Any], info: HeadIn
         if parts is None:
             return None
         styles[p] = HeadSplit(parts, layout if len(parts) > 1 else "colwise")
-    styles[b] = HeadColumns(query_part(info))  # the same heads' columns (head_share)
+    styles[b] = HeadColumns(output_part(info))  # the same heads' columns (head_share)
     how = (f"whole heads of '{owner}' ({info.heads} heads, {info.kv_heads} KV heads, "
            f"head_dim {info.head_dim}), local head counts confirmed by the probe")
     return Pair(b, styles, owner, info, how)
@@ -503,6 +506,10 @@ def _local_run(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardCont
                     override(module, attr, value)
                 hook = narrow_head_biases(module, pair.info, ctx)
                 hooks += [hook] if hook is not None else []
+            for name, (norm, source) in pair.head_norms.items():
+                module = model.get_submodule(name)
+                override(module, "forward", _head_norm_stub(module, name, norm, ctx,
+                                                            trace.calls[source][0].output))
         with probe_mode(model):
             yield
     finally:
@@ -518,6 +525,25 @@ def _local_run(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardCont
 def _producer_stub(part: torch.Tensor) -> Any:
     def forward(*_a: object, **_k: object) -> torch.Tensor:
         return part
+    return forward
+
+
+def _head_norm_stub(module: nn.Module, name: str, norm: HeadNorm, ctx: ShardContext,
+                    full: torch.Tensor) -> Any:
+    """The norm as :class:`~torchtp.layers.shared_by_heads.HeadShardedRMSNorm` computes it on
+    this rank, with the group's sum of squares taken from its producer's recorded output."""
+    layout = norm.plan(module, name, ctx).layouts["weight"]
+    weight = layout.take(module.weight)  # type: ignore[arg-type]
+    eps = norm_epsilon(module)
+    assert eps is not None  # plan() checked it
+    mine = cut(full, -1, layout.segments)
+    squares = full.to(torch.float32).pow(2).sum(-1, keepdim=True)  # (B, T, 1) of every head
+
+    def forward(x: torch.Tensor, *_a: object, **_k: object) -> torch.Tensor:
+        if x.shape != mine.shape or not torch.equal(x, mine):
+            raise ValueError(f"'{name}' does not read this rank's heads of '{norm.source}' "
+                             "directly")
+        return rms_norm_of_shard(x, squares, weight, eps, norm.part.size)
     return forward
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from .heads import HeadInfo
 from .linear_view import LinearView, linear_view
 from .styles import ParallelStyle, Rowwise, ShardContext
-from .styles_heads import HeadSplit, Part
+from .styles_heads import HeadNorm, HeadSplit, Part
 
 Segments = tuple[tuple[int, int], ...]
 
@@ -50,7 +50,7 @@ def output_projection(attention: str, info: HeadInfo, assignments: Mapping[str, 
     if not producers:
         return None
     names = list(assignments)
-    width = info.heads * info.head_dim
+    width = info.heads * info.value_dim
     after = names[names.index(producers[-1]) + 1:]
     if after and _reads_heads(after[0], width, assignments, modules):
         return after[0]
@@ -76,7 +76,7 @@ def query_rows(style: HeadSplit, out_features: int, info: HeadInfo, ctx: ShardCo
     for part in style.parts_for(out_features):
         if _is_query(part, info):  # heads -> attention output features (head_dim each)
             first, n = part.unit_range(ctx)
-            return ((first * info.head_dim, n * info.head_dim),)
+            return ((first * info.value_dim, n * info.value_dim),)
     return None
 
 
@@ -97,7 +97,7 @@ def check_head_boundaries(heads: Mapping[str, HeadInfo], assignments: Mapping[st
             tp size and the fix.
     """
     for attention, info in heads.items():
-        _check_head_params(attention, info, modules, ctx)
+        _check_head_params(attention, info, modules, ctx, assignments)
         consumer = output_projection(attention, info, assignments, modules)
         if consumer is None:
             continue
@@ -141,18 +141,20 @@ def _check_pair(attention: str, info: HeadInfo, producer: str, consumer: str, st
 
 
 def _check_head_params(attention: str, info: HeadInfo, modules: Mapping[str, nn.Module],
-                       ctx: ShardContext) -> None:
+                       ctx: ShardContext, assignments: Mapping[str, ParallelStyle]) -> None:
     """Refuse a per-head-grouped parameter inside a head-split attention (Cohere's ``q_norm``).
 
     A norm over ``head_dim`` (Qwen3's ``q_norm``) applies to any number of
     heads; one holding a row per head (weight ``(heads, head_dim)``) or the
-    whole width (``heads * head_dim``) would need its rows cut by the same heads,
-    which torchtp does not do: the forward would fail or mix heads.
+    whole width (``heads * head_dim``) needs its rows cut by the same heads:
+    only an RMS norm over a projection's whole output is (``head_norm``, OLMo-2's
+    ``q_norm``); any other would fail or mix heads.
     """
     lead = f"{attention}." if attention else ""
     widths = {info.heads * info.head_dim: info.heads, info.kv_heads * info.head_dim: info.kv_heads}
     for name, module in modules.items():
-        if not name.startswith(lead) or linear_view(module) is not None:
+        if not name.startswith(lead) or linear_view(module) is not None \
+                or isinstance(assignments.get(name), HeadNorm):
             continue
         for pname, param in module.named_parameters(recurse=False):
             heads = widths.get(param.numel())

@@ -12,22 +12,34 @@ nothing has to divide. Fused ``qkv`` projections are split part by part, and
 the output projection's input columns follow the same query heads
 (:class:`~torchtp.plans.styles_heads.HeadColumns`), wherever that projection
 lives (found by :func:`~torchtp.plans.head_boundaries.output_projection`).
-Every cut follows one rule, :func:`torchtp.core.layouts.head_share`. After the
-swap, :func:`torchtp.plans.attention_local.localize_attention` gives each
-module its local head counts.
+A norm over all of a projection's heads (OLMo-2's ``q_norm`` over
+``q_proj``'s whole output) is split with it
+(:class:`~torchtp.plans.styles_heads.HeadNorm`). Every cut follows one rule,
+:func:`torchtp.core.layouts.head_share`. After the swap,
+:func:`torchtp.plans.attention_local.localize_attention` gives each module its
+local head counts.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .head_boundaries import output_projection
-from .heads import HeadInfo, head_info, head_parts, is_attention, query_part
+from .heads import HeadInfo, head_info, head_parts, is_attention, output_part
 from .linear_view import linear_view
 from .resolved import ResolvedPlan
 from .sources import head_config
 from .styles import Colwise, Rowwise
-from .styles_heads import HeadColumns, HeadSplit
+from .styles_heads import (
+    HeadColumns,
+    HeadNorm,
+    HeadSplit,
+    Part,
+    RopeKey,
+    norm_epsilon,
+    shared_rope,
+)
 
 
 def split_whole_heads(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInfo]:
@@ -62,8 +74,70 @@ def split_whole_heads(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInf
                           f"'{parent_name}' ({info.heads} heads, {info.kv_heads} KV heads, "
                           f"head_dim {info.head_dim})")
         found[parent_name] = info
+        _head_norms(plan, modules, name, parts)
+    for parent_name in found:
+        _rope_key(plan, modules, parent_name)
     _head_columns(plan, modules, found)
     return found
+
+
+def _rope_key(plan: ResolvedPlan, modules: dict[str, nn.Module], attention: str) -> None:
+    """Give a head-split latent attention's ``kv_a_proj_with_mqa`` its :class:`RopeKey`.
+
+    Its last ``qk_rope_head_dim`` features are one key that every head reads,
+    outside any split layer: without the style each rank's gradient of them would
+    cover its own heads only. An attention whose projection is not found is refused.
+
+    Raises:
+        ValueError: a latent attention without a Linear child of ``kv_lora_rank +
+            qk_rope_head_dim`` out_features (weight rows).
+    """
+    latent = shared_rope(modules[attention])
+    if latent is None:
+        return
+    width = sum(latent)
+    for name, module in modules.items():
+        view = linear_view(module)
+        if name.rpartition(".")[0] == attention and view is not None \
+                and view.out_features == width and not isinstance(plan.assignments.get(name),
+                                                                   Colwise):
+            plan.assignments[name] = RopeKey(latent[1])
+            plan.why[name] = (f"mla_kv_a_proj: whole on every rank; the gradient of its last "
+                              f"{latent[1]} features (the rope key every head of '{attention}' "
+                              "reads) summed over the ranks")
+            return
+    raise ValueError(
+        f"attention '{attention}' ({type(modules[attention]).__name__}) is a multi-head latent "
+        f"attention (kv_lora_rank={latent[0]}, qk_rope_head_dim={latent[1]}) split by whole "
+        f"heads, but no Linear inside it has out_features={width} (weight rows): the rope key "
+        "every head reads would get each rank's partial gradient. Keep its projections whole "
+        "(plan= with them 'replicate') or report the architecture")
+
+
+def _head_norms(plan: ResolvedPlan, modules: dict[str, nn.Module], producer: str,
+                parts: tuple[Part, ...]) -> None:
+    """Split the norm over all of ``producer``'s heads with it, if its attention has one.
+
+    The norm is a sibling named like the projection (``q_norm`` for ``q_proj``,
+    ``k_layernorm`` for ``k_proj``) with a 1-D weight as wide as its output; a
+    norm over one head's ``head_dim`` needs nothing. The plan probe confirms the
+    arithmetic before anything is cut (:mod:`torchtp.plans.verify`).
+    """
+    if len(parts) != 1:
+        return
+    parent, _, leaf = producer.rpartition(".")
+    stem = leaf.split("_")[0]
+    for name, module in modules.items():
+        owner, _, child = name.rpartition(".")
+        weight = getattr(module, "weight", None)
+        if (owner != parent or child.split("_")[0] != stem or "norm" not in child.lower()
+                or name in plan.assignments or not isinstance(weight, torch.Tensor)
+                or weight.dim() != 1 or weight.shape[0] != parts[0].size
+                or norm_epsilon(module) is None):
+            continue
+        plan.assignments[name] = HeadNorm(parts[0], producer)
+        plan.why[name] = (f"head_norm: an RMS norm over every head of '{producer}', its weight "
+                          "split with those heads, the mean of squares summed over the ranks")
 
 
 def _head_columns(plan: ResolvedPlan, modules: dict[str, nn.Module],
@@ -80,6 +154,6 @@ def _head_columns(plan: ResolvedPlan, modules: dict[str, nn.Module],
         style = plan.assignments.get(name) if name is not None else None
         if name is None or type(style) is not Rowwise or style.split_input:
             continue
-        plan.assignments[name] = HeadColumns(query_part(info), style.name)
+        plan.assignments[name] = HeadColumns(output_part(info), style.name)
         plan.why[name] = (f"{plan.why.get(name, style.name)}; input columns by the whole "
                           f"query heads of attention '{parent_name}'")

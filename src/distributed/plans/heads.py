@@ -29,11 +29,25 @@ HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_siz
 
 @dataclass(frozen=True)
 class HeadInfo:
-    """Head geometry of one attention module."""
+    """Head geometry of one attention module.
+
+    Attributes:
+        heads: Query heads.
+        kv_heads: Key/value heads.
+        head_dim: Features per head of the query/key projections.
+        value_dim: Features per head of the attention's output (its output
+            projection reads ``heads * value_dim``); ``head_dim`` unless the module
+            says otherwise (multi-head latent attention's ``v_head_dim``).
+    """
 
     heads: int
     kv_heads: int
     head_dim: int
+    value_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.value_dim:
+            object.__setattr__(self, "value_dim", self.head_dim)
 
 
 def _first_int(obj: object, names: tuple[str, ...]) -> int | None:
@@ -56,7 +70,9 @@ def head_info(module: nn.Module, config: object) -> HeadInfo | None:
     hidden = _first_int(config, ("hidden_size", "n_embd", "d_model"))
     head_dim = (_first_int(module, HEAD_DIM_ATTRS) or _first_int(config, ("head_dim", "d_kv"))
                 or (hidden // heads if hidden else None))
-    return HeadInfo(heads, kv, head_dim) if head_dim else None
+    if not head_dim:
+        return None
+    return HeadInfo(heads, kv, head_dim, _first_int(module, ("v_head_dim",)) or head_dim)
 
 
 def is_attention(module: nn.Module) -> bool:
@@ -69,6 +85,12 @@ def is_attention(module: nn.Module) -> bool:
 def query_part(info: HeadInfo) -> Part:
     """The query heads as a part split by whole heads, keeping KV groups together."""
     return Part(info.heads * info.head_dim, info.heads, "num_attention_heads (query heads)",
+                kv_groups=info.kv_heads)
+
+
+def output_part(info: HeadInfo) -> Part:
+    """The attention output's features (``value_dim`` per query head), split like the heads."""
+    return Part(info.heads * info.value_dim, info.heads, "num_attention_heads (query heads)",
                 kv_groups=info.kv_heads)
 
 
@@ -89,4 +111,10 @@ def head_parts(rows: int, style_name: str, info: HeadInfo) -> tuple[Part, ...] |
         if h % k == 0:  # KV groups one after another, each [its query heads, k, v] (Falcon's
             # new architecture): whole groups per rank (fewer groups than ranks cannot split)
             return (Part(rows, k, "KV groups (each: its query heads, a key and a value head)"),)
+    if k == h and rows % h == 0:
+        # Multi-head latent attention's up-projections (DeepSeek-V2/V3): every head has its
+        # own key and value, with widths of their own (q_b_proj: nope + rope features per
+        # head; kv_b_proj: nope + value features per head), one head after another.
+        return (Part(rows, h, f"num_attention_heads (query heads, {rows // h} features each)",
+                     kv_groups=k),)
     return None

@@ -12,7 +12,7 @@ from .styles import (
 )
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
 from .styles_experts import ExpertsEP, ExpertsTP
-from .styles_heads import HeadSplit
+from .styles_heads import HeadSplit, RopeKey
 from .styles_partial import (
     PartialGradOutput,
     ReduceInput,
@@ -51,8 +51,7 @@ STYLES: dict[str, ParallelStyle] = {
     "packed_rowwise": Unsupported("packed_rowwise", "fused input-side projections are not "
                                   "split by torchtp yet"),
     "sequence_parallel": SequenceParallel(),
-    "mla_kv_a_proj": Unsupported("mla_kv_a_proj", "multi-head latent attention is not "
-                                 "implemented yet"),
+    "mla_kv_a_proj": RopeKey(),
     "all_reduce": Unsupported("all_reduce", "partial-output modules are not implemented yet"),
     "local_params": Unsupported("local_params", "bare sharded parameters are not implemented yet"),
 }

@@ -6,6 +6,11 @@
   replicated head by head on the ranks that use it (GQA with tp > KV heads).
 * :class:`HeadColumns` - an attention output projection whose input columns
   follow the same whole query heads.
+* :class:`HeadNorm` - an RMS norm over all the heads of a projection's output
+  (OLMo-2's ``q_norm``/``k_norm``): its weight split like those rows, the mean
+  of squares summed over the ranks.
+* :class:`RopeKey` - multi-head latent attention's ``kv_a_proj_with_mqa``, whole,
+  the gradient of the rope key every head reads summed over the ranks.
 
 Nothing here is specific to one model family: HuggingFace's ``packed_colwise``
 and the automatic plan's head splits of any model both use these. Each follows
@@ -16,13 +21,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from ..core.layouts import head_share, shard_range
+from ..core.layouts import ParamLayout, group_ranks, head_share, shard_range
 from ..layers.grad_sync import GradSync, mark
+from ..layers.shared_by_heads import HeadShardedRMSNorm, RopeKeyEntry
 from .constraints import Constraint
 from .linear_view import LinearView
-from .styles import Colwise, LayerPlan, Rowwise, ShardContext
+from .styles import Colwise, LayerPlan, ParallelStyle, Rowwise, ShardContext, require_linear
 from .subgroups import sharing_subgroup
 
 
@@ -159,3 +166,115 @@ class HeadColumns(Rowwise):
 
     def detail(self, view: LinearView) -> str:
         return f"input columns split by whole heads: {self.heads.units} {self.heads.name}"
+
+
+def norm_epsilon(module: nn.Module) -> float | None:
+    """An RMS norm's epsilon (``variance_epsilon`` or ``eps``), or None when it has none."""
+    for attr in ("variance_epsilon", "eps"):
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+class HeadNorm(ParallelStyle):
+    """Split an RMS norm over all of a projection's heads like the projection's rows.
+
+    The norm's weight ``(heads * head_dim,)`` keeps this rank's heads, and the
+    forward (:class:`~torchtp.layers.shared_by_heads.HeadShardedRMSNorm`) sums the
+    squares of the rank's shard over the group: one all-reduce of a ``(B, T, 1)``
+    tensor per call, forward and backward. The plan probe runs the same
+    arithmetic (:func:`~torchtp.layers.shared_by_heads.rms_norm_of_shard`) before
+    anything is cut, so a norm that is not an RMS norm of this form keeps its
+    attention replicated.
+
+    Args:
+        part: The projection's part this norm normalises (query or KV heads).
+        source: The projection whose output it reads (the probe's reference).
+    """
+
+    name = "head_norm"
+
+    def __init__(self, part: Part, source: str) -> None:
+        self.part = part
+        self.source = source
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        weight = getattr(module, "weight", None)
+        if (not isinstance(weight, torch.Tensor) or weight.dim() != 1
+                or weight.shape[0] != self.part.size or norm_epsilon(module) is None):
+            raise TypeError(f"plan style {self.name!r} for module '{fqn}' "
+                            f"({type(module).__name__}) needs an RMS norm with a 1-D weight of "
+                            f"{self.part.size} features ({self.part.name}) and an epsilon")
+        constraints = (Constraint(f"module '{fqn}' (style {self.name!r})", self.part.name,
+                                  self.part.units, replicable=self.part.replicable),)
+        full = (self.part.size,)
+        if not all(c.ok(ctx.world_size) for c in constraints):
+            return LayerPlan(fqn, self.name, constraints, full, collectives=("all_reduce",))
+        layout = ParamLayout(full, 0, (self.part.segment(0, ctx),))
+        return LayerPlan(fqn, self.name, constraints, full, layout.local_shape,
+                         {"weight": layout}, ("all_reduce",),
+                         f"weight split like '{self.source}' ({self.part.units} "
+                         f"{self.part.name}); the mean of squares over all heads summed over the "
+                         "ranks (one all-reduce of (B, T, 1))")
+
+    def sharing(self, ctx: ShardContext) -> int:
+        """How many ranks hold this rank's heads (more ranks than KV heads), else 1."""
+        if not self.part.is_kv or self.part.units >= ctx.world_size:
+            return 1
+        return next(len(r) for r in group_ranks(self.part.units, ctx.world_size)
+                    if ctx.rank in r)
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size == 1 or not layer.layouts:
+            return module
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        eps = norm_epsilon(module)
+        assert eps is not None  # plan() checked it
+        local = nn.Parameter(layer.layouts["weight"].take(weight),
+                             requires_grad=weight.requires_grad)
+        sharing = self.sharing(ctx)
+        swapped = HeadShardedRMSNorm(local, eps, self.part.size, 1.0 / sharing, ctx.group,
+                                     ctx.world_size, dict(layer.layouts), layer.fqn)
+        if sharing > 1:  # a replicated KV head: each rank's gradient covers its query heads
+            mark(swapped, "weight", (GradSync(sharing_subgroup(ctx, self.part.units),
+                                              (0, local.shape[0])),))
+        return swapped
+
+
+def shared_rope(attention: nn.Module) -> tuple[int, int] | None:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of a multi-head latent attention, else None."""
+    latent = getattr(attention, "kv_lora_rank", None)
+    rope = getattr(attention, "qk_rope_head_dim", None)
+    if isinstance(latent, int) and isinstance(rope, int) and latent > 0 and rope > 0:
+        return latent, rope
+    return None
+
+
+class RopeKey(ParallelStyle):
+    """A latent attention's ``kv_a_proj_with_mqa``: whole on every rank; the gradient of
+    its rope features, one key shared by every head, summed over the ranks.
+
+    HF's ``mla_kv_a_proj``. The rope width comes from the attention module
+    (:func:`shared_rope`) when torchtp splits its heads; with the heads whole,
+    every rank computes every head and the style keeps the module as it is.
+
+    Args:
+        rope: The rope features at the end of the output (``None``: not resolved yet).
+    """
+
+    name = "mla_kv_a_proj"
+
+    def __init__(self, rope: int | None = None) -> None:
+        self.rope = rope
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        view = require_linear(self.name, module, fqn)
+        shape = (view.out_features, view.in_features)
+        return LayerPlan(fqn, self.name, full=shape, local=shape)
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size > 1 and self.rope is not None:
+            module.register_forward_hook(RopeKeyEntry(self.rope, ctx.group))
+        return module

@@ -44,6 +44,7 @@ from .linear_view import linear_view
 from .resolved import ResolvedPlan
 from .sources import family_of
 from .styles import Colwise, ParallelStyle, Replicate, Rowwise, ShardContext
+from .styles_heads import HeadNorm, RopeKey
 
 CONFIRMED = "whole heads confirmed by the local probe"
 OPT_OUT = "verify_plan=False"
@@ -120,7 +121,7 @@ def _output_projections(model: nn.Module, plan: ResolvedPlan, attention: str) ->
     for name, style in plan.assignments.items():
         view = linear_view(model.get_submodule(name))
         if (isinstance(style, Rowwise) and not style.split_input and name.startswith(lead)
-                and view is not None and view.in_features == info.heads * info.head_dim
+                and view is not None and view.in_features == info.heads * info.value_dim
                 and not any(name.startswith(f"{o}.") for o in own if o != parent)):
             out.append(name)
     return out
@@ -206,10 +207,15 @@ def _every_layer(probe: nn.Module, trace: Trace, pairs: dict[str, Pair]) -> list
             styles = {renamed: s for n, s in pair.styles.items()
                       if (renamed := _renumber(n, pair.attention, name)) is not None}
             consumer = _renumber(pair.consumer, pair.attention, name)
+            norms = {_renumber(n, pair.attention, name): (s, _renumber(src, pair.attention, name))
+                     for n, (s, src) in pair.head_norms.items()}
             if consumer is not None and len(styles) == len(pair.styles) \
-                    and all(n in trace.calls for n in styles):
-                out.append(dataclasses.replace(pair, consumer=consumer, styles=styles,
-                                               attention=name))
+                    and all(n in trace.calls for n in styles) \
+                    and all(src in trace.calls for _, src in norms.values()):
+                out.append(dataclasses.replace(
+                    pair, consumer=consumer, styles=styles, attention=name,
+                    head_norms={n: (s, src) for n, (s, src) in norms.items()
+                                if n is not None and src is not None}))
     return out
 
 
@@ -224,9 +230,11 @@ def _cache_key(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadInfo],
     # Only the styles the probe reads (_pair, _consumer): another candidate or the cost
     # model's choice for a head or an embedding does not change a verdict.
     styles = frozenset((_stars(n), type(s), s.name, getattr(s, "parts", None),
-                        getattr(s, "heads", None)) for n, s in plan.assignments.items()
+                        getattr(s, "heads", None), getattr(s, "part", None))
+                       for n, s in plan.assignments.items()
                        if (isinstance(s, Colwise) and not s.gather_output)
-                       or (isinstance(s, Rowwise) and not s.split_input))
+                       or (isinstance(s, Rowwise) and not s.split_input)
+                       or isinstance(s, HeadNorm))
     return (type(model), config, types, styles,
             frozenset((_stars(a), i) for a, i in heads.items()), ctx.world_size)
 
@@ -326,13 +334,22 @@ def _pair(probe: nn.Module, trace: Trace, plan: ResolvedPlan, attention: str, in
     if len(local) != len(producers):
         return f"{UNVERIFIABLE}: the probe forward did not call its projections"
     owner = names.get(_stars(attention))
-    consumer = _consumer(probe, trace, plan, local, names)
+    # A latent attention's rope key projection is whole on every rank, read by every head.
+    whole = {names.get(_stars(n)) for n, s in plan.assignments.items()
+             if n.startswith(f"{attention}.") and isinstance(s, RopeKey) and s.rope}
+    consumer = _consumer(probe, trace, plan, local | {n for n in whole if n is not None}, names)
     if consumer is None or owner is None:
         return (f"{UNVERIFIABLE}: no output projection split by in_features (weight columns, "
                 "'rowwise') reads only its split heads")
     styles: dict[str, ParallelStyle] = {n: s for n, s in producers.items() if n is not None}
     styles[consumer[0]] = consumer[1]
-    return Pair(consumer[0], styles, owner, info, "whole heads")
+    norms = {names.get(_stars(n)): (s, names.get(_stars(s.source)))
+             for n, s in plan.assignments.items()
+             if n.startswith(f"{attention}.") and isinstance(s, HeadNorm)}
+    if any(n is None or src not in local for n, (_, src) in norms.items()):
+        return f"{UNVERIFIABLE}: its norms over all heads are not in the probe model"
+    head_norms = {n: (s, src) for n, (s, src) in norms.items() if n is not None and src}
+    return Pair(consumer[0], styles, owner, info, "whole heads", head_norms=head_norms)
 
 
 def _consumer(probe: nn.Module, trace: Trace, plan: ResolvedPlan, producers: set[str],
