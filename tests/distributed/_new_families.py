@@ -54,3 +54,54 @@ def check_other_norm_kept_whole(rank: int, world_size: int) -> dict[str, str]:
     return {"q_proj": styles.get("model.layers.0.self_attn.q_proj", "replicate"),
             "q_norm": styles.get("model.layers.0.self_attn.q_norm", "replicate"),
             "describe": wrapped.describe_plan()}
+
+
+def build_hybrid(arch: str) -> torch.nn.Module:
+    """A tiny float32 Qwen3-Next (gated delta-net + MoE) or Jamba (Mamba + attention + MoE)
+    with transformers' default experts kernel (grouped_mm) and 32 expert features."""
+    import transformers as tf
+
+    common = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
+    if arch == "qwen3_next":
+        config = tf.Qwen3NextConfig(
+            **common, head_dim=8, intermediate_size=48, moe_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, shared_expert_intermediate_size=32, linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"])
+    else:
+        config = tf.JambaConfig(**common, intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                                mamba_expand=2, attn_layer_period=2, attn_layer_offset=1,
+                                expert_layer_period=2, expert_layer_offset=1,
+                                use_mamba_kernels=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).float().train()
+
+
+def check_hybrid(rank: int, world_size: int, archs: list[str]) -> dict[str, tuple[int, ...]]:
+    """Logits, loss and every gradient equal one process's under grouped_mm; returns each
+    model's local experts ``down_proj`` shape."""
+    from ._hf_checks import expected_local
+
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for arch in archs:
+        ref, wrapped = build_hybrid(arch), torchtp.DistributedModelWrapper(build_hybrid(arch))
+        want, got = ref(input_ids=ids, labels=ids), wrapped(input_ids=ids, labels=ids)
+        # float32: the MoE layer's all-reduce sums the ranks' partials in another order.
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+        want.loss.backward()
+        got.loss.backward()
+        full = dict(ref.named_parameters())
+        for name, p in wrapped.base_model.named_parameters():
+            module, _, pname = name.rpartition(".")
+            # Gradients of O(1e-3..1) through two float32 layers: rtol 1e-4 (see GRADS).
+            torch.testing.assert_close(p.grad, expected_local(
+                wrapped.base_model.get_submodule(module), pname, full[name].grad),
+                rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{arch} {n}: {m}")
+        experts = next(m for n, m in wrapped.base_model.named_modules()
+                       if n.endswith("experts") and hasattr(m, "down_proj"))
+        out[arch] = tuple(experts.down_proj.shape)
+    return out

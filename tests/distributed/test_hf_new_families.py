@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._new_families import check_family, check_other_norm_kept_whole
+from ._new_families import check_family, check_hybrid, check_other_norm_kept_whole
 
 OLMO = ["olmo2", "olmo2-gqa", "olmo2-uneven"]
 MLA = ["deepseek_v3-uneven", "deepseek_v2-uneven"]
@@ -56,3 +56,12 @@ def test_latent_attention_split_by_heads(ranks, tp):
             # embedding and LM head (by cost, at this tiny size) and the latent down-projections
             # (as vLLM keeps them): a quarter of this model, a few percent of a real one.
             assert got["share"] <= 0.64, (arch, got["share"])
+
+
+def test_hybrid_moe_models_run_at_tp3_under_grouped_mm(ranks):
+    # Qwen3-Next and Jamba with 32 expert features: 12/12/8 at tp 3 (16-byte blocks), which
+    # transformers' default grouped_mm accepts (11/11/10 raised "strides should be multiple
+    # of 16 bytes"). Their linear attention and Mamba mixers stay whole (not split yet).
+    shapes = ranks(check_hybrid, 3, ["qwen3_next", "jamba"], timeout=600, gloo_timeout=120)
+    assert [s["qwen3_next"][-1] for s in shapes] == [12, 12, 8], shapes
+    assert [s["jamba"][-1] for s in shapes] == [12, 12, 8], shapes

@@ -108,13 +108,16 @@ def head_parts(rows: int, style_name: str, info: HeadInfo) -> tuple[Part, ...] |
             return (q, kv, kv)
         if k == h:  # per-head interleaved [q k v] groups (GPT-NeoX): whole heads stay together
             return (Part(rows, h, "num_attention_heads (fused q/k/v heads)"),)
-        if h % k == 0:  # KV groups one after another, each [its query heads, k, v] (Falcon's
-            # new architecture): whole groups per rank (fewer groups than ranks cannot split)
-            return (Part(rows, k, "KV groups (each: its query heads, a key and a value head)"),)
-    if k == h and rows % h == 0:
-        # Multi-head latent attention's up-projections (DeepSeek-V2/V3): every head has its
-        # own key and value, with widths of their own (q_b_proj: nope + rope features per
-        # head; kv_b_proj: nope + value features per head), one head after another.
-        return (Part(rows, h, f"num_attention_heads (query heads, {rows // h} features each)",
+    if h % k == 0 and rows % h == 0:
+        # Every query head's own block of rows, one after another: Qwen3-Next's gated q_proj
+        # ([q, gate] per head), latent attention's up-projections (nope + rope, or nope +
+        # value, per head), Falcon's new architecture when its KV groups ([its query heads,
+        # k, v] each) divide into heads. Whole KV groups per rank while tp <= KV heads; the
+        # plan probe confirms the layout before anything is cut.
+        return (Part(rows, h, f"num_attention_heads ({rows // h} rows per query head)",
                      kv_groups=k),)
+    if rows == (h + 2 * k) * d and h % k == 0:
+        # KV groups one after another, each [its query heads, k, v] (Falcon's new
+        # architecture): whole groups per rank (fewer groups than ranks cannot split)
+        return (Part(rows, k, "KV groups (each: its query heads, a key and a value head)"),)
     return None
