@@ -100,7 +100,7 @@ def check_hybrid(rank: int, world_size: int, archs: list[str]) -> dict[str, tupl
             # Gradients of O(1e-3..1) through two float32 layers: rtol 1e-4 (see GRADS).
             torch.testing.assert_close(p.grad, expected_local(
                 wrapped.base_model.get_submodule(module), pname, full[name].grad),
-                rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{arch} {n}: {m}")
+                rtol=1e-4, atol=1e-5, msg=lambda m, n=name, a=arch: f"{a} {n}: {m}")
         experts = next(m for n, m in wrapped.base_model.named_modules()
                        if n.endswith("experts") and hasattr(m, "down_proj"))
         out[arch] = tuple(experts.down_proj.shape)
