@@ -57,6 +57,7 @@ def _newer_families() -> list[str]:
     at tp 2 (rank 0 holds the largest share)."""
     import torchtp
     from tests.distributed._hf_models import build
+    from tests.distributed._new_families import build_hybrid
     from tests.distributed.test_hf_new_families import MLA, OLMO
 
     rows = ["", "Newer decoder families, checked at tp 2, 3 and 4 by "
@@ -78,6 +79,21 @@ def _newer_families() -> list[str]:
         share = sum(p.numel() for p in wrapped.parameters()) / full
         rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
                     f"{', '.join(heads)} | {', '.join(shared) or '-'} | {share:.2f} |")
+    rows += ["", "Hybrid models with experts, checked at tp 3 under `grouped_mm` (logits and "
+             "every gradient); their linear-attention and Mamba mixers stay whole, not split yet:",
+             "", "| architecture (test config) | model class | plan source | experts' features "
+             "per rank at tp 3 | parameters per rank at tp 2 |", "|---|---|---|---|---:|"]
+    for arch in ("qwen3_next", "jamba"):
+        model = build_hybrid(arch)
+        full = sum(p.numel() for p in model.parameters())
+        wrapped = torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+        share = sum(p.numel() for p in wrapped.parameters()) / full
+        features = [next(m.down_proj.shape[-1] for n, m in torchtp.DistributedModelWrapper(
+            build_hybrid(arch), world_size=3, rank=r).base_model.named_modules()
+            if n.endswith("experts")) for r in range(3)]
+        rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | "
+                    f"{wrapped.resolved_plan.source} | {'/'.join(map(str, features))} of 32 | "
+                    f"{share:.2f} |")
     return rows
 
 
