@@ -105,3 +105,48 @@ def check_hybrid(rank: int, world_size: int, archs: list[str]) -> dict[str, tupl
                        if n.endswith("experts") and hasattr(m, "down_proj"))
         out[arch] = tuple(experts.down_proj.shape)
     return out
+
+
+def build_kin(arch: str) -> torch.nn.Module:
+    """A tiny float64 OLMo-3, FlexOlmo or MiniMax-M2 (q/k norms over all heads; experts
+    run eagerly: grouped_mm has no float64 kernel)."""
+    import transformers as tf
+
+    common = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "max_position_embeddings": 64}
+    config = {"olmo3": lambda: tf.Olmo3Config(**common),
+              "flex_olmo": lambda: tf.FlexOlmoConfig(**common, num_experts=4,
+                                                     num_experts_per_tok=2, pad_token_id=0),
+              "minimax_m2": lambda: tf.MiniMaxM2Config(**common, head_dim=8,
+                                                       num_local_experts=4,
+                                                       num_experts_per_tok=2)}[arch]()
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).double()
+
+
+def check_kin(rank: int, world_size: int, archs: list[str]) -> dict[str, list[str]]:
+    """Logits, loss and every gradient equal one process's; returns each plan's head norms."""
+    from ._hf_checks import expected_local
+
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for arch in archs:
+        ref, wrapped = build_kin(arch), torchtp.DistributedModelWrapper(build_kin(arch))
+        want, got = ref(input_ids=ids, labels=ids), wrapped(input_ids=ids, labels=ids)
+        # The norms compute in float32 whatever the model's dtype: float32-level agreement.
+        tol = {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(got.logits, want.logits, **tol)
+        want.loss.backward()
+        got.loss.backward()
+        full = dict(ref.named_parameters())
+        for name, p in wrapped.base_model.named_parameters():
+            module, _, pname = name.rpartition(".")
+            torch.testing.assert_close(p.grad, expected_local(
+                wrapped.base_model.get_submodule(module), pname, full[name].grad), **tol,
+                msg=lambda m, n=name, a=arch: f"{a} {n}: {m}")
+        out[arch] = sorted(n for n, s in wrapped.resolved_plan.assignments.items()
+                           if getattr(s, "name", "") == "head_norm")
+    return out

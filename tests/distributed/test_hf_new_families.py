@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._new_families import check_family, check_hybrid, check_other_norm_kept_whole
+from ._new_families import check_family, check_hybrid, check_kin, check_other_norm_kept_whole
 
 OLMO = ["olmo2", "olmo2-gqa", "olmo2-uneven"]
 MLA = ["deepseek_v3-uneven", "deepseek_v2-uneven"]
@@ -65,3 +65,11 @@ def test_hybrid_moe_models_run_at_tp3_under_grouped_mm(ranks):
     shapes = ranks(check_hybrid, 3, ["qwen3_next", "jamba"], timeout=600, gloo_timeout=120)
     assert [s["qwen3_next"][-1] for s in shapes] == [12, 12, 8], shapes
     assert [s["jamba"][-1] for s in shapes] == [12, 12, 8], shapes
+
+
+def test_the_kin_of_olmo2_split_their_norms_too(ranks):
+    # The same built-in plan for OLMo-3, FlexOlmo (experts) and MiniMax-M2 (experts).
+    got = ranks(check_kin, 2, ["olmo3", "flex_olmo", "minimax_m2"], timeout=600)[0]
+    for arch, norms in got.items():
+        assert norms == [f"model.layers.{i}.self_attn.{n}_norm" for i in (0, 1) for n in "kq"], \
+            (arch, norms)
