@@ -44,7 +44,10 @@ def expected_local(module: nn.Module, pname: str, full: torch.Tensor) -> torch.T
     return full if layout is None else layout.take(full)
 
 
-def compare_params(wrapped: nn.Module, ref: nn.Module, grads: bool) -> int:
+def compare_params(wrapped: nn.Module, ref: nn.Module, grads: bool,
+                   tol: dict[str, float] | None = None) -> int:
+    """Every parameter (or gradient) of ``wrapped`` equals this rank's part of ``ref``'s
+    (within ``tol``, default GRADS); replicated ones are identical on every rank."""
     ref_params = dict(ref.named_parameters())
     checked = 0
     for name, p in wrapped.base_model.named_parameters():
@@ -53,7 +56,7 @@ def compare_params(wrapped: nn.Module, ref: nn.Module, grads: bool) -> int:
         mine = p.grad if grads else p.detach()
         assert mine is not None, f"{name} got no gradient"
         torch.testing.assert_close(mine, expected_local(module, name.rpartition(".")[2], full),
-                                   **GRADS, msg=lambda m, n=name: f"{n}: {m}")
+                                   **(tol or GRADS), msg=lambda m, n=name: f"{n}: {m}")
         if not torchtp.layouts_of(module):  # replicated: identical on every rank
             first = mine.detach().clone()
             dist.broadcast(first, src=0)

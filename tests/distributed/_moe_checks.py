@@ -16,7 +16,7 @@ from torch import nn
 
 import torchtp
 
-from ._hf_checks import expected_local
+from ._hf_checks import compare_params, expected_local
 
 VOCAB = 96
 # float64 end to end: sums in another order differ by ~1e-15 relative.
@@ -238,12 +238,7 @@ def check_grouped_mm_uneven(rank: int, world_size: int) -> list[tuple[int, ...]]
             continue
         want.loss.backward()
         got.loss.backward()
-        ref_params = dict(ref.named_parameters())
-        for name, p in wrapped.base_model.named_parameters():
-            module_name, _, pname = name.rpartition(".")
-            torch.testing.assert_close(p.grad, expected_local(
-                wrapped.base_model.get_submodule(module_name), pname, ref_params[name].grad),
-                **tol, msg=lambda m, n=name: f"{n}: {m}")
+        compare_params(wrapped, ref, grads=True, tol=tol)
     return shapes
 
 
