@@ -135,6 +135,32 @@ def _uneven_configs(tf: object) -> dict:
         "gpt2-uneven": lambda: tf.GPT2Config(vocab_size=97, n_embd=55, n_layer=2, n_head=5,
                                              n_inner=98, n_positions=64, bos_token_id=0,
                                              eos_token_id=1),
+        **_state_space_configs(tf),
+    }
+
+
+def _state_space_configs(tf: object) -> dict:
+    """Mamba-2-style mixers: 8 heads in 2 groups (tp 4: each group on two ranks), and 10
+    heads in one group (released checkpoints' n_groups=1: every rank shares the group's B/C
+    and the gated norm's statistic; tp 3: 4/3/3 heads). Falcon-H1 with its gated norm (gate
+    after the norm) and without one (the gate alone)."""
+    mamba = {"num_hidden_layers": 2, "state_size": 8, "conv_kernel": 4, "chunk_size": 4,
+             "expand": 2, "head_dim": 8}
+    falcon = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+              "mamba_d_head": 8, "mamba_d_state": 8, "mamba_chunk_size": 4,
+              "max_position_embeddings": 64}
+    return {
+        "mamba2": lambda: tf.Mamba2Config(**mamba, vocab_size=VOCAB, hidden_size=64,
+                                          num_heads=16, n_groups=2),
+        "mamba2-uneven": lambda: tf.Mamba2Config(**mamba, vocab_size=97, hidden_size=40,
+                                                 num_heads=10, n_groups=1),
+        "falcon_h1": lambda: tf.FalconH1Config(**falcon, vocab_size=VOCAB, hidden_size=64,
+                                               intermediate_size=128, mamba_n_heads=16,
+                                               mamba_n_groups=2, mamba_d_ssm=128,
+                                               mamba_rms_norm=True),
+        "falcon_h1-uneven": lambda: tf.FalconH1Config(**falcon, vocab_size=97, hidden_size=40,
+                                                      intermediate_size=98, mamba_n_heads=10,
+                                                      mamba_n_groups=1, mamba_d_ssm=80),
     }
 
 
@@ -155,4 +181,5 @@ GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_ne
              "phi", "stablelm", "mistral-mqa", "llama-bias", "falcon", "falcon-new", "gptj",
              "codegen", "bloom", "mpt", "t5", "bart", "llama-uneven", "qwen2-uneven",
              "llama-tied-uneven", "gpt2-uneven", "olmo2-gqa", "olmo2-uneven",
-             "deepseek_v3-uneven", "deepseek_v2-uneven"}
+             "deepseek_v3-uneven", "deepseek_v2-uneven", "mamba2", "mamba2-uneven", "falcon_h1",
+             "falcon_h1-uneven"}

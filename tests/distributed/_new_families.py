@@ -136,3 +136,43 @@ def check_kin(rank: int, world_size: int, archs: list[str]) -> dict[str, list[st
         out[arch] = sorted(n for n, s in wrapped.resolved_plan.assignments.items()
                            if getattr(s, "name", "") == "head_norm")
     return out
+
+
+def check_mixers(rank: int, world_size: int, archs: list[str]) -> dict[str, dict]:
+    """:func:`check_family` (logits, every gradient, two SGD steps, greedy generation with
+    the conv/SSM cache) plus each mixer's probe verdict, the share of the mixers' parameters
+    a rank holds, and the whole share with ``plan="auto-memory"``."""
+    out = check_family(rank, world_size, archs)
+    for arch in archs:
+        wrapped = torchtp.DistributedModelWrapper(build(arch))
+        plan = wrapped.resolved_plan
+        mixers = [n for n, s in plan.assignments.items() if getattr(s, "name", "") == "ssm_heads"
+                  and not n.endswith("_proj")]
+        full = dict(build(arch).named_modules())
+        mine = dict(wrapped.base_model.named_modules())
+        held = sum(p.numel() for n in mixers for p in mine[n].parameters())
+        out[arch].update(
+            verdicts={n: plan.checks.get(n) for n in mixers},
+            mixer_share=held / sum(p.numel() for n in mixers for p in full[n].parameters()),
+            memory_share=parameter_share(
+                torchtp.DistributedModelWrapper(build(arch), plan="auto-memory"),
+                sum(p.numel() for p in build(arch).parameters())))
+    return out
+
+
+def check_fused_kernel_keeps_mixers_whole(rank: int, world_size: int, stub: str) -> dict:
+    """With a ``mamba_ssm`` package importable (an empty one on ``sys.path``), the mixers stay
+    whole with the reason: transformers' fused training kernel would compute their norm and
+    ``out_proj`` past the all-reduce. The logits are exact all the same."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, stub)
+    importlib.invalidate_caches()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    ref, wrapped = build("mamba2"), torchtp.DistributedModelWrapper(build("mamba2"))
+    torch.testing.assert_close(wrapped(input_ids=ids).logits, ref(input_ids=ids).logits,
+                               rtol=1e-5, atol=1e-5)  # float32, the embedding's all-reduce
+    plan = wrapped.resolved_plan
+    return {"styles": {n: s.name for n, s in plan.assignments.items() if ".mixer" in n},
+            "checks": dict(plan.checks), "describe": wrapped.describe_plan()}

@@ -8,8 +8,18 @@ norms with them, one all-reduce of the ``(B, T, 1)`` sums of squares per norm.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from ._new_families import check_family, check_hybrid, check_kin, check_other_norm_kept_whole
+import torchtp
+
+from ._new_families import (
+    check_family,
+    check_fused_kernel_keeps_mixers_whole,
+    check_hybrid,
+    check_kin,
+    check_mixers,
+    check_other_norm_kept_whole,
+)
 
 OLMO = ["olmo2", "olmo2-gqa", "olmo2-uneven"]
 MLA = ["deepseek_v3-uneven", "deepseek_v2-uneven"]
@@ -73,3 +83,46 @@ def test_the_kin_of_olmo2_split_their_norms_too(ranks):
     for arch, norms in got.items():
         assert norms == [f"model.layers.{i}.self_attn.{n}_norm" for i in (0, 1) for n in "kq"], \
             (arch, norms)
+
+
+SSM = ["mamba2", "mamba2-uneven", "falcon_h1", "falcon_h1-uneven"]
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_state_space_mixers_split_by_heads(ranks, tp):
+    # Mamba-2 with 16 heads in 2 groups (tp 3: group 0 on ranks 0-1, 8/8 heads; tp 4: each
+    # group on two ranks) and 10 heads in one group (every rank shares it: B/C replicated,
+    # the gated norm's statistic summed); Falcon-H1 with its gated norm and without one.
+    results = ranks(check_mixers, tp, SSM, timeout=900, gloo_timeout=120)
+    for arch in SSM:
+        got = results[0][arch]
+        assert got["verdicts"] and set(got["verdicts"].values()) == {"confirmed"}, got["verdicts"]
+        assert got["generated"] == 6, arch
+        assert ("ssm_gated_norm" in got["describe"]) == (arch != "falcon_h1-uneven"), arch
+        if tp == 2:
+            # The mixers' own parameters: half per rank, plus the replicated B/C rows and
+            # conv channels of a single group.
+            assert got["mixer_share"] <= (0.55 if arch.endswith("uneven") else 0.5), got
+            # The whole model at "fastest": the tiny embedding and LM head (a quarter of
+            # these models) stay whole by cost, as for every family; "auto-memory" splits them.
+            assert got["share"] <= 0.66 and got["memory_share"] <= 0.6, (arch, got["share"],
+                                                                         got["memory_share"])
+
+
+def test_a_fused_mamba_kernel_keeps_the_mixers_whole(ranks, tmp_path):
+    stub = tmp_path / "stub"
+    (stub / "mamba_ssm").mkdir(parents=True)
+    (stub / "mamba_ssm" / "__init__.py").write_text("")
+    for got in ranks(check_fused_kernel_keeps_mixers_whole, 2, str(stub), timeout=300):
+        assert set(got["styles"].values()) == {"replicate"}, got["styles"]
+        assert all(v.startswith("kept replicated: mamba_ssm is installed")
+                   for n, v in got["checks"].items() if n.endswith("mixer")), got["checks"]
+        assert "past the all-reduce a split needs" in got["describe"]
+
+
+def test_ssm_heads_on_a_module_that_is_no_mixer_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"plan style 'ssm_heads' for module '0' \(Linear\) at "
+                       r"world_size=1: Linear is not a Mamba-2-style mixer .*name the mixer "
+                       r"module itself"):
+        torchtp.DistributedModelWrapper(model, plan={"0": "ssm_heads"})

@@ -17,6 +17,7 @@ from typing import Any, cast
 from torch import nn
 
 from ..plans.attention_local import local_values
+from ..plans.heads import mixer_rules
 from ..plans.resolved import Rules
 from ..plans.sources import HUGGINGFACE, ExpertsLayout
 from .builtin import (
@@ -61,6 +62,9 @@ class HuggingFace:
             rules = heads_kept_local(own)
         if rules is None:
             rules = latent_attention_plan(names, hf_plan(model))
+        mixers = mixer_rules(model)
+        if mixers:  # state-space mixers split by heads, beside the plan's other rules
+            rules = {**(rules if rules is not None else hf_plan(model) or {}), **mixers}
         if rules is None:
             return None
         # A built-in plan covers an architecture's variants (T5's plain or gated

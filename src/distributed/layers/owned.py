@@ -47,3 +47,38 @@ def split_group(modules: Iterable[nn.Module]) -> ProcessGroup | None:
     groups = {id(g): g for m in modules
               if layouts_of(m) and (g := getattr(m, "group", None)) is not None}
     return max(groups.values(), key=group_size, default=None)
+
+
+_HOLDERS: dict[type, type] = {}
+
+
+def _holder_class(cls: type) -> type:
+    """``cls`` with :class:`ShardedModule` in front, one class per module class.
+
+    Registered in this module's namespace under its name, so pickle finds it.
+    """
+    sub = _HOLDERS.get(cls)
+    if sub is None:
+        sub = type(f"Sharded{cls.__name__}", (ShardedModule, cls),
+                   {"__module__": __name__, "__doc__": cls.__doc__})
+        _HOLDERS[cls] = sub
+        globals()[sub.__name__] = sub
+    return sub
+
+
+def hold_shards(module: nn.Module, layouts: dict[str, ParamLayout]) -> nn.Module:
+    """Cut ``module``'s own parameters named in ``layouts`` to this rank's slices, in place.
+
+    The module keeps its class's forward (a state-space mixer's, a depthwise
+    convolution's): what changes is which slice its parameters hold, so the
+    module becomes an instance of ``Sharded<its class>`` owning ``layouts``.
+
+    Returns:
+        ``module`` itself.
+    """
+    for name, layout in layouts.items():
+        full = getattr(module, name)
+        setattr(module, name, nn.Parameter(layout.take(full), requires_grad=full.requires_grad))
+    module.__class__ = _holder_class(type(module))
+    module.__dict__["tp_layouts"] = dict(layouts)
+    return module

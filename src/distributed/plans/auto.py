@@ -50,7 +50,7 @@ from ..core.layouts import cut
 from ..layers.shared_by_heads import rms_norm_of_shard
 from .attention_local import local_overrides, narrow_head_biases
 from .dataflow import Inputs, Region, Trace, differs, probe_mode, record
-from .heads import HeadInfo, head_info, head_parts, is_attention, output_part
+from .heads import HeadInfo, head_info, head_parts, is_attention, mixer_names, output_part
 from .late_reduce import late_reduces
 from .linear_view import linear_view
 from .resolved import Rules
@@ -132,6 +132,9 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
                            "split, lookups all-reduced")
     if trace is not None:  # a hand-written MoE's experts: one all-reduce, not one each
         late_reduces(model, trace, consumers, styles, rules, ctx)
+    for name in mixer_names(model):  # split by heads, probed when resolved
+        styles[name] = "ssm_heads"
+        rules.why[name] = "a Mamba-2-style state-space mixer: split by its heads"
     order = list(dict(model.named_modules()))
     rules.rules = {n: styles[n] for n in sorted(styles, key=order.index)}
     rules.trace = trace  # its shapes price every candidate (torchtp.plans.cost)

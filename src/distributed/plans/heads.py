@@ -1,4 +1,5 @@
-"""Attention head geometry: which modules are attention, and how their projections map to heads.
+"""Head geometry: which modules are attention (or state-space mixers), and how their
+projections map to heads.
 
 Head counts are read from the module's own attributes (the families below,
 across HuggingFace, torchtitan and timm naming; the HuggingFace ones checked
@@ -10,11 +11,15 @@ model family.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from .linear_view import linear_view
 from .styles_heads import Part
+from .styles_state_space import PER_HEAD, MixerGeometry
 
 # Attribute families attention modules read in their forward, across model
 # families (Llama/Mistral/Qwen2: num_heads or config-only + head_dim and
@@ -23,6 +28,10 @@ from .styles_heads import Part
 # hand-written models (torchtitan: n_heads/n_kv_heads/n_rep; timm: num_heads/attn_dim).
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_heads_per_partition")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "num_kv")
+# A Mamba-2-style mixer's sizes, as its forward reads them (transformers 5.3-5.24).
+MIXER_SIZES = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size",
+               "conv_dim")
+INDEX = re.compile(r"\.\d+(?=\.|$)")  # a block index in a module name: "layers.3.mixer"
 HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "attn_head_size",
                   "key_value_proj_dim")  # the last: T5
 
@@ -121,3 +130,36 @@ def head_parts(rows: int, style_name: str, info: HeadInfo) -> tuple[Part, ...] |
         # architecture): whole groups per rank (fewer groups than ranks cannot split)
         return (Part(rows, k, "KV groups (each: its query heads, a key and a value head)"),)
     return None
+
+
+def mixer_geometry(module: nn.Module) -> MixerGeometry | None:
+    """The heads and groups of a Mamba-2-style mixer, or None when ``module`` is not one."""
+    sizes = [v for a in MIXER_SIZES if isinstance(v := getattr(module, a, None), int)
+             and not isinstance(v, bool) and v > 0]
+    if len(sizes) != len(MIXER_SIZES):
+        return None
+    heads, head_dim, groups, state, inner, conv = sizes
+    into_module, out_module = getattr(module, "in_proj", None), getattr(module, "out_proj", None)
+    if not (isinstance(into_module, nn.Module) and isinstance(out_module, nn.Module)
+            and isinstance(getattr(module, "conv1d", None), nn.Conv1d)):
+        return None
+    into, out = linear_view(into_module), linear_view(out_module)
+    if (into is None or out is None or heads * head_dim != inner or heads % groups
+            or conv != inner + 2 * groups * state or into.out_features != inner + conv + heads
+            or out.in_features != inner):
+        return None
+    for name in PER_HEAD:
+        p = getattr(module, name, None)
+        if not isinstance(p, torch.Tensor) or tuple(p.shape) != (heads,):
+            return None
+    return MixerGeometry(heads, head_dim, groups, state)
+
+
+def mixer_names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s Mamba-2-style mixers."""
+    return [name for name, module in model.named_modules() if mixer_geometry(module) is not None]
+
+
+def mixer_rules(model: nn.Module) -> dict[str, str]:
+    """``{pattern: "ssm_heads"}`` for every Mamba-2-style mixer of ``model`` (layers as ``*``)."""
+    return {INDEX.sub(".*", name): "ssm_heads" for name in mixer_names(model)}

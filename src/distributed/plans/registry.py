@@ -21,6 +21,7 @@ from .styles_partial import (
     RowwisePartial,
 )
 from .styles_sp import SequenceParallel
+from .styles_state_space import SsmHeads
 
 _EP = ("a bare expert parameter is planned by its experts module's style "
        "('ep_dispatch_experts' or 'moe_tp_experts'), not on its own")
@@ -52,6 +53,7 @@ STYLES: dict[str, ParallelStyle] = {
                                   "split by torchtp yet"),
     "sequence_parallel": SequenceParallel(),
     "mla_kv_a_proj": RopeKey(),
+    "ssm_heads": SsmHeads(),
     "all_reduce": Unsupported("all_reduce", "partial-output modules are not implemented yet"),
     "local_params": Unsupported("local_params", "bare sharded parameters are not implemented yet"),
 }

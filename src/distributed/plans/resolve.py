@@ -43,7 +43,9 @@ from .head_split import split_whole_heads
 from .registry import get_style
 from .resolved import Plan, ResolvedPlan, Rules
 from .sources import family_of, inner_model
+from .state_space import split_mixers
 from .styles import ParallelStyle, ShardContext
+from .styles_state_space import SsmHeads
 from .tying import check_ties
 from .verify import verify_heads
 
@@ -109,6 +111,8 @@ def _matched(model: nn.Module, rules: Rules, ctx: ShardContext, example_inputs: 
     else:
         resolved.heads = split_whole_heads(model, resolved)
         resolved.problems += verify_heads(model, resolved, ctx, example_inputs, verify)
+    if any(isinstance(s, SsmHeads) for s in resolved.assignments.values()):
+        resolved.problems += split_mixers(model, resolved, ctx, verify)
     return resolved
 
 

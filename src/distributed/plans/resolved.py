@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 Plan = Mapping[str, "str | ParallelStyle"]
 
 
+def is_user_plan(source: str) -> bool:
+    """Whether the rules came from the ``plan`` argument (a dict or a file)."""
+    return source == "argument" or source.startswith("file ")
+
+
 class Choice(Protocol):
     """How a plan was chosen by cost (:class:`torchtp.plans.choose.Choice`)."""
 

@@ -41,7 +41,7 @@ from .auto import Pair, _as_inputs, _derive, _simulate
 from .dataflow import Trace, record
 from .heads import HeadInfo
 from .linear_view import linear_view
-from .resolved import ResolvedPlan
+from .resolved import ResolvedPlan, is_user_plan
 from .sources import family_of
 from .styles import Colwise, ParallelStyle, Replicate, Rowwise, ShardContext
 from .styles_heads import HeadNorm, RopeKey
@@ -51,11 +51,6 @@ OPT_OUT = "verify_plan=False"
 UNVERIFIABLE = "could not be verified"
 CACHE_SIZE = 32  # verdicts of distinct (model class, config, plan, tp) kept per process
 _CACHE: dict[Hashable, dict[str, tuple[str | None, str | None, str]]] = {}
-
-
-def is_user_plan(source: str) -> bool:
-    """Whether the rules came from the ``plan`` argument (a dict or a file)."""
-    return source == "argument" or source.startswith("file ")
 
 
 def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,

@@ -1,0 +1,151 @@
+"""Split Mamba-2-style state-space mixers by heads (a resolve step), as serving engines do.
+
+A mixer (Mamba-2's ``Mamba2Mixer``, Falcon-H1's, and the hybrids built the same
+way) projects the input once into ``[z | x | B | C | dt]``, runs a depthwise
+convolution over ``[x | B | C]`` and a selective scan per head (each head reads
+its group's B and C), normalises the result gated by ``z`` per group and
+projects it back. Any plan source may name the mixer ``ssm_heads``;
+:func:`split_mixers` then gives each part its style
+(:mod:`torchtp.plans.styles_state_space`): ``in_proj`` by heads and groups,
+the convolution by channels, ``A_log``/``D``/``dt_bias`` by heads, the gated
+norm over each rank's groups, ``out_proj`` by the same heads' columns (one
+all-reduce per mixer, plus one ``(B, T, 1, 1)`` all-reduce in the norm when
+there are more ranks than groups). The cache's conv and SSM states take the
+local shapes by themselves (transformers allocates them from the first
+tensors it stores).
+
+Every split is confirmed by :func:`~torchtp.plans.state_space_probe.probe_mixer`
+before anything is cut; one that is not stays replicated with the reason in
+``describe_plan()`` (a user's plan is refused).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import nn
+
+from .heads import INDEX, mixer_geometry
+from .resolved import ResolvedPlan, is_user_plan
+from .sources import family_of
+from .state_space_probe import probe_mixer
+from .styles import Replicate, ShardContext
+from .styles_heads import HeadColumns, HeadSplit
+from .styles_state_space import (
+    ChannelSplit,
+    GatedNormSplit,
+    MixerGeometry,
+    SsmHeads,
+    gated_norm_groups,
+)
+
+# Packages whose fused training kernel (mamba_split_conv1d_scan_combined) transformers
+# calls instead of the mixer's torch path: it computes the norm and out_proj inside.
+FUSED_KERNELS = ("mamba_ssm", "kernels")
+
+
+def _unsupported(module: nn.Module, geometry: MixerGeometry | None) -> str | None:
+    """Why this mixer cannot be split by heads here, or None."""
+    if geometry is None:
+        return (f"{type(module).__name__} is not a Mamba-2-style mixer (num_heads, head_dim, "
+                "n_groups, ssm_state_size, in_proj, conv1d, out_proj, A_log, D, dt_bias)")
+    fused = [k for k in FUSED_KERNELS if importlib.util.find_spec(k) is not None]
+    if fused:
+        return (f"{fused[0]} is installed: transformers' fused training kernel "
+                "(mamba_split_conv1d_scan_combined) would compute the gated norm and out_proj "
+                "of every rank's heads inside one call, past the all-reduce a split needs")
+    norm = getattr(module, "norm", None)
+    if (isinstance(norm, nn.Module) and isinstance(getattr(norm, "weight", None), torch.Tensor)
+            and gated_norm_groups(norm, geometry.inner) != geometry.groups):
+        return (f"its norm ({type(norm).__name__}) is not a gated RMS norm over n_groups="
+                f"{geometry.groups} groups")
+    return None
+
+
+def split_mixers(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
+                 verify: bool = True) -> list[ValueError]:
+    """Give the parts of every mixer the plan names ``ssm_heads`` their styles, confirmed.
+
+    Args:
+        model: The model being planned (may live on the meta device: the probe
+            then runs on its family's CPU copy).
+        plan: The matched plan; ``plan.checks`` gets one verdict per mixer.
+        ctx: The tp size.
+        verify: ``False`` (``verify_plan=False``): split without the probe.
+
+    Returns:
+        One error per mixer of a user's plan that cannot be split (empty otherwise).
+    """
+    modules = dict(model.named_modules())
+    errors = []
+    copies: dict[str, nn.Module] = {}
+    for name, style in list(plan.assignments.items()):
+        if not isinstance(style, SsmHeads):
+            continue
+        geometry = mixer_geometry(modules[name])
+        why = _unsupported(modules[name], geometry)
+        fix = (f"name the mixer module itself (e.g. '{name}.mixer'), or keep it whole"
+               if geometry is None else "keep it whole")
+        if why is None and ctx.world_size > 1:
+            assert geometry is not None
+            _assign(plan, modules, name, geometry)
+            if verify:
+                why = probe_mixer(_probe_target(model, name, copies), name, plan, ctx)
+                fix = "keep it whole, or pass verify_plan=False to take on its exactness"
+        if why is None:
+            plan.checks[name] = ("tp 1: nothing to split" if ctx.world_size == 1 else
+                                 "confirmed" if verify else "not verified (verify_plan=False)")
+        elif is_user_plan(plan.source):
+            errors.append(ValueError(
+                f"plan style 'ssm_heads' for module '{name}' ({type(modules[name]).__name__}) "
+                f"at world_size={ctx.world_size}: {why}; {fix} (plan= with '{name}': "
+                "'replicate')"))
+        else:
+            _replicate(plan, modules, name, why)
+    return errors
+
+
+def _probe_target(model: nn.Module, name: str, copies: dict[str, nn.Module]) -> nn.Module:
+    """The module to probe: the mixer itself, or on the meta device the same-pattern mixer
+    of the model family's CPU copy (when it has one)."""
+    mixer = model.get_submodule(name)
+    if not any(t.is_meta for t in mixer.parameters()):
+        return mixer
+    if "" not in copies:
+        family = family_of(model)
+        small = family.probe_copy(model) if family is not None else None
+        copies[""] = small if small is not None else mixer
+    pattern = INDEX.sub(".*", name)
+    return next((m for n, m in copies[""].named_modules()
+                 if INDEX.sub(".*", n) == pattern and mixer_geometry(m) is not None), mixer)
+
+
+def _assign(plan: ResolvedPlan, modules: dict[str, nn.Module], mixer: str,
+            g: MixerGeometry) -> None:
+    """The mixer's parts' styles, each with its reason."""
+    what = f"{g.heads} heads in {g.groups} group(s) of state-space mixer '{mixer}'"
+    styles = {"": SsmHeads(g), "in_proj": HeadSplit(g.in_proj_parts(), "ssm_heads"),
+              "conv1d": ChannelSplit(g.conv_parts()),
+              "out_proj": HeadColumns(g.head_part("out_proj input"), "ssm_heads")}
+    if isinstance(getattr(modules[mixer], "norm", None), nn.Module) \
+            and isinstance(getattr(modules[mixer].norm, "weight", None), torch.Tensor):
+        styles["norm"] = GatedNormSplit(g, mixer)
+    reasons = {"": f"ssm_heads: {what}; A_log, D and dt_bias by heads",
+               "in_proj": "[z | x | B | C | dt] rows by heads (B and C by groups)",
+               "conv1d": "depthwise channels [x | B | C] by heads and groups",
+               "norm": "gated RMS norm by the heads' channels",
+               "out_proj": "input columns by the heads' channels; one all-reduce"}
+    for leaf, style in styles.items():
+        full = f"{mixer}.{leaf}" if leaf else mixer
+        plan.assignments[full] = style
+        plan.why[full] = reasons[leaf] if not leaf else f"{reasons[leaf]} ({what})"
+
+
+def _replicate(plan: ResolvedPlan, modules: dict[str, nn.Module], mixer: str, why: str) -> None:
+    """Keep the mixer and every part of it whole, saying why."""
+    plan.checks[mixer] = f"kept replicated: {why}"
+    for name in [mixer, *(n for n in modules if n.startswith(f"{mixer}."))]:
+        if name in plan.assignments or name == mixer:
+            plan.assignments[name] = Replicate()
+            plan.why[name] = f"state-space mixer kept replicated: {why}"

@@ -1,0 +1,277 @@
+"""Styles that split a Mamba-2-style state-space mixer by its heads.
+
+A mixer's heads read their B/C group as attention's query heads read their KV
+head, so every cut follows the head-boundary rule
+(:func:`torchtp.core.layouts.head_share`, groups in the role of KV heads): a
+rank keeps whole groups while tp <= ``n_groups``; with more ranks, each group
+is replicated on the ranks that use it and its heads split over them.
+
+* :class:`SsmHeads` - the mixer itself: its per-head ``A_log``/``D``/``dt_bias``
+  and any buffer as wide as ``in_proj``'s output (Falcon-H1's ``mup_vector``) cut
+  by heads, its head/group counts set to this rank's.
+* :class:`ChannelSplit` - the depthwise convolution over ``[x | B | C]``, channel
+  part by channel part; a replicated group's channels get their gradient summed
+  over the ranks sharing it.
+* :class:`GatedNormSplit` - the gated RMS norm over the heads' channels
+  (:class:`~torchtp.layers.gated_norm.GroupShardedGatedRMSNorm`).
+
+``in_proj`` (``[z | x | B | C | dt]``) takes a
+:class:`~torchtp.plans.styles_heads.HeadSplit` and ``out_proj`` a
+:class:`~torchtp.plans.styles_heads.HeadColumns` of the same parts
+(:meth:`MixerGeometry.in_proj_parts`). :mod:`torchtp.plans.state_space` finds the
+mixers and hands each part its style.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..core.layouts import ParamLayout, group_ranks
+from ..layers.gated_norm import GroupShardedGatedRMSNorm
+from ..layers.grad_sync import GradSync, mark
+from ..layers.owned import hold_shards
+from .constraints import Constraint
+from .styles import LayerPlan, ParallelStyle, ShardContext
+from .styles_heads import Part
+from .subgroups import sharing_subgroup
+
+# The mixer's attributes its forward reads as sizes (transformers 5.3-5.24: Mamba-2,
+# Falcon-H1, Bamba, Zamba-2, NemotronH, GraniteMoeHybrid).
+PER_HEAD = ("A_log", "D", "dt_bias")
+
+
+@dataclass(frozen=True)
+class MixerGeometry:
+    """Heads, groups and sizes of one Mamba-2-style mixer.
+
+    Attributes:
+        heads: ``num_heads``.
+        head_dim: Channels per head (``intermediate_size = heads * head_dim``).
+        groups: ``n_groups`` (B/C groups; heads per group = heads / groups).
+        state: ``ssm_state_size`` (B and C features per group).
+    """
+
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+
+    @property
+    def inner(self) -> int:
+        """``intermediate_size``: the scan's channels."""
+        return self.heads * self.head_dim
+
+    def head_part(self, name: str, size: int | None = None) -> Part:
+        """A part of ``size`` rows (the heads' channels by default) split by whole heads."""
+        return Part(self.inner if size is None else size, self.heads,
+                    f"num_heads ({name})", kv_groups=self.groups)
+
+    def group_part(self, name: str) -> Part:
+        """B or C: one block of ``state`` features per group, replicated past ``groups`` ranks."""
+        return Part(self.groups * self.state, self.groups, f"n_groups ({name})",
+                    kv_groups=self.groups, is_kv=True)
+
+    def conv_parts(self) -> tuple[Part, ...]:
+        """The convolution's channels: ``[x | B | C]``."""
+        return (self.head_part("x"), self.group_part("B"), self.group_part("C"))
+
+    def in_proj_parts(self) -> tuple[Part, ...]:
+        """``in_proj``'s output rows: ``[z | x | B | C | dt]``."""
+        return (self.head_part("z"), *self.conv_parts(), self.head_part("dt", self.heads))
+
+    def local(self, ctx: ShardContext) -> tuple[int, int]:
+        """This rank's ``(heads, groups)``."""
+        return (self.head_part("x").unit_range(ctx)[1],
+                self.group_part("B").unit_range(ctx)[1])
+
+    def sharing(self, ctx: ShardContext) -> int:
+        """Ranks that hold this rank's group (1 while tp <= groups)."""
+        if ctx.world_size <= self.groups:
+            return 1
+        return next(len(r) for r in group_ranks(self.groups, ctx.world_size) if ctx.rank in r)
+
+
+def _segments(parts: tuple[Part, ...], ctx: ShardContext) -> tuple[tuple[int, int], ...]:
+    """This rank's rows of each part, in full-tensor coordinates."""
+    out, offset = [], 0
+    for part in parts:
+        out.append(part.segment(offset, ctx))
+        offset += part.size
+    return tuple(out)
+
+
+def _constraints(fqn: str, style: str, parts: tuple[Part, ...]) -> tuple[Constraint, ...]:
+    return tuple(Constraint(f"module '{fqn}' (style {style!r})", p.name, p.units,
+                            replicable=p.replicable) for p in parts)
+
+
+def _shared_rows(parts: tuple[Part, ...], ctx: ShardContext) -> tuple[GradSync, ...]:
+    """Gradient sums for the local rows of every replicated group part."""
+    syncs, local = [], 0
+    for part in parts:
+        n = part.unit_range(ctx)[1] * (part.size // part.units)
+        if part.is_kv and part.units < ctx.world_size:
+            # Each rank's gradient of its group's B/C covers only its own heads.
+            syncs.append(GradSync(sharing_subgroup(ctx, part.units), (local, n)))
+        local += n
+    return tuple(syncs)
+
+
+class SsmHeads(ParallelStyle):
+    """The mixer module: per-head parameters cut, head and group counts made local.
+
+    Args:
+        geometry: The mixer's heads and groups (``None``: the style named in a
+            plan, resolved by :mod:`torchtp.plans.state_space`).
+    """
+
+    name = "ssm_heads"
+
+    def __init__(self, geometry: MixerGeometry | None = None) -> None:
+        self.geometry = geometry
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        if self.geometry is None:
+            raise TypeError(f"plan style {self.name!r} for module '{fqn}' "
+                            f"({type(module).__name__}) needs a Mamba-2-style mixer (num_heads, "
+                            "head_dim, n_groups, ssm_state_size, in_proj, conv1d, out_proj, "
+                            "A_log, D, dt_bias)")
+        part = self.geometry.head_part("A_log, D, dt_bias", self.geometry.heads)
+        constraints = _constraints(fqn, self.name, (part,))
+        full = (self.geometry.heads,)
+        if not all(c.ok(ctx.world_size) for c in constraints):
+            return LayerPlan(fqn, self.name, constraints, full)
+        layout = ParamLayout(full, 0, (part.segment(0, ctx),))
+        heads, groups = self.geometry.local(ctx)
+        return LayerPlan(fqn, self.name, constraints, full, layout.local_shape,
+                         {p: layout for p in PER_HEAD}, (),
+                         f"{self.geometry.heads} heads in {self.geometry.groups} groups: "
+                         f"{heads} heads, {groups} group(s) on this rank")
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size == 1 or not layer.layouts:
+            return module
+        geometry = self.geometry
+        assert geometry is not None  # plan() refused otherwise
+        width = sum(p.size for p in geometry.in_proj_parts())
+        rows = [torch.arange(s, s + n) for s, n in _segments(geometry.in_proj_parts(), ctx)]
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.shape and buf.shape[-1] == width:  # Falcon-H1's mup_vector, (1, 1, width)
+                setattr(module, name, buf.index_select(-1, torch.cat(rows).to(buf.device)))
+        heads, groups = geometry.local(ctx)
+        inner = heads * geometry.head_dim
+        sizes = {"num_heads": heads, "n_groups": groups, "intermediate_size": inner,
+                 "conv_dim": inner + 2 * groups * geometry.state,
+                 "groups_time_state_size": groups * geometry.state}
+        module.__dict__.update({k: v for k, v in sizes.items() if hasattr(module, k)})
+        return hold_shards(module, dict(layer.layouts))
+
+
+class ChannelSplit(ParallelStyle):
+    """A depthwise ``nn.Conv1d`` cut channel part by channel part.
+
+    Args:
+        parts: The channels' parts, in order (the mixer's ``[x | B | C]``).
+    """
+
+    name = "ssm_conv_channels"
+
+    def __init__(self, parts: tuple[Part, ...]) -> None:
+        self.parts = parts
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        channels = sum(p.size for p in self.parts)
+        if not (isinstance(module, nn.Conv1d) and module.groups == module.in_channels
+                == module.out_channels == channels):
+            raise TypeError(f"plan style {self.name!r} for module '{fqn}' "
+                            f"({type(module).__name__}) needs a depthwise nn.Conv1d of {channels} "
+                            "channels (groups = in_channels = out_channels)")
+        constraints = _constraints(fqn, self.name, self.parts)
+        full = tuple(module.weight.shape)  # (channels, 1, kernel)
+        if not all(c.ok(ctx.world_size) for c in constraints):
+            return LayerPlan(fqn, self.name, constraints, full)
+        segments = _segments(self.parts, ctx)
+        layouts = {"weight": ParamLayout(full, 0, segments)}
+        if module.bias is not None:
+            layouts["bias"] = ParamLayout((channels,), 0, segments)
+        return LayerPlan(fqn, self.name, constraints, full, layouts["weight"].local_shape,
+                         layouts, (), "channels split like in_proj's x, B and C rows")
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size == 1 or not layer.layouts:
+            return module
+        channels = layer.layouts["weight"].local_shape[0]
+        module.__dict__.update(in_channels=channels, out_channels=channels, groups=channels)
+        syncs = _shared_rows(self.parts, ctx)
+        held = hold_shards(module, dict(layer.layouts))
+        if syncs:
+            for name in layer.layouts:
+                mark(held, name, syncs)
+        return held
+
+
+def gated_norm_groups(module: nn.Module, width: int) -> int | None:
+    """Groups of a transformers gated RMS norm over ``width`` channels, or None if not one."""
+    group_size = getattr(module, "group_size", None)
+    if isinstance(group_size, int) and group_size > 0 and width % group_size == 0:
+        return width // group_size
+    groups = getattr(module, "n_groups", None)
+    return groups if isinstance(groups, int) and groups > 0 and width % groups == 0 else None
+
+
+class GatedNormSplit(ParallelStyle):
+    """A mixer's gated RMS norm, its weight split like the heads' channels.
+
+    Args:
+        geometry: The mixer's heads and groups.
+        mixer: The mixer's name (for ``describe_plan()``).
+    """
+
+    name = "ssm_gated_norm"
+
+    def __init__(self, geometry: MixerGeometry, mixer: str) -> None:
+        self.geometry = geometry
+        self.mixer = mixer
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        g = self.geometry
+        weight = getattr(module, "weight", None)
+        eps = getattr(module, "variance_epsilon", None)
+        if (not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (g.inner,)
+                or not isinstance(eps, float) or gated_norm_groups(module, g.inner) != g.groups):
+            raise TypeError(f"plan style {self.name!r} for module '{fqn}' "
+                            f"({type(module).__name__}) needs a gated RMS norm of {g.inner} "
+                            f"channels in {g.groups} groups with a variance_epsilon")
+        part = g.head_part("gated norm channels")
+        constraints = _constraints(fqn, self.name, (part,))
+        full = (g.inner,)
+        if not all(c.ok(ctx.world_size) for c in constraints):
+            return LayerPlan(fqn, self.name, constraints, full)
+        layout = ParamLayout(full, 0, (part.segment(0, ctx),))
+        shared = g.sharing(ctx) > 1
+        how = ("each group's sum of squares summed over the ranks sharing it (one all-reduce "
+               "of (B, T, 1, 1))" if shared else "whole groups on every rank: no collective")
+        return LayerPlan(fqn, self.name, constraints, full, layout.local_shape,
+                         {"weight": layout}, ("all_reduce",) if shared else (),
+                         f"weight split like the heads of '{self.mixer}'; {how}")
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size == 1 or not layer.layouts:
+            return module
+        g = self.geometry
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        local = nn.Parameter(layer.layouts["weight"].take(weight),
+                             requires_grad=weight.requires_grad)
+        sharing = g.sharing(ctx)
+        groups = g.local(ctx)[1] if sharing == 1 else 1
+        group = sharing_subgroup(ctx, g.groups) if sharing > 1 else None
+        before = bool(getattr(module, "norm_before_gate", False))
+        eps = module.variance_epsilon
+        assert isinstance(eps, float)  # plan() checked it
+        return GroupShardedGatedRMSNorm(local, eps, g.inner // g.groups,
+                                        groups, before, not hasattr(module, "norm_before_gate"),
+                                        group, sharing, dict(layer.layouts), layer.fqn)
