@@ -158,6 +158,17 @@ def _state_space_configs(tf: object) -> dict:
                                                intermediate_size=128, mamba_n_heads=16,
                                                mamba_n_groups=2, mamba_d_ssm=128,
                                                mamba_rms_norm=True),
+        "mamba-uneven": lambda: tf.MambaConfig(vocab_size=97, hidden_size=40, num_hidden_layers=2,
+                                        state_size=8, conv_kernel=4, expand=2,
+                                        time_step_rank=6),
+        # Mamba-1 mixers with norms on dt/B/C, attention every other layer, MoE on layer 1.
+        "jamba": lambda: tf.JambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=8,
+                                        num_key_value_heads=2, num_experts=4,
+                                        num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                                        mamba_expand=2, attn_layer_period=2, attn_layer_offset=1,
+                                        expert_layer_period=2, expert_layer_offset=1,
+                                        use_mamba_kernels=False),
         "falcon_h1-uneven": lambda: tf.FalconH1Config(**falcon, vocab_size=97, hidden_size=40,
                                                       intermediate_size=98, mamba_n_heads=10,
                                                       mamba_n_groups=1, mamba_d_ssm=80),
@@ -182,4 +193,4 @@ GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_ne
              "codegen", "bloom", "mpt", "t5", "bart", "llama-uneven", "qwen2-uneven",
              "llama-tied-uneven", "gpt2-uneven", "olmo2-gqa", "olmo2-uneven",
              "deepseek_v3-uneven", "deepseek_v2-uneven", "mamba2", "mamba2-uneven", "falcon_h1",
-             "falcon_h1-uneven"}
+             "falcon_h1-uneven", "mamba-uneven", "jamba"}

@@ -145,7 +145,7 @@ def test_a_candidate_that_cannot_be_planned_is_discarded_and_unconfirmed_heads_s
     text = torchtp.DistributedModelWrapper(_codegen_with_hf_plan(), world_size=2,
                                            rank=0).describe_plan()
     assert "  - HF plan (config.base_model_tp_plan + _tp_plan): 2 x all_reduce per forward" in text
-    assert "2 attention split(s) not confirmed by the probe, kept replicated (e.g. " \
+    assert "2 head split(s) not confirmed by the probe, kept replicated (e.g. " \
            "'transformer.h.0.attn')" in text
 
 

@@ -11,7 +11,8 @@ small all-reduce of a ``(B, T, 1)`` tensor gives every rank the total
 (:func:`~torchtp.comm.regions.sum_statistic_over_region`: forward and backward
 all-reduce). The norm's weight is split like the projection's rows.
 
-:class:`RopeKeyEntry`: multi-head latent attention's rope key, one for all heads.
+:class:`SharedFeaturesEntry`: features every head reads (multi-head latent attention's
+rope key, a Mamba mixer's ``dt``/B/C).
 """
 
 from __future__ import annotations
@@ -95,26 +96,31 @@ class HeadShardedRMSNorm(ShardedModule, nn.Module):
                 f"eps={self.variance_epsilon}, share={self.share:g}")
 
 
-class RopeKeyEntry:
-    """Forward hook of a latent attention's ``kv_a_proj_with_mqa``: its rope part enters the
-    region (forward: identity; backward: all-reduce of its gradient).
+class SharedFeaturesEntry:
+    """Forward hook of a replicated projection whose last ``features`` output features every
+    head (or channel) reads: they enter the region (forward: identity; backward: all-reduce
+    of their gradient).
 
-    The projection's output ``(B, T, kv_lora_rank + rope)`` is replicated. Its first part
-    reaches the heads through ``kv_b_proj``, whose input gradient is summed over the ranks
-    already; the last ``rope`` features are one key shared by every head and go to the
-    attention directly, so each rank's gradient of them covers its own heads only.
+    Multi-head latent attention's ``kv_a_proj_with_mqa``: its output ``(B, T, kv_lora_rank
+    + rope)`` is replicated; the first part reaches the heads through ``kv_b_proj``, whose
+    input gradient is summed over the ranks already, but the last ``rope`` features are one
+    key shared by every head and go to the attention directly, so each rank's gradient of
+    them covers its own heads only. A Mamba mixer's ``x_proj`` (its whole output, the
+    ``dt``/B/C every channel reads, summed over the ranks in the forward) likewise.
 
     Args:
-        rope: Features of the shared rope key (``qk_rope_head_dim``).
+        features: Shared features at the end of the output.
         group: The tensor-parallel group (held weakly).
     """
 
-    def __init__(self, rope: int, group: ProcessGroup | None) -> None:
-        self.rope = rope
-        self.group = GroupRef(group, "a latent attention's rope key")
+    def __init__(self, features: int, group: ProcessGroup | None) -> None:
+        self.features = features
+        self.group = GroupRef(group, "features every head reads")
 
     def __call__(self, _module: nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
         if not (out.requires_grad and torch.is_grad_enabled()):
             return out
-        latent, key = out.split([out.shape[-1] - self.rope, self.rope], dim=-1)
-        return torch.cat([latent, copy_to_tensor_parallel_region(key, self.group())], dim=-1)
+        if self.features == out.shape[-1]:
+            return copy_to_tensor_parallel_region(out, self.group())
+        own, shared = out.split([out.shape[-1] - self.features, self.features], dim=-1)
+        return torch.cat([own, copy_to_tensor_parallel_region(shared, self.group())], dim=-1)

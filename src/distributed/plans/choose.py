@@ -190,7 +190,7 @@ def _cost(model: nn.Module, c: Candidate, ctx: ShardContext, resolve: Resolve, s
     c.plan, c.cost = plan, plan_cost(model, plan, ctx.world_size, shapes, hw)
     kept = [a for a, v in plan.checks.items() if v.startswith("kept replicated")]
     if kept:
-        c.verdict = (f"{len(kept)} attention split(s) not confirmed by the probe, kept "
+        c.verdict = (f"{len(kept)} head split(s) not confirmed by the probe, kept "
                      f"replicated (e.g. '{kept[0]}'); ")
     if c.replicated:
         c.verdict += (f"{len(c.replicated)} layer(s) split alone kept whole by cost (e.g. "

@@ -19,7 +19,7 @@ from torch import nn
 
 from .linear_view import linear_view
 from .styles_heads import Part
-from .styles_state_space import PER_HEAD, MixerGeometry
+from .styles_state_space import PER_HEAD, ChannelGeometry, MixerGeometry
 
 # Attribute families attention modules read in their forward, across model
 # families (Llama/Mistral/Qwen2: num_heads or config-only + head_dim and
@@ -155,11 +155,37 @@ def mixer_geometry(module: nn.Module) -> MixerGeometry | None:
     return MixerGeometry(heads, head_dim, groups, state)
 
 
+def channel_geometry(module: nn.Module) -> ChannelGeometry | None:
+    """The channels of a Mamba-1-style mixer (Mamba, Falcon-Mamba, Jamba), or None."""
+    sizes = [v for a in ("intermediate_size", "ssm_state_size", "time_step_rank")
+             if isinstance(v := getattr(module, a, None), int) and not isinstance(v, bool) and v > 0]
+    if len(sizes) != 3 or not isinstance(getattr(module, "conv1d", None), nn.Conv1d):
+        return None
+    inner, state, rank = sizes
+    views = {n: linear_view(m) if isinstance(m := getattr(module, n, None), nn.Module) else None
+             for n in ("in_proj", "x_proj", "dt_proj", "out_proj")}
+    shapes = {n: (v.out_features, v.in_features) for n, v in views.items() if v is not None}
+    if shapes != {"in_proj": (2 * inner, shapes.get("in_proj", (0, 0))[1]),
+                  "x_proj": (rank + 2 * state, inner), "dt_proj": (inner, rank),
+                  "out_proj": (shapes.get("out_proj", (0, 0))[0], inner)}:
+        return None
+    a_log, d = getattr(module, "A_log", None), getattr(module, "D", None)
+    if not (isinstance(a_log, torch.Tensor) and tuple(a_log.shape) == (inner, state)
+            and isinstance(d, torch.Tensor) and tuple(d.shape) == (inner,)):
+        return None
+    return ChannelGeometry(inner, state, rank)
+
+
+def ssm_geometry(module: nn.Module) -> MixerGeometry | ChannelGeometry | None:
+    """A state-space mixer's heads (Mamba-2 style) or channels (Mamba-1 style), or None."""
+    return mixer_geometry(module) or channel_geometry(module)
+
+
 def mixer_names(model: nn.Module) -> list[str]:
-    """The names of ``model``'s Mamba-2-style mixers."""
-    return [name for name, module in model.named_modules() if mixer_geometry(module) is not None]
+    """The names of ``model``'s state-space mixers (Mamba-1 or Mamba-2 style)."""
+    return [name for name, module in model.named_modules() if ssm_geometry(module) is not None]
 
 
 def mixer_rules(model: nn.Module) -> dict[str, str]:
-    """``{pattern: "ssm_heads"}`` for every Mamba-2-style mixer of ``model`` (layers as ``*``)."""
+    """``{pattern: "ssm_heads"}`` for every state-space mixer of ``model`` (layers as ``*``)."""
     return {INDEX.sub(".*", name): "ssm_heads" for name in mixer_names(model)}

@@ -26,16 +26,18 @@ import importlib.util
 import torch
 from torch import nn
 
-from .heads import INDEX, mixer_geometry
+from .heads import INDEX, ssm_geometry
 from .resolved import ResolvedPlan, is_user_plan
 from .sources import family_of
 from .state_space_probe import probe_mixer
-from .styles import Replicate, ShardContext
+from .styles import ParallelStyle, Replicate, ReplicatedWithGradAllreduce, ShardContext
 from .styles_heads import HeadColumns, HeadSplit
 from .styles_state_space import (
+    ChannelGeometry,
     ChannelSplit,
     GatedNormSplit,
     MixerGeometry,
+    SharedOutputColumns,
     SsmHeads,
     gated_norm_groups,
 )
@@ -45,18 +47,24 @@ from .styles_state_space import (
 FUSED_KERNELS = ("mamba_ssm", "kernels")
 
 
-def _unsupported(module: nn.Module, geometry: MixerGeometry | None) -> str | None:
-    """Why this mixer cannot be split by heads here, or None."""
+def _unsupported(module: nn.Module, geometry: MixerGeometry | ChannelGeometry | None
+                 ) -> str | None:
+    """Why this mixer cannot be split here, or None."""
     if geometry is None:
-        return (f"{type(module).__name__} is not a Mamba-2-style mixer (num_heads, head_dim, "
-                "n_groups, ssm_state_size, in_proj, conv1d, out_proj, A_log, D, dt_bias)")
+        return (f"{type(module).__name__} is not a Mamba-style mixer (in_proj, conv1d, "
+                "out_proj, A_log, D and the sizes its forward reads)")
     fused = [k for k in FUSED_KERNELS if importlib.util.find_spec(k) is not None]
     if fused:
-        return (f"{fused[0]} is installed: transformers' fused training kernel "
-                "(mamba_split_conv1d_scan_combined) would compute the gated norm and out_proj "
-                "of every rank's heads inside one call, past the all-reduce a split needs")
+        return (f"{fused[0]} is installed: transformers' fused training kernels "
+                "(mamba_split_conv1d_scan_combined, mamba_inner_fn) would compute the norm and "
+                "out_proj of every rank's heads inside one call, past the all-reduce a split "
+                "needs")
+    if hasattr(getattr(module, "config", None), "_is_quantized"):
+        return ("the model is quantized: its mixer then calls dt_proj as a module, which a "
+                "channel split of x_proj's gradient would count twice")
     norm = getattr(module, "norm", None)
-    if (isinstance(norm, nn.Module) and isinstance(getattr(norm, "weight", None), torch.Tensor)
+    if (isinstance(geometry, MixerGeometry) and isinstance(norm, nn.Module)
+            and isinstance(getattr(norm, "weight", None), torch.Tensor)
             and gated_norm_groups(norm, geometry.inner) != geometry.groups):
         return (f"its norm ({type(norm).__name__}) is not a gated RMS norm over n_groups="
                 f"{geometry.groups} groups")
@@ -83,7 +91,7 @@ def split_mixers(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
     for name, style in list(plan.assignments.items()):
         if not isinstance(style, SsmHeads):
             continue
-        geometry = mixer_geometry(modules[name])
+        geometry = ssm_geometry(modules[name])
         why = _unsupported(modules[name], geometry)
         fix = (f"name the mixer module itself (e.g. '{name}.mixer'), or keep it whole"
                if geometry is None else "keep it whole")
@@ -118,28 +126,59 @@ def _probe_target(model: nn.Module, name: str, copies: dict[str, nn.Module]) -> 
         copies[""] = small if small is not None else mixer
     pattern = INDEX.sub(".*", name)
     return next((m for n, m in copies[""].named_modules()
-                 if INDEX.sub(".*", n) == pattern and mixer_geometry(m) is not None), mixer)
+                 if INDEX.sub(".*", n) == pattern and ssm_geometry(m) is not None), mixer)
 
 
 def _assign(plan: ResolvedPlan, modules: dict[str, nn.Module], mixer: str,
-            g: MixerGeometry) -> None:
+            g: MixerGeometry | ChannelGeometry) -> None:
     """The mixer's parts' styles, each with its reason."""
-    what = f"{g.heads} heads in {g.groups} group(s) of state-space mixer '{mixer}'"
-    styles = {"": SsmHeads(g), "in_proj": HeadSplit(g.in_proj_parts(), "ssm_heads"),
-              "conv1d": ChannelSplit(g.conv_parts()),
-              "out_proj": HeadColumns(g.head_part("out_proj input"), "ssm_heads")}
-    if isinstance(getattr(modules[mixer], "norm", None), nn.Module) \
-            and isinstance(getattr(modules[mixer].norm, "weight", None), torch.Tensor):
-        styles["norm"] = GatedNormSplit(g, mixer)
-    reasons = {"": f"ssm_heads: {what}; A_log, D and dt_bias by heads",
-               "in_proj": "[z | x | B | C | dt] rows by heads (B and C by groups)",
-               "conv1d": "depthwise channels [x | B | C] by heads and groups",
-               "norm": "gated RMS norm by the heads' channels",
-               "out_proj": "input columns by the heads' channels; one all-reduce"}
+    styles, reasons = (_head_styles(modules, mixer, g) if isinstance(g, MixerGeometry)
+                       else _channel_styles(modules, mixer, g))
+    what = (f"{g.heads} heads in {g.groups} group(s)" if isinstance(g, MixerGeometry)
+            else f"{g.channels} channels") + f" of state-space mixer '{mixer}'"
     for leaf, style in styles.items():
         full = f"{mixer}.{leaf}" if leaf else mixer
         plan.assignments[full] = style
-        plan.why[full] = reasons[leaf] if not leaf else f"{reasons[leaf]} ({what})"
+        plan.why[full] = f"{reasons[leaf]} ({what})"
+
+
+Styles = tuple[dict[str, ParallelStyle], dict[str, str]]
+
+
+def _head_styles(modules: dict[str, nn.Module], mixer: str, g: MixerGeometry) -> Styles:
+    """A Mamba-2-style mixer's parts by heads (B/C by groups)."""
+    styles: dict[str, ParallelStyle] = {
+        "": SsmHeads(g), "in_proj": HeadSplit(g.in_proj_parts(), "ssm_heads"),
+        "conv1d": ChannelSplit(g.conv_parts()),
+        "out_proj": HeadColumns(g.head_part("out_proj input"), "ssm_heads")}
+    norm = getattr(modules[mixer], "norm", None)
+    if isinstance(norm, nn.Module) and isinstance(getattr(norm, "weight", None), torch.Tensor):
+        styles["norm"] = GatedNormSplit(g, mixer)
+    return styles, {"": "ssm_heads: A_log, D and dt_bias by heads",
+                    "in_proj": "[z | x | B | C | dt] rows by heads (B and C by groups)",
+                    "conv1d": "depthwise channels [x | B | C] by heads and groups",
+                    "norm": "gated RMS norm by the heads' channels",
+                    "out_proj": "input columns by the heads' channels; one all-reduce"}
+
+
+def _channel_styles(modules: dict[str, nn.Module], mixer: str, g: ChannelGeometry) -> Styles:
+    """A Mamba-1-style mixer's parts by channels; ``x_proj`` reduced, its norms' gradients
+    summed (each rank's channels read all of dt/B/C)."""
+    styles: dict[str, ParallelStyle] = {
+        "": SsmHeads(g), "in_proj": HeadSplit(g.in_proj_parts(), "ssm_heads"),
+        "conv1d": ChannelSplit(g.conv_parts()), "x_proj": SharedOutputColumns(g.part("x")),
+        "dt_proj": HeadSplit((g.part("dt"),), "ssm_heads"),
+        "out_proj": HeadColumns(g.part("out_proj input"), "ssm_heads")}
+    reasons = {"": "ssm_heads: A_log rows and D by channels",
+               "in_proj": "[x | z] rows by channels", "conv1d": "depthwise channels by channels",
+               "x_proj": "input columns by channels; dt/B/C all-reduced, their gradient summed",
+               "dt_proj": "rows by channels (its weight is read directly)",
+               "out_proj": "input columns by channels; one all-reduce"}
+    for leaf in ("dt_layernorm", "b_layernorm", "c_layernorm"):
+        if isinstance(getattr(modules[mixer], leaf, None), nn.Module):
+            styles[leaf] = ReplicatedWithGradAllreduce()
+            reasons[leaf] = "whole on every rank, its gradient summed (read by every channel)"
+    return styles, reasons
 
 
 def _replicate(plan: ResolvedPlan, modules: dict[str, nn.Module], mixer: str, why: str) -> None:

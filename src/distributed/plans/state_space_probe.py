@@ -33,19 +33,23 @@ RTOL = 1e-5
 
 
 class _Capture(nn.Module):
-    """The norm's stand-in in the first pass: records ``(x, gate)``, returns ``x``."""
+    """A part's stand-in in the first pass: records its arguments and returns its own local
+    output, or its input where the part itself needs the collective (the gated norm of a
+    shared group); what follows is not used."""
 
-    def __init__(self) -> None:
+    def __init__(self, part: nn.Module, local: bool) -> None:
         super().__init__()
-        self.seen: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.part = part
+        self.local = local
+        self.seen: tuple[torch.Tensor, ...] = ()
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        self.seen = (x, gate)
-        return x
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        self.seen = args
+        return self.part(*args) if self.local else args[0]
 
 
 class _Fixed(nn.Module):
-    """The norm's stand-in in the second pass: the rank's normalised channels."""
+    """A part's stand-in in the second pass: what the whole group's collective gives."""
 
     def __init__(self, out: torch.Tensor) -> None:
         super().__init__()
@@ -73,9 +77,9 @@ def probe_mixer(mixer: nn.Module, name: str, plan: ResolvedPlan, ctx: ShardConte
     assert into is not None  # mixer_geometry checked it
     x = torch.randn(*TOKENS, into.in_features, dtype=torch.float64,
                     generator=torch.Generator().manual_seed(0))
-    styles = {leaf: plan.assignments[f"{name}.{leaf}" if leaf else name]
-              for leaf in ("", "in_proj", "conv1d", "norm", "out_proj")
-              if (f"{name}.{leaf}" if leaf else name) in plan.assignments}
+    styles = {"": plan.assignments[name],
+              **{n.removeprefix(f"{name}."): s for n, s in plan.assignments.items()
+                 if n.startswith(f"{name}.") and "." not in n.removeprefix(f"{name}.")}}
     mixer_style = styles[""]
     assert isinstance(mixer_style, SsmHeads) and mixer_style.geometry is not None
     bias = getattr(out, "bias", None)
@@ -84,7 +88,7 @@ def probe_mixer(mixer: nn.Module, name: str, plan: ResolvedPlan, ctx: ShardConte
             want = whole(x)
             ranks = [_cut(whole, name, styles, ShardContext(ctx.world_size, r, None, "probe"))
                      for r in range(ctx.world_size)]
-            got = _run(ranks, x, mixer_style.geometry.groups)
+            got = _run(ranks, x, getattr(mixer_style.geometry, "groups", 1))
             if isinstance(bias, torch.Tensor):
                 got = got + bias
     except Exception as err:  # the mixer's own code does not run on the cut parts
@@ -104,8 +108,8 @@ def _cut(whole: nn.Module, name: str, styles: dict[str, ParallelStyle],
         module = local.get_submodule(leaf) if leaf else local
         layer = style.plan(module, f"{name}.{leaf}" if leaf else name, ctx)
         new: nn.Module
-        if leaf in ("in_proj", "out_proj"):
-            new = _linear(layer, module, bias=leaf == "in_proj")  # out_proj's bias added once
+        if leaf.endswith("_proj"):  # out_proj's bias is added once, after the sum
+            new = _linear(layer, module, bias=leaf != "out_proj")
         else:
             new = style.apply(module, layer, ctx)
         if leaf:
@@ -129,30 +133,46 @@ def _linear(layer: LayerPlan, module: nn.Module, bias: bool) -> nn.Linear:
 
 
 def _run(ranks: list[nn.Module], x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Sum of every rank's mixer output; the norm (if split) fed each group's full statistic."""
-    norms = [m.get_submodule("norm") for m in ranks if hasattr(m, "norm")]
-    if not all(isinstance(n, GroupShardedGatedRMSNorm) for n in norms) or not norms:
+    """Sum of every rank's mixer output, each part that meets a collective (the gated norm of
+    a shared group, a Mamba-1 mixer's ``x_proj``) fed what the collective would give."""
+    leaf = ("norm" if isinstance(getattr(ranks[0], "norm", None), GroupShardedGatedRMSNorm)
+            else "x_proj" if hasattr(ranks[0], "x_proj") else None)
+    if leaf is None:
         return torch.stack([m(x) for m in ranks]).sum(0)
-    captured = []
-    for mixer in ranks:  # first pass: what reaches each rank's norm
-        capture = _Capture()
-        norm = mixer.get_submodule("norm")
-        mixer.norm = capture
+    captures = []
+    for mixer in ranks:  # first pass: what reaches each rank's part
+        capture = _Capture(mixer.get_submodule(leaf), local=leaf == "x_proj")
+        setattr(mixer, leaf, capture)
         mixer(x)
-        assert isinstance(norm, GroupShardedGatedRMSNorm) and capture.seen is not None
-        captured.append((norm, *capture.seen))
-    parts = [gated_squares(y, gate, norm.groups, norm.norm_before_gate)
-             for norm, y, gate in captured]
-    sharing = group_ranks(groups, len(ranks))
+        captures.append(capture)
+    outs = _gated_norms(captures, groups) if leaf == "norm" else _summed(captures)
     outputs = []
-    for r, (mixer, (norm, y, gate)) in enumerate(zip(ranks, captured, strict=True)):
+    for mixer, out in zip(ranks, outs, strict=True):
+        setattr(mixer, leaf, _Fixed(out))  # second pass: the rank's output
+        outputs.append(mixer(x))
+    return torch.stack(outputs).sum(0)
+
+
+def _summed(captures: list[_Capture]) -> list[torch.Tensor]:
+    """The all-reduce of the ranks' partial outputs (``x_proj``), on every rank."""
+    total = torch.stack([c.part(*c.seen) for c in captures]).sum(0)
+    return [total] * len(captures)
+
+
+def _gated_norms(captures: list[_Capture], groups: int) -> list[torch.Tensor]:
+    """Each rank's gated norm, its groups' sums of squares summed over the ranks sharing them."""
+    norms = [n for c in captures if isinstance(n := c.part, GroupShardedGatedRMSNorm)]
+    assert len(norms) == len(captures)
+    parts = [gated_squares(c.seen[0], c.seen[1] if len(c.seen) > 1 else None, n.groups,
+                           n.norm_before_gate) for c, n in zip(captures, norms, strict=True)]
+    sharing = group_ranks(groups, len(captures))
+    outs = []
+    for r, (c, norm) in enumerate(zip(captures, norms, strict=True)):
         squares = parts[r][1]
         if norm.sharing > 1:  # the ranks holding the same group, as the sub-group sums
             holders = next(g for g in sharing if r in g)
             squares = torch.stack([parts[s][1] for s in holders]).sum(0)
-        out = finish_gated_norm(parts[r][0], squares, norm.weight, norm.variance_epsilon,
-                                norm.group_size, gate, y.dtype, norm.norm_before_gate,
-                                norm.weight_last)
-        mixer.norm = _Fixed(out)  # second pass: the rank's output
-        outputs.append(mixer(x))
-    return torch.stack(outputs).sum(0)
+        outs.append(finish_gated_norm(parts[r][0], squares, norm.weight, norm.variance_epsilon,
+                                      norm.group_size, c.seen[1] if len(c.seen) > 1 else None,
+                                      c.seen[0].dtype, norm.norm_before_gate, norm.weight_last))
+    return outs

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..core.layouts import ParamLayout, group_ranks, head_share, shard_range
 from ..layers.grad_sync import GradSync, mark
-from ..layers.shared_by_heads import HeadShardedRMSNorm, RopeKeyEntry
+from ..layers.shared_by_heads import HeadShardedRMSNorm, SharedFeaturesEntry
 from .constraints import Constraint
 from .linear_view import LinearView
 from .styles import Colwise, LayerPlan, ParallelStyle, Rowwise, ShardContext, require_linear
@@ -276,5 +276,5 @@ class RopeKey(ParallelStyle):
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size > 1 and self.rope is not None:
-            module.register_forward_hook(RopeKeyEntry(self.rope, ctx.group))
+            module.register_forward_hook(SharedFeaturesEntry(self.rope, ctx.group))
         return module

@@ -8,10 +8,13 @@ is replicated on the ranks that use it and its heads split over them.
 
 * :class:`SsmHeads` - the mixer itself: its per-head ``A_log``/``D``/``dt_bias``
   and any buffer as wide as ``in_proj``'s output (Falcon-H1's ``mup_vector``) cut
-  by heads, its head/group counts set to this rank's.
+  by heads, its head/group counts set to this rank's. A Mamba-1-style mixer
+  (:class:`ChannelGeometry`) is cut by channels the same way.
 * :class:`ChannelSplit` - the depthwise convolution over ``[x | B | C]``, channel
   part by channel part; a replicated group's channels get their gradient summed
   over the ranks sharing it.
+* :class:`SharedOutputColumns` - a Mamba-1 mixer's ``x_proj``: the dt/B/C it
+  computes from every channel, all-reduced, read by every channel.
 * :class:`GatedNormSplit` - the gated RMS norm over the heads' channels
   (:class:`~torchtp.layers.gated_norm.GroupShardedGatedRMSNorm`).
 
@@ -33,9 +36,10 @@ from ..core.layouts import ParamLayout, group_ranks
 from ..layers.gated_norm import GroupShardedGatedRMSNorm
 from ..layers.grad_sync import GradSync, mark
 from ..layers.owned import hold_shards
+from ..layers.shared_by_heads import SharedFeaturesEntry
 from .constraints import Constraint
 from .styles import LayerPlan, ParallelStyle, ShardContext
-from .styles_heads import Part
+from .styles_heads import HeadColumns, Part
 from .subgroups import sharing_subgroup
 
 # The mixer's attributes its forward reads as sizes (transformers 5.3-5.24: Mamba-2,
@@ -93,6 +97,78 @@ class MixerGeometry:
             return 1
         return next(len(r) for r in group_ranks(self.groups, ctx.world_size) if ctx.rank in r)
 
+    def own_part(self) -> Part:
+        """How the mixer's own parameters split: ``A_log``, ``D``, ``dt_bias`` by heads."""
+        return self.head_part("A_log, D, dt_bias", self.heads)
+
+    def own_layouts(self, ctx: ShardContext) -> dict[str, ParamLayout]:
+        """This rank's slice of each of the mixer's own parameters."""
+        layout = ParamLayout((self.heads,), 0, (self.own_part().segment(0, ctx),))
+        return {p: layout for p in PER_HEAD}
+
+    def local_sizes(self, ctx: ShardContext) -> dict[str, int]:
+        """The size attributes the mixer's forward reads, at this rank's share."""
+        heads, groups = self.local(ctx)
+        inner = heads * self.head_dim
+        return {"num_heads": heads, "n_groups": groups, "intermediate_size": inner,
+                "conv_dim": inner + 2 * groups * self.state,
+                "groups_time_state_size": groups * self.state}
+
+    def summary(self, ctx: ShardContext) -> str:
+        """The split on this rank, for ``describe_plan()``."""
+        heads, groups = self.local(ctx)
+        return (f"{self.heads} heads in {self.groups} groups: {heads} heads, {groups} "
+                "group(s) on this rank")
+
+
+@dataclass(frozen=True)
+class ChannelGeometry:
+    """Channels of one Mamba-1-style mixer (Mamba, Falcon-Mamba, Jamba).
+
+    Every channel has its own ``A_log`` row, ``D``, ``dt`` and scan state; the
+    ``dt``/B/C that ``x_proj`` computes from all channels are read by every channel.
+
+    Attributes:
+        channels: ``intermediate_size``.
+        state: ``ssm_state_size``.
+        rank: ``time_step_rank`` (the ``dt`` features ``x_proj`` yields).
+    """
+
+    channels: int
+    state: int
+    rank: int
+
+    def part(self, name: str) -> Part:
+        """``channels`` rows split by channel."""
+        return Part(self.channels, self.channels, f"intermediate_size ({name})")
+
+    def in_proj_parts(self) -> tuple[Part, ...]:
+        """``in_proj``'s output rows: ``[x | z]``."""
+        return (self.part("x"), self.part("z"))
+
+    def conv_parts(self) -> tuple[Part, ...]:
+        """The convolution's channels: ``x``."""
+        return (self.part("x"),)
+
+    def own_part(self) -> Part:
+        """How ``A_log`` (rows) and ``D`` split: by channel."""
+        return self.part("A_log, D")
+
+    def own_layouts(self, ctx: ShardContext) -> dict[str, ParamLayout]:
+        """This rank's rows of ``A_log`` ``(channels, state)`` and ``D`` ``(channels,)``."""
+        segment = (self.own_part().segment(0, ctx),)
+        return {"A_log": ParamLayout((self.channels, self.state), 0, segment),
+                "D": ParamLayout((self.channels,), 0, segment)}
+
+    def local_sizes(self, ctx: ShardContext) -> dict[str, int]:
+        """``intermediate_size`` at this rank's share."""
+        return {"intermediate_size": self.own_part().unit_range(ctx)[1]}
+
+    def summary(self, ctx: ShardContext) -> str:
+        """The split on this rank, for ``describe_plan()``."""
+        return (f"{self.channels} channels: {self.own_part().unit_range(ctx)[1]} on this rank; "
+                "x_proj's dt/B/C all-reduced (forward), their gradient summed (backward)")
+
 
 def _segments(parts: tuple[Part, ...], ctx: ShardContext) -> tuple[tuple[int, int], ...]:
     """This rank's rows of each part, in full-tensor coordinates."""
@@ -121,52 +197,43 @@ def _shared_rows(parts: tuple[Part, ...], ctx: ShardContext) -> tuple[GradSync, 
 
 
 class SsmHeads(ParallelStyle):
-    """The mixer module: per-head parameters cut, head and group counts made local.
+    """The mixer module: its own per-head (or per-channel) parameters cut, its sizes made local.
 
     Args:
-        geometry: The mixer's heads and groups (``None``: the style named in a
-            plan, resolved by :mod:`torchtp.plans.state_space`).
+        geometry: The mixer's heads and groups, or channels (``None``: the style
+            named in a plan, resolved by :mod:`torchtp.plans.state_space`).
     """
 
     name = "ssm_heads"
 
-    def __init__(self, geometry: MixerGeometry | None = None) -> None:
+    def __init__(self, geometry: MixerGeometry | ChannelGeometry | None = None) -> None:
         self.geometry = geometry
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
-        if self.geometry is None:
+        g = self.geometry
+        if g is None:
             raise TypeError(f"plan style {self.name!r} for module '{fqn}' "
-                            f"({type(module).__name__}) needs a Mamba-2-style mixer (num_heads, "
-                            "head_dim, n_groups, ssm_state_size, in_proj, conv1d, out_proj, "
-                            "A_log, D, dt_bias)")
-        part = self.geometry.head_part("A_log, D, dt_bias", self.geometry.heads)
-        constraints = _constraints(fqn, self.name, (part,))
-        full = (self.geometry.heads,)
+                            f"({type(module).__name__}) needs a Mamba-style mixer (in_proj, "
+                            "conv1d, out_proj, A_log, D and its sizes)")
+        constraints = _constraints(fqn, self.name, (g.own_part(),))
+        full = g.own_layouts(ctx)["A_log"].full_shape
         if not all(c.ok(ctx.world_size) for c in constraints):
             return LayerPlan(fqn, self.name, constraints, full)
-        layout = ParamLayout(full, 0, (part.segment(0, ctx),))
-        heads, groups = self.geometry.local(ctx)
-        return LayerPlan(fqn, self.name, constraints, full, layout.local_shape,
-                         {p: layout for p in PER_HEAD}, (),
-                         f"{self.geometry.heads} heads in {self.geometry.groups} groups: "
-                         f"{heads} heads, {groups} group(s) on this rank")
+        layouts = g.own_layouts(ctx)
+        return LayerPlan(fqn, self.name, constraints, full, layouts["A_log"].local_shape,
+                         layouts, (), g.summary(ctx))
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size == 1 or not layer.layouts:
             return module
-        geometry = self.geometry
-        assert geometry is not None  # plan() refused otherwise
-        width = sum(p.size for p in geometry.in_proj_parts())
-        rows = [torch.arange(s, s + n) for s, n in _segments(geometry.in_proj_parts(), ctx)]
+        g = self.geometry
+        assert g is not None  # plan() refused otherwise
+        width = sum(p.size for p in g.in_proj_parts())
+        rows = [torch.arange(s, s + n) for s, n in _segments(g.in_proj_parts(), ctx)]
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf.shape and buf.shape[-1] == width:  # Falcon-H1's mup_vector, (1, 1, width)
                 setattr(module, name, buf.index_select(-1, torch.cat(rows).to(buf.device)))
-        heads, groups = geometry.local(ctx)
-        inner = heads * geometry.head_dim
-        sizes = {"num_heads": heads, "n_groups": groups, "intermediate_size": inner,
-                 "conv_dim": inner + 2 * groups * geometry.state,
-                 "groups_time_state_size": groups * geometry.state}
-        module.__dict__.update({k: v for k, v in sizes.items() if hasattr(module, k)})
+        module.__dict__.update({k: v for k, v in g.local_sizes(ctx).items() if hasattr(module, k)})
         return hold_shards(module, dict(layer.layouts))
 
 
@@ -198,7 +265,7 @@ class ChannelSplit(ParallelStyle):
         if module.bias is not None:
             layouts["bias"] = ParamLayout((channels,), 0, segments)
         return LayerPlan(fqn, self.name, constraints, full, layouts["weight"].local_shape,
-                         layouts, (), "channels split like in_proj's x, B and C rows")
+                         layouts, (), "channels split like in_proj's rows")
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size == 1 or not layer.layouts:
@@ -275,3 +342,22 @@ class GatedNormSplit(ParallelStyle):
         return GroupShardedGatedRMSNorm(local, eps, g.inner // g.groups,
                                         groups, before, not hasattr(module, "norm_before_gate"),
                                         group, sharing, dict(layer.layouts), layer.fqn)
+
+
+class SharedOutputColumns(HeadColumns):
+    """A Mamba-1 mixer's ``x_proj``: input columns by channels, its output all-reduced, and
+    its output's gradient summed over the ranks (each rank's channels read all of dt/B/C).
+
+    Args:
+        channels: The channels' part (``x_proj``'s in_features).
+    """
+
+    def __init__(self, channels: Part) -> None:
+        super().__init__(channels, "ssm_heads")
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        swapped = super().apply(module, layer, ctx)
+        if ctx.world_size > 1 and layer.layouts:
+            out = layer.layouts["weight"].full_shape[0]
+            swapped.register_forward_hook(SharedFeaturesEntry(out, ctx.group))
+        return swapped
