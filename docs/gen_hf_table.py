@@ -79,8 +79,9 @@ def _newer_families() -> list[str]:
         share = sum(p.numel() for p in wrapped.parameters()) / full
         rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
                     f"{', '.join(heads)} | {', '.join(shared) or '-'} | {share:.2f} |")
+    rows += _state_space()
     rows += ["", "Hybrid models with experts, checked at tp 3 under `grouped_mm` (logits and "
-             "every gradient); their linear-attention and Mamba mixers stay whole, not split yet:",
+             "every gradient; their mixers split as in the table above):",
              "", "| architecture (test config) | model class | plan source | experts' features "
              "per rank at tp 3 | parameters per rank at tp 2 |", "|---|---|---|---|---:|"]
     for arch in ("qwen3_next", "jamba"):
@@ -93,6 +94,34 @@ def _newer_families() -> list[str]:
             if n.endswith("experts")) for r in range(3)]
         rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | "
                     f"{wrapped.resolved_plan.source} | {'/'.join(map(str, features))} of 32 | "
+                    f"{share:.2f} |")
+    return rows
+
+
+def _state_space() -> list[str]:
+    """Issue 37's state-space and linear-attention mixers, parameters per rank at tp 2."""
+    import torchtp
+    from tests.distributed._hf_models import build
+    from tests.distributed.test_hf_new_families import SSM
+
+    rows = ["", "State-space and linear-attention mixers, split by heads (or channels) and "
+            "checked at tp 2, 3 and 4 by the same test (each split confirmed by the mixer "
+            "probe; see [Attention heads](#attention-heads)):", "",
+            "| architecture (test config) | model class | plan source | mixer | its parts split "
+            "| parameters per rank at tp 2 |", "|---|---|---|---|---|---:|"]
+    for arch in SSM:
+        model = build(arch)
+        full = sum(p.numel() for p in model.parameters())
+        kinds = {n: type(m).__name__ for n, m in model.named_modules()}  # before the swap
+        wrapped = torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+        plan = wrapped.resolved_plan
+        first = next(n for n in plan.checks
+                     if getattr(plan.assignments.get(n), "name", "") == "ssm_heads")
+        parts = sorted({n.removeprefix(f"{first}.") for n in plan.assignments
+                        if n.startswith(f"{first}.") and plan.assignments[n].name != "replicate"})
+        share = sum(p.numel() for p in wrapped.parameters()) / full
+        rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
+                    f"{kinds[first]} | {', '.join(parts)} | "
                     f"{share:.2f} |")
     return rows
 

@@ -149,6 +149,12 @@ def _state_space_configs(tf: object) -> dict:
     falcon = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
               "mamba_d_head": 8, "mamba_d_state": 8, "mamba_chunk_size": 4,
               "max_position_embeddings": 64}
+    next_common = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 128,
+                   "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                   "shared_expert_intermediate_size": 32, "linear_key_head_dim": 8,
+                   "linear_value_head_dim": 8, "max_position_embeddings": 64,
+                   "layer_types": ["linear_attention", "full_attention"]}
     return {
         "mamba2": lambda: tf.Mamba2Config(**mamba, vocab_size=VOCAB, hidden_size=64,
                                           num_heads=16, n_groups=2),
@@ -169,6 +175,14 @@ def _state_space_configs(tf: object) -> dict:
                                         mamba_expand=2, attn_layer_period=2, attn_layer_offset=1,
                                         expert_layer_period=2, expert_layer_offset=1,
                                         use_mamba_kernels=False),
+        # Gated delta-net beside gated attention and MoE: 4 key heads with 2 value heads each,
+        # and 2 key heads with 3 each (tp 3 and 4: a key head replicated on two ranks).
+        "qwen3_next": lambda: tf.Qwen3NextConfig(**next_common, vocab_size=VOCAB,
+                                                 linear_num_key_heads=4,
+                                                 linear_num_value_heads=8),
+        "qwen3_next-uneven": lambda: tf.Qwen3NextConfig(**next_common, vocab_size=97,
+                                                        linear_num_key_heads=2,
+                                                        linear_num_value_heads=6),
         "falcon_h1-uneven": lambda: tf.FalconH1Config(**falcon, vocab_size=97, hidden_size=40,
                                                       intermediate_size=98, mamba_n_heads=10,
                                                       mamba_n_groups=1, mamba_d_ssm=80),
@@ -193,4 +207,4 @@ GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_ne
              "codegen", "bloom", "mpt", "t5", "bart", "llama-uneven", "qwen2-uneven",
              "llama-tied-uneven", "gpt2-uneven", "olmo2-gqa", "olmo2-uneven",
              "deepseek_v3-uneven", "deepseek_v2-uneven", "mamba2", "mamba2-uneven", "falcon_h1",
-             "falcon_h1-uneven", "mamba-uneven", "jamba"}
+             "falcon_h1-uneven", "mamba-uneven", "jamba", "qwen3_next", "qwen3_next-uneven"}

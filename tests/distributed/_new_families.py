@@ -146,8 +146,8 @@ def check_mixers(rank: int, world_size: int, archs: list[str]) -> dict[str, dict
     for arch in archs:
         wrapped = torchtp.DistributedModelWrapper(build(arch))
         plan = wrapped.resolved_plan
-        mixers = [n for n, s in plan.assignments.items() if getattr(s, "name", "") == "ssm_heads"
-                  and not n.endswith("_proj")]
+        mixers = [n for n in plan.checks  # the mixers themselves (their parts have no verdict)
+                  if getattr(plan.assignments.get(n), "name", "") == "ssm_heads"]
         full = dict(build(arch).named_modules())
         mine = dict(wrapped.base_model.named_modules())
         held = sum(p.numel() for n in mixers for p in mine[n].parameters())

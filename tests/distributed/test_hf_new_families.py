@@ -71,8 +71,8 @@ def test_latent_attention_split_by_heads(ranks, tp):
 def test_hybrid_moe_models_run_at_tp3_under_grouped_mm(ranks):
     # Qwen3-Next and Jamba with 32 expert features: 12/12/8 at tp 3 (16-byte blocks), which
     # transformers' default grouped_mm accepts (11/11/10 raised "strides should be multiple
-    # of 16 bytes"). Qwen3-Next's linear attention stays whole (not split yet); Jamba's Mamba
-    # mixers are split by channels (test_state_space_mixers_split_by_heads).
+    # of 16 bytes"). Their gated delta-net and Mamba mixers are split too
+    # (test_state_space_mixers_split_by_heads).
     shapes = ranks(check_hybrid, 3, ["qwen3_next", "jamba"], timeout=600, gloo_timeout=120)
     assert [s["qwen3_next"][-1] for s in shapes] == [12, 12, 8], shapes
     assert [s["jamba"][-1] for s in shapes] == [12, 12, 8], shapes
@@ -86,7 +86,8 @@ def test_the_kin_of_olmo2_split_their_norms_too(ranks):
             (arch, norms)
 
 
-SSM = ["mamba2", "mamba2-uneven", "falcon_h1", "falcon_h1-uneven", "mamba-uneven", "jamba"]
+SSM = ["mamba2", "mamba2-uneven", "falcon_h1", "falcon_h1-uneven", "mamba-uneven", "jamba",
+       "qwen3_next", "qwen3_next-uneven"]
 GATED_NORMS = {"mamba2", "mamba2-uneven", "falcon_h1"}
 
 
@@ -96,7 +97,9 @@ def test_state_space_mixers_split_by_heads(ranks, tp):
     # group on two ranks) and 10 heads in one group (every rank shares it: B/C replicated,
     # the gated norm's statistic summed); Falcon-H1 with its gated norm and without one.
     # Mamba-1 (Mamba: 80 channels, 27/27/26 at tp 3) and Jamba (with its dt/B/C norms, beside
-    # attention and experts) by channels, x_proj's dt/B/C all-reduced.
+    # attention and experts) by channels, x_proj's dt/B/C all-reduced. Qwen3-Next's gated
+    # delta-net by key heads with their value heads (2 key heads with 3 value heads each: at
+    # tp 3 and 4 a key head's q/k is replicated on two ranks, its value heads split).
     results = ranks(check_mixers, tp, SSM, timeout=900, gloo_timeout=120)
     for arch in SSM:
         got = results[0][arch]

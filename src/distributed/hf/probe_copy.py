@@ -27,15 +27,29 @@ def copy_key(model: nn.Module) -> str | None:
         return None
 
 
+# Layer types of softmax attention: a hybrid whose first layer is another kind (Qwen3-Next's
+# linear attention) keeps its layers up to the first of these, so the copy holds one of each.
+ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def _layers_kept(types: object) -> int:
+    """Layers the copy keeps: one, or up to the first softmax attention of a hybrid."""
+    if not isinstance(types, list) or not types or types[0] in ATTENTION_TYPES:
+        return 1
+    return next((i + 1 for i, t in enumerate(types) if t in ATTENTION_TYPES), 1)
+
+
 def small_copy(model: nn.Module) -> nn.Module | None:
-    """A one-layer CPU copy of an HF model from its config, random weights under seed 0."""
+    """A one-layer CPU copy of an HF model from its config (a hybrid's layers up to its first
+    softmax attention), random weights under seed 0."""
     config: Any = copy.deepcopy(cast(Any, model).config)
     for cfg in {id(c): c for c in (config, getattr(config, "text_config", None))
                 if c is not None}.values():
+        layers = _layers_kept(getattr(cfg, "layer_types", None))
         if isinstance(getattr(cfg, "num_hidden_layers", None), int):
-            cfg.num_hidden_layers = 1
+            cfg.num_hidden_layers = layers
         if isinstance(getattr(cfg, "layer_types", None), list):
-            cfg.layer_types = cfg.layer_types[:1]
+            cfg.layer_types = cfg.layer_types[:layers]
         vocab = getattr(cfg, "vocab_size", None)
         if isinstance(vocab, int):  # the embedding and LM head dominate the copy's build time
             ids = [getattr(cfg, k, None) for k in _TOKEN_IDS]

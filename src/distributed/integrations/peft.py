@@ -332,9 +332,10 @@ def _create_new_module(original: Any) -> Any:
             # Its output's gradient is summed over the group by a hook on the base
             # layer; a LoRA branch beside it would get only this rank's part.
             raise ValueError(f"LoRA adapters on a 'partial_grad_output' layer ({type(base).__name__}"
-                             ", a hand-written MoE's router whose output meets the experts' "
-                             "partial sums) are not supported; leave it out of target_modules "
-                             "(\"all-linear\" includes it: list the modules instead)")
+                             ", a hand-written MoE's router or a Mamba mixer's x_proj, whose "
+                             "output meets partial sums) are not supported; leave it out of "
+                             "target_modules (\"all-linear\" includes it: list the modules "
+                             "instead)")
         if isinstance(base, PARALLEL_LINEARS):
             compat.peft_register_custom_module(
                 lora_config, dict.fromkeys(PARALLEL_LINEARS, TensorParallelLoraLinear))

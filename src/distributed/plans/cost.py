@@ -51,7 +51,14 @@ from ..costmodel import Hardware, allgather_time, allreduce_time, get_hardware
 from .dataflow import Trace
 from .linear_view import linear_view
 from .resolved import ResolvedPlan
-from .styles import Colwise, LayerPlan, ParallelStyle, ReplicatedWithGradAllreduce, Rowwise
+from .styles import (
+    Colwise,
+    LayerPlan,
+    ParallelStyle,
+    ReplicatedWithGradAllreduce,
+    Rowwise,
+    ShardContext,
+)
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
 from .styles_partial import PartialGradOutput, ReduceInput, ReduceOutput, ReduceResidual
 
@@ -242,19 +249,34 @@ def plan_cost(model: nn.Module, plan: ResolvedPlan, tp: int, shapes: Shapes,
             moved += t.moved(tp)
             if not t.backward:
                 forward[t.op] = forward.get(t.op, 0) + 1
-    return PlanCost(seconds, round(moved), memory_per_rank(model, plan), forward)
+    return PlanCost(seconds, round(moved), memory_per_rank(model, plan, tp), forward)
 
 
-def memory_per_rank(model: nn.Module, plan: ResolvedPlan) -> int:
-    """Parameter bytes this plan leaves on each rank (tied parameters once)."""
-    total = 0
-    for full_name, p in model.named_parameters():
-        owner, _, pname = full_name.rpartition(".")
-        layer = plan.layers.get(owner)
-        layout = layer.layouts.get(pname) if layer is not None else None
-        numel = math.prod(layout.local_shape) if layout is not None else p.numel()
-        total += numel * p.element_size()
-    return total
+def memory_per_rank(model: nn.Module, plan: ResolvedPlan, tp: int = 1) -> int:
+    """Parameter bytes the plan leaves on its largest rank (tied parameters once).
+
+    Shares may differ by a head or a row (balanced uneven splits), so every rank
+    computes the same number from the plan alone: each split layer is planned at
+    every rank of ``tp`` (no weight touched) and the largest total wins. A choice
+    made on it is the same on every rank.
+    """
+    modules = dict(model.named_modules())
+    split = {n: s for n, s in plan.assignments.items()
+             if (layer := plan.layers.get(n)) is not None and layer.layouts}
+    totals = []
+    for rank in range(tp if tp > 1 and split else 1):
+        ctx = ShardContext(tp, rank, None)
+        layers = {n: s.plan(modules[n], n, ctx) for n, s in split.items()} if tp > 1 \
+            else plan.layers
+        total = 0
+        for full_name, p in model.named_parameters():
+            owner, _, pname = full_name.rpartition(".")
+            layer = layers.get(owner)
+            layout = layer.layouts.get(pname) if layer is not None else None
+            numel = math.prod(layout.local_shape) if layout is not None else p.numel()
+            total += numel * p.element_size()
+        totals.append(total)
+    return max(totals)
 
 
 def is_lone(style: ParallelStyle) -> bool:

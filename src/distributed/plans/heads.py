@@ -19,7 +19,7 @@ from torch import nn
 
 from .linear_view import linear_view
 from .styles_heads import Part
-from .styles_state_space import PER_HEAD, ChannelGeometry, MixerGeometry
+from .styles_state_space import PER_HEAD, ChannelGeometry, DeltaGeometry, MixerGeometry
 
 # Attribute families attention modules read in their forward, across model
 # families (Llama/Mistral/Qwen2: num_heads or config-only + head_dim and
@@ -176,9 +176,35 @@ def channel_geometry(module: nn.Module) -> ChannelGeometry | None:
     return ChannelGeometry(inner, state, rank)
 
 
-def ssm_geometry(module: nn.Module) -> MixerGeometry | ChannelGeometry | None:
-    """A state-space mixer's heads (Mamba-2 style) or channels (Mamba-1 style), or None."""
-    return mixer_geometry(module) or channel_geometry(module)
+def delta_geometry(module: nn.Module) -> DeltaGeometry | None:
+    """The heads of a gated delta-net linear attention (Qwen3-Next), or None."""
+    sizes = [v for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+             if isinstance(v := getattr(module, a, None), int) and not isinstance(v, bool) and v > 0]
+    if len(sizes) != 4 or sizes[1] % sizes[0] or not isinstance(getattr(module, "conv1d", None),
+                                                                  nn.Conv1d):
+        return None
+    g = DeltaGeometry(*sizes)
+    key, value = g.k_heads * g.k_dim, g.v_heads * g.v_dim
+    views = {n: linear_view(m) if isinstance(m := getattr(module, n, None), nn.Module) else None
+             for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")}
+    rows = {n: v.out_features if n != "out_proj" else v.in_features
+            for n, v in views.items() if v is not None}
+    norm = getattr(getattr(module, "norm", None), "weight", None)
+    if (rows != {"in_proj_qkvz": 2 * key + 2 * value, "in_proj_ba": 2 * g.v_heads,
+                 "out_proj": value} or getattr(module, "conv_dim", None) != 2 * key + value
+            or not isinstance(norm, torch.Tensor) or tuple(norm.shape) != (g.v_dim,)):
+        return None
+    for name in ("A_log", "dt_bias"):
+        p = getattr(module, name, None)
+        if not isinstance(p, torch.Tensor) or tuple(p.shape) != (g.v_heads,):
+            return None
+    return g
+
+
+def ssm_geometry(module: nn.Module) -> MixerGeometry | ChannelGeometry | DeltaGeometry | None:
+    """A state-space mixer's heads (Mamba-2 style), channels (Mamba-1 style) or a gated
+    delta-net's key and value heads, or None."""
+    return mixer_geometry(module) or channel_geometry(module) or delta_geometry(module)
 
 
 def mixer_names(model: nn.Module) -> list[str]:

@@ -134,7 +134,7 @@ def _plan_layers(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) ->
 def _check_memory(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext,
                   budget: int) -> None:
     """Raise if the plan leaves more than ``budget`` parameter bytes on a rank."""
-    held = memory_per_rank(model, resolved)
+    held = memory_per_rank(model, resolved, ctx.world_size)
     if held > budget:
         raise ValueError(
             f"{ctx.model_name}: the plan ({resolved.source}) holds {held} bytes "

@@ -1,22 +1,28 @@
-"""Split Mamba-2-style state-space mixers by heads (a resolve step), as serving engines do.
+"""Split state-space mixers and linear attention by heads (a resolve step), as vLLM does.
 
-A mixer (Mamba-2's ``Mamba2Mixer``, Falcon-H1's, and the hybrids built the same
-way) projects the input once into ``[z | x | B | C | dt]``, runs a depthwise
-convolution over ``[x | B | C]`` and a selective scan per head (each head reads
-its group's B and C), normalises the result gated by ``z`` per group and
-projects it back. Any plan source may name the mixer ``ssm_heads``;
-:func:`split_mixers` then gives each part its style
-(:mod:`torchtp.plans.styles_state_space`): ``in_proj`` by heads and groups,
-the convolution by channels, ``A_log``/``D``/``dt_bias`` by heads, the gated
-norm over each rank's groups, ``out_proj`` by the same heads' columns (one
-all-reduce per mixer, plus one ``(B, T, 1, 1)`` all-reduce in the norm when
-there are more ranks than groups). The cache's conv and SSM states take the
-local shapes by themselves (transformers allocates them from the first
-tensors it stores).
+Three kinds, one style name (``ssm_heads``, on the mixer module), each part cut
+by the one head-boundary rule:
 
-Every split is confirmed by :func:`~torchtp.plans.state_space_probe.probe_mixer`
-before anything is cut; one that is not stays replicated with the reason in
-``describe_plan()`` (a user's plan is refused).
+* **Mamba-2 style** (``Mamba2Mixer``, Falcon-H1's): ``in_proj`` packs
+  ``[z | x | B | C | dt]``, a depthwise convolution runs over ``[x | B | C]``, a
+  selective scan per head reads its group's B and C, a gated norm per group,
+  ``out_proj``. Split by heads, B/C by groups; one all-reduce per mixer, plus
+  one ``(B, T, 1, 1)`` all-reduce in the norm when ranks share a group.
+* **Mamba-1 style** (``MambaMixer``, Jamba's): ``in_proj`` ``[x | z]``, the
+  convolution, ``x_proj`` computing dt/B/C from every channel, ``dt_proj``, a
+  scan per channel, ``out_proj``. Split by channels; ``x_proj``'s output
+  all-reduced (its gradient summed), then ``out_proj``'s.
+* **Gated delta-net** (Qwen3-Next): ``in_proj_qkvz``/``in_proj_ba`` packed per key
+  head, the convolution over ``[q | k | v]``, a per-head gated norm,
+  ``out_proj``. Split by key heads with their value heads; one all-reduce.
+
+:func:`split_mixers` gives each part its style
+(:mod:`torchtp.plans.styles_state_space`). The cache's conv and recurrent
+states take the local shapes by themselves (transformers allocates them from
+the first tensors it stores). Every split is confirmed by
+:func:`~torchtp.plans.state_space_probe.probe_mixer` before anything is cut;
+one that is not stays replicated with the reason in ``describe_plan()`` (a
+user's plan is refused).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from .styles_heads import HeadColumns, HeadSplit
 from .styles_state_space import (
     ChannelGeometry,
     ChannelSplit,
+    DeltaGeometry,
     GatedNormSplit,
+    GroupBlocks,
     MixerGeometry,
     SharedOutputColumns,
     SsmHeads,
@@ -45,14 +53,16 @@ from .styles_state_space import (
 # Packages whose fused training kernel (mamba_split_conv1d_scan_combined) transformers
 # calls instead of the mixer's torch path: it computes the norm and out_proj inside.
 FUSED_KERNELS = ("mamba_ssm", "kernels")
+Geometry = MixerGeometry | ChannelGeometry | DeltaGeometry
 
 
-def _unsupported(module: nn.Module, geometry: MixerGeometry | ChannelGeometry | None
-                 ) -> str | None:
+def _unsupported(module: nn.Module, geometry: Geometry | None) -> str | None:
     """Why this mixer cannot be split here, or None."""
     if geometry is None:
-        return (f"{type(module).__name__} is not a Mamba-style mixer (in_proj, conv1d, "
-                "out_proj, A_log, D and the sizes its forward reads)")
+        return (f"{type(module).__name__} is not a Mamba-style mixer or gated delta-net (in_proj, "
+                "conv1d, out_proj, A_log and the sizes its forward reads)")
+    if isinstance(geometry, DeltaGeometry):  # its kernels (FLA's) work head by head
+        return None
     fused = [k for k in FUSED_KERNELS if importlib.util.find_spec(k) is not None]
     if fused:
         return (f"{fused[0]} is installed: transformers' fused training kernels "
@@ -129,13 +139,17 @@ def _probe_target(model: nn.Module, name: str, copies: dict[str, nn.Module]) -> 
                  if INDEX.sub(".*", n) == pattern and ssm_geometry(m) is not None), mixer)
 
 
-def _assign(plan: ResolvedPlan, modules: dict[str, nn.Module], mixer: str,
-            g: MixerGeometry | ChannelGeometry) -> None:
+def _assign(plan: ResolvedPlan, modules: dict[str, nn.Module], mixer: str, g: Geometry) -> None:
     """The mixer's parts' styles, each with its reason."""
-    styles, reasons = (_head_styles(modules, mixer, g) if isinstance(g, MixerGeometry)
-                       else _channel_styles(modules, mixer, g))
-    what = (f"{g.heads} heads in {g.groups} group(s)" if isinstance(g, MixerGeometry)
-            else f"{g.channels} channels") + f" of state-space mixer '{mixer}'"
+    if isinstance(g, MixerGeometry):
+        styles, reasons = _head_styles(modules, mixer, g)
+        what = f"{g.heads} heads in {g.groups} group(s) of state-space mixer '{mixer}'"
+    elif isinstance(g, ChannelGeometry):
+        styles, reasons = _channel_styles(modules, mixer, g)
+        what = f"{g.channels} channels of state-space mixer '{mixer}'"
+    else:
+        styles, reasons = _delta_styles(g)
+        what = f"{g.k_heads} key and {g.v_heads} value heads of gated delta-net '{mixer}'"
     for leaf, style in styles.items():
         full = f"{mixer}.{leaf}" if leaf else mixer
         plan.assignments[full] = style
@@ -143,6 +157,25 @@ def _assign(plan: ResolvedPlan, modules: dict[str, nn.Module], mixer: str,
 
 
 Styles = tuple[dict[str, ParallelStyle], dict[str, str]]
+
+
+def _delta_styles(g: DeltaGeometry) -> Styles:
+    """A gated delta-net's parts by key heads, each with its value heads."""
+    per_group = g.v_heads // g.k_heads
+    styles: dict[str, ParallelStyle] = {
+        "": SsmHeads(g),
+        "in_proj_qkvz": GroupBlocks(g, ((g.k_dim, True), (g.k_dim, True),
+                                        (per_group * g.v_dim, False),
+                                        (per_group * g.v_dim, False))),
+        "in_proj_ba": GroupBlocks(g, ((per_group, False), (per_group, False))),
+        "conv1d": ChannelSplit(g.conv_parts()), "norm": ReplicatedWithGradAllreduce(),
+        "out_proj": HeadColumns(g.value_part("out_proj input", g.v_dim), "ssm_heads")}
+    return styles, {"": "ssm_heads: A_log and dt_bias by value heads",
+                    "in_proj_qkvz": "[q | k | v | z] blocks by key heads (v, z by value heads)",
+                    "in_proj_ba": "[b | a] blocks by key heads (by value heads)",
+                    "conv1d": "depthwise channels [q | k | v] by key and value heads",
+                    "norm": "a per-head gated norm: whole, its gradient summed",
+                    "out_proj": "input columns by the value heads; one all-reduce"}
 
 
 def _head_styles(modules: dict[str, nn.Module], mixer: str, g: MixerGeometry) -> Styles:

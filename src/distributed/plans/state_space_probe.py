@@ -23,7 +23,7 @@ from ..core.layouts import group_ranks
 from ..layers.gated_norm import GroupShardedGatedRMSNorm, finish_gated_norm, gated_squares
 from .linear_view import linear_view
 from .resolved import ResolvedPlan
-from .styles import LayerPlan, ParallelStyle, ShardContext
+from .styles import LayerPlan, LinearStyle, ParallelStyle, Rowwise, ShardContext
 from .styles_state_space import SsmHeads
 
 TOKENS = (2, 7)  # batch, sequence: more than one chunk of the tiny probes' scans
@@ -73,9 +73,10 @@ def probe_mixer(mixer: nn.Module, name: str, plan: ResolvedPlan, ctx: ShardConte
     if any(t.is_meta for t in [*mixer.parameters(), *mixer.buffers()]):
         return "the model is on the meta device: the split cannot be probed before it is cut"
     whole = copy.deepcopy(mixer).to("cpu", torch.float64).eval()
-    into, out = linear_view(whole.get_submodule("in_proj")), whole.get_submodule("out_proj")
-    assert into is not None  # mixer_geometry checked it
-    x = torch.randn(*TOKENS, into.in_features, dtype=torch.float64,
+    out = whole.get_submodule("out_proj")
+    view = linear_view(out)
+    assert view is not None  # the geometry checked it
+    x = torch.randn(*TOKENS, view.out_features, dtype=torch.float64,  # (B, T, hidden)
                     generator=torch.Generator().manual_seed(0))
     styles = {"": plan.assignments[name],
               **{n.removeprefix(f"{name}."): s for n, s in plan.assignments.items()
@@ -108,8 +109,8 @@ def _cut(whole: nn.Module, name: str, styles: dict[str, ParallelStyle],
         module = local.get_submodule(leaf) if leaf else local
         layer = style.plan(module, f"{name}.{leaf}" if leaf else name, ctx)
         new: nn.Module
-        if leaf.endswith("_proj"):  # out_proj's bias is added once, after the sum
-            new = _linear(layer, module, bias=leaf != "out_proj")
+        if isinstance(style, LinearStyle):  # a row split's bias is added once, after the sum
+            new = _linear(layer, module, bias=not isinstance(style, Rowwise))
         else:
             new = style.apply(module, layer, ctx)
         if leaf:

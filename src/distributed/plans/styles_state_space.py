@@ -32,13 +32,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..core.layouts import ParamLayout, group_ranks
+from ..core.layouts import ParamLayout, group_ranks, head_share
 from ..layers.gated_norm import GroupShardedGatedRMSNorm
 from ..layers.grad_sync import GradSync, mark
 from ..layers.owned import hold_shards
 from ..layers.shared_by_heads import SharedFeaturesEntry
 from .constraints import Constraint
-from .styles import LayerPlan, ParallelStyle, ShardContext
+from .linear_view import LinearView
+from .styles import Colwise, LayerPlan, ParallelStyle, ShardContext
 from .styles_heads import HeadColumns, Part
 from .subgroups import sharing_subgroup
 
@@ -206,7 +207,8 @@ class SsmHeads(ParallelStyle):
 
     name = "ssm_heads"
 
-    def __init__(self, geometry: MixerGeometry | ChannelGeometry | None = None) -> None:
+    def __init__(self, geometry: MixerGeometry | ChannelGeometry | DeltaGeometry | None = None
+                 ) -> None:
         self.geometry = geometry
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
@@ -335,7 +337,9 @@ class GatedNormSplit(ParallelStyle):
                              requires_grad=weight.requires_grad)
         sharing = g.sharing(ctx)
         groups = g.local(ctx)[1] if sharing == 1 else 1
-        group = sharing_subgroup(ctx, g.groups) if sharing > 1 else None
+        # Every rank asks for the sub-groups (creating them is collective), whatever it holds.
+        shared = sharing_subgroup(ctx, g.groups) if ctx.world_size > g.groups else None
+        group = shared if sharing > 1 else None
         before = bool(getattr(module, "norm_before_gate", False))
         eps = module.variance_epsilon
         assert isinstance(eps, float)  # plan() checked it
@@ -360,4 +364,130 @@ class SharedOutputColumns(HeadColumns):
         if ctx.world_size > 1 and layer.layouts:
             out = layer.layouts["weight"].full_shape[0]
             swapped.register_forward_hook(SharedFeaturesEntry(out, ctx.group))
+            # A LoRA branch beside it would miss the hook's gradient sum: PEFT refuses one.
+            swapped.tp_partial_grad_output = True  # type: ignore[assignment]
+        return swapped
+
+
+@dataclass(frozen=True)
+class DeltaGeometry:
+    """Heads of one gated delta-net linear attention (Qwen3-Next).
+
+    Each key head (q and k) serves ``v_heads / k_heads`` value heads (v, z, and
+    the per-head ``b``/``a``, ``A_log``, ``dt_bias``): the roles of attention's KV
+    and query heads in the head-boundary rule, so with more ranks than key heads
+    a key head is replicated on the ranks that share its value heads.
+
+    Attributes:
+        k_heads: ``num_k_heads``.
+        v_heads: ``num_v_heads``.
+        k_dim: ``head_k_dim``.
+        v_dim: ``head_v_dim``.
+    """
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+    def value_part(self, name: str, per_head: int) -> Part:
+        """``per_head`` rows per value head, split by value heads (whole key groups)."""
+        return Part(self.v_heads * per_head, self.v_heads, f"num_v_heads ({name})",
+                    kv_groups=self.k_heads)
+
+    def key_part(self, name: str) -> Part:
+        """q or k: one block per key head, replicated past ``k_heads`` ranks."""
+        return Part(self.k_heads * self.k_dim, self.k_heads, f"num_k_heads ({name})",
+                    kv_groups=self.k_heads, is_kv=True)
+
+    def conv_parts(self) -> tuple[Part, ...]:
+        """The convolution's channels: ``[q | k | v]``."""
+        return (self.key_part("q"), self.key_part("k"), self.value_part("v", self.v_dim))
+
+    def in_proj_parts(self) -> tuple[Part, ...]:
+        """No buffer follows the packed projections' rows."""
+        return ()
+
+    def own_part(self) -> Part:
+        """``A_log`` and ``dt_bias``: by value heads."""
+        return self.value_part("A_log, dt_bias", 1)
+
+    def own_layouts(self, ctx: ShardContext) -> dict[str, ParamLayout]:
+        """This rank's value heads of ``A_log`` and ``dt_bias``."""
+        layout = ParamLayout((self.v_heads,), 0, (self.own_part().segment(0, ctx),))
+        return {"A_log": layout, "dt_bias": layout}
+
+    def local(self, ctx: ShardContext) -> tuple[int, int]:
+        """This rank's ``(key heads, value heads)``."""
+        return self.key_part("k").unit_range(ctx)[1], self.own_part().unit_range(ctx)[1]
+
+    def local_sizes(self, ctx: ShardContext) -> dict[str, int]:
+        """The size attributes the forward reads, at this rank's share."""
+        k, v = self.local(ctx)
+        return {"num_k_heads": k, "num_v_heads": v, "key_dim": k * self.k_dim,
+                "value_dim": v * self.v_dim, "conv_dim": 2 * k * self.k_dim + v * self.v_dim}
+
+    def summary(self, ctx: ShardContext) -> str:
+        """The split on this rank, for ``describe_plan()``."""
+        k, v = self.local(ctx)
+        return (f"{self.k_heads} key heads, {self.v_heads} value heads: {k} key and {v} value "
+                "head(s) on this rank")
+
+
+class GroupBlocks(Colwise):
+    """A projection packed per key head: ``[q_g | k_g | v_g | z_g]`` (or ``[b_g | a_g]``) for
+    each key head ``g`` in turn; each rank keeps its key heads' blocks, or (more ranks than key
+    heads) its key head's shared pieces whole and its share of the value heads' pieces.
+
+    Args:
+        geometry: The heads.
+        pieces: Per key head, ``(rows, shared)`` in order: ``shared`` pieces (q, k) are
+            read by all of the group's value heads; the others hold one slice per value head.
+    """
+
+    def __init__(self, geometry: DeltaGeometry, pieces: tuple[tuple[int, bool], ...]) -> None:
+        super().__init__()
+        self.name = "ssm_heads"
+        self.geometry = geometry
+        self.pieces = pieces
+
+    def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
+        return list(_constraints(fqn, self.name, (self.geometry.own_part(),)))
+
+    def _blocks(self, ctx: ShardContext) -> list[tuple[int, int, bool]]:
+        """This rank's ``(start, rows, shared)`` pieces, in full-tensor rows."""
+        g = self.geometry
+        block, per_group = sum(r for r, _ in self.pieces), g.v_heads // g.k_heads
+        (v_start, v_count), (k_start, k_count) = head_share(g.v_heads, g.k_heads,
+                                                            ctx.world_size, ctx.rank)
+        if v_count == k_count * per_group:  # whole key groups
+            return [(k_start * block, k_count * block, False)]
+        out, offset = [], k_start * block
+        for rows, shared in self.pieces:
+            unit = rows // per_group
+            out.append((offset, rows, True) if shared else
+                       (offset + (v_start - k_start * per_group) * unit, v_count * unit, False))
+            offset += rows
+        return out
+
+    def row_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
+        return tuple((s, n) for s, n, _ in self._blocks(ctx))
+
+    def detail(self, view: LinearView) -> str:
+        return (f"blocks of {self.geometry.k_heads} key heads, each with its "
+                f"{self.geometry.v_heads // self.geometry.k_heads} value heads")
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        swapped = super().apply(module, layer, ctx)
+        k_heads = self.geometry.k_heads
+        # Every rank asks for the sub-groups (creating them is collective), whatever it holds.
+        group = sharing_subgroup(ctx, k_heads) if ctx.world_size > k_heads else None
+        syncs, local = [], 0
+        for _, rows, shared in self._blocks(ctx):
+            if shared:  # a replicated key head: each rank's gradient covers its value heads
+                syncs.append(GradSync(group, (local, rows)))
+            local += rows
+        if syncs:
+            for name, _ in swapped.named_parameters(recurse=False):
+                mark(swapped, name, tuple(syncs))
         return swapped
