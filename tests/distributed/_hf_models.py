@@ -155,6 +155,8 @@ def _state_space_configs(tf: object) -> dict:
                    "shared_expert_intermediate_size": 32, "linear_key_head_dim": 8,
                    "linear_value_head_dim": 8, "max_position_embeddings": 64,
                    "layer_types": ["linear_attention", "full_attention"]}
+    hybrid = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 128}
     return {
         "mamba2": lambda: tf.Mamba2Config(**mamba, vocab_size=VOCAB, hidden_size=64,
                                           num_heads=16, n_groups=2),
@@ -183,6 +185,19 @@ def _state_space_configs(tf: object) -> dict:
         "qwen3_next-uneven": lambda: tf.Qwen3NextConfig(**next_common, vocab_size=97,
                                                         linear_num_key_heads=2,
                                                         linear_num_value_heads=6),
+        # Mamba-2 mixers in other hybrids: Bamba (attention on layer 1), NemotronH (its
+        # own pattern of mixer, attention and MLP layers), GraniteMoeHybrid (mixers + MoE).
+        "bamba": lambda: tf.BambaConfig(**hybrid, mamba_n_heads=16, mamba_d_head=8,
+                                        mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
+                                        attn_layer_indices=[1]),
+        "nemotron_h": lambda: tf.NemotronHConfig(**{**hybrid, "num_hidden_layers": 4}, mamba_num_heads=16, mamba_head_dim=8,
+                                                 n_groups=2, ssm_state_size=8, chunk_size=4,
+                                                 layers_block_type=["linear_attention", "mlp",
+                                                                    "full_attention", "mlp"]),
+        "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(
+            **hybrid, mamba_n_heads=16, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8,
+            mamba_chunk_size=4, layer_types=["linear_attention", "full_attention"],
+            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64),
         "falcon_h1-uneven": lambda: tf.FalconH1Config(**falcon, vocab_size=97, hidden_size=40,
                                                       intermediate_size=98, mamba_n_heads=10,
                                                       mamba_n_groups=1, mamba_d_ssm=80),
@@ -207,4 +222,5 @@ GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_ne
              "codegen", "bloom", "mpt", "t5", "bart", "llama-uneven", "qwen2-uneven",
              "llama-tied-uneven", "gpt2-uneven", "olmo2-gqa", "olmo2-uneven",
              "deepseek_v3-uneven", "deepseek_v2-uneven", "mamba2", "mamba2-uneven", "falcon_h1",
-             "falcon_h1-uneven", "mamba-uneven", "jamba", "qwen3_next", "qwen3_next-uneven"}
+             "falcon_h1-uneven", "mamba-uneven", "jamba", "qwen3_next", "qwen3_next-uneven", "bamba",
+             "nemotron_h", "granitemoehybrid"}
