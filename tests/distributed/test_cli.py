@@ -149,6 +149,20 @@ def test_plan_other_architectures_from_config_only(capsys, tmp_path):
     assert 4 in report["valid_tp_sizes"]  # 2 KV heads replicated over 4 ranks
 
 
+def test_plan_a_mamba2_config_splits_its_mixers(capsys, tmp_path):
+    # Its config.json stores time_step_limit's infinity as {"__float__": "Infinity"}: read
+    # by transformers' own reader. On the meta device the mixers are probed on a CPU copy.
+    cfg = transformers.Mamba2Config(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                    num_heads=8, head_dim=8, expand=2, n_groups=1,
+                                    state_size=8, conv_kernel=4, chunk_size=4)
+    cfg.save_pretrained(str(tmp_path))
+    code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "2", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["model_type"] == "mamba2"
+    # out_proj and the gated norm (one group shared by both ranks) in each of 2 layers
+    assert report["collectives_per_forward"] == {"all_reduce": 2 * 2}
+
+
 def test_plan_builtin_phi3_avoids_per_layer_all_gathers(capsys, tmp_path):
     cfg = transformers.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=4, intermediate_size=128, vocab_size=256,

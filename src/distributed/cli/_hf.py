@@ -39,8 +39,10 @@ def load_config(path: str | Path) -> Any:
         raise CliError(f"{path}: config has no 'model_type'; is this a HuggingFace config.json?")
     tf = _transformers()
     try:
-        return tf.AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError, TypeError) as err:
+        # transformers' own reader: it decodes what its writer encodes (Mamba-2's
+        # time_step_limit holds an infinity, stored as {"__float__": "Infinity"}).
+        return tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
         raise CliError(f"{path}: transformers cannot build a {model_type!r} config: {err}") from None
 
 

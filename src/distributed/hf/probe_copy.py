@@ -9,6 +9,7 @@ layer of the same name pattern, and are cached under :func:`copy_key`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, cast
 
@@ -49,7 +50,8 @@ def small_copy(model: nn.Module) -> nn.Module | None:
         if isinstance(getattr(cfg, "num_hidden_layers", None), int):
             cfg.num_hidden_layers = layers
         if isinstance(getattr(cfg, "layer_types", None), list):
-            cfg.layer_types = cfg.layer_types[:layers]
+            with contextlib.suppress(AttributeError):  # Mamba-2's: derived, read-only
+                cfg.layer_types = cfg.layer_types[:layers]
         vocab = getattr(cfg, "vocab_size", None)
         if isinstance(vocab, int):  # the embedding and LM head dominate the copy's build time
             ids = [getattr(cfg, k, None) for k in _TOKEN_IDS]

@@ -69,7 +69,7 @@ def _unsupported(module: nn.Module, geometry: Geometry | None) -> str | None:
                 "(mamba_split_conv1d_scan_combined, mamba_inner_fn) would compute the norm and "
                 "out_proj of every rank's heads inside one call, past the all-reduce a split "
                 "needs")
-    if hasattr(getattr(module, "config", None), "_is_quantized"):
+    if getattr(getattr(module, "config", None), "quantization_config", None) is not None:
         return ("the model is quantized: its mixer then calls dt_proj as a module, which a "
                 "channel split of x_proj's gradient would count twice")
     norm = getattr(module, "norm", None)

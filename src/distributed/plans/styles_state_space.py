@@ -320,8 +320,8 @@ class GatedNormSplit(ParallelStyle):
         if not all(c.ok(ctx.world_size) for c in constraints):
             return LayerPlan(fqn, self.name, constraints, full)
         layout = ParamLayout(full, 0, (part.segment(0, ctx),))
-        shared = g.sharing(ctx) > 1
-        how = ("each group's sum of squares summed over the ranks sharing it (one all-reduce "
+        shared = ctx.world_size > g.groups  # the same on every rank: plans are compared
+        how = ("a group's sum of squares summed over the ranks sharing it (one all-reduce "
                "of (B, T, 1, 1))" if shared else "whole groups on every rank: no collective")
         return LayerPlan(fqn, self.name, constraints, full, layout.local_shape,
                          {"weight": layout}, ("all_reduce",) if shared else (),
