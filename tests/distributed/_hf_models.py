@@ -190,10 +190,10 @@ def _state_space_configs(tf: object) -> dict:
         "bamba": lambda: tf.BambaConfig(**hybrid, mamba_n_heads=16, mamba_d_head=8,
                                         mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
                                         attn_layer_indices=[1]),
-        "nemotron_h": lambda: tf.NemotronHConfig(**{**hybrid, "num_hidden_layers": 4}, mamba_num_heads=16, mamba_head_dim=8,
-                                                 n_groups=2, ssm_state_size=8, chunk_size=4,
-                                                 layers_block_type=["linear_attention", "mlp",
-                                                                    "full_attention", "mlp"]),
+        "nemotron_h": lambda: tf.NemotronHConfig(
+            **{**hybrid, "num_hidden_layers": 4}, mamba_num_heads=16, mamba_head_dim=8,
+            n_groups=2, ssm_state_size=8, chunk_size=4,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"]),
         "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(
             **hybrid, mamba_n_heads=16, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8,
             mamba_chunk_size=4, layer_types=["linear_attention", "full_attention"],
