@@ -1,28 +1,30 @@
-"""Styles that split a Mamba-2-style state-space mixer by its heads.
+"""Styles that split state-space mixers and gated delta-nets by their heads.
 
-A mixer's heads read their B/C group as attention's query heads read their KV
-head, so every cut follows the head-boundary rule
+Three geometries say how a mixer splits: :class:`MixerGeometry` (Mamba-2: heads
+in B/C groups), :class:`ChannelGeometry` (Mamba-1: channels) and
+:class:`DeltaGeometry` (gated delta-net: key heads with their value heads).
+Heads read their B/C group (or key head) as attention's query heads read their
+KV head, so every cut follows the head-boundary rule
 (:func:`torchtp.core.layouts.head_share`, groups in the role of KV heads): a
-rank keeps whole groups while tp <= ``n_groups``; with more ranks, each group
-is replicated on the ranks that use it and its heads split over them.
+rank keeps whole groups while tp <= their count; with more ranks, each group
+is replicated on the ranks that use it, its heads split over them and its
+gradient summed over them.
 
-* :class:`SsmHeads` - the mixer itself: its per-head ``A_log``/``D``/``dt_bias``
-  and any buffer as wide as ``in_proj``'s output (Falcon-H1's ``mup_vector``) cut
-  by heads, its head/group counts set to this rank's. A Mamba-1-style mixer
-  (:class:`ChannelGeometry`) is cut by channels the same way.
-* :class:`ChannelSplit` - the depthwise convolution over ``[x | B | C]``, channel
-  part by channel part; a replicated group's channels get their gradient summed
-  over the ranks sharing it.
+* :class:`SsmHeads` - the mixer itself: its own per-head (or per-channel)
+  parameters (``A_log``, ``D``, ``dt_bias``) and any buffer as wide as
+  ``in_proj``'s output (Falcon-H1's ``mup_vector``) cut, its size attributes
+  set to this rank's.
+* :class:`ChannelSplit` - the depthwise convolution, channel part by channel
+  part (``[x | B | C]``, ``[x]`` or ``[q | k | v]``).
 * :class:`SharedOutputColumns` - a Mamba-1 mixer's ``x_proj``: the dt/B/C it
   computes from every channel, all-reduced, read by every channel.
-* :class:`GatedNormSplit` - the gated RMS norm over the heads' channels
-  (:class:`~torchtp.layers.gated_norm.GroupShardedGatedRMSNorm`).
+* :class:`GatedNormSplit` - a Mamba-2 mixer's gated RMS norm over the heads'
+  channels (:class:`~torchtp.layers.gated_norm.GroupShardedGatedRMSNorm`).
+* :class:`GroupBlocks` - a delta-net's projections packed per key head.
 
-``in_proj`` (``[z | x | B | C | dt]``) takes a
-:class:`~torchtp.plans.styles_heads.HeadSplit` and ``out_proj`` a
-:class:`~torchtp.plans.styles_heads.HeadColumns` of the same parts
-(:meth:`MixerGeometry.in_proj_parts`). :mod:`torchtp.plans.state_space` finds the
-mixers and hands each part its style.
+The other projections take :class:`~torchtp.plans.styles_heads.HeadSplit` (rows
+by parts) and :class:`~torchtp.plans.styles_heads.HeadColumns`;
+:mod:`torchtp.plans.state_space` finds the mixers and hands each part its style.
 """
 
 from __future__ import annotations
@@ -215,8 +217,8 @@ class SsmHeads(ParallelStyle):
         g = self.geometry
         if g is None:
             raise TypeError(f"plan style {self.name!r} for module '{fqn}' "
-                            f"({type(module).__name__}) needs a Mamba-style mixer (in_proj, "
-                            "conv1d, out_proj, A_log, D and its sizes)")
+                            f"({type(module).__name__}) needs a Mamba-style mixer or a gated "
+                            "delta-net (projections, conv1d, A_log and its sizes)")
         constraints = _constraints(fqn, self.name, (g.own_part(),))
         full = g.own_layouts(ctx)["A_log"].full_shape
         if not all(c.ok(ctx.world_size) for c in constraints):
