@@ -140,10 +140,15 @@ def _uneven_configs(tf: object) -> dict:
 
 
 def _state_space_configs(tf: object) -> dict:
-    """Mamba-2-style mixers: 8 heads in 2 groups (tp 4: each group on two ranks), and 10
-    heads in one group (released checkpoints' n_groups=1: every rank shares the group's B/C
-    and the gated norm's statistic; tp 3: 4/3/3 heads). Falcon-H1 with its gated norm (gate
-    after the norm) and without one (the gate alone)."""
+    """State-space mixers (tests/distributed/test_hf_new_families.py).
+
+    Mamba-2: 16 heads in 2 groups (tp 4: each group on two ranks) and 10 heads in one group
+    (released checkpoints' n_groups=1: every rank shares the group's B/C and the gated
+    norm's statistic; tp 3: 4/3/3 heads). Falcon-H1 with its gated norm (gate after the
+    norm, distinct multipliers in its mup_vector) and without one (the gate alone). Mamba-1
+    (Mamba, Jamba), the gated delta-net (Qwen3-Next) and the Mamba-2 mixers of Bamba,
+    NemotronH and GraniteMoeHybrid.
+    """
     mamba = {"num_hidden_layers": 2, "state_size": 8, "conv_kernel": 4, "chunk_size": 4,
              "expand": 2, "head_dim": 8}
     falcon = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
@@ -165,7 +170,8 @@ def _state_space_configs(tf: object) -> dict:
         "falcon_h1": lambda: tf.FalconH1Config(**falcon, vocab_size=VOCAB, hidden_size=64,
                                                intermediate_size=128, mamba_n_heads=16,
                                                mamba_n_groups=2, mamba_d_ssm=128,
-                                               mamba_rms_norm=True),
+                                               mamba_rms_norm=True,
+                                               ssm_multipliers=[0.5, 1.5, 2.0, 0.75, 1.25]),
         "mamba-uneven": lambda: tf.MambaConfig(vocab_size=97, hidden_size=40, num_hidden_layers=2,
                                         state_size=8, conv_kernel=4, expand=2,
                                         time_step_rank=6),
