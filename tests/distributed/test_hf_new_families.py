@@ -113,11 +113,12 @@ def test_state_space_mixers_split_by_heads(ranks, tp):
             # delta-net's per-head norm).
             most = 0.5 if arch in GATED_NORMS - {"mamba2-uneven"} | {"mamba-uneven"} else 0.55
             assert got["mixer_share"] <= most, (arch, got["mixer_share"])
-            # The whole model at "fastest": the tiny embedding and LM head (a quarter of
-            # these models) stay whole by cost, as for every family (and Jamba's attention
-            # and dense MLP, which its HF plan does not name); "auto-memory" splits more.
-            assert got["share"] <= 0.66 and got["memory_share"] <= 0.6, (arch, got["share"],
-                                                                         got["memory_share"])
+            # The whole model at "fastest": the tiny embedding and LM head stay whole by cost,
+            # as for every family; in the Mamba-2 models they are a quarter of the model
+            # (0.61, 0.65). "auto-memory" splits them too.
+            most = 0.66 if arch.startswith("mamba2") else 0.6
+            assert got["share"] <= most and got["memory_share"] <= 0.6, (
+                arch, got["share"], got["memory_share"])
 
 
 def test_a_fused_mamba_kernel_keeps_the_mixers_whole(ranks, tmp_path):

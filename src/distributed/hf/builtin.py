@@ -93,6 +93,22 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
         "layers.*.mlp.gate_up_proj": "packed_colwise",
         "layers.*.mlp.down_proj": "rowwise",
     },
+    # Jamba's HF plan names only its experts: the built-in one adds its attention (every
+    # attn_layer_period-th layer) and dense MLPs; its Mamba mixers are added as for every
+    # model (plans/state_space), the attention split verified by the head probe.
+    "jamba": {
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.feed_forward.gate_proj": "colwise",
+        "layers.*.feed_forward.up_proj": "colwise",
+        "layers.*.feed_forward.down_proj": "rowwise",
+        "layers.*.feed_forward.experts.gate_up_proj": "packed_colwise",
+        "layers.*.feed_forward.experts.down_proj": "rowwise",
+        "layers.*.feed_forward.experts": "moe_tp_experts",
+    },
     # As transformers ships it from 5.24, so every supported release splits GPT-J alike.
     "gptj": {
         "wte": "embedding_rowwise",
@@ -108,7 +124,8 @@ BUILTIN_PLANS: dict[str, dict[str, str]] = {
 
 # Head-model outputs that the built-in plans split (their input is replicated).
 _HEADS = {"phi3": {"lm_head": "colwise_gather_output"},
-          "gptj": {"lm_head": "colwise_gather_output"}}
+          "gptj": {"lm_head": "colwise_gather_output"},
+          "jamba": {"lm_head": "colwise_gather_output"}}
 
 
 # Models whose attention normalises q and k over all heads (OLMo-2 and its kin): their HF
