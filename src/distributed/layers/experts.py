@@ -39,7 +39,7 @@ from ..core.errors import RankMismatchError
 from ..core.layouts import ParamLayout, shard_offsets
 from ..costmodel import expert_dispatch_times, get_hardware
 from .expert_dispatch import Dispatch, dispatch_combine
-from .owned import ShardedModule
+from .owned import ShardedModule, with_mixin
 
 
 class ParallelExperts(ShardedModule):
@@ -181,23 +181,6 @@ class ParallelExperts(ShardedModule):
         return local.masked_fill(outside, count), weights.masked_fill(outside, 0)
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _parallel_class(cls: type) -> type:
-    """``cls`` with :class:`ParallelExperts` in front, one class per experts class.
-
-    Registered in this module's namespace under its name, so pickle finds it.
-    """
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        sub = type(f"Parallel{cls.__name__}", (ParallelExperts, cls),
-                   {"__module__": __name__, "__doc__": ParallelExperts.__doc__})
-        _SUBCLASSES[cls] = sub
-        globals()[sub.__name__] = sub
-    return sub
-
-
 def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
                   group: ProcessGroup | None, world_size: int, rank: int,
                   expert_range: tuple[int, int] | None = None,
@@ -232,7 +215,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
         full = getattr(module, pname)
         shard = layout.take(full)  # (E, 2I/tp, H) or (E, H, I/tp), a fresh copy
         setattr(module, pname, nn.Parameter(shard, requires_grad=full.requires_grad))
-    module.__class__ = _parallel_class(type(module))
+    module.__class__ = with_mixin(ParallelExperts, type(module), "Parallel")
     cast(ParallelExperts, module).tp_group = group  # through its WeakGroup: held weakly
     module.__dict__.update(tp_layouts=dict(layouts), tp_world_size=world_size, tp_rank=rank,
                            expert_range=expert_range, expert_forward=forward, tp_name=name,

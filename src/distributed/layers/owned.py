@@ -7,6 +7,7 @@ layouts of whatever module DDP is given, while the layers call
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 from torch import nn
@@ -49,20 +50,20 @@ def split_group(modules: Iterable[nn.Module]) -> ProcessGroup | None:
     return max(groups.values(), key=group_size, default=None)
 
 
-_HOLDERS: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
-def _holder_class(cls: type) -> type:
-    """``cls`` with :class:`ShardedModule` in front, one class per module class.
+def with_mixin(mixin: type, cls: type, prefix: str) -> type:
+    """``cls`` with ``mixin`` in front (``<prefix><cls name>``), one class per pair.
 
-    Registered in this module's namespace under its name, so pickle finds it.
+    Registered in the mixin's module under its name, so pickle finds it.
     """
-    sub = _HOLDERS.get(cls)
+    sub = _SUBCLASSES.get((mixin, cls))
     if sub is None:
-        sub = type(f"Sharded{cls.__name__}", (ShardedModule, cls),
-                   {"__module__": __name__, "__doc__": cls.__doc__})
-        _HOLDERS[cls] = sub
-        globals()[sub.__name__] = sub
+        sub = type(f"{prefix}{cls.__name__}", (mixin, cls),
+                   {"__module__": mixin.__module__, "__doc__": mixin.__doc__ or cls.__doc__})
+        _SUBCLASSES[(mixin, cls)] = sub
+        setattr(sys.modules[mixin.__module__], sub.__name__, sub)
     return sub
 
 
@@ -79,6 +80,6 @@ def hold_shards(module: nn.Module, layouts: dict[str, ParamLayout]) -> nn.Module
     for name, layout in layouts.items():
         full = getattr(module, name)
         setattr(module, name, nn.Parameter(layout.take(full), requires_grad=full.requires_grad))
-    module.__class__ = _holder_class(type(module))
+    module.__class__ = with_mixin(ShardedModule, type(module), "Sharded")
     module.__dict__["tp_layouts"] = dict(layouts)
     return module

@@ -132,11 +132,22 @@ def head_parts(rows: int, style_name: str, info: HeadInfo) -> tuple[Part, ...] |
     return None
 
 
+def _all_ints(module: nn.Module, names: tuple[str, ...]) -> list[int] | None:
+    """Every attribute in ``names`` as a positive int (as :func:`_first_int` reads one), or None."""
+    values = [_first_int(module, (name,)) for name in names]
+    return None if None in values else [v for v in values if v is not None]
+
+
+def _shaped(module: nn.Module, names: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+    """Whether every attribute in ``names`` is a tensor of ``shape``."""
+    return all(isinstance(t := getattr(module, n, None), torch.Tensor) and tuple(t.shape) == shape
+               for n in names)
+
+
 def mixer_geometry(module: nn.Module) -> MixerGeometry | None:
     """The heads and groups of a Mamba-2-style mixer, or None when ``module`` is not one."""
-    sizes = [v for a in MIXER_SIZES if isinstance(v := getattr(module, a, None), int)
-             and not isinstance(v, bool) and v > 0]
-    if len(sizes) != len(MIXER_SIZES):
+    sizes = _all_ints(module, MIXER_SIZES)
+    if sizes is None:
         return None
     heads, head_dim, groups, state, inner, conv = sizes
     into_module, out_module = getattr(module, "in_proj", None), getattr(module, "out_proj", None)
@@ -148,18 +159,14 @@ def mixer_geometry(module: nn.Module) -> MixerGeometry | None:
             or conv != inner + 2 * groups * state or into.out_features != inner + conv + heads
             or out.in_features != inner):
         return None
-    for name in PER_HEAD:
-        p = getattr(module, name, None)
-        if not isinstance(p, torch.Tensor) or tuple(p.shape) != (heads,):
-            return None
-    return MixerGeometry(heads, head_dim, groups, state)
+    return MixerGeometry(heads, head_dim, groups, state) if _shaped(module, PER_HEAD, (heads,)) \
+        else None
 
 
 def channel_geometry(module: nn.Module) -> ChannelGeometry | None:
     """The channels of a Mamba-1-style mixer (Mamba, Falcon-Mamba, Jamba), or None."""
-    sizes = [v for a in ("intermediate_size", "ssm_state_size", "time_step_rank")
-             if isinstance(v := getattr(module, a, None), int) and not isinstance(v, bool) and v > 0]
-    if len(sizes) != 3 or not isinstance(getattr(module, "conv1d", None), nn.Conv1d):
+    sizes = _all_ints(module, ("intermediate_size", "ssm_state_size", "time_step_rank"))
+    if sizes is None or not isinstance(getattr(module, "conv1d", None), nn.Conv1d):
         return None
     inner, state, rank = sizes
     views = {n: linear_view(m) if isinstance(m := getattr(module, n, None), nn.Module) else None
@@ -169,19 +176,16 @@ def channel_geometry(module: nn.Module) -> ChannelGeometry | None:
                   "x_proj": (rank + 2 * state, inner), "dt_proj": (inner, rank),
                   "out_proj": (shapes.get("out_proj", (0, 0))[0], inner)}:
         return None
-    a_log, d = getattr(module, "A_log", None), getattr(module, "D", None)
-    if not (isinstance(a_log, torch.Tensor) and tuple(a_log.shape) == (inner, state)
-            and isinstance(d, torch.Tensor) and tuple(d.shape) == (inner,)):
+    if not (_shaped(module, ("A_log",), (inner, state)) and _shaped(module, ("D",), (inner,))):
         return None
     return ChannelGeometry(inner, state, rank)
 
 
 def delta_geometry(module: nn.Module) -> DeltaGeometry | None:
     """The heads of a gated delta-net linear attention (Qwen3-Next), or None."""
-    sizes = [v for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
-             if isinstance(v := getattr(module, a, None), int) and not isinstance(v, bool) and v > 0]
-    if len(sizes) != 4 or sizes[1] % sizes[0] or not isinstance(getattr(module, "conv1d", None),
-                                                                  nn.Conv1d):
+    sizes = _all_ints(module, ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"))
+    if sizes is None or sizes[1] % sizes[0] or not isinstance(getattr(module, "conv1d", None),
+                                                               nn.Conv1d):
         return None
     g = DeltaGeometry(*sizes)
     key, value = g.k_heads * g.k_dim, g.v_heads * g.v_dim
@@ -194,11 +198,7 @@ def delta_geometry(module: nn.Module) -> DeltaGeometry | None:
                  "out_proj": value} or getattr(module, "conv_dim", None) != 2 * key + value
             or not isinstance(norm, torch.Tensor) or tuple(norm.shape) != (g.v_dim,)):
         return None
-    for name in ("A_log", "dt_bias"):
-        p = getattr(module, name, None)
-        if not isinstance(p, torch.Tensor) or tuple(p.shape) != (g.v_heads,):
-            return None
-    return g
+    return g if _shaped(module, ("A_log", "dt_bias"), (g.v_heads,)) else None
 
 
 def ssm_geometry(module: nn.Module) -> MixerGeometry | ChannelGeometry | DeltaGeometry | None:

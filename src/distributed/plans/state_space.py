@@ -97,7 +97,7 @@ def split_mixers(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
     """
     modules = dict(model.named_modules())
     errors = []
-    copies: dict[str, nn.Module] = {}
+    copies: list[nn.Module] = []  # the family's CPU copy, built once if a mixer is on meta
     for name, style in list(plan.assignments.items()):
         if not isinstance(style, SsmHeads):
             continue
@@ -124,18 +124,18 @@ def split_mixers(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
     return errors
 
 
-def _probe_target(model: nn.Module, name: str, copies: dict[str, nn.Module]) -> nn.Module:
+def _probe_target(model: nn.Module, name: str, copies: list[nn.Module]) -> nn.Module:
     """The module to probe: the mixer itself, or on the meta device the same-pattern mixer
     of the model family's CPU copy (when it has one)."""
     mixer = model.get_submodule(name)
     if not any(t.is_meta for t in mixer.parameters()):
         return mixer
-    if "" not in copies:
+    if not copies:
         family = family_of(model)
         small = family.probe_copy(model) if family is not None else None
-        copies[""] = small if small is not None else mixer
+        copies.append(small if small is not None else mixer)
     pattern = INDEX.sub(".*", name)
-    return next((m for n, m in copies[""].named_modules()
+    return next((m for n, m in copies[0].named_modules()
                  if INDEX.sub(".*", n) == pattern and ssm_geometry(m) is not None), mixer)
 
 

@@ -76,6 +76,37 @@ class Part:
         return offset + start * unit, n * unit
 
 
+def part_segments(parts: tuple[Part, ...], ctx: ShardContext) -> tuple[tuple[int, int], ...]:
+    """This rank's rows of each of ``parts`` (stacked in order), in full-tensor coordinates."""
+    segments, offset = [], 0
+    for part in parts:
+        segments.append(part.segment(offset, ctx))
+        offset += part.size
+    return tuple(segments)
+
+
+def part_constraints(fqn: str, style: str, parts: tuple[Part, ...]) -> tuple[Constraint, ...]:
+    """What each part needs of the tp size, attributed to one module and style."""
+    return tuple(Constraint(f"module '{fqn}' (style {style!r})", p.name, p.units,
+                            replicable=p.replicable) for p in parts)
+
+
+def shared_part_syncs(parts: tuple[Part, ...], ctx: ShardContext) -> tuple[GradSync, ...]:
+    """Gradient sums for this rank's rows of every replicated part (``is_kv`` past its units).
+
+    A replicated KV head (or B/C group): each rank's gradient covers only its own
+    query heads; the sum over the ranks sharing the head is exact. The condition is
+    the same on every rank, so every rank asks for the sub-groups (a collective).
+    """
+    syncs, local = [], 0
+    for part in parts:
+        n = part.unit_range(ctx)[1] * (part.size // part.units)
+        if part.is_kv and part.units < ctx.world_size:
+            syncs.append(GradSync(sharing_subgroup(ctx, part.units), (local, n)))
+        local += n
+    return tuple(syncs)
+
+
 class HeadSplit(Colwise):
     """Split each fused part of a projection's output rows separately.
 
@@ -109,16 +140,10 @@ class HeadSplit(Colwise):
                 "stacks equal parts (e.g. gate and up) along out_features")
 
     def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
-        where = f"module '{fqn}' (style {self.name!r})"
-        return [Constraint(where, p.name, p.units, replicable=p.replicable)
-                for p in self.parts_for(view.out_features)]
+        return list(part_constraints(fqn, self.name, self.parts_for(view.out_features)))
 
     def row_segments(self, view: LinearView, ctx: ShardContext) -> tuple[tuple[int, int], ...]:
-        segments, offset = [], 0
-        for part in self.parts_for(view.out_features):
-            segments.append(part.segment(offset, ctx))
-            offset += part.size
-        return tuple(segments)
+        return part_segments(self.parts_for(view.out_features), ctx)
 
     def detail(self, view: LinearView) -> str:
         parts = self.parts_for(view.out_features)
@@ -126,17 +151,10 @@ class HeadSplit(Colwise):
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         swapped = super().apply(module, layer, ctx)
-        shared, local = [], 0
-        segments = layer.layouts["weight"].segments
-        for part, (_, n) in zip(self.parts_for(layer.full[0]), segments, strict=True):
-            if part.is_kv and part.units < ctx.world_size:
-                # A replicated KV head: each rank's gradient covers only its own
-                # query heads; the sum over the ranks sharing the head is exact.
-                shared.append(GradSync(sharing_subgroup(ctx, part.units), (local, n)))
-            local += n
+        shared = shared_part_syncs(self.parts_for(layer.full[0]), ctx)
         if shared:
             for name, _ in swapped.named_parameters(recurse=False):
-                mark(swapped, name, tuple(shared))
+                mark(swapped, name, shared)
         return swapped
 
 

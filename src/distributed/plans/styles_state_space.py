@@ -42,7 +42,13 @@ from ..layers.shared_by_heads import SharedFeaturesEntry
 from .constraints import Constraint
 from .linear_view import LinearView
 from .styles import Colwise, LayerPlan, ParallelStyle, ShardContext
-from .styles_heads import HeadColumns, Part
+from .styles_heads import (
+    HeadColumns,
+    Part,
+    part_constraints,
+    part_segments,
+    shared_part_syncs,
+)
 from .subgroups import sharing_subgroup
 
 # The mixer's attributes its forward reads as sizes (transformers 5.3-5.24: Mamba-2,
@@ -173,32 +179,6 @@ class ChannelGeometry:
                 "x_proj's dt/B/C all-reduced (forward), their gradient summed (backward)")
 
 
-def _segments(parts: tuple[Part, ...], ctx: ShardContext) -> tuple[tuple[int, int], ...]:
-    """This rank's rows of each part, in full-tensor coordinates."""
-    out, offset = [], 0
-    for part in parts:
-        out.append(part.segment(offset, ctx))
-        offset += part.size
-    return tuple(out)
-
-
-def _constraints(fqn: str, style: str, parts: tuple[Part, ...]) -> tuple[Constraint, ...]:
-    return tuple(Constraint(f"module '{fqn}' (style {style!r})", p.name, p.units,
-                            replicable=p.replicable) for p in parts)
-
-
-def _shared_rows(parts: tuple[Part, ...], ctx: ShardContext) -> tuple[GradSync, ...]:
-    """Gradient sums for the local rows of every replicated group part."""
-    syncs, local = [], 0
-    for part in parts:
-        n = part.unit_range(ctx)[1] * (part.size // part.units)
-        if part.is_kv and part.units < ctx.world_size:
-            # Each rank's gradient of its group's B/C covers only its own heads.
-            syncs.append(GradSync(sharing_subgroup(ctx, part.units), (local, n)))
-        local += n
-    return tuple(syncs)
-
-
 class SsmHeads(ParallelStyle):
     """The mixer module: its own per-head (or per-channel) parameters cut, its sizes made local.
 
@@ -219,7 +199,7 @@ class SsmHeads(ParallelStyle):
             raise TypeError(f"plan style {self.name!r} for module '{fqn}' "
                             f"({type(module).__name__}) needs a Mamba-style mixer or a gated "
                             "delta-net (projections, conv1d, A_log and its sizes)")
-        constraints = _constraints(fqn, self.name, (g.own_part(),))
+        constraints = part_constraints(fqn, self.name, (g.own_part(),))
         full = g.own_layouts(ctx)["A_log"].full_shape
         if not all(c.ok(ctx.world_size) for c in constraints):
             return LayerPlan(fqn, self.name, constraints, full)
@@ -233,7 +213,7 @@ class SsmHeads(ParallelStyle):
         g = self.geometry
         assert g is not None  # plan() refused otherwise
         width = sum(p.size for p in g.in_proj_parts())
-        rows = [torch.arange(s, s + n) for s, n in _segments(g.in_proj_parts(), ctx)]
+        rows = [torch.arange(s, s + n) for s, n in part_segments(g.in_proj_parts(), ctx)]
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf.shape and buf.shape[-1] == width:  # Falcon-H1's mup_vector, (1, 1, width)
                 setattr(module, name, buf.index_select(-1, torch.cat(rows).to(buf.device)))
@@ -260,11 +240,11 @@ class ChannelSplit(ParallelStyle):
             raise TypeError(f"plan style {self.name!r} for module '{fqn}' "
                             f"({type(module).__name__}) needs a depthwise nn.Conv1d of {channels} "
                             "channels (groups = in_channels = out_channels)")
-        constraints = _constraints(fqn, self.name, self.parts)
+        constraints = part_constraints(fqn, self.name, self.parts)
         full = tuple(module.weight.shape)  # (channels, 1, kernel)
         if not all(c.ok(ctx.world_size) for c in constraints):
             return LayerPlan(fqn, self.name, constraints, full)
-        segments = _segments(self.parts, ctx)
+        segments = part_segments(self.parts, ctx)
         layouts = {"weight": ParamLayout(full, 0, segments)}
         if module.bias is not None:
             layouts["bias"] = ParamLayout((channels,), 0, segments)
@@ -276,7 +256,7 @@ class ChannelSplit(ParallelStyle):
             return module
         channels = layer.layouts["weight"].local_shape[0]
         module.__dict__.update(in_channels=channels, out_channels=channels, groups=channels)
-        syncs = _shared_rows(self.parts, ctx)
+        syncs = shared_part_syncs(self.parts, ctx)
         held = hold_shards(module, dict(layer.layouts))
         if syncs:
             for name in layer.layouts:
@@ -317,7 +297,7 @@ class GatedNormSplit(ParallelStyle):
                             f"({type(module).__name__}) needs a gated RMS norm of {g.inner} "
                             f"channels in {g.groups} groups with a variance_epsilon")
         part = g.head_part("gated norm channels")
-        constraints = _constraints(fqn, self.name, (part,))
+        constraints = part_constraints(fqn, self.name, (part,))
         full = (g.inner,)
         if not all(c.ok(ctx.world_size) for c in constraints):
             return LayerPlan(fqn, self.name, constraints, full)
@@ -454,7 +434,7 @@ class GroupBlocks(Colwise):
         self.pieces = pieces
 
     def constraints(self, view: LinearView, fqn: str) -> list[Constraint]:
-        return list(_constraints(fqn, self.name, (self.geometry.own_part(),)))
+        return list(part_constraints(fqn, self.name, (self.geometry.own_part(),)))
 
     def _blocks(self, ctx: ShardContext) -> list[tuple[int, int, bool]]:
         """This rank's ``(start, rows, shared)`` pieces, in full-tensor rows."""
