@@ -176,3 +176,16 @@ def check_fused_kernel_keeps_mixers_whole(rank: int, world_size: int, stub: str)
     plan = wrapped.resolved_plan
     return {"styles": {n: s.name for n, s in plan.assignments.items() if ".mixer" in n},
             "checks": dict(plan.checks), "describe": wrapped.describe_plan()}
+
+
+def check_lora_on_x_proj_refused(rank: int, world_size: int) -> str:
+    """LoRA on a split Mamba mixer's x_proj (its output's gradient is summed by a hook a
+    LoRA branch would bypass): refused."""
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = torchtp.DistributedModelWrapper(build("mamba-uneven"))
+    try:
+        get_peft_model(wrapped.base_model, LoraConfig(r=2, target_modules=["x_proj"]))
+    except ValueError as err:
+        return str(err)
+    raise AssertionError("LoRA on a split mixer's x_proj was built")

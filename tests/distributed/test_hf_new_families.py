@@ -17,6 +17,7 @@ from ._new_families import (
     check_fused_kernel_keeps_mixers_whole,
     check_hybrid,
     check_kin,
+    check_lora_on_x_proj_refused,
     check_mixers,
     check_other_norm_kept_whole,
 )
@@ -165,3 +166,9 @@ def test_split_mixers_load_and_save_checkpoints(ranks, tmp_path):
         assert got.keys() == want.keys(), arch
         for name, t in want.items():
             assert torch.equal(got[name], t), f"{arch}: {name}"
+
+
+def test_lora_on_a_split_mamba_x_proj_is_refused_on_every_rank(ranks):
+    for msg in ranks(check_lora_on_x_proj_refused, 2, timeout=300):
+        assert "LoRA adapters on a 'partial_grad_output' layer (ColumnParallelLinear, a " \
+               "hand-written MoE's router or a Mamba mixer's x_proj" in msg, msg
