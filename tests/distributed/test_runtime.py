@@ -119,12 +119,13 @@ def test_guide_backend_nccl_falls_back_to_gloo_without_cuda(ranks):
 
 
 @pytest.mark.parametrize("world, sizes, expected", [
-    (8, {}, {"pp": 1, "dp": 1, "tp": 8}),  # no size: the whole world is one TP group
-    (8, {"tp": 2}, {"pp": 1, "dp": 4, "tp": 2}),  # dp takes what tp leaves
-    (8, {"dp": 2}, {"pp": 1, "dp": 2, "tp": 4}),  # and tp what dp leaves
-    (8, {"dp": 2, "tp": 4}, {"pp": 1, "dp": 2, "tp": 4}),
-    (8, {"pp": 2}, {"pp": 2, "dp": 1, "tp": 4}),  # pp is never filled: tp takes the rest
-    (8, {"pp": 2, "tp": 2}, {"pp": 2, "dp": 2, "tp": 2}),
+    (8, {}, {"pp": 1, "dp": 1, "cp": 1, "tp": 8}),  # no size: the whole world is one TP group
+    (8, {"tp": 2}, {"pp": 1, "dp": 4, "cp": 1, "tp": 2}),  # dp takes what tp leaves
+    (8, {"dp": 2}, {"pp": 1, "dp": 2, "cp": 1, "tp": 4}),  # and tp what dp leaves
+    (8, {"dp": 2, "tp": 4}, {"pp": 1, "dp": 2, "cp": 1, "tp": 4}),
+    (8, {"pp": 2}, {"pp": 2, "dp": 1, "cp": 1, "tp": 4}),  # pp is never filled: tp takes the rest
+    (8, {"pp": 2, "tp": 2}, {"pp": 2, "dp": 2, "cp": 1, "tp": 2}),
+    (8, {"cp": 2}, {"pp": 1, "dp": 1, "cp": 2, "tp": 4}),  # cp is never filled either
 ])
 def test_mesh_sizes_fill_the_world_with_one_dimension(world, sizes, expected):
     from torchtp.comm.mesh import MESH_DIMS, mesh_sizes
@@ -138,7 +139,7 @@ def test_mesh_sizes_fill_the_world_with_one_dimension(world, sizes, expected):
                 r"\[1, 2, 4, 8\]"),
     ({"dp": 2, "tp": 2}, r"dp=2, tp=2: the product of the mesh sizes must equal the world "
                          r"size 8; leave one of \['tp', 'dp'\] out"),
-    ({"cp": 2}, r"unknown mesh dimension\(s\) \['cp'\]; known: \['pp', 'dp', 'tp'\]"),
+    ({"ep": 2}, r"unknown mesh dimension\(s\) \['ep'\]; known: \['pp', 'dp', 'cp', 'tp'\]"),
     ({"pp": 3}, r"init_parallel: pp=3 must divide the world size 8; valid pp values"),
     ({"tp": 0}, r"tp=0 must divide the world size 8"),
 ])

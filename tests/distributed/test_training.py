@@ -21,8 +21,8 @@ def test_dp2_tp2_ddp_and_fsdp2_match_one_process(ranks, tmp_path):
     got = ranks(checks.dp_tp_ddp_fsdp, 4, str(tmp_path / "ckpt"), timeout=300)
     assert [g["cfg"][:6] for g in got] == [(2, r % 2, 2, r // 2, 2, r % 2) for r in range(4)]
     assert [g["cfg"][6:] for g in got] == [
-        (("pp", "dp", "tp"), [0, 1], [0, 2]), (("pp", "dp", "tp"), [0, 1], [1, 3]),
-        (("pp", "dp", "tp"), [2, 3], [0, 2]), (("pp", "dp", "tp"), [2, 3], [1, 3])]
+        (("pp", "dp", "cp", "tp"), [0, 1], [0, 2]), (("pp", "dp", "cp", "tp"), [0, 1], [1, 3]),
+        (("pp", "dp", "cp", "tp"), [2, 3], [0, 2]), (("pp", "dp", "cp", "tp"), [2, 3], [1, 3])]
     assert all(g["ddp"] == got[0]["ddp"] and g["fsdp"] == got[0]["fsdp"] for g in got)
     assert all(len(g["misuse"]) == 3 for g in got)  # every rank raised each error
 

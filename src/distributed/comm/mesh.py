@@ -3,13 +3,15 @@
 Every parallel dimension is a name in :data:`MESH_DIMS`, outermost first. The
 innermost dimension varies fastest over global ranks, so ``tp`` groups are
 contiguous ranks (``[i*k, (i+1)*k)``): tensor parallelism, the chattiest
-dimension, stays inside a node. ``dp`` is strided (``{j, j+k, j+2k, ...}``),
-and ``pp``, outermost, strides over whole ``dp x tp`` blocks: pipeline stages
-exchange only activations, so they may sit on different nodes. ``dp`` or
-``tp`` takes whatever the other sizes leave (see :func:`mesh_sizes`); ``pp``
-is 1 unless given. A new dimension (``"cp"``) is one more name here, not
-another code path: the mesh, its validation and group lookup are generic over
-the names.
+dimension, stays inside a node. ``cp`` (context parallelism: the sequence
+split over ranks, :mod:`torchtp.cp`) comes next, as in Megatron's
+``tp-cp-ep-dp-pp`` order: its attention exchanges are the next chattiest.
+``dp`` is strided over ``cp x tp`` blocks, and ``pp``, outermost, strides over
+whole ``dp x cp x tp`` blocks: pipeline stages exchange only activations, so
+they may sit on different nodes. ``dp`` or ``tp`` takes whatever the other
+sizes leave (see :func:`mesh_sizes`); ``pp`` and ``cp`` are 1 unless given.
+A new dimension is one more name here, not another code path: the mesh, its
+validation and group lookup are generic over the names.
 
 Built with PyTorch's own ``init_device_mesh`` so DDP
 (``process_group=cfg.dp_group``) and FSDP2 (``mesh=cfg.mesh["dp"]``) compose
@@ -26,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..core import torch_compat as _torch_compat
 
-MESH_DIMS: tuple[str, ...] = ("pp", "dp", "tp")
+MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 """The dimensions torchtp builds, outermost (slowest over ranks) first."""
 
 FILL_ORDER: tuple[str, ...] = ("tp", "dp")

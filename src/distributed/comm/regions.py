@@ -18,11 +18,19 @@ reduce_from        all-reduce (sum partial outputs)     identity
 scatter_to         split, keep this rank's chunk        all-gather the chunks' grads
 gather_from        all-gather the chunks                split, keep this rank's chunk
 sum_statistic      all-reduce (sum partial statistics)  all-reduce (sum partial grads)
+gather_sum_grads   all-gather the chunks                reduce-scatter (sum, own chunk)
+exchange           all-to-all (split one dim, join     the inverse all-to-all
+                   another)
 =================  ===================================  ==============================
 
 ``sum_statistic`` is the one operator whose output stays *inside* the region:
 a statistic summed over the ranks' shards (a norm's sum of squares over every
-head) that each rank then applies to its own shard only.
+head) that each rank then applies to its own shard only. ``gather_sum_grads``
+and ``exchange`` serve context parallelism (:mod:`torchtp.cp`), where every
+rank holds different tokens: a gathered tensor (keys and values of every
+rank's tokens) is used differently on each rank, so its gradient is the sum of
+every rank's use; an all-to-all moves tokens between a sequence split and a
+head split, and its gradient moves back the same way.
 
 Chunks follow the balanced split rule (:func:`torchtp.core.layouts.shard_sizes`):
 a size that does not divide by the group size gives chunks that differ by
@@ -196,6 +204,48 @@ class _SumStatistic(torch.autograd.Function):
         return _comm.all_reduce(grad, ctx.group()), None
 
 
+class _GatherSumGrads(torch.autograd.Function):
+    """forward: all-gather chunks along ``dim``; backward: reduce-scatter along ``dim``.
+
+    Every rank uses the gathered tensor for its own (different) work, so the
+    gradient of rank ``r``'s chunk is the sum of every rank's gradient for it.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = GroupRef(group), dim
+        return _comm.all_gather(x, dim, group)
+
+    @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _comm.reduce_scatter(grad, ctx.dim, ctx.group()), None, None
+
+
+def _all_to_all(x: torch.Tensor, group: ProcessGroup | None, split: int,
+                join: int) -> torch.Tensor:
+    # (..., S, ...) -> (world, ..., S/world, ...): chunk j goes to rank j; the
+    # chunks received come back in rank order and are joined along ``join``.
+    world = group_size(group)
+    rows = torch.stack(x.chunk(world, dim=split))
+    got = _comm.all_to_all(rows, [1] * world, [1] * world, group)
+    return torch.cat(got.unbind(0), dim=join)
+
+
+class _Exchange(torch.autograd.Function):
+    """forward: all-to-all, split ``split``, join ``join``; backward: the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, split: int, join: int) -> torch.Tensor:
+        ctx.group, ctx.split, ctx.join = GroupRef(group), split, join
+        return _all_to_all(x, group, split, join)
+
+    @staticmethod
+    @once_differentiable  # its collectives are not differentiable: no double backward
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _all_to_all(grad, ctx.group(), ctx.join, ctx.split), None, None, None
+
+
 def _needs_grad(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
@@ -338,3 +388,33 @@ def sum_statistic_over_region(x: torch.Tensor, group: ProcessGroup | None) -> to
     if not _needs_grad(x):
         return _comm.all_reduce(x, group)
     return _SumStatistic.apply(x, group)
+
+
+def gather_sum_grads(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Gather every rank's chunk for different use on each rank.
+
+    forward: all-gather along ``dim`` (equal chunks); backward: reduce-scatter
+    along ``dim``. For keys and values of every rank's tokens, each rank
+    attending with its own queries (context parallelism).
+    """
+    if group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _comm.all_gather(x, dim, group)
+    return _GatherSumGrads.apply(x, group, dim)
+
+
+def exchange(x: torch.Tensor, group: ProcessGroup | None, split: int, join: int) -> torch.Tensor:
+    """Move chunks between ranks. forward: all-to-all; backward: the inverse all-to-all.
+
+    Cuts ``x`` into ``group size`` equal chunks along ``split``, sends chunk
+    ``j`` to rank ``j`` and joins the chunks received along ``join``, in rank
+    order: ``(B, H, T/cp, D)`` with ``split=1, join=2`` becomes
+    ``(B, H/cp, T, D)`` (Ulysses: a sequence split becomes a head split).
+    ``x.shape[split]`` must divide by the group size (the caller checks).
+    """
+    if group_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _all_to_all(x, group, split, join)
+    return _Exchange.apply(x, group, split, join)

@@ -53,8 +53,9 @@ class TensorParallelConfig:
         dp_rank: This process's rank in its DP group (which replica it is).
         dp_group: The DP group (same TP rank in every replica), or ``None``
             when ``dp_size == 1``.
-        mesh: The ``DeviceMesh`` of shape ``(pp_size, dp_size, tp_size)`` with
-            dim names ``("pp", "dp", "tp")``, or ``None`` when no size was given.
+        mesh: The ``DeviceMesh`` of shape ``(pp_size, dp_size, cp_size, tp_size)``
+            with dim names ``("pp", "dp", "cp", "tp")``, or ``None`` when no size
+            was given.
         ep_size: How many blocks the experts of a mixture-of-experts model are
             shared out over inside each TP group (``init_parallel(ep=...)``);
             the default of ``DistributedModelWrapper(expert_parallel=...)``.
@@ -63,6 +64,11 @@ class TensorParallelConfig:
         pp_rank: This process's stage: its rank in its pipeline group.
         pp_group: The pipeline group (same ``dp`` and ``tp`` rank on every
             stage), or ``None`` when ``pp_size == 1``.
+        cp_size: Context-parallel ranks (``init_parallel(cp=...)``): each holds
+            ``1/cp_size`` of every sequence (:mod:`torchtp.cp`); 1 without a mesh.
+        cp_rank: This process's rank in its context-parallel group.
+        cp_group: The context-parallel group (same ``pp``, ``dp`` and ``tp``
+            rank), or ``None`` when ``cp_size == 1``.
     """
 
     world_size: int = 1
@@ -80,6 +86,9 @@ class TensorParallelConfig:
     pp_size: int = 1
     pp_rank: int = 0
     pp_group: WeakGroup[ProcessGroup | None] = WeakGroup()
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: WeakGroup[ProcessGroup | None] = WeakGroup()
 
     @property
     def tp_size(self) -> int:
@@ -157,13 +166,14 @@ def _with_mesh(base: TensorParallelConfig, sizes: dict[str, int | None], who: st
     from .mesh import build_mesh
 
     m = build_mesh(sizes, base.device.type, who, spelling)
-    dp_group = m.get_group("dp") if m["dp"].size() > 1 else None
-    pp_group = m.get_group("pp") if m["pp"].size() > 1 else None
-    tp = m.get_group("tp")
-    return replace(base, world_size=m["tp"].size(), rank=m.get_local_rank("tp"), group=tp,
-                   dp_size=m["dp"].size(), dp_rank=m.get_local_rank("dp"), dp_group=dp_group,
-                   pp_size=m["pp"].size(), pp_rank=m.get_local_rank("pp"), pp_group=pp_group,
-                   mesh=m)
+    def group(n: str) -> ProcessGroup | None:
+        return m.get_group(n) if m[n].size() > 1 else None
+
+    return replace(base, world_size=m["tp"].size(), rank=m.get_local_rank("tp"),
+                   group=m.get_group("tp"), mesh=m,
+                   dp_size=m["dp"].size(), dp_rank=m.get_local_rank("dp"), dp_group=group("dp"),
+                   pp_size=m["pp"].size(), pp_rank=m.get_local_rank("pp"), pp_group=group("pp"),
+                   cp_size=m["cp"].size(), cp_rank=m.get_local_rank("cp"), cp_group=group("cp"))
 
 
 def _adopt(local_rank: int, sizes: dict[str, int | None], who: str,
@@ -178,7 +188,8 @@ def _adopt(local_rank: int, sizes: dict[str, int | None], who: str,
 
 def init_parallel(
     *, tp: int | None = None, dp: int | None = None, ep: int | None = None,
-    pp: int | None = None, backend: str | None = None, timeout: float | timedelta | None = None,
+    pp: int | None = None, cp: int | None = None, backend: str | None = None,
+    timeout: float | timedelta | None = None,
 ) -> TensorParallelConfig:
     """Start (or adopt) the default process group laid out as one named mesh.
 
@@ -186,11 +197,12 @@ def init_parallel(
     group themselves, returns the config of the existing group.
 
     The world of ``W`` ranks becomes a ``DeviceMesh`` with the dimensions of
-    :data:`torchtp.comm.mesh.MESH_DIMS` (``("pp", "dp", "tp")``): ``tp`` groups are
-    the contiguous ranks ``[i*tp, (i+1)*tp)`` (TP stays inside a node), ``dp``
-    groups the strided ones inside each pipeline stage's block of
-    ``W / pp`` ranks, ``pp`` groups stride over those blocks, and ``dp``
-    defaults to what ``tp`` and ``pp`` leave (``W / (pp * tp)``). With no size
+    :data:`torchtp.comm.mesh.MESH_DIMS` (``("pp", "dp", "cp", "tp")``): ``tp``
+    groups are the contiguous ranks ``[i*tp, (i+1)*tp)`` (TP stays inside a
+    node), ``cp`` groups stride by ``tp``, ``dp`` groups stride over
+    ``cp x tp`` blocks inside each pipeline stage's block of ``W / pp`` ranks,
+    ``pp`` groups stride over those blocks, and ``dp`` defaults to what the
+    others leave (``W / (pp * cp * tp)``). With no size
     given the whole world is one TP group and no mesh is built. Every
     component then asks :func:`resolve_group` for its group by dimension
     name. Collective: every rank must call it with the same sizes.
@@ -211,6 +223,9 @@ def init_parallel(
             they may span nodes); ``None``: 1. ``cfg.pp_rank`` is this rank's
             stage and ``cfg.pp_group`` the default group of
             :class:`torchtp.pipeline.PipelineSchedule` (docs/pipeline.md).
+        cp: Context-parallel ranks: each holds ``1/cp`` of every sequence and
+            attention runs across them (:class:`torchtp.cp.ContextParallel`,
+            docs/context_parallel.md); ``None``: 1. ``cfg.cp_group`` is its group.
         backend: ``"nccl"``, ``"gloo"`` or ``"cpu:gloo,cuda:nccl"`` (both: CPU
             tensors over Gloo, CUDA tensors over NCCL); ``None`` picks ``nccl``
             when CUDA is available and ``gloo`` otherwise. A backend with NCCL
@@ -231,7 +246,7 @@ def init_parallel(
             sizes do not multiply to the world size (naming the valid values),
             on every rank before any group is created.
     """
-    cfg = _init({"pp": pp, "dp": dp, "tp": tp}, backend, timeout, "init_parallel", {}, ep)
+    cfg = _init({"pp": pp, "dp": dp, "cp": cp, "tp": tp}, backend, timeout, "init_parallel", {}, ep)
     return cfg
 
 

@@ -1,0 +1,165 @@
+"""``ContextParallel``: a HuggingFace causal LM whose sequences are split over ranks.
+
+Every cp rank gets the same full batch, as one process would, and computes
+on its ``T/cp`` tokens only (:func:`~torchtp.cp.batch.shard_batch`); the
+attention layers see the whole sequence through
+:mod:`torchtp.cp.attention`. The loss is the token mean over the whole batch
+(:mod:`torchtp.cp.loss`) and parameter gradients are summed over cp
+(:mod:`torchtp.cp.grads`), so outputs, loss, gradients and optimizer steps
+equal one process's on the full batch.
+
+Composes with tensor parallelism by wrapping the
+:class:`~torchtp.DistributedModelWrapper` (its TP group is another mesh
+dimension): ``ContextParallel(DistributedModelWrapper(model))``.
+
+The safety door of a forward: before any collective the ranks agree (one
+object all-gather over cp) that they got the same batch and that none of
+them failed to cut it, so a bad batch raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.group_ref import WeakGroup
+from ..comm.runtime import ProcessGroup, group_size, resolve_group
+from ..guards.agreement import agree
+from ..guards.fingerprints import tensor_digest
+from . import grads as _grads
+from .attention import check_algorithm
+from .batch import LocalBatch, shard_batch, unshard
+from .hf_attention import CPState, prepare
+from .loss import token_mean_loss
+
+WHO = "ContextParallel"
+_REFUSED = ("inputs_embeds", "past_key_values", "cache_position")
+
+
+class ContextParallel(nn.Module):
+    """Split every sequence of a HuggingFace causal LM over the context-parallel ranks.
+
+    Args:
+        model: A HuggingFace causal LM (family in
+            :data:`torchtp.cp.hf_attention.SUPPORTED`), or a
+            :class:`~torchtp.DistributedModelWrapper` around one.
+        group: The context-parallel group; ``None``: the mesh's ``cp``
+            dimension (``init_parallel(cp=...)``).
+        algorithm: ``"auto"`` (fewer bytes moved), ``"allgather"`` or ``"ulysses"``
+            (:mod:`torchtp.cp.attention`).
+        balanced: Head/tail split of each sequence (equal causal work per
+            rank); ``False``: contiguous chunks.
+        check_batches: Check at each forward that every cp rank got the same
+            batch (one small object all-gather); ``False`` skips it.
+
+    Raises:
+        ValueError: an unsupported family, an unknown algorithm, or Ulysses
+            with query heads that do not divide by cp (naming the valid sizes);
+            the same verdict on every rank.
+    """
+
+    group: WeakGroup[ProcessGroup | None] = WeakGroup()
+
+    def __init__(self, model: nn.Module, group: ProcessGroup | None = None,
+                 algorithm: str = "auto", balanced: bool = True,
+                 check_batches: bool = True) -> None:
+        super().__init__()
+        self.module = model
+        self.group = group = resolve_group(group, dim="cp")
+        self.balanced, self.check_batches = balanced, check_batches
+        self.state = CPState(group=group, algorithm=algorithm)
+        error: BaseException | None = None
+        try:
+            check_algorithm(algorithm, None, group_size(group), WHO)
+            self.hf = prepare(model, self.state, WHO)
+        except ValueError as exc:
+            error = exc
+        agree(WHO, error, {"algorithm": algorithm, "balanced": balanced,
+                           "weights": _weights_digest(model)}, group)
+        _grads.install(model, group)
+        self.batch: LocalBatch | None = None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                **kwargs: Any) -> Any:
+        """The model's output for this rank's tokens; ``loss`` over the whole batch.
+
+        Args:
+            input_ids: ``(B, T)`` the full batch, the same on every cp rank.
+            attention_mask: ``(B, T)`` 1 for tokens, 0 for padding.
+            position_ids: ``(B, T)``; restarting ids mark packed documents.
+            labels: ``(B, T)`` as for the model (unshifted, ``-100`` ignored).
+            **kwargs: Passed to the model (not ``inputs_embeds``, ``past_key_values``).
+
+        Returns:
+            The model's output with ``logits`` ``(B, T/cp, V)`` for this rank's
+            tokens (:meth:`unshard` puts them back in order) and ``loss`` the
+            token mean over the full batch, the same on every rank.
+        """
+        group = self.group
+        batch, error = None, _refused(kwargs)
+        if error is None:
+            try:
+                batch = shard_batch(input_ids, group, attention_mask=attention_mask,
+                                    position_ids=position_ids, labels=labels,
+                                    balanced=self.balanced)
+            except (ValueError, RuntimeError, IndexError) as exc:
+                error = ValueError(f"{WHO}: the batch cannot be cut: {exc}")
+        prints = {} if not self.check_batches else {
+            n: tensor_digest(t) for n, t in (("input_ids", input_ids),
+                                             ("attention_mask", attention_mask),
+                                             ("position_ids", position_ids),
+                                             ("labels", labels)) if t is not None}
+        agree(f"{WHO} forward (every cp rank must get the same full batch)", error, prints, group)
+        assert batch is not None
+        self.batch = self.state.batch = batch
+        try:
+            out = self.module(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                              use_cache=False, **kwargs)
+        finally:
+            self.state.batch = None
+        if labels is not None:
+            out["loss"] = token_mean_loss(out["logits"], batch, group)
+        return out
+
+    def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The full-sequence tensor (e.g. logits) of the last forward, in sequence order.
+
+        forward: all-gather over cp; backward: each rank keeps its tokens' gradient.
+        """
+        if self.batch is None:
+            raise ValueError(f"{WHO}.unshard: no forward has run yet")
+        return unshard(x, self.batch, self.group, dim)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported under context parallelism: raises on every rank."""
+        raise NotImplementedError(
+            f"{WHO}.generate: decoding under context parallelism is not supported yet (each "
+            "decode step adds one token, which does not split over cp ranks); generate with the "
+            "model inside on one rank, or with tensor parallelism only")
+
+    def describe(self) -> str:
+        """The algorithm each attention shape uses and the split of the sequence."""
+        chosen = ", ".join(f"{h} query / {k} KV heads: {a}"
+                           for (h, k), a in self.state.chosen.items()) or "none yet (no forward)"
+        split = "head/tail (balanced)" if self.balanced else "contiguous"
+        return (f"context parallelism over {group_size(self.group)} ranks, {split} split; "
+                f"attention: {chosen}")
+
+
+def _refused(kwargs: dict[str, Any]) -> ValueError | None:
+    given = [k for k in _REFUSED if kwargs.get(k) is not None]
+    if given:
+        return ValueError(f"{WHO}: {given} are not supported under context parallelism (the "
+                          "sequence is split from input_ids; a cache is for decoding, which is "
+                          "not supported yet)")
+    return None
+
+
+def _weights_digest(model: nn.Module) -> str:
+    # Parameters are replicated over cp: the first and last ones' samples catch
+    # ranks built from different seeds or checkpoints.
+    params = [p for p in model.parameters()]
+    return "" if not params else tensor_digest(params[0]) + tensor_digest(params[-1])

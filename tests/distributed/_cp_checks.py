@@ -1,0 +1,239 @@
+"""Rank functions of the context-parallel tests (run by tests/distributed/test_context_parallel.py).
+
+The references are built on every rank from the full tensors of the same
+seed, by formulas written out here (not torchtp's): plain softmax attention
+over an explicit mask, and the unsharded HF model on the full batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchtp.comm.ops import count_collectives
+from torchtp.cp import MaskRule, SequenceLayout, SequenceMeta, context_attention, shard
+
+# float64 throughout: the sharded and the one-process softmax sum the same terms
+# in different orders, which float64 keeps at ~1e-15 relative; 1e-10 is far
+# above that and far below any real error (a missing key shifts outputs by ~1e-2).
+TOL = 1e-10
+
+
+def reference_mask(meta: SequenceMeta, rule: MaskRule) -> torch.Tensor:
+    """(B, 1, T, T) from the rules' definitions, one pair at a time."""
+    b, t = meta.documents.shape
+    ok = torch.zeros(b, 1, t, t, dtype=torch.bool)
+    for n in range(b):
+        for i in range(t):
+            for j in range(t):
+                keep = (not rule.causal or j <= i) and \
+                    (rule.window is None or i - j < rule.window) and \
+                    bool(meta.documents[n, i] == meta.documents[n, j]) and \
+                    bool(meta.keys_valid[n, j])
+                ok[n, 0, i, j] = keep or i == j
+    return ok
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor,
+                        scale: float, sinks: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~ok, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    p = torch.softmax(s, -1)
+    lse = torch.logsumexp(s, -1)
+    if sinks is not None:
+        p = p[..., :-1]
+    return p @ v, lse
+
+
+def _meta(kind: str, b: int, t: int) -> SequenceMeta:
+    docs = torch.zeros(b, t, dtype=torch.long)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    if kind in ("packed", "both"):
+        docs[0, t // 3:] = 1
+        docs[1, t // 2:] = 1
+        docs[1, t - 2:] = 2
+    if kind in ("padded", "both"):
+        valid[0, t - 5:] = False
+        valid[1, t - 1:] = False
+    return SequenceMeta(documents=docs, keys_valid=valid)
+
+
+CASES = [  # (heads, kv heads, causal, window, mask kind, sinks, algorithm)
+    (4, 4, True, None, "plain", False, "allgather"),
+    (4, 4, False, None, "plain", False, "allgather"),
+    (4, 2, True, None, "both", False, "allgather"),
+    (4, 1, True, 3, "plain", True, "allgather"),
+    (4, 4, True, None, "plain", False, "ulysses"),
+    (4, 4, False, None, "padded", False, "ulysses"),
+    (4, 2, True, 5, "packed", True, "ulysses"),
+    (4, 1, True, None, "both", False, "ulysses"),  # KV heads repeated before the exchange
+]
+
+
+def attention_matches(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Every case: sharded output, LSE, dQ, dK, dV against the one-process formulas."""
+    group = dist.group.WORLD
+    results = []
+    for case in CASES:
+        heads, kv, causal, window, kind, with_sinks, algorithm = case
+        if algorithm == "ulysses" and heads % world:
+            algorithm = "allgather"  # cp 3: Ulysses is refused (tested apart)
+        torch.manual_seed(0)
+        b, t, d = 2, 4 * world + 2 * world, 8  # T a multiple of 2 * cp
+        q, k, v = (torch.randn(b, h, t, d, dtype=torch.float64) for h in (heads, kv, kv))
+        sinks = torch.randn(heads, dtype=torch.float64) if with_sinks else None
+        g_out, g_lse = torch.randn(b, heads, t, d, dtype=torch.float64), \
+            torch.randn(b, heads, t, dtype=torch.float64)
+        meta, rule = _meta(kind, b, t), MaskRule(causal=causal, window=window)
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref_out, ref_lse = reference_attention(*full, reference_mask(meta, rule), 0.3, sinks)
+        ((ref_out * g_out).sum() + (ref_lse * g_lse).sum()).backward()
+        layout = SequenceLayout(t, world)
+        mine = [shard(x, layout, rank, dim=2).detach().requires_grad_() for x in (q, k, v)]
+        with count_collectives() as counted:
+            out, lse = context_attention(*mine, layout=layout, meta=meta, rule=rule,
+                                         group=group, scale=0.3, algorithm=algorithm,
+                                         sinks=sinks, with_lse=True)
+            assert lse is not None
+            ((out * shard(g_out, layout, rank, 2)).sum()
+             + (lse * shard(g_lse, layout, rank, 2)).sum()).backward()
+        errs = [float((a - shard(r, layout, rank, 2)).abs().max()) for a, r in (
+            (out, ref_out), (lse, ref_lse), (mine[0].grad, full[0].grad),
+            (mine[1].grad, full[1].grad), (mine[2].grad, full[2].grad))]
+        assert max(errs) < TOL, (case, algorithm, errs)
+        results.append((case, algorithm, dict(counted.counts)))
+    return results
+
+
+# ---- HuggingFace models -------------------------------------------------------------
+
+# float64 models: logits and gradients of the split run sum the same terms as one
+# process in another order (attention over gathered keys, gradients summed over
+# cp), ~1e-13 relative; 1e-9 leaves room and still catches a lost token (~1e-2).
+HF_TOL = 1e-9
+NO_DROPOUT = {"gpt2": {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}}
+
+
+def build_cp_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny float64 causal LM of ``arch`` in training mode (no dropout anywhere)."""
+    from ._hf_models import build
+    from ._moe_checks import build_moe
+
+    if arch in ("gpt_oss", "qwen3_moe"):
+        extra = {"sliding_window": 4} if arch == "gpt_oss" else {}
+        model = build_moe(arch, seed, output_router_logits=False, **extra)
+    elif arch == "mistral":
+        model = build(arch, seed, sliding_window=4)
+    else:
+        model = build(arch, seed, **NO_DROPOUT.get(arch, {}))
+    return model.to(torch.float64).train()
+
+
+def _hf_batch(kind: str, t: int = 13) -> dict[str, torch.Tensor]:
+    """A full batch of 2 rows: ``t`` tokens (13 does not split: padded inside)."""
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 32, (2, t), generator=gen)  # inside every test vocabulary
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if kind == "padded":  # right padding, uneven over the rows (and so over the ranks)
+        mask = torch.ones(2, t, dtype=torch.long)
+        mask[0, t - 6:] = 0
+        mask[1, t - 1:] = 0
+        batch["attention_mask"] = mask
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    if kind == "packed":  # row 0: documents of 5 and 8 tokens; row 1: 4, 4 and 5
+        pos = torch.cat([torch.arange(5), torch.arange(8)])
+        pos1 = torch.cat([torch.arange(4), torch.arange(4), torch.arange(5)])
+        batch["position_ids"] = torch.stack([pos, pos1])
+    return batch
+
+
+def _documents(batch: dict[str, torch.Tensor]) -> list[list[tuple[int, int]]]:
+    """Per row, ``(start, length)`` of each packed document."""
+    pos = batch.get("position_ids")
+    t = batch["input_ids"].shape[1]
+    if pos is None:
+        return [[(0, t)]] * batch["input_ids"].shape[0]
+    out = []
+    for row in pos.tolist():
+        starts = [i for i, p in enumerate(row) if p == 0] + [t]
+        out.append([(a, b - a) for a, b in itertools.pairwise(starts)])
+    return out
+
+
+def reference_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process: logits of the full batch and the token-mean loss (packed documents
+    run one by one, so their mask is each document's own causal mask)."""
+    rows = []
+    for n, docs in enumerate(_documents(batch)):
+        parts = []
+        for start, length in docs:
+            kw = {"input_ids": batch["input_ids"][n:n + 1, start:start + length]}
+            if "attention_mask" in batch:
+                kw["attention_mask"] = batch["attention_mask"][n:n + 1, start:start + length]
+            parts.append(model(**kw).logits)
+        rows.append(torch.cat(parts, dim=1))
+    logits = torch.cat(rows)
+    labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                             ignore_index=-100)
+    return logits, loss
+
+
+def _valid(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    mask = batch.get("attention_mask")
+    return torch.ones_like(batch["input_ids"], dtype=torch.bool) if mask is None else mask.bool()
+
+
+def _compare(model_ref: torch.nn.Module, wrapped: Any, batch: dict[str, torch.Tensor],
+             named_grads: dict[str, torch.Tensor]) -> list[float]:
+    ref_logits, ref_loss = reference_step(model_ref, batch)
+    ref_loss.backward()
+    out = wrapped(**batch)
+    out.loss.backward()
+    logits = wrapped.unshard(out.logits).detach()
+    keep = _valid(batch)
+    errs = [float((logits[keep] - ref_logits[keep]).abs().max()),
+            float((out.loss.detach() - ref_loss).abs())]
+    ref_grads = dict(model_ref.named_parameters())
+    for name, grad in named_grads.items():
+        errs.append(float((grad - ref_grads[name].grad).abs().max()))
+    return errs
+
+
+def hf_matches(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """Each ``(arch, batch kind, algorithm)``: logits, loss, every gradient and two SGD steps."""
+    import torchtp
+    from torchtp.cp import ContextParallel
+
+    cfg = torchtp.init_parallel(cp=world)
+    found: dict[str, Any] = {}
+    for arch, kind, algorithm in cases:
+        ref, model = build_cp_model(arch), build_cp_model(arch)
+        if arch != "gpt_oss":  # eager attention's softmax runs in float32 (gpt-oss's does not)
+            ref.set_attn_implementation("sdpa")
+        wrapped = ContextParallel(model, algorithm=algorithm)
+        batch = _hf_batch(kind)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        errs: list[float] = []
+        for _step in range(2):
+            grads = {n: p for n, p in model.named_parameters()}
+            errs += _compare(ref, wrapped, batch, {})
+            errs += [float((p.grad - dict(ref.named_parameters())[n].grad).abs().max())
+                     for n, p in grads.items() if p.grad is not None]
+            assert all(p.grad is not None for p in model.parameters()), arch
+            opt_ref.step(), opt.step()
+            opt_ref.zero_grad(), opt.zero_grad()
+        assert max(errs) < HF_TOL, (arch, kind, algorithm, max(errs))
+        found[f"{arch}/{kind}/{algorithm}"] = (max(errs), wrapped.describe())
+    assert cfg.cp_size == world
+    return found
