@@ -8,6 +8,7 @@ over an explicit mask, and the unsharded HF model on the full batch.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import torch
@@ -236,4 +237,143 @@ def hf_matches(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict
         assert max(errs) < HF_TOL, (arch, kind, algorithm, max(errs))
         found[f"{arch}/{kind}/{algorithm}"] = (max(errs), wrapped.describe())
     assert cfg.cp_size == world
+    return found
+
+
+def _raises(fn: Any) -> tuple[str, str, float]:
+    """``(error type, message, seconds)`` of what ``fn()`` raised (it must raise)."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test compares the type and message
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    raise AssertionError("did not raise")
+
+
+def refusals(rank: int, world: int) -> dict[str, tuple[str, str, float]]:
+    """Each bad input or setup: the error every rank raises, and how long it took."""
+    import torchtp
+    from torchtp.cp import ContextParallel
+
+    torchtp.init_parallel(cp=world)
+    got: dict[str, tuple[str, str, float]] = {}
+    wrapped = ContextParallel(build_cp_model("llama"))
+    batch = _hf_batch("plain")
+    mine = {k: v + rank if k == "input_ids" else v for k, v in batch.items()}
+    got["different batches"] = _raises(lambda: wrapped(**mine))
+    got["inputs_embeds"] = _raises(lambda: wrapped(**batch, inputs_embeds=torch.zeros(2, 13, 64)))
+    got["generate"] = _raises(lambda: wrapped.generate(batch["input_ids"]))
+    got["model called directly"] = _raises(lambda: wrapped.module(batch["input_ids"]))
+    three_heads = build_cp_model("qwen2")  # 8 heads, 2 KV heads: Ulysses needs cp | 8
+    if 8 % world:
+        got["ulysses heads"] = _raises(lambda: ContextParallel(three_heads,
+                                                               algorithm="ulysses")(**batch))
+    got["unknown algorithm"] = _raises(lambda: ContextParallel(build_cp_model("llama"),
+                                                               algorithm="ring"))
+    got["unsupported family"] = _raises(lambda: ContextParallel(build_cp_model("gemma")))
+    got["dropout"] = _raises(lambda: ContextParallel(build_cp_model(
+        "gpt2").train().apply(_dropout))(**batch))
+    # Still usable after every refusal: the group never went out of step.
+    out = wrapped(**batch)
+    got["after"] = ("ok", f"{float(out.loss):.12f}", 0.0)
+    return got
+
+
+def _dropout(module: torch.nn.Module) -> None:
+    if hasattr(module, "attn_dropout"):
+        module.attn_dropout.p = 0.1
+
+
+def _train_two_steps(wrapped: Any, model: torch.nn.Module, ref: torch.nn.Module,
+                     batch: dict[str, torch.Tensor], ref_batch: dict[str, torch.Tensor],
+                     compare: Any, dp_group: Any = None) -> list[float]:
+    """Two SGD steps of ``wrapped`` on ``batch`` and of ``ref`` on ``ref_batch``; each
+    step's loss (averaged over ``dp_group``, as DDP averages gradients) and
+    ``compare()`` (gradients, then weights after the step)."""
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    errs = []
+    for _step in range(2):
+        _, ref_loss = reference_step(ref, ref_batch)
+        ref_loss.backward()
+        loss = wrapped(**batch).loss
+        loss.backward()
+        seen = loss.detach().clone()
+        if dp_group is not None:
+            dist.all_reduce(seen, group=dp_group)
+            seen /= dist.get_world_size(dp_group)
+        errs += [float((seen - ref_loss.detach()).abs()), compare(True)]
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+        errs.append(compare(False))
+    return errs
+
+
+def _tp_compare(dmw: Any, ref: torch.nn.Module) -> Any:
+    from ._hf_checks import compare_params
+
+    tol = {"atol": HF_TOL, "rtol": HF_TOL}
+    return lambda grads: float(compare_params(dmw, ref, grads, tol) and 0.0)
+
+
+def cp_with_tp(rank: int, world: int) -> dict[str, Any]:
+    """cp 2 x tp 2, with and without sequence parallelism, against one process."""
+    import torchtp
+    from torchtp.cp import ContextParallel
+
+    cfg = torchtp.init_parallel(cp=2, tp=2)
+    found: dict[str, Any] = {}
+    for sp in (False, True):
+        ref, model = build_cp_model("llama"), build_cp_model("llama")
+        ref.set_attn_implementation("sdpa")
+        dmw = torchtp.DistributedModelWrapper(model, sequence_parallel=sp)
+        wrapped = ContextParallel(dmw)
+        batch = _hf_batch("padded")
+        errs = _train_two_steps(wrapped, dmw, ref, batch, batch, _tp_compare(dmw, ref))
+        assert max(errs) < HF_TOL, (sp, errs)
+        found[f"sp={sp}"] = wrapped.describe()
+    found["ranks"] = (cfg.cp_rank, cfg.rank, dist.get_process_group_ranks(cfg.cp_group))
+    return found
+
+
+def _same_grads(model: torch.nn.Module, ref: torch.nn.Module) -> Any:
+    def compare(grads: bool) -> float:
+        ref_params = dict(ref.named_parameters())
+        worst = 0.0
+        for name, p in model.named_parameters():
+            mine, full = (p.grad, ref_params[name].grad) if grads else (p, ref_params[name])
+            if hasattr(mine, "full_tensor"):  # FSDP2's sharded DTensor
+                mine = mine.full_tensor()
+            worst = max(worst, float((mine.detach() - full.detach()).abs().max()))
+        return worst
+    return compare
+
+
+def dp_with_cp(rank: int, world: int) -> dict[str, Any]:
+    """dp 2 x cp 2 under DDP and under FSDP2: each replica half the batch, against one
+    process on the whole batch (every row the same number of labelled tokens, so the mean
+    of the replicas' token means is the batch's token mean)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torchtp
+    from torchtp.cp import ContextParallel
+
+    cfg = torchtp.init_parallel(dp=2, cp=2, tp=1)
+    full = {k: torch.cat([v, v.roll(1, dims=1)]) for k, v in _hf_batch("plain").items()}
+    mine = {k: v[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2] for k, v in full.items()}
+    found: dict[str, Any] = {}
+    for kind in ("ddp", "fsdp2"):
+        ref, model = build_cp_model("qwen2"), build_cp_model("qwen2")
+        ref.set_attn_implementation("sdpa")
+        wrapped: Any = ContextParallel(model)
+        if kind == "ddp":
+            wrapped = DDP(wrapped, process_group=cfg.dp_group)
+        else:
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=cfg.mesh["dp"])
+            fully_shard(model, mesh=cfg.mesh["dp"])
+        errs = _train_two_steps(wrapped, model, ref, mine, full, _same_grads(model, ref),
+                                cfg.dp_group)
+        assert max(errs) < HF_TOL, (kind, errs)
+        found[kind] = max(errs)
     return found

@@ -31,3 +31,44 @@ HF_CASES = [("llama", "plain", "allgather"), ("llama", "padded", "ulysses"),
 def test_hf_models_match_one_process_at_cp2(ranks):
     got = ranks(checks.hf_matches, 2, HF_CASES, timeout=600)
     assert set(got[0]) == {"/".join(c) for c in HF_CASES}
+
+
+REFUSALS = {
+    "different batches": ("RankMismatchError", r"ContextParallel forward \(every cp rank must "
+                          r"get the same full batch\).*input_ids"),
+    "inputs_embeds": ("ValueError", r"\['inputs_embeds'\] are not supported under context "
+                      r"parallelism"),
+    "generate": ("NotImplementedError", r"decoding under context parallelism is not supported"),
+    "model called directly": ("ValueError", r"LlamaAttention \(layer 0\): the model's attention "
+                              r"is torchtp's context-parallel attention, but it was called "
+                              r"outside ContextParallel's forward"),
+    "ulysses heads": ("ValueError", r"Ulysses splits the 8 query heads \(per TP rank\) over "
+                      r"cp=3 ranks, which does not divide; valid cp sizes for Ulysses: "
+                      r"\[1, 2, 4, 8\]; or use algorithm='allgather'"),
+    "unknown algorithm": ("ValueError", r"unknown context-parallel algorithm 'ring'"),
+    "unsupported family": ("ValueError", r"model_type='gemma' may use a mask rule torchtp does "
+                           r"not reproduce"),
+    "dropout": ("ValueError", r"GPT2Attention \(layer 0\): attention dropout 0.1 is not "
+                r"reproduced"),
+}
+
+
+@pytest.mark.parametrize("cp", [3])
+def test_bad_input_raises_the_same_error_on_every_rank(ranks, cp):
+    import re
+
+    got = ranks(checks.refusals, cp, timeout=300)
+    for name, (kind, pattern) in REFUSALS.items():
+        for rank, seen in enumerate(got):
+            assert seen[name][0] == kind and re.search(pattern, seen[name][1]), (name, rank, seen[name])
+            assert seen[name][2] < 10.0, (name, rank, seen[name])  # raised, not timed out
+    assert len({g["after"] for g in got}) == 1  # the group still works, the same loss everywhere
+
+
+def test_cp_composes_with_tp_sp_ddp_and_fsdp2(ranks):
+    got = ranks(checks.cp_with_tp, 4, timeout=600)
+    # cp groups stride over tp: ranks {0, 2} and {1, 3}
+    assert [g["ranks"] for g in got] == [(0, 0, [0, 2]), (0, 1, [1, 3]), (1, 0, [0, 2]),
+                                         (1, 1, [1, 3])]
+    got = ranks(checks.dp_with_cp, 4, timeout=600)
+    assert all(set(g) == {"ddp", "fsdp2"} for g in got)

@@ -46,6 +46,22 @@ def mark(module: nn.Module, param: str, syncs: tuple[GradSync, ...]) -> None:
     module.tp_grad_sync = current  # type: ignore[assignment]
 
 
+def extend_all(model: nn.Module, sync: GradSync) -> None:
+    """Record one more sum, after any recorded, for every parameter of ``model``.
+
+    For a dimension whose ranks all hold every parameter but compute on
+    different data (context parallelism: different tokens). Its sum is over
+    another group than the TP sums, and sums over different groups commute.
+    Parameters already hooked get a hook for the new sum only at the next
+    :func:`install`. Idempotent: a sum already recorded is not added again.
+    """
+    for module in model.modules():
+        for name, _param in module.named_parameters(recurse=False):
+            syncs = getattr(module, "tp_grad_sync", {}).get(name, ())
+            if sync not in syncs:
+                mark(module, name, (*syncs, sync))
+
+
 class _SumHook:
     """forward: n/a; backward hook on a parameter: sum its gradient over the sync groups."""
 
@@ -117,6 +133,11 @@ def _hook_parameters(module: nn.Module) -> int:
         # hooked once (each forward pre-hook would otherwise add another sum).
         current = getattr(param, "_torchtp_grad_sync", None) if param is not None else None
         if param is None or current == syncs:
+            continue
+        if current is not None and syncs[:len(current)] == current:  # sums added later
+            param.register_hook(_SumHook(syncs[len(current):]))
+            param._torchtp_grad_sync = syncs
+            added += 1
             continue
         if current is not None:  # its other hook would sum too: neither sum alone is right
             raise ValueError(
