@@ -72,3 +72,50 @@ def test_cp_composes_with_tp_sp_ddp_and_fsdp2(ranks):
                                          (1, 1, [1, 3])]
     got = ranks(checks.dp_with_cp, 4, timeout=600)
     assert all(set(g) == {"ddp", "fsdp2"} for g in got)
+
+
+def test_collectives_round_trip_and_compile(ranks):
+    got = ranks(checks.counts_roundtrip_compile, 2, timeout=600)
+    params = 21  # a 2-layer tiny Llama: every parameter's gradient summed over cp once
+    # allgather: per layer one all-gather of stacked K/V forward and one reduce-scatter
+    # backward; the loss's one all-reduce forward.
+    fwd, bwd, _ = got[0]["allgather"]
+    assert fwd == {"all_gather": 2, "all_reduce": 1}, fwd
+    assert bwd == {"reduce_scatter": 2, "all_reduce": params}, bwd
+    # ulysses: per layer q, stacked K/V and the output, each way.
+    fwd, bwd, _ = got[0]["ulysses"]
+    assert fwd == {"all_to_all": 6, "all_reduce": 1}, fwd
+    assert bwd == {"all_to_all": 6, "all_reduce": params}, bwd
+    assert all(g["roundtrip"] for g in got)
+    # Payload per rank, the formulas of docs/context_parallel.md (float64, B=2, 16 tokens
+    # after padding 13 to 2*cp's multiple so T/cp = 8, head dim 8, 8 query / 2 KV heads,
+    # 2 layers) plus the loss's one float64.
+    b, t_local, d, hq, hkv, layers, elt = 2, 8, 8, 8, 2, 2, 8
+    kv = 2 * b * hkv * t_local * d * elt
+    q = out = b * hq * t_local * d * elt
+    assert got[0]["allgather"][2] == layers * kv + elt
+    assert got[0]["ulysses"][2] == layers * (q + kv + out) + elt
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_head_tail_split_balances_causal_work(cp):
+    from torchtp.cp import SequenceLayout, causal_pairs
+
+    for length in (2 * cp, 64 * cp, 2 * cp * 37):
+        work = causal_pairs(SequenceLayout(length, cp))
+        assert max(work) / min(work) <= 1.05, (length, work)
+        # every token held by exactly one rank
+        held = sorted(i for r in range(cp) for i in SequenceLayout(length, cp).indices(r).tolist())
+        assert held == list(range(length))
+    plain = causal_pairs(SequenceLayout(64 * cp, cp, balanced=False))
+    assert max(plain) / min(plain) > 2  # what the head/tail split is for
+
+
+def test_lengths_that_do_not_split_name_the_valid_ones():
+    from torchtp.cp import check_length
+
+    with pytest.raises(ValueError, match=r"a sequence of 13 tokens does not split over cp=2 "
+                       r"ranks: the head/tail \(balanced\) split needs a multiple of 4; nearest "
+                       r"valid lengths: \[12, 16\]"):
+        check_length(13, 2, True, "ContextParallel")
+    check_length(12, 3, False, "ContextParallel")

@@ -110,7 +110,14 @@ def shard_batch(input_ids: torch.Tensor, group: ProcessGroup | None, *,
 
 
 def shard(x: torch.Tensor, layout: SequenceLayout, rank: int, dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s tokens of a full tensor ``x`` (sequence along ``dim``, already padded)."""
+    """Rank ``rank``'s tokens of a full tensor ``x`` (sequence along ``dim``, already padded).
+
+    Raises:
+        ValueError: ``x``'s length is not the layout's.
+    """
+    if x.shape[dim] != layout.length:
+        raise ValueError(f"shard: a tensor of {x.shape[dim]} tokens along dim {dim}, but the "
+                         f"layout is of {layout.length}; pad it to the layout's length first")
     return x.index_select(dim, layout.indices(rank).to(x.device))
 
 

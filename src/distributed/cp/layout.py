@@ -36,6 +36,9 @@ class SequenceLayout:
     cp: int
     balanced: bool = True
 
+    def __post_init__(self) -> None:
+        check_length(self.length, self.cp, self.balanced, "SequenceLayout")
+
     @property
     def multiple(self) -> int:
         """What ``length`` must divide by: ``2 * cp`` balanced, else ``cp``."""
