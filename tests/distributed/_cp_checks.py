@@ -413,3 +413,15 @@ def counts_roundtrip_compile(rank: int, world: int) -> dict[str, Any]:
 def _pad_cut(x: torch.Tensor, layout: SequenceLayout, rank: int) -> torch.Tensor:
     padded = torch.nn.functional.pad(x, (0, 0, 0, layout.length - x.shape[1]))
     return shard(padded, layout, rank)
+
+
+def pipeline_refused(rank: int, world: int) -> tuple[str, str, float]:
+    """pp 2 x cp 2: a context-parallel stage in a PipelineSchedule raises on every rank."""
+    import torchtp
+    from torchtp.cp import ContextParallel
+    from torchtp.pipeline import PipelineSchedule, decoder_stage
+
+    cfg = torchtp.init_parallel(pp=2, cp=2, tp=1)
+    stage = decoder_stage(build_cp_model("llama"), cfg.pp_rank, 2)
+    ContextParallel(stage)
+    return _raises(lambda: PipelineSchedule(stage, 2, "gpipe"))

@@ -119,3 +119,10 @@ def test_lengths_that_do_not_split_name_the_valid_ones():
                        r"valid lengths: \[12, 16\]"):
         check_length(13, 2, True, "ContextParallel")
     check_length(12, 3, False, "ContextParallel")
+
+
+def test_pipeline_with_cp_is_refused_on_every_rank(ranks):
+    got = ranks(checks.pipeline_refused, 4, timeout=300)
+    for kind, message, seconds in got:
+        assert kind == "ValueError" and "pp x cp is not supported yet" in message, message
+        assert seconds < 10.0

@@ -378,6 +378,13 @@ def _invalid(stages: list[Stage], given: list[nn.Module], microbatches: int,
              schedule: str, group: ProcessGroup | None,
              dp_group: ProcessGroup | None) -> ValueError | None:
     """Why these stages cannot run ``schedule`` on this rank of ``group``, or ``None``."""
+    if any(hasattr(m, "torchtp_cp") for g in given for m in g.modules()):
+        # Its attention needs ContextParallel's forward (the batch's global mask and
+        # positions per microbatch), which a schedule does not call.
+        return ValueError("a pipeline stage whose attention is context-parallel "
+                          "(torchtp.cp.ContextParallel) cannot run in a PipelineSchedule: "
+                          "pp x cp is not supported yet (docs/context_parallel.md); use cp "
+                          "with tp, dp and ep, or pp without cp")
     total = stages[0].stages if stages else 0
     try:
         kind = schedule_kind(schedule)
