@@ -21,14 +21,25 @@ process):
 The local attention is :func:`attend`: PyTorch's SDPA with the global mask,
 or, for attention sinks or when the log-sum-exp is asked for, the same
 softmax written out.
+
+With ``recompute=True`` (the default) the part between this rank's inputs
+and its output is recomputed in the backward instead of saved
+(``torch.utils.checkpoint``): the gathered keys and values, the exchanged
+heads and the mask are never held between forward and backward, so a rank
+saves only its own ``q``, ``k``, ``v`` for attention: ``1/cp`` of one
+process's, where SDPA alone would save the gathered keys and values and the
+mask (both of the full sequence). The price is one more attention forward in
+the backward (and, for ``"allgather"``, one more all-gather).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+
+from torch.utils.checkpoint import checkpoint
 
 from ..comm.regions import exchange, gather_sum_grads
 from ..comm.runtime import ProcessGroup, group_rank, group_size
@@ -111,8 +122,8 @@ def check_algorithm(algorithm: str, heads: int | None, cp: int, who: str) -> Non
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       layout: SequenceLayout, meta: SequenceMeta, rule: MaskRule,
                       group: ProcessGroup | None, scale: float, algorithm: Algorithm,
-                      sinks: torch.Tensor | None = None,
-                      with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      sinks: torch.Tensor | None = None, with_lse: bool = False,
+                      recompute: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of this rank's queries over the whole sequence's keys, exact.
 
     Args:
@@ -127,22 +138,44 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         algorithm: ``"allgather"`` or ``"ulysses"`` (see the module docstring).
         sinks: ``(Hq,)`` attention-sink logits, or ``None``.
         with_lse: Also return the log-sum-exp, ``(B, Hq, T/cp)``.
+        recompute: Recompute the attention in the backward instead of saving
+            the full sequence's keys, values and mask (see the module docstring).
 
     Returns:
         ``(B, Hq, T/cp, D)`` output for this rank's queries, and the log-sum-exp or ``None``.
     """
-    rank = group_rank(group)
+    ckpt = recompute and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if algorithm == "allgather":
-        kv = gather_sum_grads(torch.stack([k, v]), group, dim=3)  # (2, B, Hkv, T, D)
-        ok = allowed(meta, rule, layout.indices(rank).to(q.device), layout.order.to(q.device))
-        return attend(q, kv[0], kv[1], ok, scale, sinks, with_lse)
-    return _ulysses(q, k, v, layout, meta, rule, group, scale, sinks, with_lse)
+        return _run(ckpt, _gathered, q, k, v, layout, meta, rule, group, scale, sinks, with_lse)
+    return _ulysses(q, k, v, layout, meta, rule, group, scale, sinks, with_lse, ckpt)
+
+
+def _run(ckpt: bool, fn: Any, *args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``fn(*args)``, recomputed in the backward when ``ckpt`` (only ``args`` are saved)."""
+    return checkpoint(fn, *args, use_reentrant=False) if ckpt else fn(*args)
+
+
+def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+              meta: SequenceMeta, rule: MaskRule, group: ProcessGroup | None, scale: float,
+              sinks: torch.Tensor | None,
+              with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    kv = gather_sum_grads(torch.stack([k, v]), group, dim=3)  # (2, B, Hkv, T, D)
+    mine = layout.indices(group_rank(group)).to(q.device)
+    return _masked(q, kv[0], kv[1], meta, rule, mine, layout.order.to(q.device), scale, sinks,
+                   with_lse)
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMeta,
+            rule: MaskRule, q_idx: torch.Tensor, k_idx: torch.Tensor, scale: float,
+            sinks: torch.Tensor | None,
+            with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return attend(q, k, v, allowed(meta, rule, q_idx, k_idx), scale, sinks, with_lse)
 
 
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
              meta: SequenceMeta, rule: MaskRule, group: ProcessGroup | None, scale: float,
-             sinks: torch.Tensor | None,
-             with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+             sinks: torch.Tensor | None, with_lse: bool,
+             ckpt: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     cp, rank = group_size(group), group_rank(group)
     heads = q.shape[1]
     if k.shape[1] % cp:  # repeat KV heads to the query heads: exact, more bytes
@@ -152,7 +185,8 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequence
     kv = exchange(torch.stack([k, v]), group, split=2, join=3)  # (2, B, Hkv/cp, T, D)
     idx = layout.order.to(q.device)
     mine = None if sinks is None else sinks.narrow(0, rank * heads // cp, heads // cp)
-    out, lse = attend(q_all, kv[0], kv[1], allowed(meta, rule, idx, idx), scale, mine, with_lse)
+    out, lse = _run(ckpt, _masked, q_all, kv[0], kv[1], meta, rule, idx, idx, scale, mine,
+                    with_lse)
     out = exchange(out, group, split=2, join=1)  # (B, Hq, T/cp, D)
     if lse is not None:
         lse = exchange(lse, group, split=2, join=1)

@@ -45,12 +45,15 @@ class CPState:
     Attributes:
         group: The context-parallel group (held weakly).
         algorithm: ``"auto"``, ``"allgather"`` or ``"ulysses"``.
+        recompute: Recompute attention in the backward instead of saving the
+            full sequence's keys, values and mask (:func:`~torchtp.cp.attention.context_attention`).
         batch: The current :class:`LocalBatch`; ``None`` outside a forward.
         chosen: The algorithm used per ``(heads, kv_heads)`` (shown by ``describe()``).
     """
 
     group: WeakGroup[ProcessGroup | None] = WeakGroup(required=True)
     algorithm: str = "auto"
+    recompute: bool = True
     batch: LocalBatch | None = None
     chosen: dict[tuple[int, int], Algorithm] = field(default_factory=dict)
 
@@ -147,5 +150,5 @@ def cp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     rule = MaskRule(causal=getattr(module, "is_causal", True), window=sliding_window)
     out, _ = context_attention(query, key, value, layout=state.batch.layout,
                                meta=state.batch.meta, rule=rule, group=group, scale=scale,
-                               algorithm=algorithm, sinks=s_aux)
+                               algorithm=algorithm, sinks=s_aux, recompute=state.recompute)
     return out.transpose(1, 2).contiguous(), None

@@ -53,6 +53,10 @@ class ContextParallel(nn.Module):
             rank); ``False``: contiguous chunks.
         check_batches: Check at each forward that every cp rank got the same
             batch (one small object all-gather); ``False`` skips it.
+        recompute: Recompute each attention in the backward instead of saving
+            the full sequence's keys, values and mask (default; a rank then saves
+            ``1/cp`` of one process's attention activations); ``False`` saves them
+            (one attention forward and, for all-gather, one collective less per layer).
 
     Raises:
         ValueError: an unsupported family, an unknown algorithm, or Ulysses
@@ -64,19 +68,19 @@ class ContextParallel(nn.Module):
 
     def __init__(self, model: nn.Module, group: ProcessGroup | None = None,
                  algorithm: str = "auto", balanced: bool = True,
-                 check_batches: bool = True) -> None:
+                 check_batches: bool = True, recompute: bool = True) -> None:
         super().__init__()
         self.module = model
         self.group = group = resolve_group(group, dim="cp")
         self.balanced, self.check_batches = balanced, check_batches
-        self.state = CPState(group=group, algorithm=algorithm)
+        self.state = CPState(group=group, algorithm=algorithm, recompute=recompute)
         error: BaseException | None = None
         try:
             check_algorithm(algorithm, None, group_size(group), WHO)
             self.hf = prepare(model, self.state, WHO)
         except ValueError as exc:
             error = exc
-        agree(WHO, error, {"algorithm": algorithm, "balanced": balanced,
+        agree(WHO, error, {"algorithm": algorithm, "balanced": balanced, "recompute": recompute,
                            "weights": _weights_digest(model)}, group)
         _grads.install(model, group)
         self.batch: LocalBatch | None = None
