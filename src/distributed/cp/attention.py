@@ -38,7 +38,6 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-
 from torch.utils.checkpoint import checkpoint
 
 from ..comm.regions import exchange, gather_sum_grads
