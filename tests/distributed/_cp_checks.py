@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchtp.comm.ops import count_collectives
-from torchtp.cp import MaskRule, SequenceLayout, SequenceMeta, context_attention, shard
+from torchtp.cp import MaskRule, SequenceLayout, SequenceMeta, context_attention, shard_sequence
 
 # float64 throughout: the sharded and the one-process softmax sum the same terms
 # in different orders, which float64 keeps at ~1e-15 relative; 1e-10 is far
@@ -98,15 +98,15 @@ def attention_matches(rank: int, world: int) -> list[tuple[Any, ...]]:
         ref_out, ref_lse = reference_attention(*full, reference_mask(meta, rule), 0.3, sinks)
         ((ref_out * g_out).sum() + (ref_lse * g_lse).sum()).backward()
         layout = SequenceLayout(t, world)
-        mine = [shard(x, layout, rank, dim=2).detach().requires_grad_() for x in (q, k, v)]
+        mine = [shard_sequence(x, layout, rank, dim=2).detach().requires_grad_() for x in (q, k, v)]
         with count_collectives() as counted:
             out, lse = context_attention(*mine, layout=layout, meta=meta, rule=rule,
                                          group=group, scale=0.3, algorithm=algorithm,
                                          sinks=sinks, with_lse=True)
             assert lse is not None
-            ((out * shard(g_out, layout, rank, 2)).sum()
-             + (lse * shard(g_lse, layout, rank, 2)).sum()).backward()
-        errs = [float((a - shard(r, layout, rank, 2)).abs().max()) for a, r in (
+            ((out * shard_sequence(g_out, layout, rank, 2)).sum()
+             + (lse * shard_sequence(g_lse, layout, rank, 2)).sum()).backward()
+        errs = [float((a - shard_sequence(r, layout, rank, 2)).abs().max()) for a, r in (
             (out, ref_out), (lse, ref_lse), (mine[0].grad, full[0].grad),
             (mine[1].grad, full[1].grad), (mine[2].grad, full[2].grad))]
         assert max(errs) < TOL, (case, algorithm, errs)
@@ -383,7 +383,7 @@ def counts_roundtrip_compile(rank: int, world: int) -> dict[str, Any]:
     """Collectives of a 2-layer Llama forward and backward per algorithm; the shard /
     unshard round trip; torch.compile of the model inside, against one process."""
     import torchtp
-    from torchtp.cp import ContextParallel, shard_batch, unshard
+    from torchtp.cp import ContextParallel, shard_batch, unshard_sequence
 
     torchtp.init_parallel(cp=world)
     found: dict[str, Any] = {}
@@ -399,7 +399,7 @@ def counts_roundtrip_compile(rank: int, world: int) -> dict[str, Any]:
     x = torch.randn(2, 13, 5, dtype=torch.float64)
     local = shard_batch(batch["input_ids"], dist.group.WORLD)
     mine = _pad_cut(x, local.layout, rank)
-    found["roundtrip"] = bool(torch.equal(unshard(mine, local, dist.group.WORLD), x))
+    found["roundtrip"] = bool(torch.equal(unshard_sequence(mine, local, dist.group.WORLD), x))
     # torch.compile of the model inside (aot_eager: traces forward and backward).
     ref, model = build_cp_model("llama"), build_cp_model("llama")
     ref.set_attn_implementation("sdpa")
@@ -412,7 +412,7 @@ def counts_roundtrip_compile(rank: int, world: int) -> dict[str, Any]:
 
 def _pad_cut(x: torch.Tensor, layout: SequenceLayout, rank: int) -> torch.Tensor:
     padded = torch.nn.functional.pad(x, (0, 0, 0, layout.length - x.shape[1]))
-    return shard(padded, layout, rank)
+    return shard_sequence(padded, layout, rank)
 
 
 def pipeline_refused(rank: int, world: int) -> tuple[str, str, float]:

@@ -113,7 +113,7 @@ def test_head_tail_split_balances_causal_work(cp):
 
 
 def test_lengths_that_do_not_split_name_the_valid_ones():
-    from torchtp.cp import check_length
+    from torchtp.cp.layout import check_length
 
     with pytest.raises(ValueError, match=r"a sequence of 13 tokens does not split over cp=2 "
                        r"ranks: the head/tail \(balanced\) split needs a multiple of 4; nearest "

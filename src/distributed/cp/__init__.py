@@ -21,12 +21,12 @@ the wrapper or the integrations.
 
 from __future__ import annotations
 
-from .attention import attend, choose, context_attention
-from .batch import LocalBatch, shard, shard_batch, unshard
-from .layout import SequenceLayout, causal_pairs, check_length
-from .masks import MaskRule, SequenceMeta, allowed
+from .attention import context_attention
+from .batch import LocalBatch, shard_batch, shard_sequence, unshard_sequence
+from .layout import SequenceLayout, causal_pairs
+from .masks import MaskRule, SequenceMeta
 from .model import ContextParallel
 
 __all__ = ["ContextParallel", "LocalBatch", "MaskRule", "SequenceLayout", "SequenceMeta",
-           "allowed", "attend", "causal_pairs", "check_length", "choose", "context_attention",
-           "shard", "shard_batch", "unshard"]
+           "causal_pairs", "context_attention", "shard_batch", "shard_sequence",
+           "unshard_sequence"]

@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..comm.regions import exchange, gather_sum_grads
 from ..comm.runtime import ProcessGroup, group_rank, group_size
-from .layout import SequenceLayout
+from .layout import SequenceLayout, runs
 from .masks import MaskRule, SequenceMeta, allowed
 
 Algorithm = Literal["allgather", "ulysses"]
@@ -158,17 +158,35 @@ def _gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequenc
               meta: SequenceMeta, rule: MaskRule, group: ProcessGroup | None, scale: float,
               sinks: torch.Tensor | None,
               with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    kv = gather_sum_grads(torch.stack([k, v]), group, dim=3)  # (2, B, Hkv, T, D)
-    mine = layout.indices(group_rank(group)).to(q.device)
-    return _masked(q, kv[0], kv[1], meta, rule, mine, layout.order.to(q.device), scale, sinks,
-                   with_lse)
+    kv = gather_sum_grads(torch.stack([k, v]), group, dim=3)  # (2, B, Hkv, T, D), layout order
+    kv = kv.index_select(3, layout.inverse.to(q.device))  # sequence order
+    return _by_runs(q, kv[0], kv[1], meta, rule, layout.indices(group_rank(group)), scale,
+                    sinks, with_lse)
 
 
-def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMeta,
-            rule: MaskRule, q_idx: torch.Tensor, k_idx: torch.Tensor, scale: float,
-            sinks: torch.Tensor | None,
-            with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return attend(q, k, v, allowed(meta, rule, q_idx, k_idx), scale, sinks, with_lse)
+def _by_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SequenceMeta,
+             rule: MaskRule, q_idx: torch.Tensor, scale: float, sinks: torch.Tensor | None,
+             with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Queries at sequence indices ``q_idx`` over keys ``(B, H, T, D)`` in sequence order.
+
+    Each run of consecutive queries attends only to the keys its rule can
+    allow (causal: none after the run; a window: none before it), so a causal
+    layer computes about the unmasked pairs, as one process's causal kernel
+    does, instead of every query-key pair.
+    """
+    outs, lses, start = [], [], 0
+    for first, n in runs(q_idx):
+        lo = max(0, first - rule.window + 1) if rule.causal and rule.window else 0
+        hi = first + n if rule.causal else k.shape[2]
+        q_pos = torch.arange(first, first + n, device=q.device)
+        ok = allowed(meta, rule, q_pos, torch.arange(lo, hi, device=q.device))
+        out, lse = attend(q[:, :, start:start + n], k[:, :, lo:hi], v[:, :, lo:hi], ok, scale,
+                          sinks, with_lse)
+        outs.append(out)
+        lses.append(lse)
+        start += n
+    lse_all = torch.cat(lses, dim=2) if with_lse else None  # type: ignore[arg-type]
+    return torch.cat(outs, dim=2), lse_all
 
 
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
@@ -182,9 +200,9 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Sequence
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     q_all = exchange(q, group, split=1, join=2)  # (B, Hq/cp, T, D)
     kv = exchange(torch.stack([k, v]), group, split=2, join=3)  # (2, B, Hkv/cp, T, D)
-    idx = layout.order.to(q.device)
     mine = None if sinks is None else sinks.narrow(0, rank * heads // cp, heads // cp)
-    out, lse = _run(ckpt, _masked, q_all, kv[0], kv[1], meta, rule, idx, idx, scale, mine,
+    kv = kv.index_select(3, layout.inverse.to(q.device))  # sequence order
+    out, lse = _run(ckpt, _by_runs, q_all, kv[0], kv[1], meta, rule, layout.order, scale, mine,
                     with_lse)
     out = exchange(out, group, split=2, join=1)  # (B, Hq, T/cp, D)
     if lse is not None:

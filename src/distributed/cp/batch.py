@@ -16,7 +16,7 @@ the rest of the sequence is computed here, on every rank, before the cut:
 
 A length that does not split is padded at the right to the next multiple
 (pad tokens: attention mask 0, label -100, a document of their own), so any
-length runs; :func:`unshard` drops the padding again.
+length runs; :func:`unshard_sequence` drops the padding again.
 """
 
 from __future__ import annotations
@@ -109,24 +109,26 @@ def shard_batch(input_ids: torch.Tensor, group: ProcessGroup | None, *,
                       layout=layout, meta=meta, length=t)
 
 
-def shard(x: torch.Tensor, layout: SequenceLayout, rank: int, dim: int = 1) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, layout: SequenceLayout, rank: int,
+                   dim: int = 1) -> torch.Tensor:
     """Rank ``rank``'s tokens of a full tensor ``x`` (sequence along ``dim``, already padded).
 
     Raises:
         ValueError: ``x``'s length is not the layout's.
     """
     if x.shape[dim] != layout.length:
-        raise ValueError(f"shard: a tensor of {x.shape[dim]} tokens along dim {dim}, but the "
+        raise ValueError(f"shard_sequence: a tensor of {x.shape[dim]} tokens along dim {dim}, but the "
                          f"layout is of {layout.length}; pad it to the layout's length first")
     return x.index_select(dim, layout.indices(rank).to(x.device))
 
 
-def unshard(x: torch.Tensor, batch: LocalBatch, group: ProcessGroup | None,
+def unshard_sequence(x: torch.Tensor, batch: LocalBatch, group: ProcessGroup | None,
             dim: int = 1) -> torch.Tensor:
     """The full-sequence tensor from every rank's share, in sequence order, padding dropped.
 
     forward: all-gather along ``dim`` (equal shares); backward: each rank keeps
-    the gradient of its own share. Exact round trip: ``unshard(shard(x))`` is ``x``.
+    the gradient of its own share. Exact round trip:
+    ``unshard_sequence(shard_sequence(x))`` is ``x``.
 
     Args:
         x: This rank's share, e.g. ``(B, T/cp, V)`` logits.

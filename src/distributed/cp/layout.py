@@ -90,3 +90,14 @@ def check_length(length: int, cp: int, balanced: bool, who: str) -> None:
 def causal_pairs(layout: SequenceLayout) -> list[int]:
     """Unmasked query-key pairs each rank computes under a causal mask (its work)."""
     return [int((layout.indices(r) + 1).sum()) for r in range(layout.cp)]
+
+
+def runs(indices: torch.Tensor) -> list[tuple[int, int]]:
+    """``(first index, length)`` of each run of consecutive sequence indices, in order.
+
+    A rank's head/tail share is two runs; the order of an all-gather ``2 * cp - 1``
+    (the middle chunks are adjacent).
+    """
+    cuts = ((indices[1:] != indices[:-1] + 1).nonzero().flatten() + 1).tolist()
+    bounds = [0, *cuts, indices.numel()]
+    return [(int(indices[a]), b - a) for a, b in zip(bounds, bounds[1:], strict=False)]

@@ -30,7 +30,7 @@ from ..guards.agreement import agree
 from ..guards.fingerprints import tensor_digest
 from . import grads as _grads
 from .attention import check_algorithm
-from .batch import LocalBatch, shard_batch, unshard
+from .batch import LocalBatch, shard_batch, unshard_sequence
 from .hf_attention import CPState, prepare
 from .loss import token_mean_loss
 
@@ -135,7 +135,7 @@ class ContextParallel(nn.Module):
         """
         if self.batch is None:
             raise ValueError(f"{WHO}.unshard: no forward has run yet")
-        return unshard(x, self.batch, self.group, dim)
+        return unshard_sequence(x, self.batch, self.group, dim)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Not supported under context parallelism: raises on every rank."""
