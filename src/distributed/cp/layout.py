@@ -16,6 +16,7 @@ same layout from the same length, so it needs no communication.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from functools import cached_property
 
 import torch
@@ -100,4 +101,4 @@ def runs(indices: torch.Tensor) -> list[tuple[int, int]]:
     """
     cuts = ((indices[1:] != indices[:-1] + 1).nonzero().flatten() + 1).tolist()
     bounds = [0, *cuts, indices.numel()]
-    return [(int(indices[a]), b - a) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [(int(indices[a]), b - a) for a, b in pairwise(bounds)]
