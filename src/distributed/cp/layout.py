@@ -16,8 +16,8 @@ same layout from the same length, so it needs no communication.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 from functools import cached_property
+from itertools import pairwise
 
 import torch
 
