@@ -415,13 +415,39 @@ def _pad_cut(x: torch.Tensor, layout: SequenceLayout, rank: int) -> torch.Tensor
     return shard_sequence(padded, layout, rank)
 
 
-def pipeline_refused(rank: int, world: int) -> tuple[str, str, float]:
-    """pp 2 x cp 2: a context-parallel stage in a PipelineSchedule raises on every rank."""
+def pipeline_with_cp(rank: int, world: int) -> dict[str, Any]:
+    """pp 2 x cp 2 (1F1B, 2 microbatches): loss, every gradient and two SGD steps against
+    one process; a stage inside ContextParallel is refused on every rank."""
     import torchtp
     from torchtp.cp import ContextParallel
     from torchtp.pipeline import PipelineSchedule, decoder_stage
 
     cfg = torchtp.init_parallel(pp=2, cp=2, tp=1)
+    ref = build_cp_model("llama")
+    ref.set_attn_implementation("sdpa")
     stage = decoder_stage(build_cp_model("llama"), cfg.pp_rank, 2)
-    ContextParallel(stage)
-    return _raises(lambda: PipelineSchedule(stage, 2, "gpipe"))
+    pipe = PipelineSchedule(stage, 2, "1f1b")
+    gen = torch.Generator().manual_seed(3)
+    batch = {"input_ids": torch.randint(3, 32, (4, 13), generator=gen)}  # 13: padded to 16
+    batch["labels"] = batch["input_ids"].clone()
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (stage, ref))
+    errs = []
+    for _step in range(2):
+        _, ref_loss = reference_step(ref, batch)
+        ref_loss.backward()
+        with count_collectives() as counted:
+            loss = pipe.step(batch["input_ids"], batch["labels"])
+        if loss is not None:  # the last stage
+            errs.append(float((loss - ref_loss.detach()).abs()))
+        ref_params = dict(ref.named_parameters())
+        for name, p in stage.model.named_parameters():
+            errs.append(float((p.grad - ref_params[name].grad).abs().max()))
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+    assert max(errs) < HF_TOL, errs
+    wrapped_stage = decoder_stage(build_cp_model("llama"), cfg.pp_rank, 2)
+    ContextParallel(wrapped_stage)
+    refused = _raises(lambda: PipelineSchedule(wrapped_stage, 2, "gpipe"))
+    return {"worst": max(errs), "checked": len(errs), "refused": refused,
+            "last": loss is not None, "counts": dict(counted.counts),
+            "attention": stage.model.config._attn_implementation}

@@ -122,8 +122,15 @@ def test_lengths_that_do_not_split_name_the_valid_ones():
     check_length(12, 3, False, "ContextParallel")
 
 
-def test_pipeline_with_cp_is_refused_on_every_rank(ranks):
-    got = ranks(checks.pipeline_refused, 4, timeout=300)
-    for kind, message, seconds in got:
-        assert kind == "ValueError" and "pp x cp is not supported yet" in message, message
+def test_pipeline_with_cp_matches_one_process(ranks):
+    got = ranks(checks.pipeline_with_cp, 4, timeout=300)
+    assert [g["last"] for g in got] == [False, False, True, True]  # pp is outermost
+    for g in got:  # each stage holds one layer: per microbatch one all-gather of its K/V
+        # forward, one again in the backward (recomputed) and one reduce-scatter
+        assert g["attention"] == "torchtp_cp"
+        assert g["counts"]["all_gather"] == 4 and g["counts"]["reduce_scatter"] == 2, g
+    for g in got:
+        kind, message, seconds = g["refused"]
+        assert kind == "ValueError" and "a pipeline stage inside ContextParallel cannot run" \
+            in message, message
         assert seconds < 10.0

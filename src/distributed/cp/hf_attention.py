@@ -49,6 +49,7 @@ class CPState:
             full sequence's keys, values and mask (:func:`~torchtp.cp.attention.context_attention`).
         batch: The current :class:`LocalBatch`; ``None`` outside a forward.
         chosen: The algorithm used per ``(heads, kv_heads)`` (shown by ``describe()``).
+        pipeline: Prepared by a ``PipelineSchedule`` (pp x cp), not by ``ContextParallel``.
     """
 
     group: WeakGroup[ProcessGroup | None] = WeakGroup(required=True)
@@ -56,6 +57,7 @@ class CPState:
     recompute: bool = True
     batch: LocalBatch | None = None
     chosen: dict[tuple[int, int], Algorithm] = field(default_factory=dict)
+    pipeline: bool = False
 
     def pick(self, heads: int, kv_heads: int, cp: int, who: str) -> Algorithm:
         """The algorithm for a layer of ``heads`` query and ``kv_heads`` KV heads (per TP rank)."""

@@ -16,7 +16,11 @@ unsplit model's:
   that every stage was given the same batch, so a bad or mismatched batch
   raises everywhere instead of leaving a stage waiting in a receive;
 * tied input/output embeddings (first and last stage) get their gradients
-  summed, and the clip counts them once.
+  summed, and the clip counts them once;
+* with a context-parallel group (``init_parallel(pp=..., cp=...)``) each stage
+  computes on its ``T/cp`` tokens of every sequence (:mod:`torchtp.cp.pipeline`):
+  labels shifted over the full rows before the cut, the loss's divisor the
+  whole batch's tokens, and gradients summed over cp.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from ..comm.group_ref import WeakGroup
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_size, resolve_group
 from ..core.errors import RankMismatchError
+from ..cp import grads as _cp_grads
+from ..cp import pipeline as _cp_pipeline
 from ..guards.agreement import agree
 from ..guards.fingerprints import tensor_digest
 from ..layers.owned import split_group
@@ -44,6 +50,8 @@ from .placement import SCHEDULES, schedule_kind, stage_ids
 from .stage import Stage
 
 __all__ = ["SCHEDULES", "PipelineSchedule"]
+
+WHO_CP = "PipelineSchedule step (every cp rank must get the same batch)"
 
 
 class _Stage(PipelineStage):
@@ -80,7 +88,10 @@ class PipelineSchedule:
             (``reduction="sum"``); the step's loss is its sum over the
             microbatches divided by the global batch's rows (a mean over the
             examples). ``None``: HuggingFace's causal-LM loss, a token mean
-            (see :meth:`step`).
+            (see :meth:`step`). Not with context parallelism (it would see
+            this rank's tokens only).
+        cp_group: The context-parallel group (pp x cp, docs/context_parallel.md);
+            ``None``: ``init_parallel``'s ``cp`` group (none without one).
 
     Raises:
         ValueError: an unknown schedule, stages that do not fit the schedule
@@ -92,23 +103,33 @@ class PipelineSchedule:
 
     group: WeakGroup[ProcessGroup | None] = WeakGroup()  # the pipeline group, held weakly (comm.group_ref)
     dp_group: WeakGroup[ProcessGroup | None] = WeakGroup()
+    cp_group: WeakGroup[ProcessGroup | None] = WeakGroup()
     _tied: WeakGroup[ProcessGroup | None] = WeakGroup()
 
     def __init__(self, stages: nn.Module | Sequence[nn.Module], microbatches: int,
                  schedule: str = "1f1b", group: ProcessGroup | None = None,
                  ignore_index: int = -100, dp_group: ProcessGroup | None = None,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-                 ) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 cp_group: ProcessGroup | None = None) -> None:
         given = [stages] if isinstance(stages, nn.Module) else list(stages)
         self.stages: list[Stage] = [_stage_of(m) for m in given]
         self.microbatches, self.ignore_index = microbatches, ignore_index
         self._user_loss = loss_fn
         self.group = _pipeline_group(group)
         self.dp_group = resolve_group(dp_group, "dp")
+        self.cp_group = resolve_group(cp_group, "cp")
         error = _invalid(self.stages, given, microbatches, schedule, self.group, self.dp_group)
+        if error is None and loss_fn is not None and group_size(self.cp_group) > 1:
+            error = ValueError("loss_fn with context parallelism: it would see this rank's "
+                               "tokens only; use the default causal-LM loss under pp x cp")
         agree("PipelineSchedule", error,
               {"schedule": schedule, "microbatches": microbatches,
                "stages": self.stages[0].stages if self.stages else None}, self.group)
+        self._cp = None if group_size(self.cp_group) == 1 else \
+            _cp_pipeline.prepare_stages(given, self.cp_group)
+        if self._cp is not None:
+            for module in given:
+                _cp_grads.install(module, self.cp_group)
         kind = schedule_kind(schedule)
         device = next(self.stages[0].parameters()).device
         self._pipes = [_Stage(m, s.stage, s.stages, device, group=self.group)
@@ -202,6 +223,20 @@ class PipelineSchedule:
         self._agree_on_batch(input_ids, labels)
         own = (labels[:, 1:] != self.ignore_index).sum() if self._user_loss is None \
             else torch.tensor(labels.shape[0])  # counted tokens (labels shifted by one), or rows
+        if self._cp is not None:  # this rank's tokens, labels shifted over the full rows
+            agree(WHO_CP, None, {"batch": tensor_digest(input_ids) + tensor_digest(labels)},
+                  self.cp_group)
+            local = _cp_pipeline.cut(input_ids, labels, self.cp_group, self._cp)
+            input_ids, labels = local.input_ids, local.labels  # type: ignore[assignment]
+            own = torch.tensor(local.tokens)
+        try:
+            return self._schedule_run(input_ids, labels, own, counted, train)
+        finally:
+            if self._cp is not None:
+                self._cp.batch = None
+
+    def _schedule_run(self, input_ids: torch.Tensor, labels: torch.Tensor, own: torch.Tensor,
+                      counted: int | None, train: bool) -> torch.Tensor | None:
         if counted is None and self._replicas > 1:
             own = _comm.all_reduce(own, self.dp_group)  # the global batch's tokens
         # DDP and FSDP2 average the replicas' gradients: each counts its share times replicas.
@@ -218,6 +253,8 @@ class PipelineSchedule:
         if not self.holds_last:
             return None
         loss = torch.stack(losses).sum() / self._replicas  # this replica's share
+        if self._cp is not None:  # each cp rank summed its own tokens
+            loss = _comm.all_reduce(loss.detach(), self.cp_group)
         return _comm.all_reduce(loss.detach(), self.dp_group) if self._replicas > 1 else loss
 
     def _agree_on_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
@@ -329,11 +366,14 @@ class PipelineSchedule:
         """One microbatch's share of the batch's token-mean loss: ``(b, T, V)``, ``(b, T)``."""
         if self._user_loss is not None:  # summed over the microbatch; a mean over all rows
             return self._user_loss(logits, labels) / self._counted
-        shifted = logits[:, :-1].reshape(-1, logits.shape[-1])  # (b*(T-1), V)
+        if self._cp is None:  # shifted by one, as HuggingFace's loss
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        # else (b, T/cp, V): the labels were shifted over the full rows before the cut
+        flat = logits.reshape(-1, logits.shape[-1])  # (b*T', V)
         # At least float32, as HuggingFace's loss upcasts half-precision logits.
-        shifted = shifted.to(torch.promote_types(shifted.dtype, torch.float32))
-        summed = F.cross_entropy(shifted, labels[:, 1:].reshape(-1),
-                                 ignore_index=self.ignore_index, reduction="sum")
+        flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
+        summed = F.cross_entropy(flat, labels.reshape(-1), ignore_index=self.ignore_index,
+                                 reduction="sum")
         return summed / self._counted
 
 
@@ -378,13 +418,13 @@ def _invalid(stages: list[Stage], given: list[nn.Module], microbatches: int,
              schedule: str, group: ProcessGroup | None,
              dp_group: ProcessGroup | None) -> ValueError | None:
     """Why these stages cannot run ``schedule`` on this rank of ``group``, or ``None``."""
-    if any(hasattr(m, "torchtp_cp") for g in given for m in g.modules()):
-        # Its attention needs ContextParallel's forward (the batch's global mask and
-        # positions per microbatch), which a schedule does not call.
-        return ValueError("a pipeline stage whose attention is context-parallel "
-                          "(torchtp.cp.ContextParallel) cannot run in a PipelineSchedule: "
-                          "pp x cp is not supported yet (docs/context_parallel.md); use cp "
-                          "with tp, dp and ep, or pp without cp")
+    states = [getattr(m, "torchtp_cp", None) for g in given for m in g.modules()]
+    if any(state is not None and not state.pipeline for state in states):
+        # ContextParallel's forward (which a schedule does not call) would own its batch.
+        return ValueError("a pipeline stage inside ContextParallel cannot run in a "
+                          "PipelineSchedule: give PipelineSchedule the bare stage, and it "
+                          "splits the sequences over init_parallel's cp group itself "
+                          "(docs/context_parallel.md, pp x cp)")
     total = stages[0].stages if stages else 0
     try:
         kind = schedule_kind(schedule)
