@@ -316,7 +316,8 @@ def _tp_compare(dmw: Any, ref: torch.nn.Module) -> Any:
 
 
 def cp_with_tp(rank: int, world: int) -> dict[str, Any]:
-    """cp 2 x tp 2, with and without sequence parallelism, against one process."""
+    """cp 2 x tp 2, with and without sequence parallelism, and an MoE with its experts
+    shared out over the TP ranks, against one process."""
     import torchtp
     from torchtp.cp import ContextParallel
 
@@ -331,6 +332,14 @@ def cp_with_tp(rank: int, world: int) -> dict[str, Any]:
         errs = _train_two_steps(wrapped, dmw, ref, batch, batch, _tp_compare(dmw, ref))
         assert max(errs) < HF_TOL, (sp, errs)
         found[f"sp={sp}"] = wrapped.describe()
+    # Experts shared out over the TP ranks (ep 2), tokens split over cp.
+    ref, model = build_cp_model("qwen3_moe"), build_cp_model("qwen3_moe")
+    ref.set_attn_implementation("sdpa")
+    dmw = torchtp.DistributedModelWrapper(model, expert_parallel=True)
+    wrapped = ContextParallel(dmw)
+    batch = _hf_batch("packed")
+    errs = _train_two_steps(wrapped, dmw, ref, batch, batch, _tp_compare(dmw, ref))
+    assert max(errs) < HF_TOL, ("ep", errs)
     found["ranks"] = (cfg.cp_rank, cfg.rank, dist.get_process_group_ranks(cfg.cp_group))
     return found
 
@@ -379,9 +388,10 @@ def dp_with_cp(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
-def counts_roundtrip_compile(rank: int, world: int) -> dict[str, Any]:
+def counts_roundtrip_compile(rank: int, world: int, save_dir: str) -> dict[str, Any]:
     """Collectives of a 2-layer Llama forward and backward per algorithm; the shard /
-    unshard round trip; torch.compile of the model inside, against one process."""
+    unshard round trip; torch.compile of the model inside, against one process; a
+    checkpoint saved from the cp job that plain transformers loads."""
     import torchtp
     from torchtp.cp import ContextParallel, shard_batch, unshard_sequence
 
@@ -395,6 +405,18 @@ def counts_roundtrip_compile(rank: int, world: int) -> dict[str, Any]:
         with count_collectives() as bwd:
             out.loss.backward()
         found[algorithm] = (dict(fwd.counts), dict(bwd.counts), fwd.bytes_moved())
+    # Parameters are replicated over cp: the model inside saves as it is, and loads anywhere.
+    torch.optim.SGD(wrapped.parameters(), lr=0.1).step()  # weights moved by the cp gradient
+    if rank == 0:
+        wrapped.module.save_pretrained(save_dir)
+    dist.barrier()
+    import transformers
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float64)
+    found["checkpoint"] = (loaded.config._attn_implementation,
+                           all(torch.equal(a, b) for a, b in zip(
+                               loaded.state_dict().values(),
+                               wrapped.module.state_dict().values(), strict=True)))
     # Round trip: every token back in place, padding dropped, exactly.
     x = torch.randn(2, 13, 5, dtype=torch.float64)
     local = shard_batch(batch["input_ids"], dist.group.WORLD)

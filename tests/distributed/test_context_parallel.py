@@ -75,8 +75,10 @@ def test_cp_composes_with_tp_sp_ddp_and_fsdp2(ranks):
     assert all(set(g) == {"ddp", "fsdp2"} for g in got)
 
 
-def test_collectives_round_trip_and_compile(ranks):
-    got = ranks(checks.counts_roundtrip_compile, 2, timeout=600)
+def test_collectives_round_trip_compile_and_checkpoint(ranks, tmp_path):
+    got = ranks(checks.counts_roundtrip_compile, 2, str(tmp_path / "saved"), timeout=600)
+    for g in got:  # transformers' own attention again, every weight as saved
+        assert g["checkpoint"][0] != "torchtp_cp" and g["checkpoint"][1], g["checkpoint"]
     params = 21  # a 2-layer tiny Llama: every parameter's gradient summed over cp once
     # allgather: per layer one all-gather of stacked K/V forward; backward one more to
     # recompute the attention, and one reduce-scatter; the loss's one all-reduce forward.
