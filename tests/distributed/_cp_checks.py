@@ -335,11 +335,17 @@ def cp_with_tp(rank: int, world: int) -> dict[str, Any]:
     # Experts shared out over the TP ranks (ep 2), tokens split over cp.
     ref, model = build_cp_model("qwen3_moe"), build_cp_model("qwen3_moe")
     ref.set_attn_implementation("sdpa")
-    dmw = torchtp.DistributedModelWrapper(model, expert_parallel=True)
-    wrapped = ContextParallel(dmw)
-    batch = _hf_batch("packed")
-    errs = _train_two_steps(wrapped, dmw, ref, batch, batch, _tp_compare(dmw, ref))
-    assert max(errs) < HF_TOL, ("ep", errs)
+    try:
+        dmw = torchtp.DistributedModelWrapper(model, expert_parallel=True)
+    except ValueError as exc:  # transformers before 5.24 (make compat-smoke): refused, loudly
+        assert "has no expert-parallel sentinel" in str(exc), exc
+        found["ep"] = "refused by this transformers release"
+    else:
+        wrapped = ContextParallel(dmw)
+        batch = _hf_batch("packed")
+        errs = _train_two_steps(wrapped, dmw, ref, batch, batch, _tp_compare(dmw, ref))
+        assert max(errs) < HF_TOL, ("ep", errs)
+        found["ep"] = max(errs)
     found["ranks"] = (cfg.cp_rank, cfg.rank, dist.get_process_group_ranks(cfg.cp_group))
     return found
 

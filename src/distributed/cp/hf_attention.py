@@ -76,9 +76,28 @@ def hf_model_of(model: nn.Module) -> nn.Module | None:
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules that call the attention interface: ``*Attention`` modules with a ``scaling``."""
-    return [m for m in model.modules()
-            if type(m).__name__.endswith("Attention") and hasattr(m, "scaling")]
+    """The modules that call the attention interface: ``*Attention`` modules of a layer
+    (a ``scaling``, or a ``layer_idx`` as GPT-2's before transformers 5.24)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention")
+            and (hasattr(m, "scaling") or hasattr(m, "layer_idx"))]
+
+
+def _scale(module: nn.Module, scaling: float | None, head_dim: int) -> float:
+    """The factor on ``q k^T``: the one passed, else the module's own rule.
+
+    GPT-2 before transformers 5.24 passes none and keeps its rule in two flags
+    (``scale_attn_weights``, ``scale_attn_by_inverse_layer_idx``), which its
+    eager attention applies; later releases pass them folded into ``scaling``.
+    """
+    if scaling is not None:
+        return scaling
+    own = getattr(module, "scaling", None)
+    if own is not None:
+        return float(own)
+    scale = head_dim ** -0.5 if getattr(module, "scale_attn_weights", True) else 1.0
+    if getattr(module, "scale_attn_by_inverse_layer_idx", False):
+        scale /= float(getattr(module, "layer_idx", 0) + 1)
+    return scale
 
 
 def prepare(model: nn.Module, state: CPState, who: str) -> nn.Module:
@@ -148,7 +167,7 @@ def cp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     group = state.group
     cp = 1 if group is None else torch.distributed.get_world_size(group)
     algorithm = state.pick(query.shape[1], key.shape[1], cp, type(module).__name__)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scale = _scale(module, scaling, query.shape[-1])
     rule = MaskRule(causal=getattr(module, "is_causal", True), window=sliding_window)
     out, _ = context_attention(query, key, value, layout=state.batch.layout,
                                meta=state.batch.meta, rule=rule, group=group, scale=scale,
