@@ -262,6 +262,7 @@ def refusals(rank: int, world: int) -> dict[str, tuple[str, str, float]]:
     mine = {k: v + rank if k == "input_ids" else v for k, v in batch.items()}
     got["different batches"] = _raises(lambda: wrapped(**mine))
     got["inputs_embeds"] = _raises(lambda: wrapped(**batch, inputs_embeds=torch.zeros(2, 13, 64)))
+    got["return_dict"] = _raises(lambda: wrapped(**batch, return_dict=False))
     got["generate"] = _raises(lambda: wrapped.generate(batch["input_ids"]))
     got["model called directly"] = _raises(lambda: wrapped.module(batch["input_ids"]))
     three_heads = build_cp_model("qwen2")  # 8 heads, 2 KV heads: Ulysses needs cp | 8

@@ -39,6 +39,8 @@ REFUSALS = {
                           r"get the same full batch\).*input_ids"),
     "inputs_embeds": ("ValueError", r"\['inputs_embeds'\] are not supported under context "
                       r"parallelism"),
+    "return_dict": ("ValueError", r"return_dict=False: the loss over the whole batch is set on "
+                    r"the model's output object"),
     "generate": ("NotImplementedError", r"decoding under context parallelism is not supported"),
     "model called directly": ("ValueError", r"LlamaAttention \(layer 0\): the model's attention "
                               r"is torchtp's context-parallel attention, but it was called "

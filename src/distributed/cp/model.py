@@ -154,6 +154,9 @@ class ContextParallel(nn.Module):
 
 
 def _refused(kwargs: dict[str, Any]) -> ValueError | None:
+    if kwargs.get("return_dict") is False:
+        return ValueError(f"{WHO}: return_dict=False: the loss over the whole batch is set on "
+                          "the model's output object; leave return_dict at its default")
     given = [k for k in _REFUSED if kwargs.get(k) is not None]
     if given:
         return ValueError(f"{WHO}: {given} are not supported under context parallelism (the "
