@@ -34,7 +34,7 @@ def reference_mask(meta: SequenceMeta, rule: MaskRule) -> torch.Tensor:
                     (rule.window is None or i - j < rule.window) and \
                     bool(meta.documents[n, i] == meta.documents[n, j]) and \
                     bool(meta.keys_valid[n, j])
-                ok[n, 0, i, j] = keep or i == j
+                ok[n, 0, i, j] = keep
     return ok
 
 
@@ -47,8 +47,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: t
     s = s.masked_fill(~ok, float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
-    p = torch.softmax(s, -1)
-    lse = torch.logsumexp(s, -1)
+    # A query with no key at all: output 0 and log-sum-exp -inf (PyTorch's SDPA), no NaN.
+    none = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(none, 0), -1).masked_fill(none, 0)
+    lse = torch.logsumexp(s.masked_fill(none, 0), -1).masked_fill(none[..., 0], float("-inf"))
     if sinks is not None:
         p = p[..., :-1]
     return p @ v, lse
@@ -64,6 +66,9 @@ def _meta(kind: str, b: int, t: int) -> SequenceMeta:
     if kind in ("padded", "both"):
         valid[0, t - 5:] = False
         valid[1, t - 1:] = False
+    if kind == "left":  # left padding: the first queries of a row see no key at all
+        valid[0, :3] = False
+        valid[1, :1] = False
     return SequenceMeta(documents=docs, keys_valid=valid)
 
 
@@ -76,7 +81,15 @@ CASES = [  # (heads, kv heads, causal, window, mask kind, sinks, algorithm)
     (4, 4, False, None, "padded", False, "ulysses"),
     (4, 2, True, 5, "packed", True, "ulysses"),
     (4, 1, True, None, "both", False, "ulysses"),  # KV heads repeated before the exchange
+    (4, 2, True, None, "left", False, "allgather"),
+    (4, 4, True, 4, "left", True, "ulysses"),
 ]
+
+
+def _diff(a: torch.Tensor, r: torch.Tensor) -> float:
+    """Largest |a - r|; -inf in both (queries with no key) counts as equal, NaN as infinite."""
+    both = torch.isneginf(a) & torch.isneginf(r)
+    return float(torch.nan_to_num((a - r).masked_fill(both, 0), nan=float("inf")).abs().max())
 
 
 def attention_matches(rank: int, world: int) -> list[tuple[Any, ...]]:
@@ -106,7 +119,7 @@ def attention_matches(rank: int, world: int) -> list[tuple[Any, ...]]:
             assert lse is not None
             ((out * shard_sequence(g_out, layout, rank, 2)).sum()
              + (lse * shard_sequence(g_lse, layout, rank, 2)).sum()).backward()
-        errs = [float((a - shard_sequence(r, layout, rank, 2)).abs().max()) for a, r in (
+        errs = [_diff(a, shard_sequence(r, layout, rank, 2)) for a, r in (
             (out, ref_out), (lse, ref_lse), (mine[0].grad, full[0].grad),
             (mine[1].grad, full[1].grad), (mine[2].grad, full[2].grad))]
         assert max(errs) < TOL, (case, algorithm, errs)
@@ -133,6 +146,9 @@ def build_cp_model(arch: str, seed: int = 0) -> torch.nn.Module:
         model = build_moe(arch, seed, output_router_logits=False, **extra)
     elif arch == "mistral":
         model = build(arch, seed, sliding_window=4)
+    elif arch == "llama-gc":  # transformers' gradient checkpointing: layers recomputed
+        model = build("llama", seed)
+        model.gradient_checkpointing_enable()
     else:
         model = build(arch, seed, **NO_DROPOUT.get(arch, {}))
     return model.to(torch.float64).train()
@@ -149,10 +165,23 @@ def _hf_batch(kind: str, t: int = 13) -> dict[str, torch.Tensor]:
         mask[1, t - 1:] = 0
         batch["attention_mask"] = mask
         batch["labels"] = ids.masked_fill(mask == 0, -100)
-    if kind == "packed":  # row 0: documents of 5 and 8 tokens; row 1: 4, 4 and 5
+    if kind in ("left", "holes"):  # left padding; or tokens masked inside the rows
+        mask = torch.ones(2, t, dtype=torch.long)
+        if kind == "left":
+            mask[0, :4] = 0
+            mask[1, :1] = 0
+        else:
+            mask[0, 4] = 0
+            mask[1, 7:9] = 0
+            batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        batch["attention_mask"] = mask
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    if kind in ("packed", "packed-masked"):  # row 0: documents of 5 and 8; row 1: 4, 4, 5
         pos = torch.cat([torch.arange(5), torch.arange(8)])
         pos1 = torch.cat([torch.arange(4), torch.arange(4), torch.arange(5)])
         batch["position_ids"] = torch.stack([pos, pos1])
+        if kind == "packed-masked":  # with a mask, transformers ignores the packing
+            batch["attention_mask"] = torch.ones(2, t, dtype=torch.long)
     return batch
 
 
@@ -169,45 +198,44 @@ def _documents(batch: dict[str, torch.Tensor]) -> list[list[tuple[int, int]]]:
     return out
 
 
-def reference_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One process: logits of the full batch and the token-mean loss (packed documents
-    run one by one, so their mask is each document's own causal mask)."""
-    rows = []
-    for n, docs in enumerate(_documents(batch)):
-        parts = []
-        for start, length in docs:
-            kw = {"input_ids": batch["input_ids"][n:n + 1, start:start + length]}
-            if "attention_mask" in batch:
-                kw["attention_mask"] = batch["attention_mask"][n:n + 1, start:start + length]
-            parts.append(model(**kw).logits)
-        rows.append(torch.cat(parts, dim=1))
-    logits = torch.cat(rows)
+def reference_step(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                   items: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process: logits of the full batch and the token-mean loss (over ``items``
+    tokens when given, as transformers' ``num_items_in_batch``). Packed documents
+    without an attention mask run one by one (each document's own causal mask, which
+    transformers builds for packed rows); with a mask the model sees the whole batch
+    as it is (transformers ignores packing then)."""
+    if "attention_mask" in batch:
+        kw = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**kw, use_cache=False).logits
+    else:
+        logits = _doc_by_doc(model, batch)
     labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                                             ignore_index=-100)
-    return logits, loss
+                                             ignore_index=-100, reduction="sum")
+    return logits, loss / (int((labels != -100).sum()) if items is None else items)
 
 
-def _valid(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    mask = batch.get("attention_mask")
-    return torch.ones_like(batch["input_ids"], dtype=torch.bool) if mask is None else mask.bool()
+def _doc_by_doc(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    rows = []
+    for n, docs in enumerate(_documents(batch)):
+        parts = [model(input_ids=batch["input_ids"][n:n + 1, start:start + length]).logits
+                 for start, length in docs]
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows)
 
 
 def _compare(model_ref: torch.nn.Module, wrapped: Any, batch: dict[str, torch.Tensor],
-             named_grads: dict[str, torch.Tensor]) -> list[float]:
-    ref_logits, ref_loss = reference_step(model_ref, batch)
+             items: int | None) -> list[float]:
+    """Logits at every position (padding too) and the loss; both backwards run."""
+    ref_logits, ref_loss = reference_step(model_ref, batch, items)
     ref_loss.backward()
-    out = wrapped(**batch)
+    extra = {} if items is None else {"num_items_in_batch": items}
+    out = wrapped(**batch, **extra)
     out.loss.backward()
-    logits = wrapped.unshard(out.logits).detach()
-    keep = _valid(batch)
-    errs = [float((logits[keep] - ref_logits[keep]).abs().max()),
-            float((out.loss.detach() - ref_loss).abs())]
-    ref_grads = dict(model_ref.named_parameters())
-    for name, grad in named_grads.items():
-        errs.append(float((grad - ref_grads[name].grad).abs().max()))
-    return errs
+    logits = wrapped.unshard(out.logits, out.cp_batch).detach()
+    return [float((logits - ref_logits.detach()).abs().max()),
+            float((out.loss.detach() - ref_loss.detach()).abs())]
 
 
 def hf_matches(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict[str, Any]:
@@ -222,13 +250,14 @@ def hf_matches(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict
         if arch != "gpt_oss":  # eager attention's softmax runs in float32 (gpt-oss's does not)
             ref.set_attn_implementation("sdpa")
         wrapped = ContextParallel(model, algorithm=algorithm)
-        batch = _hf_batch(kind)
+        batch = _hf_batch(kind.removesuffix("+items"))
+        items = 40 if kind.endswith("+items") else None  # HF Trainer's num_items_in_batch
         opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         errs: list[float] = []
         for _step in range(2):
             grads = {n: p for n, p in model.named_parameters()}
-            errs += _compare(ref, wrapped, batch, {})
+            errs += _compare(ref, wrapped, batch, items)
             errs += [float((p.grad - dict(ref.named_parameters())[n].grad).abs().max())
                      for n, p in grads.items() if p.grad is not None]
             assert all(p.grad is not None for p in model.parameters()), arch
@@ -263,6 +292,10 @@ def refusals(rank: int, world: int) -> dict[str, tuple[str, str, float]]:
     got["different batches"] = _raises(lambda: wrapped(**mine))
     got["inputs_embeds"] = _raises(lambda: wrapped(**batch, inputs_embeds=torch.zeros(2, 13, 64)))
     got["return_dict"] = _raises(lambda: wrapped(**batch, return_dict=False))
+    got["logits_to_keep"] = _raises(lambda: wrapped(**batch, logits_to_keep=1))
+    got["shift_labels"] = _raises(lambda: wrapped(**batch, shift_labels=batch["labels"]))
+    sinks = ContextParallel(build_cp_model("gpt_oss"))
+    got["packed gpt_oss"] = _raises(lambda: sinks(**_hf_batch("packed")))
     got["generate"] = _raises(lambda: wrapped.generate(batch["input_ids"]))
     got["model called directly"] = _raises(lambda: wrapped.module(batch["input_ids"]))
     three_heads = build_cp_model("qwen2")  # 8 heads, 2 KV heads: Ulysses needs cp | 8
@@ -474,9 +507,16 @@ def pipeline_with_cp(rank: int, world: int) -> dict[str, Any]:
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
     assert max(errs) < HF_TOL, errs
+    # Another ignore_index: the same loss when the ignored labels are spelled 0.
+    labels = batch["labels"].clone()
+    labels[:, :3] = -100
+    other = PipelineSchedule(stage, 2, "1f1b", ignore_index=0)
+    a = pipe.evaluate(batch["input_ids"], labels)
+    b = other.evaluate(batch["input_ids"], labels.masked_fill(labels == -100, 0))
+    same_ignored = a is None or bool(torch.equal(a, b))
     wrapped_stage = decoder_stage(build_cp_model("llama"), cfg.pp_rank, 2)
     ContextParallel(wrapped_stage)
     refused = _raises(lambda: PipelineSchedule(wrapped_stage, 2, "gpipe"))
     return {"worst": max(errs), "checked": len(errs), "refused": refused,
-            "last": loss is not None, "counts": dict(counted.counts),
+            "last": loss is not None, "counts": dict(counted.counts), "ignored": same_ignored,
             "attention": stage.model.config._attn_implementation}

@@ -24,7 +24,9 @@ def test_attention_is_exact_at_every_cp_size(ranks, cp):
 
 
 HF_CASES = [("llama", "plain", "allgather"), ("llama", "padded", "ulysses"),
-            ("llama", "packed", "allgather"), ("mistral", "plain", "auto"),
+            ("llama", "packed", "allgather"), ("llama", "left", "allgather"),
+            ("llama", "holes", "ulysses"), ("llama", "packed-masked", "allgather"),
+            ("llama-gc", "padded+items", "allgather"), ("mistral", "packed", "auto"),
             ("qwen3", "padded", "auto"), ("gpt2", "plain", "ulysses"),
             ("gpt_oss", "plain", "auto"), ("qwen3_moe", "packed", "ulysses")]
 
@@ -41,6 +43,11 @@ REFUSALS = {
                       r"parallelism"),
     "return_dict": ("ValueError", r"return_dict=False: the loss over the whole batch is set on "
                     r"the model's output object"),
+    "logits_to_keep": ("ValueError", r"\['logits_to_keep'\] are not supported under context "
+                       r"parallelism"),
+    "shift_labels": ("ValueError", r"\['shift_labels'\] are not supported"),
+    "packed gpt_oss": ("ValueError", r"position ids that restart \(packed documents\) with "
+                       r"model_type='gpt_oss', whose transformers mask ignores packing"),
     "generate": ("NotImplementedError", r"decoding under context parallelism is not supported"),
     "model called directly": ("ValueError", r"LlamaAttention \(layer 0\): the model's attention "
                               r"is torchtp's context-parallel attention, but it was called "
@@ -131,7 +138,7 @@ def test_pipeline_with_cp_matches_one_process(ranks):
     assert [g["last"] for g in got] == [False, False, True, True]  # pp is outermost
     for g in got:  # each stage holds one layer: per microbatch one all-gather of its K/V
         # forward, one again in the backward (recomputed) and one reduce-scatter
-        assert g["attention"] == "torchtp_cp"
+        assert g["attention"] == "torchtp_cp" and g["ignored"]
         assert g["counts"]["all_gather"] == 4 and g["counts"]["reduce_scatter"] == 2, g
     for g in got:
         kind, message, seconds = g["refused"]

@@ -58,7 +58,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, 
         q: ``(B, Hq, Tq, D)``.
         k: ``(B, Hkv, Tk, D)``; ``Hq`` a multiple of ``Hkv`` (GQA).
         v: ``(B, Hkv, Tk, D)``.
-        ok: ``(B, 1, Tq, Tk)`` bool, ``True`` where a query may see a key.
+        ok: ``(B, 1, Tq, Tk)`` bool, ``True`` where a query may see a key; a
+            query with no key gets a 0 output (as PyTorch's SDPA gives it).
         scale: The factor on ``q k^T``.
         sinks: ``(Hq,)`` logits of per-head attention sinks (GPT-OSS): one more
             softmax column that takes probability but adds no value.
@@ -80,9 +81,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, 
     if sinks is not None:
         sink = sinks.to(work).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         logits = torch.cat([scores, sink], dim=-1)  # (B, Hq, Tq, Tk + 1)
-    lse = torch.logsumexp(logits, dim=-1)  # (B, Hq, Tq)
+    # A query with no key gets 0, as SDPA gives it: its row is summed as zeros (a
+    # finite log-sum-exp, so no NaN in any gradient) and every exp(-inf - lse) is 0.
+    empty = (logits == float("-inf")).all(dim=-1, keepdim=True)  # (B, Hq, Tq, 1)
+    lse = torch.logsumexp(logits.masked_fill(empty, 0), dim=-1)  # (B, Hq, Tq)
     probs = torch.exp(scores - lse[..., None]).to(v.dtype)
-    return probs @ v, (lse if with_lse else None)
+    return probs @ v, (lse.masked_fill(empty[..., 0], float("-inf")) if with_lse else None)
 
 
 def choose(heads: int, kv_heads: int, cp: int) -> Algorithm:

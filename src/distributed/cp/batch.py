@@ -11,8 +11,9 @@ the rest of the sequence is computed here, on every rank, before the cut:
   ``t+1``'s), so no label is lost at a shard boundary; the loss then needs no
   shift (:mod:`torchtp.cp.loss`);
 * the **documents** of packed rows (a new document wherever the position
-  ids do not go up by one, as transformers detects packed sequences) and the
-  **padding** of the attention mask (:class:`~torchtp.cp.masks.SequenceMeta`).
+  ids do not go up by one, as transformers detects packed sequences, and as
+  it does only without an attention mask) and the **padding** of the
+  attention mask (:class:`~torchtp.cp.masks.SequenceMeta`).
 
 A length that does not split is padded at the right to the next multiple
 (pad tokens: attention mask 0, label -100, a document of their own), so any
@@ -71,17 +72,20 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor:
 def shard_batch(input_ids: torch.Tensor, group: ProcessGroup | None, *,
                 attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                balanced: bool = True) -> LocalBatch:
+                balanced: bool = True, ignore_index: int = IGNORE_INDEX) -> LocalBatch:
     """This rank's share of a full ``(B, T)`` batch (no communication).
 
     Args:
         input_ids: ``(B, T)`` token ids, the same full batch on every cp rank.
         group: The context-parallel group.
         attention_mask: ``(B, T)`` 1 for tokens, 0 for padding; ``None``: all tokens.
-        position_ids: ``(B, T)`` or ``(1, T)``; ``None``: ``0..T-1``. Ids that
-            restart mark packed documents (each attends only to itself).
-        labels: ``(B, T)`` unshifted labels as for the model (``-100``: ignored), or ``None``.
+        position_ids: ``(B, T)`` or ``(1, T)``; ``None``: ``0..T-1``. Without an
+            attention mask, ids that restart mark packed documents (each attends
+            only to itself); with one, transformers ignores packing, and so does this.
+        labels: ``(B, T)`` unshifted labels as for the model (``ignore_index``:
+            ignored), or ``None``.
         balanced: Head/tail split (equal causal work per rank), else contiguous.
+        ignore_index: The label of tokens the loss skips (also given to padding).
     """
     cp, rank = group_size(group), group_rank(group)
     b, t = input_ids.shape
@@ -93,7 +97,8 @@ def shard_batch(input_ids: torch.Tensor, group: ProcessGroup | None, *,
     position_ids = position_ids.expand(b, t)
     valid = torch.ones(b, t, dtype=torch.bool, device=dev) if attention_mask is None \
         else attention_mask.to(dev).bool()
-    docs = documents(position_ids)
+    docs = documents(position_ids) if attention_mask is None \
+        else torch.zeros_like(position_ids, dtype=torch.long)
     positions = torch.cat([position_ids, position_ids[:, -1:] + 1 + torch.arange(
         extra, device=dev)[None].expand(b, extra)], dim=1) if extra else position_ids
     meta = SequenceMeta(documents=_pad(docs, extra, -1), keys_valid=_pad(valid, extra, 0).bool())
@@ -101,8 +106,8 @@ def shard_batch(input_ids: torch.Tensor, group: ProcessGroup | None, *,
     shifted, tokens = None, 0
     if labels is not None:
         # Token t's label is labels[t+1]: shifted over the full row, then cut.
-        shifted = _pad(F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX), extra, IGNORE_INDEX)
-        tokens = int((shifted != IGNORE_INDEX).sum())
+        shifted = _pad(F.pad(labels[:, 1:], (0, 1), value=ignore_index), extra, ignore_index)
+        tokens = int((shifted != ignore_index).sum())
         shifted = shifted[:, mine]
     return LocalBatch(input_ids=_pad(input_ids, extra, 0)[:, mine],
                       position_ids=positions[:, mine], labels=shifted, tokens=tokens,

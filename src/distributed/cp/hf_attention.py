@@ -37,6 +37,16 @@ SUPPORTED: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
                               "gpt_oss", "olmo2", "phi3", "gpt2")
 """``config.model_type`` of the families whose attention torchtp reproduces exactly."""
 
+NO_PACKING: tuple[str, ...] = ("gpt_oss",)
+"""Families whose transformers mask ignores packed position ids (GPT-OSS builds its masks
+without them), so documents would attend to each other in one process: packed rows
+are refused for them rather than masked differently."""
+
+BATCH_KWARG = "torchtp_cp_batch"
+"""The keyword that carries the batch from ``ContextParallel`` to every attention call,
+through transformers' ``**kwargs`` (so a layer that transformers' gradient
+checkpointing recomputes in the backward still gets it)."""
+
 
 @dataclass
 class CPState:
@@ -154,7 +164,10 @@ def cp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
             is called outside its forward, uses attention dropout or soft-capping.
     """
     state: CPState | None = getattr(module, "torchtp_cp", None)
-    if state is None or state.batch is None:
+    batch: LocalBatch | None = kwargs.pop(BATCH_KWARG, None)
+    if batch is None and state is not None:
+        batch = state.batch  # pipeline stages: set for the step by PipelineSchedule
+    if state is None or batch is None:
         raise _refuse(module, "the model's attention is torchtp's context-parallel attention, "
                       "but it was called outside ContextParallel's forward; call the "
                       "ContextParallel wrapper, not the model inside it,")
@@ -169,7 +182,7 @@ def cp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     algorithm = state.pick(query.shape[1], key.shape[1], cp, type(module).__name__)
     scale = _scale(module, scaling, query.shape[-1])
     rule = MaskRule(causal=getattr(module, "is_causal", True), window=sliding_window)
-    out, _ = context_attention(query, key, value, layout=state.batch.layout,
-                               meta=state.batch.meta, rule=rule, group=group, scale=scale,
+    out, _ = context_attention(query, key, value, layout=batch.layout,
+                               meta=batch.meta, rule=rule, group=group, scale=scale,
                                algorithm=algorithm, sinks=s_aux, recompute=state.recompute)
     return out.transpose(1, 2).contiguous(), None

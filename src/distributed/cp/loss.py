@@ -24,14 +24,17 @@ from ..comm.runtime import ProcessGroup
 from .batch import IGNORE_INDEX, LocalBatch
 
 
-def token_mean_loss(logits: torch.Tensor, batch: LocalBatch,
-                    group: ProcessGroup | None) -> torch.Tensor:
+def token_mean_loss(logits: torch.Tensor, batch: LocalBatch, group: ProcessGroup | None,
+                    divisor: int | torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy over every labelled token of the full batch, on every rank.
 
     Args:
         logits: ``(B, T/cp, V)`` this rank's logits.
         batch: The :class:`LocalBatch` (its shifted labels and the global token count).
         group: The context-parallel group.
+        divisor: The token count to divide by; ``None``: the batch's labelled
+            tokens (HF Trainer passes a whole accumulation window's as
+            ``num_items_in_batch``).
 
     Returns:
         A 0-dim tensor, the same on every cp rank (NaN when no token is
@@ -43,4 +46,5 @@ def token_mean_loss(logits: torch.Tensor, batch: LocalBatch,
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
     local = F.cross_entropy(wide.flatten(0, 1), batch.labels.flatten(),
                             ignore_index=IGNORE_INDEX, reduction="sum")
-    return reduce_from_tensor_parallel_region(local, group) / batch.tokens
+    total = reduce_from_tensor_parallel_region(local, group)
+    return total / (batch.tokens if divisor is None else divisor)

@@ -57,9 +57,9 @@ def allowed(meta: SequenceMeta, rule: MaskRule, q_idx: torch.Tensor,
         q_idx: ``(Tq,)`` sequence indices of the queries.
         k_idx: ``(Tk,)`` sequence indices of the keys.
 
-    A query always sees itself, so a padded query (which sees no valid key)
-    gets a finite output instead of a NaN that would reach the gradients; its
-    output is never used (its label is ``-100`` and no valid query attends to it).
+    A query may be left with no key at all (a padded query before any valid
+    token): its row is all ``False``, and its output is 0, as transformers'
+    SDPA attention gives it (:func:`~torchtp.cp.attention.attend`).
     """
     q, k = q_idx[:, None], k_idx[None, :]  # (Tq, 1), (1, Tk)
     ok = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
@@ -70,5 +70,4 @@ def allowed(meta: SequenceMeta, rule: MaskRule, q_idx: torch.Tensor,
     docs = meta.documents
     same_doc = docs[:, q_idx][:, :, None] == docs[:, k_idx][:, None, :]  # (B, Tq, Tk)
     ok = ok & same_doc & meta.keys_valid[:, k_idx][:, None, :]
-    ok |= q == k
     return ok[:, None]  # (B, 1, Tq, Tk)

@@ -31,11 +31,11 @@ from ..guards.fingerprints import tensor_digest
 from . import grads as _grads
 from .attention import check_algorithm
 from .batch import LocalBatch, shard_batch, unshard_sequence
-from .hf_attention import CPState, prepare
+from .hf_attention import BATCH_KWARG, NO_PACKING, CPState, prepare
 from .loss import token_mean_loss
 
 WHO = "ContextParallel"
-_REFUSED = ("inputs_embeds", "past_key_values", "cache_position")
+_REFUSED = ("inputs_embeds", "past_key_values", "cache_position", "shift_labels")
 
 
 class ContextParallel(nn.Module):
@@ -83,7 +83,8 @@ class ContextParallel(nn.Module):
         agree(WHO, error, {"algorithm": algorithm, "balanced": balanced, "recompute": recompute,
                            "weights": _weights_digest(model)}, group)
         _grads.install(model, group)
-        self.batch: LocalBatch | None = None
+        self.family = getattr(getattr(self.hf, "config", None), "model_type", None)
+        self.packing = self.family not in NO_PACKING
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -95,20 +96,26 @@ class ContextParallel(nn.Module):
             attention_mask: ``(B, T)`` 1 for tokens, 0 for padding.
             position_ids: ``(B, T)``; restarting ids mark packed documents.
             labels: ``(B, T)`` as for the model (unshifted, ``-100`` ignored).
-            **kwargs: Passed to the model (not ``inputs_embeds``, ``past_key_values``).
+            **kwargs: Passed to the model (not ``inputs_embeds``,
+                ``past_key_values``, ``shift_labels``, ``logits_to_keep``);
+                ``num_items_in_batch`` (HF Trainer's token count of the whole
+                accumulation window) is the loss's divisor, as in transformers.
 
         Returns:
             The model's output with ``logits`` ``(B, T/cp, V)`` for this rank's
-            tokens (:meth:`unshard` puts them back in order) and ``loss`` the
-            token mean over the full batch, the same on every rank.
+            tokens, ``loss`` the token mean over the full batch (the same on
+            every rank) and ``cp_batch``, the :class:`LocalBatch` that
+            :meth:`unshard` needs to put per-token outputs back in order.
         """
         group = self.group
+        items = kwargs.pop("num_items_in_batch", None)
         batch, error = None, _refused(kwargs)
         if error is None:
             try:
                 batch = shard_batch(input_ids, group, attention_mask=attention_mask,
                                     position_ids=position_ids, labels=labels,
                                     balanced=self.balanced)
+                error = self._unpackable(batch)
             except (ValueError, RuntimeError, IndexError) as exc:
                 error = ValueError(f"{WHO}: the batch cannot be cut: {exc}")
         prints = {} if not self.check_batches else {
@@ -118,24 +125,36 @@ class ContextParallel(nn.Module):
                                              ("labels", labels)) if t is not None}
         agree(f"{WHO} forward (every cp rank must get the same full batch)", error, prints, group)
         assert batch is not None
-        self.batch = self.state.batch = batch
-        try:
-            out = self.module(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                              use_cache=False, **kwargs)
-        finally:
-            self.state.batch = None
+        out = self.module(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                          use_cache=False, **{BATCH_KWARG: batch}, **kwargs)
         if labels is not None:
-            out["loss"] = token_mean_loss(out["logits"], batch, group)
+            divisor = batch.tokens if items is None else items
+            out["loss"] = token_mean_loss(out["logits"], batch, group, divisor)
+        out.cp_batch = batch  # an attribute, not an output entry
         return out
 
-    def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """The full-sequence tensor (e.g. logits) of the last forward, in sequence order.
+    def _unpackable(self, batch: LocalBatch) -> ValueError | None:
+        """Packed rows of a family whose own mask ignores packing (its one-process result
+        would let documents see each other), or ``None``."""
+        if self.packing or int(batch.meta.documents.max()) <= 1:
+            return None
+        return ValueError(f"{WHO}: position ids that restart (packed documents) with "
+                          f"model_type={self.family!r}, whose transformers mask "
+                          "ignores packing (one process would let the documents attend to "
+                          "each other); pass an attention_mask, or one document per row")
+
+    def unshard(self, x: torch.Tensor, batch: LocalBatch, dim: int = 1) -> torch.Tensor:
+        """The full-sequence tensor of a per-token output, in sequence order, padding dropped.
 
         forward: all-gather over cp; backward: each rank keeps its tokens' gradient.
+
+        Args:
+            x: This rank's share, e.g. ``out.logits`` ``(B, T/cp, V)``.
+            batch: The batch ``x`` came from: ``out.cp_batch`` of the same output
+                (never the last forward's by default: it may be another batch).
+            dim: The sequence dimension.
         """
-        if self.batch is None:
-            raise ValueError(f"{WHO}.unshard: no forward has run yet")
-        return unshard_sequence(x, self.batch, self.group, dim)
+        return unshard_sequence(x, batch, self.group, dim)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Not supported under context parallelism: raises on every rank."""
@@ -158,10 +177,13 @@ def _refused(kwargs: dict[str, Any]) -> ValueError | None:
         return ValueError(f"{WHO}: return_dict=False: the loss over the whole batch is set on "
                           "the model's output object; leave return_dict at its default")
     given = [k for k in _REFUSED if kwargs.get(k) is not None]
+    if kwargs.get("logits_to_keep") not in (None, 0):
+        given.append("logits_to_keep")  # it would keep each rank's last tokens
     if given:
         return ValueError(f"{WHO}: {given} are not supported under context parallelism (the "
-                          "sequence is split from input_ids; a cache is for decoding, which is "
-                          "not supported yet)")
+                          "sequence is split from input_ids; labels are shifted over the full "
+                          "rows by torchtp; a cache or kept last logits are for decoding, which "
+                          "is not supported yet)")
     return None
 
 

@@ -31,10 +31,17 @@ WHO = "PipelineSchedule (pp x cp)"
 def prepare_stages(stages: Sequence[nn.Module], group: ProcessGroup | None) -> CPState:
     """Route every stage's attention through context-parallel attention over ``group``.
 
+    Idempotent: stages a schedule prepared already keep their state (a second
+    schedule over the same stages shares it, so each sees the batch of its step).
+
     Raises:
         ValueError: as :func:`~torchtp.cp.hf_attention.prepare` (a family whose
             mask torchtp does not reproduce, or no HF model in a stage).
     """
+    held = [getattr(m, "torchtp_cp", None) for s in stages for m in s.modules()]
+    state = next((h for h in held if isinstance(h, CPState)), None)
+    if state is not None and state.pipeline and state.group is group:
+        return state
     state = CPState(group=group, pipeline=True)
     for stage in stages:
         hf = prepare(stage, state, WHO)
@@ -58,13 +65,13 @@ class _PositionIds:
 
 
 def cut(input_ids: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None,
-        state: CPState) -> LocalBatch:
+        state: CPState, ignore_index: int) -> LocalBatch:
     """This rank's share of a plain batch, recorded in ``state`` for the stages' attention.
 
     Its mask facts (documents, padding) have one row, shared by every
     microbatch's rows.
     """
-    local = shard_batch(input_ids, group, labels=labels)
+    local = shard_batch(input_ids, group, labels=labels, ignore_index=ignore_index)
     meta = SequenceMeta(documents=local.meta.documents[:1], keys_valid=local.meta.keys_valid[:1])
     state.batch = LocalBatch(input_ids=local.input_ids, position_ids=local.position_ids,
                              labels=local.labels, tokens=local.tokens, layout=local.layout,

@@ -226,7 +226,8 @@ class PipelineSchedule:
         if self._cp is not None:  # this rank's tokens, labels shifted over the full rows
             agree(WHO_CP, None, {"batch": tensor_digest(input_ids) + tensor_digest(labels)},
                   self.cp_group)
-            local = _cp_pipeline.cut(input_ids, labels, self.cp_group, self._cp)
+            local = _cp_pipeline.cut(input_ids, labels, self.cp_group, self._cp,
+                                     self.ignore_index)
             input_ids, labels = local.input_ids, local.labels  # type: ignore[assignment]
             own = torch.tensor(local.tokens)
         try:
