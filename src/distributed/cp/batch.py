@@ -99,8 +99,10 @@ def shard_batch(input_ids: torch.Tensor, group: ProcessGroup | None, *,
         else attention_mask.to(dev).bool()
     docs = documents(position_ids) if attention_mask is None \
         else torch.zeros_like(position_ids, dtype=torch.long)
-    positions = torch.cat([position_ids, position_ids[:, -1:] + 1 + torch.arange(
-        extra, device=dev)[None].expand(b, extra)], dim=1) if extra else position_ids
+    # Pad tokens repeat the row's last position id: any id would do (nothing sees them),
+    # and this one stays inside a learned position table (GPT-2's n_positions).
+    positions = torch.cat([position_ids, position_ids[:, -1:].expand(b, extra)], dim=1) \
+        if extra else position_ids
     meta = SequenceMeta(documents=_pad(docs, extra, -1), keys_valid=_pad(valid, extra, 0).bool())
     mine = layout.indices(rank).to(dev)
     shifted, tokens = None, 0
