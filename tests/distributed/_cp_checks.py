@@ -399,8 +399,8 @@ def _same_grads(model: torch.nn.Module, ref: torch.nn.Module) -> Any:
 
 def dp_with_cp(rank: int, world: int) -> dict[str, Any]:
     """dp 2 x cp 2 under DDP and under FSDP2: each replica half the batch, against one
-    process on the whole batch (every row the same number of labelled tokens, so the mean
-    of the replicas' token means is the batch's token mean)."""
+    process on the whole batch; replica 0's rows are padded and replica 1's are not, so
+    only a divisor over the global batch's tokens gives one process's token mean."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -408,7 +408,9 @@ def dp_with_cp(rank: int, world: int) -> dict[str, Any]:
     from torchtp.cp import ContextParallel
 
     cfg = torchtp.init_parallel(dp=2, cp=2, tp=1)
-    full = {k: torch.cat([v, v.roll(1, dims=1)]) for k, v in _hf_batch("plain").items()}
+    padded, plain = _hf_batch("padded"), _hf_batch("plain")
+    plain["attention_mask"] = torch.ones_like(plain["input_ids"])
+    full = {k: torch.cat([padded[k], plain[k].roll(1, dims=1)]) for k in padded}
     mine = {k: v[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2] for k, v in full.items()}
     found: dict[str, Any] = {}
     for kind in ("ddp", "fsdp2"):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..comm import ops as _comm
 from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup, group_size, resolve_group
 from ..guards.agreement import agree
@@ -57,6 +58,12 @@ class ContextParallel(nn.Module):
             the full sequence's keys, values and mask (default; a rank then saves
             ``1/cp`` of one process's attention activations); ``False`` saves them
             (one attention forward and, for all-gather, one collective less per layer).
+        dp_group: The data-parallel group whose replicas' gradients DDP or FSDP2
+            average; ``None``: ``init_parallel``'s ``dp`` group (none without one).
+            With more than one replica the loss's divisor is the labelled tokens
+            of the whole global batch over the replicas (one scalar all-reduce),
+            so the average is one process's token mean however unevenly padding
+            falls over the replicas.
 
     Raises:
         ValueError: an unsupported family, an unknown algorithm, or Ulysses
@@ -65,13 +72,16 @@ class ContextParallel(nn.Module):
     """
 
     group: WeakGroup[ProcessGroup | None] = WeakGroup()
+    dp_group: WeakGroup[ProcessGroup | None] = WeakGroup()
 
     def __init__(self, model: nn.Module, group: ProcessGroup | None = None,
                  algorithm: str = "auto", balanced: bool = True,
-                 check_batches: bool = True, recompute: bool = True) -> None:
+                 check_batches: bool = True, recompute: bool = True,
+                 dp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.module = model
         self.group = group = resolve_group(group, dim="cp")
+        self.dp_group = resolve_group(dp_group, dim="dp")
         self.balanced, self.check_batches = balanced, check_batches
         self.state = CPState(group=group, algorithm=algorithm, recompute=recompute)
         error: BaseException | None = None
@@ -128,10 +138,19 @@ class ContextParallel(nn.Module):
         out = self.module(input_ids=batch.input_ids, position_ids=batch.position_ids,
                           use_cache=False, **{BATCH_KWARG: batch}, **kwargs)
         if labels is not None:
-            divisor = batch.tokens if items is None else items
+            divisor = self._divisor(batch) if items is None else items
             out["loss"] = token_mean_loss(out["logits"], batch, group, divisor)
         out.cp_batch = batch  # an attribute, not an output entry
         return out
+
+    def _divisor(self, batch: LocalBatch) -> int | torch.Tensor:
+        """The batch's labelled tokens; with replicas, the global batch's over their count
+        (DDP and FSDP2 average the replicas' gradients: each counts its share times them)."""
+        dp = self.dp_group
+        if group_size(dp) == 1:
+            return batch.tokens
+        tokens = torch.tensor(batch.tokens, dtype=torch.float64, device=batch.input_ids.device)
+        return _comm.all_reduce(tokens, dp) / group_size(dp)
 
     def _unpackable(self, batch: LocalBatch) -> ValueError | None:
         """Packed rows of a family whose own mask ignores packing (its one-process result
