@@ -57,7 +57,9 @@ class CPState:
         algorithm: ``"auto"``, ``"allgather"`` or ``"ulysses"``.
         recompute: Recompute attention in the backward instead of saving the
             full sequence's keys, values and mask (:func:`~torchtp.cp.attention.context_attention`).
-        batch: The current :class:`LocalBatch`; ``None`` outside a forward.
+        batch: The current step's :class:`LocalBatch` for pipeline stages (set by
+            ``PipelineSchedule``); ``ContextParallel`` hands its batch to every
+            attention call through :data:`BATCH_KWARG` instead.
         chosen: The algorithm used per ``(heads, kv_heads)`` (shown by ``describe()``).
         pipeline: Prepared by a ``PipelineSchedule`` (pp x cp), not by ``ContextParallel``.
     """
