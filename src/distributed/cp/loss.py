@@ -47,4 +47,7 @@ def token_mean_loss(logits: torch.Tensor, batch: LocalBatch, group: ProcessGroup
     local = F.cross_entropy(wide.flatten(0, 1), batch.labels.flatten(),
                             ignore_index=IGNORE_INDEX, reduction="sum")
     total = reduce_from_tensor_parallel_region(local, group)
-    return total / (batch.tokens if divisor is None else divisor)
+    count = batch.tokens if divisor is None else divisor
+    if isinstance(count, torch.Tensor):  # a float64 count keeps the loss in its own dtype
+        count = count.to(total.dtype)
+    return total / count
