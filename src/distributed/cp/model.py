@@ -94,7 +94,6 @@ class ContextParallel(nn.Module):
                            "weights": _weights_digest(model)}, group)
         _grads.install(model, group)
         self.family = getattr(getattr(self.hf, "config", None), "model_type", None)
-        self.packing = self.family not in NO_PACKING
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -155,7 +154,7 @@ class ContextParallel(nn.Module):
     def _unpackable(self, batch: LocalBatch) -> ValueError | None:
         """Packed rows of a family whose own mask ignores packing (its one-process result
         would let documents see each other), or ``None``."""
-        if self.packing or int(batch.meta.documents.max()) <= 1:
+        if self.family not in NO_PACKING or int(batch.meta.documents.max()) <= 1:
             return None
         return ValueError(f"{WHO}: position ids that restart (packed documents) with "
                           f"model_type={self.family!r}, whose transformers mask "
@@ -209,5 +208,5 @@ def _refused(kwargs: dict[str, Any]) -> ValueError | None:
 def _weights_digest(model: nn.Module) -> str:
     # Parameters are replicated over cp: the first and last ones' samples catch
     # ranks built from different seeds or checkpoints.
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     return "" if not params else tensor_digest(params[0]) + tensor_digest(params[-1])
