@@ -83,6 +83,11 @@ CASES = [  # (heads, kv heads, causal, window, mask kind, sinks, algorithm)
     (4, 1, True, None, "both", False, "ulysses"),  # KV heads repeated before the exchange
     (4, 2, True, None, "left", False, "allgather"),
     (4, 4, True, 4, "left", True, "ulysses"),
+    (4, 4, True, None, "plain", False, "ring"),
+    (4, 4, False, None, "padded", False, "ring"),
+    (4, 2, True, None, "both", True, "ring"),
+    (4, 1, True, 3, "packed", True, "ring"),  # MQA: cp exceeds the KV heads
+    (4, 2, False, 5, "left", False, "ring"),
 ]
 
 
@@ -104,24 +109,32 @@ def attention_matches(rank: int, world: int) -> list[tuple[Any, ...]]:
         b, t, d = 2, 4 * world + 2 * world, 8  # T a multiple of 2 * cp
         q, k, v = (torch.randn(b, h, t, d, dtype=torch.float64) for h in (heads, kv, kv))
         sinks = torch.randn(heads, dtype=torch.float64) if with_sinks else None
+        full_sinks = None if sinks is None else sinks.clone().requires_grad_()
         g_out, g_lse = torch.randn(b, heads, t, d, dtype=torch.float64), \
             torch.randn(b, heads, t, dtype=torch.float64)
         meta, rule = _meta(kind, b, t), MaskRule(causal=causal, window=window)
         full = [x.clone().requires_grad_() for x in (q, k, v)]
-        ref_out, ref_lse = reference_attention(*full, reference_mask(meta, rule), 0.3, sinks)
+        ref_out, ref_lse = reference_attention(*full, reference_mask(meta, rule), 0.3,
+                                               full_sinks)
         ((ref_out * g_out).sum() + (ref_lse * g_lse).sum()).backward()
         layout = SequenceLayout(t, world)
         mine = [shard_sequence(x, layout, rank, dim=2).detach().requires_grad_() for x in (q, k, v)]
+        my_sinks = None if sinks is None else sinks.clone().requires_grad_()
         with count_collectives() as counted:
             out, lse = context_attention(*mine, layout=layout, meta=meta, rule=rule,
                                          group=group, scale=0.3, algorithm=algorithm,
-                                         sinks=sinks, with_lse=True)
+                                         sinks=my_sinks, with_lse=True)
             assert lse is not None
             ((out * shard_sequence(g_out, layout, rank, 2)).sum()
              + (lse * shard_sequence(g_lse, layout, rank, 2)).sum()).backward()
         errs = [_diff(a, shard_sequence(r, layout, rank, 2)) for a, r in (
             (out, ref_out), (lse, ref_lse), (mine[0].grad, full[0].grad),
             (mine[1].grad, full[1].grad), (mine[2].grad, full[2].grad))]
+        if my_sinks is not None:  # each rank's queries' share, summed over cp (as grads.py does)
+            assert my_sinks.grad is not None and full_sinks is not None
+            summed = my_sinks.grad.clone()
+            dist.all_reduce(summed)
+            errs.append(_diff(summed, full_sinks.grad))
         assert max(errs) < TOL, (case, algorithm, errs)
         results.append((case, algorithm, dict(counted.counts)))
     return results
@@ -303,7 +316,7 @@ def refusals(rank: int, world: int) -> dict[str, tuple[str, str, float]]:
         got["ulysses heads"] = _raises(lambda: ContextParallel(three_heads,
                                                                algorithm="ulysses")(**batch))
     got["unknown algorithm"] = _raises(lambda: ContextParallel(build_cp_model("llama"),
-                                                               algorithm="ring"))
+                                                               algorithm="zigzag"))
     got["unsupported family"] = _raises(lambda: ContextParallel(build_cp_model("gemma")))
     got["dropout"] = _raises(lambda: ContextParallel(build_cp_model(
         "gpt2").train().apply(_dropout))(**batch))
@@ -350,8 +363,8 @@ def _tp_compare(dmw: Any, ref: torch.nn.Module) -> Any:
 
 
 def cp_with_tp(rank: int, world: int) -> dict[str, Any]:
-    """cp 2 x tp 2, with and without sequence parallelism, and an MoE with its experts
-    shared out over the TP ranks, against one process."""
+    """cp 2 x tp 2, with (all-gather attention) and without sequence parallelism (ring
+    attention), and an MoE with its experts shared out over the TP ranks, against one process."""
     import torchtp
     from torchtp.cp import ContextParallel
 
@@ -361,7 +374,7 @@ def cp_with_tp(rank: int, world: int) -> dict[str, Any]:
         ref, model = build_cp_model("llama"), build_cp_model("llama")
         ref.set_attn_implementation("sdpa")
         dmw = torchtp.DistributedModelWrapper(model, sequence_parallel=sp)
-        wrapped = ContextParallel(dmw)
+        wrapped = ContextParallel(dmw, algorithm="auto" if sp else "ring")
         batch = _hf_batch("padded")
         errs = _train_two_steps(wrapped, dmw, ref, batch, batch, _tp_compare(dmw, ref))
         assert max(errs) < HF_TOL, (sp, errs)
@@ -440,7 +453,7 @@ def counts_roundtrip_compile(rank: int, world: int, save_dir: str) -> dict[str, 
     torchtp.init_parallel(cp=world)
     found: dict[str, Any] = {}
     batch = _hf_batch("plain")
-    for algorithm in ("allgather", "ulysses"):
+    for algorithm in ("allgather", "ulysses", "ring"):
         wrapped = ContextParallel(build_cp_model("llama"), algorithm=algorithm)
         with count_collectives() as fwd:
             out = wrapped(**batch)

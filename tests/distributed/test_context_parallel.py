@@ -19,6 +19,9 @@ def test_attention_is_exact_at_every_cp_size(ranks, cp):
         if algo == "allgather":  # KV stacked: one all-gather forward, and in the backward
             # one more (the attention is recomputed, not saved) and one reduce-scatter
             assert c == {"all_gather": 2, "reduce_scatter": 1}, (case, c)
+        elif algo == "ring":  # cp - 1 shifts of the KV block forward; backward cp - 1 of the
+            # block with its gradient and one of the gradient home
+            assert c == {"all_to_all": 2 * cp - 1}, (case, c)
         else:  # q, stacked KV and the output, and the LSE asked for, each way
             assert c == {"all_to_all": 8}, (case, c)
 
@@ -28,7 +31,8 @@ HF_CASES = [("llama", "plain", "allgather"), ("llama", "padded", "ulysses"),
             ("llama", "holes", "ulysses"), ("llama", "packed-masked", "allgather"),
             ("llama-gc", "padded+items", "allgather"), ("mistral", "packed", "auto"),
             ("qwen3", "padded", "auto"), ("gpt2", "plain", "ulysses"),
-            ("gpt_oss", "plain", "auto"), ("qwen3_moe", "packed", "ulysses")]
+            ("gpt_oss", "plain", "auto"), ("qwen3_moe", "packed", "ulysses"),
+            ("mistral", "padded", "ring"), ("gpt_oss", "plain", "ring")]
 
 
 def test_hf_models_match_one_process_at_cp2(ranks):
@@ -55,7 +59,7 @@ REFUSALS = {
     "ulysses heads": ("ValueError", r"Ulysses splits the 8 query heads \(per TP rank\) over "
                       r"cp=3 ranks, which does not divide; valid cp sizes for Ulysses: "
                       r"\[1, 2, 4, 8\]; or use algorithm='allgather'"),
-    "unknown algorithm": ("ValueError", r"unknown context-parallel algorithm 'ring'"),
+    "unknown algorithm": ("ValueError", r"unknown context-parallel algorithm 'zigzag'"),
     "unsupported family": ("ValueError", r"model_type='gemma' may use a mask rule torchtp does "
                            r"not reproduce"),
     "dropout": ("ValueError", r"GPT2Attention \(layer 0\): attention dropout 0.1 is not "
@@ -98,6 +102,11 @@ def test_collectives_round_trip_compile_and_checkpoint(ranks, tmp_path):
     fwd, bwd, _ = got[0]["ulysses"]
     assert fwd == {"all_to_all": 6, "all_reduce": 1}, fwd
     assert bwd == {"all_to_all": 6, "all_reduce": params}, bwd
+    # ring at cp 2: per layer one shift of the stacked K/V block forward; backward one
+    # of the block with its gradient and one of the gradient home.
+    fwd, bwd, _ = got[0]["ring"]
+    assert fwd == {"all_to_all": 2, "all_reduce": 1}, fwd
+    assert bwd == {"all_to_all": 4, "all_reduce": params}, bwd
     assert all(g["roundtrip"] for g in got)
     # Payload per rank, the formulas of docs/context_parallel.md (float64, B=2, 16 tokens
     # after padding 13 to 2*cp's multiple so T/cp = 8, head dim 8, 8 query / 2 KV heads,
@@ -107,6 +116,7 @@ def test_collectives_round_trip_compile_and_checkpoint(ranks, tmp_path):
     q = out = b * hq * t_local * d * elt
     assert got[0]["allgather"][2] == layers * kv + elt
     assert got[0]["ulysses"][2] == layers * (q + kv + out) + elt
+    assert got[0]["ring"][2] == layers * kv + elt  # cp - 1 = 1 block per layer at cp 2
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])

@@ -644,6 +644,21 @@ def all_to_all(tensor: torch.Tensor, send: list[int], recv: list[int],
     return out
 
 
+def ring_shift(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Send ``tensor`` to the next rank of ``group`` and return the previous rank's (fresh tensor).
+
+    Group rank ``r`` sends to ``(r + 1) % size`` and receives from
+    ``(r - 1) % size``: one step of a ring (ring attention's key/value
+    blocks). It is one :func:`all_to_all` in which each rank sends its one row
+    to the next rank only, so it gets that collective's shape agreement and
+    bounded wait; every rank's ``tensor`` has the same shape and dtype.
+    """
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    send, recv = [0] * world, [0] * world
+    send[(me + 1) % world] = recv[(me - 1) % world] = 1
+    return all_to_all(tensor.unsqueeze(0), send, recv, group)[0]
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """Return ``src``'s ``tensor`` on every rank (fresh tensor; ``src`` is a group rank)."""
     out = tensor.clone(memory_format=torch.contiguous_format)

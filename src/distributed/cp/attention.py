@@ -16,8 +16,15 @@ process):
   output back (3 forward, 3 backward). Needs the query heads to divide by
   ``cp``; KV heads that do not are repeated to the query heads first. Moves
   ``(2 Hq + 2 Hkv) * T * D / cp`` per rank, so it suits MHA at larger ``cp``.
+* ``"ring"`` (:mod:`torchtp.cp.ring`): each rank's keys and values passed
+  around the ring, ``cp - 1`` shifts, the partial outputs merged by their
+  log-sum-exp. The same bytes as all-gather in ``cp - 1`` steps instead of
+  one, but a rank never holds more than two ranks' keys and values: the
+  choice where the full sequence's keys and values do not fit.
 
-:func:`choose` picks the one that moves fewer bytes (docs/context_parallel.md).
+:func:`choose` picks the one of all-gather and Ulysses that moves fewer bytes
+(docs/context_parallel.md); ring, with all-gather's bytes and more steps, is
+chosen by name.
 The local attention is :func:`attend`: PyTorch's SDPA with the global mask,
 or, for attention sinks or when the log-sum-exp is asked for, the same
 softmax written out.
@@ -44,9 +51,10 @@ from ..comm.regions import exchange, gather_sum_grads
 from ..comm.runtime import ProcessGroup, group_rank, group_size
 from .layout import SequenceLayout, runs
 from .masks import MaskRule, SequenceMeta, allowed
+from .ring import ring_attention
 
-Algorithm = Literal["allgather", "ulysses"]
-ALGORITHMS: tuple[str, ...] = ("auto", "allgather", "ulysses")
+Algorithm = Literal["allgather", "ulysses", "ring"]
+ALGORITHMS: tuple[str, ...] = ("auto", "allgather", "ulysses", "ring")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, scale: float,
@@ -138,15 +146,19 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         rule: Causal and sliding-window rules of this layer.
         group: The context-parallel group.
         scale: The factor on ``q k^T``.
-        algorithm: ``"allgather"`` or ``"ulysses"`` (see the module docstring).
+        algorithm: ``"allgather"``, ``"ulysses"`` or ``"ring"`` (see the module docstring).
         sinks: ``(Hq,)`` attention-sink logits, or ``None``.
         with_lse: Also return the log-sum-exp, ``(B, Hq, T/cp)``.
         recompute: Recompute the attention in the backward instead of saving
-            the full sequence's keys, values and mask (see the module docstring).
+            the full sequence's keys, values and mask (see the module docstring;
+            ring attention always recomputes).
 
     Returns:
         ``(B, Hq, T/cp, D)`` output for this rank's queries, and the log-sum-exp or ``None``.
     """
+    if algorithm == "ring":  # its backward recomputes by construction
+        out, lse = ring_attention(q, k, v, layout, meta, rule, group, scale, sinks)
+        return out, (lse if with_lse else None)
     ckpt = recompute and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if algorithm == "allgather":
         return _run(ckpt, _gathered, q, k, v, layout, meta, rule, group, scale, sinks, with_lse)

@@ -54,7 +54,7 @@ class CPState:
 
     Attributes:
         group: The context-parallel group (held weakly).
-        algorithm: ``"auto"``, ``"allgather"`` or ``"ulysses"``.
+        algorithm: ``"auto"``, ``"allgather"``, ``"ulysses"`` or ``"ring"``.
         recompute: Recompute attention in the backward instead of saving the
             full sequence's keys, values and mask (:func:`~torchtp.cp.attention.context_attention`).
         batch: The current step's :class:`LocalBatch` for pipeline stages (set by

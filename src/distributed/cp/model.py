@@ -48,7 +48,8 @@ class ContextParallel(nn.Module):
             :class:`~torchtp.DistributedModelWrapper` around one.
         group: The context-parallel group; ``None``: the mesh's ``cp``
             dimension (``init_parallel(cp=...)``).
-        algorithm: ``"auto"`` (fewer bytes moved), ``"allgather"`` or ``"ulysses"``
+        algorithm: ``"auto"`` (fewer bytes moved), ``"allgather"``, ``"ulysses"``
+            or ``"ring"`` (no rank holds the whole sequence's keys and values)
             (:mod:`torchtp.cp.attention`).
         balanced: Head/tail split of each sequence (equal causal work per
             rank); ``False``: contiguous chunks.
