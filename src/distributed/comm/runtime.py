@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from math import prod
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,7 @@ from ..core.errors import MissingProcessGroupError, launch_hint
 from ..core.log import configure_from_env, logger
 from . import health as _health
 from .group_ref import WeakGroup, groups_alive
+from .layout_file import Layout, differences, read_layout
 from .timeout import collective_timeout, set_collective_timeout
 
 if TYPE_CHECKING:
@@ -188,8 +190,8 @@ def _adopt(local_rank: int, sizes: dict[str, int | None], who: str,
 
 def init_parallel(
     *, tp: int | None = None, dp: int | None = None, ep: int | None = None,
-    pp: int | None = None, cp: int | None = None, backend: str | None = None,
-    timeout: float | timedelta | None = None,
+    pp: int | None = None, cp: int | None = None, layout: Any = None,
+    backend: str | None = None, timeout: float | timedelta | None = None,
 ) -> TensorParallelConfig:
     """Start (or adopt) the default process group laid out as one named mesh.
 
@@ -233,6 +235,11 @@ def init_parallel(
             also run on CPU machines. With NCCL this rank's device is
             ``cuda:LOCAL_RANK``, and torchtp's defaults (layers, loads, CLI)
             put tensors there.
+        layout: A layout file written by ``torchtp plan MODEL --gpus N --out FILE``
+            (or its :class:`~torchtp.comm.layout_file.Layout`): its sizes are
+            the mesh's. A job whose world size differs from the plan's, or a
+            size given beside it that differs, is refused with the difference
+            named, before any group is laid out.
         timeout: Collective timeout in seconds (or a ``timedelta``) of the group
             started here and of torchtp's own waits; ``None`` uses ``TP_TIMEOUT``
             or :data:`torchtp.comm.timeout.DEFAULT_TIMEOUT_S` (5 minutes).
@@ -244,10 +251,50 @@ def init_parallel(
     Raises:
         ValueError: torchrun's variables are malformed or inconsistent, or the
             sizes do not multiply to the world size (naming the valid values),
-            on every rank before any group is created.
+            or the job does not match ``layout``, on every rank before any
+            group is created.
     """
-    cfg = _init({"pp": pp, "dp": dp, "cp": cp, "tp": tp}, backend, timeout, "init_parallel", {}, ep)
+    sizes: dict[str, int | None] = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    planned = None
+    if layout is not None:
+        planned, sizes, ep = _planned(layout, sizes, ep)
+    cfg = _init(sizes, backend, timeout, "init_parallel", {}, ep)
+    if planned is not None:
+        _check_planned(planned, cfg)
     return cfg
+
+
+def _planned(layout: Any, given: dict[str, int | None], ep: int | None
+             ) -> tuple[Layout, dict[str, int | None], int]:
+    """The planned layout, its mesh sizes and ep; refused where the job cannot match it."""
+    planned = read_layout(layout)
+    clash = [f"{k}={v} given, the layout plans {k} {planned.sizes()[k]}"
+             for k, v in (given | {"ep": ep}).items()
+             if v is not None and v != planned.sizes()[k]]
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+        else _env_int("WORLD_SIZE", 1)
+    problems = clash + differences(planned, world, {})
+    if problems:
+        raise ValueError(f"init_parallel: this job does not match layout={_layout_name(layout)}: "
+                         + "; ".join(problems) + f"; launch {planned.world} ranks (torchrun "
+                         f"--nproc-per-node ... --nnodes ...) or plan again for {world}")
+    sizes = {k: v for k, v in planned.sizes().items() if k != "ep"}
+    return planned, dict(sizes), planned.ep
+
+
+def _check_planned(planned: Layout, cfg: TensorParallelConfig) -> None:
+    """Refuse a group laid out other than ``planned`` (an adopted group's own mesh)."""
+    have = {"pp": cfg.pp_size, "dp": cfg.dp_size, "cp": cfg.cp_size, "tp": cfg.world_size,
+            "ep": cfg.ep_size}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    problems = differences(planned, world, have)
+    if problems:
+        raise ValueError("init_parallel: the running group does not match the planned layout: "
+                         + "; ".join(problems))
+
+
+def _layout_name(layout: Any) -> str:
+    return repr(str(layout)) if isinstance(layout, (str, Path)) else type(layout).__name__
 
 
 def init_tensor_parallel(
