@@ -17,6 +17,7 @@ from torch import nn
 from ..layers.expert_dispatch import Dispatch
 from ..plans import ResolvedPlan, ShardContext, resolve_plan, valid_tp_sizes
 from ..training.options import Options
+from . import layout
 from ._common import (
     PLAN_HELP,
     CliError,
@@ -29,14 +30,18 @@ from ._common import (
 )
 from ._hf import build_model, load_config, parse_dtype
 
-HELP = "show the TP plan, per-rank memory and blockers (meta device, no weights read)"
+HELP = ("show the TP plan, per-rank memory and blockers (--tp), or the ranked training "
+        "layouts on a cluster (--gpus); meta device, no weights read")
 EXAMPLES = """examples:
   torchtp plan ./Llama-3.2-1B --tp 2
+  torchtp plan ./Llama-3.1-70B --gpus 64 --global-batch 256 --seq 8192 --out layout.json
+  torchtp plan llama3-405b --gpus 8192 --hardware h100-80gb --global-batch 2048 --seq 8192
   torchtp plan ./Llama-3.2-1B/config.json --tp 4 --json
   torchtp plan ./Phi-3-mini --tp 2 --plan builtin     # torchtp's packed plan, as written
   torchtp plan ./Llama-3.2-1B --tp 2 --plan auto-memory   # the least memory per rank
   torchtp plan ./Mixtral-8x7B --tp 8 --expert-parallel 4   # experts over 4 x features over 2
-exit status: 0 when the model splits at --tp, 1 when there are blockers, 2 on bad input
+exit status: 0 when the model splits at --tp (or a layout fits, with --gpus), 1 when there
+are blockers (or none fits), 2 on bad input
 """
 
 
@@ -44,13 +49,15 @@ def register(sub: Any) -> None:
     """Add the ``plan`` subcommand to ``sub`` (an argparse subparsers object)."""
     p = sub.add_parser("plan", help=HELP, description=HELP, epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="HuggingFace model directory or its config.json")
-    p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
+    p.add_argument("path", help="HuggingFace model directory or its config.json (with --gpus "
+                   f"also a published model: {', '.join(sorted(layout.KNOWN))})")
+    p.add_argument("--tp", type=positive_int, help="tensor-parallel size: show its plan")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's, else float32)")
     p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|auto-memory|builtin|FILE",
                    help=PLAN_HELP)
     add_expert_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    layout.add_options(p)
     p.set_defaults(run=run)
 
 
@@ -190,7 +197,13 @@ def render(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plan; exit status 1 when there are blockers."""
+    """Print the plan (``--tp``) or the layouts (``--gpus``); exit status 1 when there are
+    blockers or no layout fits."""
+    if (args.tp is None) == (args.gpus is None):
+        raise CliError("give --tp N (the tensor-parallel plan) or --gpus N (the training "
+                       "layouts), one of them")
+    if args.gpus is not None:
+        return layout.run(args)
     report = analyze(args.path, args.tp, args.dtype, args.plan, args.expert_parallel,
                      args.expert_dispatch)
     print(dump_json(report) if args.json else render(report))

@@ -42,6 +42,8 @@ class Layout:
             torchtp they are folded into the TP group, so ``ep`` divides ``tp``).
         microbatches: Microbatches per step (per data-parallel replica).
         schedule: Pipeline schedule (a :class:`torchtp.pipeline.PipelineSchedule` name).
+        stages_per_rank: Pipeline stages each rank holds (``v`` of an interleaved
+            schedule; 2 for ``dualpipev``).
         sequence_parallel: Norms and residuals on sequence shards inside TP.
         data_parallel: ``"ddp"`` (replicas), ``"zero1"`` (optimizer state
             sharded over ``dp``) or ``"fsdp"`` (parameters, gradients and
@@ -56,6 +58,7 @@ class Layout:
     ep: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
+    stages_per_rank: int = 1
     sequence_parallel: bool = False
     data_parallel: str = "fsdp"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -110,7 +113,8 @@ def read_layout(source: str | Path | dict[str, Any] | Layout, who: str = "init_p
     if data.get("world", world) != world:
         raise ValueError(f"{who}: layout={_shown(source)} says world={data['world']} but its "
                          f"sizes multiply to {world} (pp x dp x cp x tp)")
-    known = set(SIZES) | {"microbatches", "schedule", "sequence_parallel", "data_parallel"}
+    known = set(SIZES) | {"microbatches", "schedule", "stages_per_rank", "sequence_parallel",
+                          "data_parallel"}
     extra = {k: v for k, v in data.items() if k not in known | {"torchtp_layout", "world"}}
     return Layout(**sizes, **{k: data[k] for k in known - set(SIZES) if k in data}, extra=extra)
 

@@ -26,6 +26,11 @@ full recomputation       each layer keeps its input (``T_n h a``); one layer's
                          activations live again while it is recomputed
 =======================  ==============================================================
 
+``stack="fused"`` (Megatron-LM, Transformer Engine) keeps a norm's input
+and output in ``a`` (no float32 copy) and one MLP tensor less (the SiLU or
+GELU output is recomputed from its input in the fused kernel's backward);
+it is not measured here, only used for the published runs.
+
 A KV head is held whole on the ranks that share it (``tp`` above the KV
 heads), so ``kv`` per rank is at least one head.
 """
@@ -63,10 +68,15 @@ def shares(arch: Arch, layout: Layout, training: Training, microbatch: int) -> S
                   head_dim=arch.head_dim, ffn=arch.ffn // tp, a=training.activation_bytes)
 
 
-def norm(s: Shares, width: int, tokens: int | None = None) -> int:
-    """An RMSNorm over ``width`` features of ``tokens`` (default the norm tokens)."""
+def norm(s: Shares, width: int, tokens: int | None = None, stack: str = "torchtp") -> int:
+    """An RMSNorm over ``width`` features of ``tokens`` (default the norm tokens).
+
+    ``"torchtp"``: input in float32, normalized and output in ``a``; ``"fused"``:
+    input and output in ``a``. Both keep a float32 statistic per token.
+    """
     t = s.norm_tokens if tokens is None else tokens
-    return t * (width * (F32 + 2 * s.a) + F32)
+    per = 2 * s.a if stack == "fused" else F32 + 2 * s.a
+    return t * (width * per + F32)
 
 
 def attention(arch: Arch, s: Shares, cp: int) -> int:
@@ -87,9 +97,10 @@ def attention(arch: Arch, s: Shares, cp: int) -> int:
     return saved
 
 
-def mlp(s: Shares, ffn: int, gated: bool = True) -> int:
-    """A dense MLP of ``ffn`` features per rank."""
-    return (4 if gated else 2) * s.tokens * ffn * s.a
+def mlp(s: Shares, ffn: int, gated: bool = True, stack: str = "torchtp") -> int:
+    """A dense MLP of ``ffn`` features per rank (``"fused"``: one tensor less)."""
+    tensors = (4 if gated else 2) - (1 if stack == "fused" else 0)
+    return tensors * s.tokens * ffn * s.a
 
 
 def experts(arch: Arch, s: Shares, layout: Layout) -> int:
@@ -110,13 +121,13 @@ def experts(arch: Arch, s: Shares, layout: Layout) -> int:
     return saved
 
 
-def layer(arch: Arch, index: int, s: Shares, layout: Layout) -> int:
+def layer(arch: Arch, index: int, s: Shares, layout: Layout, stack: str = "torchtp") -> int:
     """Every tensor decoder layer ``index`` saves for one microbatch."""
     h = arch.hidden
-    saved = 2 * norm(s, h) + attention(arch, s, layout.cp)
+    saved = 2 * norm(s, h, stack=stack) + attention(arch, s, layout.cp)
     if arch.is_moe_layer(index):
         return saved + experts(arch, s, layout)
-    return saved + mlp(s, s.ffn, arch.mlp == "gated")
+    return saved + mlp(s, s.ffn, arch.mlp == "gated", stack)
 
 
 def head(arch: Arch, s: Shares, layout: Layout, loss_parallel: bool = False) -> int:

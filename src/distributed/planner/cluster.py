@@ -30,6 +30,9 @@ class Gpu:
         intra_latency: Per-step latency inside a node, seconds.
         inter_bw: Collective bus bandwidth per GPU across nodes, bytes/s.
         inter_latency: Per-step latency across nodes, seconds.
+        layer_overhead: Fixed time of one decoder layer's pass beside its FLOPs and
+            bytes: a few dozen kernel launches and tails, seconds (assumed:
+            40 kernels of 5 us).
         gpus_per_node: GPUs in one node (the default of :class:`Cluster`).
         source: Where every number comes from.
     """
@@ -43,6 +46,7 @@ class Gpu:
     intra_latency: float
     inter_bw: float
     inter_latency: float
+    layer_overhead: float
     gpus_per_node: int
     source: str
 
@@ -86,9 +90,11 @@ class Cluster:
     def link(self, stride: int, size: int) -> tuple[float, float, str]:
         """(bus bandwidth, latency, "node"/"network") of a group of ``size`` ranks ``stride`` apart.
 
-        The group stays inside a node when its span (``stride * size``) fits in one.
+        The group stays inside a node when its span (``stride * size``) divides the
+        node (groups are aligned to nodes, as ``init_parallel`` lays them).
         """
-        if size <= 1 or stride * size <= self.gpus_per_node:
+        span = stride * size
+        if size <= 1 or (span <= self.gpus_per_node and self.gpus_per_node % span == 0):
             return self.gpu.intra_bw, self.gpu.intra_latency, "node"
         return self.gpu.inter_bw, self.gpu.inter_latency, "network"
 
@@ -99,24 +105,26 @@ _NCCL = ("NCCL bus bandwidth as nccl-tests reports it for large messages (all_re
 GPUS: dict[str, Gpu] = {
     "a100-80gb": Gpu(
         name="a100-80gb", memory=80e9, peak={"fp32": 19.5e12, "bf16": 312e12, "fp8": 312e12},
-        efficiency=0.0, mem_bandwidth=2.039e12, intra_bw=230e9, intra_latency=8e-6,
-        inter_bw=22e9, inter_latency=15e-6, gpus_per_node=8,
+        efficiency=0.696, mem_bandwidth=2.039e12, intra_bw=230e9, intra_latency=8e-6,
+        inter_bw=22e9, inter_latency=15e-6, layer_overhead=200e-6, gpus_per_node=8,
         source="NVIDIA A100 80GB SXM datasheet (312 TFLOP/s dense bf16, 19.5 fp32, no fp8; "
                "2.039 TB/s); DGX A100: NVLink 3 (~230 GB/s all-reduce busbw) and 8 HDR 200 Gb/s "
-               f"InfiniBand links per node (25 GB/s per GPU, ~22 GB/s busbw); {_NCCL}"),
+               f"InfiniBand links per node (25 GB/s per GPU, ~22 GB/s busbw); {_NCCL}; "
+               "efficiency calibrated on Megatron-LM's 145.6B run (SC21 Table 1, 47% of peak)"),
     "h100-80gb": Gpu(
         name="h100-80gb", memory=80e9, peak={"fp32": 67e12, "bf16": 989e12, "fp8": 1979e12},
-        efficiency=0.0, mem_bandwidth=3.35e12, intra_bw=360e9, intra_latency=6e-6,
-        inter_bw=45e9, inter_latency=12e-6, gpus_per_node=8,
+        efficiency=0.681, mem_bandwidth=3.35e12, intra_bw=360e9, intra_latency=6e-6,
+        inter_bw=45e9, inter_latency=12e-6, layer_overhead=200e-6, gpus_per_node=8,
         source="NVIDIA H100 SXM datasheet (989 TFLOP/s dense bf16, 1979 fp8, 67 fp32; 3.35 "
                "TB/s HBM3); NVLink 4 (~360 GB/s all-reduce busbw) and one 400 Gb/s NIC per GPU "
-               f"(50 GB/s, ~45 GB/s busbw); {_NCCL}"),
+               f"(50 GB/s, ~45 GB/s busbw); {_NCCL}; efficiency calibrated on Megatron-Core's "
+               "177B run (README table, 44% MFU)"),
     "h800-80gb": Gpu(
         name="h800-80gb", memory=80e9, peak={"fp32": 67e12, "bf16": 989e12, "fp8": 1979e12},
-        efficiency=0.0, mem_bandwidth=3.35e12, intra_bw=160e9, intra_latency=6e-6,
-        inter_bw=45e9, inter_latency=12e-6, gpus_per_node=8,
+        efficiency=0.681, mem_bandwidth=3.35e12, intra_bw=160e9, intra_latency=6e-6,
+        inter_bw=45e9, inter_latency=12e-6, layer_overhead=200e-6, gpus_per_node=8,
         source="H100's compute with NVLink cut to 400 GB/s (DeepSeek-V3 report: ~160 GB/s "
-               "achieved over NVLink, 50 GB/s InfiniBand per GPU)"),
+               "achieved over NVLink, 50 GB/s InfiniBand per GPU); efficiency: H100's"),
 }
 
 

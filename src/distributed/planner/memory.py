@@ -24,6 +24,7 @@ stage, plus what PyTorch's pipeline keeps beside them (:func:`pipeline_extra`).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -58,7 +59,7 @@ class Memory:
     optimizer: int
     activations: int
     per_microbatch: int
-    in_flight: int
+    in_flight: float
     transient: int
     buffers: int
     stage: int
@@ -114,22 +115,77 @@ def _sharded(numel: int, rows: int, parts: int, index: int) -> int:
     return max(0, min(chunk, rows - index * chunk)) * (numel // rows)
 
 
+_SHAPES: dict[tuple[int, int, int, int, bool], tuple[Inventory, Counter[tuple[int, int, bool]]]] = {}
+
+
+def _stage_shapes(inv: Inventory, stage: int, rank: int, layout: Layout
+                  ) -> Counter[tuple[int, int, bool]]:
+    """``(elements, rows, expert) -> how many tensors`` tensor-parallel ``rank`` of ``stage`` holds.
+
+    Cached per inventory (layouts of one search share it): a stage holds many
+    tensors of a few shapes.
+    """
+    beyond = layout.ep > layout.tp
+    key = (id(inv), layout.pp, stage, rank, beyond)
+    hit = _SHAPES.get(key)
+    if hit is not None and hit[0] is inv:
+        return hit[1]
+    if len(_SHAPES) > 4096:
+        _SHAPES.clear()
+    counts: Counter[tuple[int, int, bool]] = Counter()
+    for t in stage_tensors(inv, stage, layout.pp):
+        numel, rows = _local(t, rank, layout)
+        counts[(numel, rows, t.expert)] += 1
+    _SHAPES[key] = (inv, counts)
+    return counts
+
+
 def _param_sizes(inv: Inventory, stage: int, rank: int, dp_rank: int, layout: Layout,
                  training: Training) -> tuple[int, int, int]:
     """(elements held, elements before the data-parallel cut, tensors)."""
     held = whole = count = 0
-    for t in stage_tensors(inv, stage, layout.pp):
-        numel, rows = _local(t, rank, layout)
-        whole += numel
-        count += 1
+    for (numel, rows, expert), n in _stage_shapes(inv, stage, rank, layout).items():
+        whole += n * numel
+        count += n
         if training.data_parallel == "fsdp":
             # Experts whose ep spans data-parallel ranks shard over the rest of the stage.
             parts = layout.dp * (layout.tp * layout.cp // layout.ep
-                                 if t.expert and layout.ep > layout.tp else 1)
-            held += _sharded(numel, rows, parts, dp_rank)
+                                 if expert and layout.ep > layout.tp else 1)
+            held += n * _sharded(numel, rows, parts, dp_rank)
         else:
-            held += numel
+            held += n * numel
     return held, whole, count
+
+
+def held_elements(inv: Inventory, layout: Layout) -> int:
+    """The most parameter elements one rank holds before any data-parallel cut."""
+    return max(sum(n * numel for (numel, _, _), n in _stage_shapes(inv, s, r, layout).items())
+               for s in range(layout.pp) for r in _distinct_ranks(inv))
+
+
+_PER_INVENTORY: dict[int, tuple[Inventory, list[int], dict[int | None, int]]] = {}
+
+
+def _facts(inv: Inventory) -> tuple[list[int], dict[int | None, int]]:
+    """(one tensor-parallel rank per distinct set of local shapes, rank 0's elements per layer)."""
+    hit = _PER_INVENTORY.get(id(inv))
+    if hit is not None and hit[0] is inv:
+        return hit[1], hit[2]
+    if len(_PER_INVENTORY) > 256:
+        _PER_INVENTORY.clear()
+    seen: dict[tuple[tuple[int, ...], ...], int] = {}
+    for r in range(inv.tp):
+        seen.setdefault(tuple(t.local[r] for t in inv.tensors), r)
+    per_layer: Counter[int | None] = Counter()
+    for t in inv.tensors:
+        per_layer[t.layer] += t.numel(0)
+    _PER_INVENTORY[id(inv)] = (inv, list(seen.values()), dict(per_layer))
+    return list(seen.values()), dict(per_layer)
+
+
+def _distinct_ranks(inv: Inventory) -> list[int]:
+    """One tensor-parallel rank per distinct set of local shapes (all ranks alike: one)."""
+    return _facts(inv)[0]
 
 
 def state_bytes(held: int, whole: int, tensors: int, layout: Layout,
@@ -153,29 +209,42 @@ def state_bytes(held: int, whole: int, tensors: int, layout: Layout,
 
 
 def activation_bytes(arch: Arch, layout: Layout, training: Training, stage: int,
-                     microbatch: int, loss_parallel: bool = False) -> int:
-    """Bytes one microbatch saves on pipeline stage ``stage``."""
+                     microbatch: int, loss_parallel: bool = False) -> tuple[int, int]:
+    """Bytes one microbatch saves on pipeline stage ``stage``: (its layers, the LM head's).
+
+    The head's are apart because the last stage runs a microbatch's backward
+    right after its forward under every schedule but GPipe.
+    """
     s = act.shares(arch, layout, training, microbatch)
     start, n = shard_range(arch.layers, layout.pp, stage)
     layers = range(start, start + n)
     if training.recompute == "full":
         body = n * act.checkpointed_layer(s, arch)
     else:
-        body = sum(act.layer(arch, i, s, layout) for i in layers)
-    saved = body + act.rotary(arch, s, microbatch)
-    if stage == 0:
-        saved += act.embed(arch, s)
-    if stage == layout.pp - 1:
-        saved += act.head(arch, s, layout, loss_parallel)
-    return saved
+        body = sum(act.layer(arch, i, s, layout, training.stack) for i in layers)
+    body += act.rotary(arch, s, microbatch) + (act.embed(arch, s) if stage == 0 else 0)
+    head = act.head(arch, s, layout, loss_parallel) if stage == layout.pp - 1 else 0
+    return body, head
 
 
-def in_flight(layout: Layout, stage: int) -> int:
-    """Microbatches whose activations stage ``stage`` holds at once (the schedule's count)."""
-    m, pp = layout.microbatches, layout.pp
+def in_flight(layout: Layout, stage: int) -> float:
+    """Microbatches of a whole stage's layers whose activations a rank holds at once.
+
+    GPipe: all ``m``; 1F1B: ``min(m, pp - stage)``; interleaved 1F1B with ``v``
+    stages per rank: ``2 (pp - stage - 1) + (v - 1) pp + 1`` microbatches of one
+    of its ``v`` stages (Megatron's warm-up count), over ``v``; DualPipeV:
+    ``pp + 1`` chunks of half a stage (DeepSeek-V3's count), over 2.
+    """
+    m, pp, v = layout.microbatches, layout.pp, max(1, layout.stages_per_rank)
     if pp == 1:
         return 1
-    return m if layout.schedule == "gpipe" else min(m, pp - stage)
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "interleaved1f1b":
+        return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1) / v
+    if layout.schedule == "dualpipev":
+        return min(2 * m, pp + 1) / 2
+    return min(m, pp - stage)
 
 
 def pipeline_extra(arch: Arch, layout: Layout, training: Training, stage: int,
@@ -186,11 +255,11 @@ def pipeline_extra(arch: Arch, layout: Layout, training: Training, stage: int,
     arrive in lives for the whole step, so the microbatches not in flight
     still hold theirs (``T h a`` each).
     """
-    if layout.pp == 1 or stage == 0:
+    if layout.pp == 1 or stage == 0 or training.stack != "torchtp":
         return 0
     s = act.shares(arch, layout, training, microbatch)
-    held = layout.microbatches - in_flight(layout, stage)
-    return held * s.tokens * arch.hidden * s.a
+    held = max(0.0, layout.microbatches - in_flight(layout, stage))
+    return int(held * s.tokens * arch.hidden * s.a)
 
 
 def microbatch_size(layout: Layout, training: Training) -> int:
@@ -210,7 +279,7 @@ def memory_per_rank(arch: Arch, inv: Inventory, layout: Layout, training: Traini
                          f"layout has tp={layout.tp}, ep={layout.ep}")
     best: Memory | None = None
     for stage in range(layout.pp):
-        for rank in range(layout.tp):  # the first data-parallel chunk is the largest
+        for rank in _distinct_ranks(inv):  # the first data-parallel chunk is the largest
             cand = rank_memory(arch, inv, layout, training, stage, rank, 0, loss_parallel)
             if best is None or cand.total > best.total:
                 best = cand
@@ -222,13 +291,15 @@ def rank_memory(arch: Arch, inv: Inventory, layout: Layout, training: Training, 
                 tp_rank: int, dp_rank: int = 0, loss_parallel: bool = False) -> Memory:
     """The :class:`Memory` of one rank: pipeline ``stage``, ``tp_rank``, ``dp_rank``."""
     mb = microbatch_size(layout, training)
-    saved = activation_bytes(arch, layout, training, stage, mb, loss_parallel)
+    body, head = activation_bytes(arch, layout, training, stage, mb, loss_parallel)
+    saved = body + head
     flight = in_flight(layout, stage)
-    peak = saved * flight + pipeline_extra(arch, layout, training, stage, mb)
+    heads = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1
+    peak = int(body * flight) + head * heads + pipeline_extra(arch, layout, training, stage, mb)
     held, whole, tensors = _param_sizes(inv, stage, tp_rank, dp_rank, layout, training)
     params, grads, opt = state_bytes(held, whole, tensors, layout, training)
     transient = _transient(arch, inv, layout, training, stage, mb, loss_parallel)
-    if layout.pp > 1 and stage == 0:
+    if layout.pp > 1 and stage == 0 and training.stack == "torchtp":
         # A job's first step: PyTorch's pipeline infers the shapes it sends by a
         # forward of one microbatch with autograd on, whose graph lives through
         # that step (PipelineStage._forward_metadata_inference).
@@ -247,11 +318,12 @@ def _transient(arch: Arch, inv: Inventory, layout: Layout, training: Training, s
         vocab = arch.vocab // layout.tp if loss_parallel else arch.vocab
         out = s.tokens * vocab * (s.a + act.F32)
     start, n = shard_range(arch.layers, layout.pp, stage)
-    one_layer = max((act.layer(arch, i, s, layout) for i in range(start, start + n)), default=0)
+    one_layer = max((act.layer(arch, i, s, layout, training.stack)
+                     for i in range(start, start + n)), default=0)
     if training.recompute == "full":
         out = max(out, one_layer)
     if training.data_parallel == "fsdp" and layout.dp > 1:
-        layer_elems = max((sum(_local(t, 0, layout)[0] for t in inv.tensors if t.layer == i)
-                           for i in range(start, start + n)), default=0)
+        per_layer = _facts(inv)[1]
+        layer_elems = max((per_layer.get(i, 0) for i in range(start, start + n)), default=0)
         out += 2 * layer_elems * s.a  # this layer's and the prefetched next layer's
     return out

@@ -8,7 +8,8 @@ from typing import Any
 PRECISIONS = ("fp32", "bf16", "fp8")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
 DATA_PARALLEL = ("ddp", "zero1", "fsdp")
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "full", "auto")
+STACKS = ("torchtp", "fused")
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,23 @@ class Training:
         data_parallel: ``"ddp"``, ``"zero1"`` (optimizer state and master weights
             sharded over ``dp``) or ``"fsdp"`` (parameters, gradients and optimizer
             state sharded over ``dp``, FSDP2's full sharding).
-        recompute: ``"none"`` or ``"full"`` (every decoder layer recomputed in the
-            backward from its input: HF ``gradient_checkpointing_enable()``).
+        recompute: ``"none"``, ``"full"`` (every decoder layer recomputed in the
+            backward from its input: HF ``gradient_checkpointing_enable()``) or,
+            for the planner only, ``"auto"`` (both tried).
+        overlap: Tensor-parallel gradient reductions run beside the weight-gradient
+            matmuls (``DistributedModelWrapper(overlap=True)``), and data-parallel
+            collectives beside the backward.
+        flash: Attention never materializes its ``(heads, seq, seq)`` scores (SDPA's
+            flash and memory-efficient kernels); ``False``: scores, softmax and
+            dropout are written out per layer (Megatron-LM in 2021), which the
+            step time counts as memory traffic.
+        stack: The software whose memory is modeled: ``"torchtp"`` (HuggingFace's
+            modules under torchtp and PyTorch's pipeline, measured: RMSNorm keeps a
+            float32 copy of its input, the gated MLP four tensors, a pipeline
+            stage a receive buffer per microbatch) or ``"fused"`` (fused norm and
+            SwiGLU kernels and reused pipeline buffers, as Megatron-LM: a norm
+            keeps its input and output, the MLP its up-projections and their
+            product; for published runs, not measured here).
     """
 
     global_batch: int
@@ -39,12 +55,16 @@ class Training:
     optimizer: str = "adamw"
     data_parallel: str = "fsdp"
     recompute: str = "none"
+    overlap: bool = True
+    flash: bool = True
+    stack: str = "torchtp"
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("precision", self.precision, PRECISIONS),
                                      ("optimizer", self.optimizer, OPTIMIZERS),
                                      ("data_parallel", self.data_parallel, DATA_PARALLEL),
-                                     ("recompute", self.recompute, RECOMPUTE)):
+                                     ("recompute", self.recompute, RECOMPUTE),
+                                     ("stack", self.stack, STACKS)):
             if value not in allowed:
                 raise ValueError(f"Training: {name}={value!r} is not one of {list(allowed)}")
         for name, size in (("global_batch", self.global_batch), ("seq", self.seq)):
