@@ -199,3 +199,41 @@ def name(c: dict[str, Any]) -> str:
     flags = [f for f, on in (("sp", c["sp"]), ("recompute", c["recompute"])) if on]
     sched = [f"{c['schedule']} x{c['microbatches']}"] if c["pp"] > 1 else []
     return " ".join([c["arch"], *(dims or ["one rank"]), *flags, *sched])
+
+
+def measure_many(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`measure` of every case in turn, on one group (each lays out its own mesh)."""
+    return [measure(rank, world, one) for one in cases]
+
+
+def launch_from_layout(rank: int, world: int, good: str, bad: str) -> dict[str, Any]:
+    """``init_parallel(layout=...)``: a matching file lays out the mesh; a file planned for
+    another world, or a size given beside the file that differs, is refused."""
+    import time
+
+    import torchtp
+
+    cfg = torchtp.init_parallel(layout=good)
+    found: dict[str, Any] = {"sizes": (cfg.pp_size, cfg.dp_size, cfg.cp_size, cfg.world_size)}
+    for label, call in (("too few ranks", lambda: torchtp.init_parallel(layout=bad)),
+                        ("size beside it", lambda: torchtp.init_parallel(tp=1, layout=good))):
+        start = time.perf_counter()
+        try:
+            call()
+        except Exception as exc:  # the kind and message are the result
+            found[label] = (type(exc).__name__, str(exc), time.perf_counter() - start)
+        else:
+            found[label] = ("no error", "", time.perf_counter() - start)
+    dist.barrier()
+    return found
+
+
+def measure_each(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`measure_many`, a case that raises recorded as its error (benchmarks only)."""
+    out = []
+    for one in cases:
+        try:
+            out.append(measure(rank, world, one))
+        except Exception as exc:  # reported in the benchmark's table
+            out.append({"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    return out

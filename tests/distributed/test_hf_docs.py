@@ -1,4 +1,4 @@
-"""The generated tables of docs/hf.md and docs/moe.md must be current."""
+"""The generated tables of docs/hf.md, docs/moe.md and docs/planning.md must be current."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import importlib
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,3 +39,9 @@ def test_moe_table_is_up_to_date():
         assert fresh.startswith(f"Generated with transformers {transformers.__version__}")
         return
     assert current == fresh, "docs/moe.md is stale: run python docs/gen_moe_table.py --write"
+
+
+@pytest.mark.slow  # plans every published job from scratch (about a minute)
+def test_planning_table_is_up_to_date():
+    current, table = _generated("gen_planning_table", "planning.md")
+    assert current == table(), "docs/planning.md is stale: run python docs/gen_planning_table.py --write"

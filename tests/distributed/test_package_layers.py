@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("hf", ("hf",)),
     ("guards and training", ("guards", "training")),
     ("checkpoint", ("checkpoint",)),
-    ("wrap", ("wrap", "pipeline", "cp")),
+    ("wrap", ("wrap", "pipeline", "cp", "planner")),
     ("framework integrations (on top of the wrapper)", ("integrations",)),
 ]
 # What users call: they may import anything.

@@ -33,6 +33,7 @@ DESCRIPTION = """Tensor parallelism for PyTorch models: will it work, how much m
 examples:
   torchtp demo                                      # everything on a small local Llama
   torchtp plan ./my-llama --tp 4                    # plan, memory per rank, blockers
+  torchtp plan ./my-llama --gpus 64 --out layout.json    # dp x tp x pp x ep x cp, ranked
   torchtp verify ./my-llama --tp 2 --grad           # sharded == unsharded?
   torchtp bench ./my-llama --tp 2                   # prefill/decode latency, tokens/s
   torchtp estimate --model ./my-llama --tp 1,2,4,8 --hardware h100-nvlink

@@ -26,11 +26,12 @@ from ..core.errors import MissingProcessGroupError, launch_hint
 from ..core.log import configure_from_env, logger
 from . import health as _health
 from .group_ref import WeakGroup, groups_alive
-from .layout_file import Layout, differences, read_layout
 from .timeout import collective_timeout, set_collective_timeout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from .layout_file import Layout
 
 ProcessGroup = dist.ProcessGroup
 
@@ -267,6 +268,8 @@ def init_parallel(
 def _planned(layout: Any, given: dict[str, int | None], ep: int | None
              ) -> tuple[Layout, dict[str, int | None], int]:
     """The planned layout, its mesh sizes and ep; refused where the job cannot match it."""
+    from .layout_file import differences, read_layout  # only when a layout is given
+
     planned = read_layout(layout)
     clash = [f"{k}={v} given, the layout plans {k} {planned.sizes()[k]}"
              for k, v in (given | {"ep": ep}).items()
@@ -284,6 +287,8 @@ def _planned(layout: Any, given: dict[str, int | None], ep: int | None
 
 def _check_planned(planned: Layout, cfg: TensorParallelConfig) -> None:
     """Refuse a group laid out other than ``planned`` (an adopted group's own mesh)."""
+    from .layout_file import differences
+
     have = {"pp": cfg.pp_size, "dp": cfg.dp_size, "cp": cfg.cp_size, "tp": cfg.world_size,
             "ep": cfg.ep_size}
     world = dist.get_world_size() if dist.is_initialized() else 1
