@@ -147,7 +147,45 @@ def check_pipeline_tp(rank: int, world_size: int) -> list[Any]:
                                    msg=name)
     split = [n for n, p in stage.model.named_parameters()
              if tuple(p.shape) != tuple(want[n].shape)]
-    return [list(stage.layers), split]
+    return [list(stage.layers), split, _moe_stage_like_one_process(mesh),
+            _sequence_parallel_refused(mesh)]
+
+
+def _moe_stage_like_one_process(mesh: Any) -> float | None:
+    """An MoE (experts' features over the stage's TP group), pp 2 x tp 2, 1F1B: the loss and
+    every gradient equal one process's. The first step infers the shapes it sends from
+    zeros, not uninitialized memory, so both TP ranks of a stage route alike."""
+    import torchtp
+
+    from ._hf_checks import expected_local
+    from ._moe_checks import build_moe
+
+    ref, model = (build_moe("qwen3_moe", vocab_size=VOCAB, output_router_logits=False).train()
+                  for _ in range(2))
+    stage = decoder_stage(model, mesh.get_local_rank("pp"), 2)
+    torchtp.DistributedModelWrapper(stage.model, group=mesh.get_group("tp"))
+    pipe = PipelineSchedule(stage, 4, "1f1b", group=mesh.get_group("pp"))
+    loss = _step_like_one_process(pipe, ref, *batch(0))
+    want = dict(ref.named_parameters())
+    for name, p in stage.model.named_parameters():
+        module = stage.model.get_submodule(name.rpartition(".")[0])
+        expected = expected_local(module, name.rpartition(".")[2], want[name].grad)
+        torch.testing.assert_close(p.grad, expected, rtol=1e-9, atol=1e-11, msg=name)
+    return loss
+
+
+def _sequence_parallel_refused(mesh: Any) -> str:
+    """Sequence parallelism inside a pipeline stage: refused, naming the stage's held-elsewhere
+    layers, on every rank (before any weight is cut)."""
+    import torchtp
+
+    stage = decoder_stage(build_llama(), mesh.get_local_rank("pp"), 2)
+    try:
+        torchtp.DistributedModelWrapper(stage.model, group=mesh.get_group("tp"),
+                                        sequence_parallel=True)
+    except ValueError as err:
+        return str(err)
+    raise AssertionError("sequence parallelism inside a pipeline stage was not refused")
 
 
 CLIP = 0.05  # below the tiny Llama's gradient norm: the clip scales every gradient

@@ -230,10 +230,17 @@ def launch_from_layout(rank: int, world: int, good: str, bad: str) -> dict[str, 
 
 def measure_each(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """:func:`measure_many`, a case that raises recorded as its error (benchmarks only)."""
+    import sys
+    import time
+
     out = []
     for one in cases:
+        start = time.perf_counter()
         try:
             out.append(measure(rank, world, one))
         except Exception as exc:  # reported in the benchmark's table
             out.append({"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        if rank == 0:
+            sys.stderr.write(f"  {name(one)}: {time.perf_counter() - start:.1f} s\n")
+            sys.stderr.flush()
     return out

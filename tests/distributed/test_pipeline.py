@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from torchtp.pipeline import SCHEDULES, PipelineSchedule, decoder_stage, stage_layers
@@ -70,10 +72,16 @@ def test_tensor_parallel_stages_train_like_one_process(ranks):
 
     out = ranks(check_pipeline_tp, 4, timeout=300)
     assert [o[0] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [o[2] is None for o in out] == [True, True, False, False]  # the MoE's loss: last stage
+    for _, _, _, refused in out:
+        assert re.search(r"sequence_parallel=True\): LlamaForCausalLM is a pipeline stage "
+                         r"\(decoder layers \d\.\.\d are held by other stages\); sequence "
+                         r"parallelism inside a pipeline stage is not supported yet", refused), \
+            refused
     # Every stage's attention and MLP are split over its TP group: the plan verification's
     # probe confirms the heads on the model's one-layer copy (a stage cannot run the
     # model's own forward: its embeddings or head live elsewhere).
-    for rank, (layers, split) in enumerate(out):
+    for rank, (layers, split, _, _) in enumerate(out):
         want = {f"model.layers.{i}.{m}.weight" for i in layers
                 for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}

@@ -38,7 +38,8 @@ MEASURED = {
         c(arch="qwen3_moe", tp=2, ep=2), c(tp=2, recompute=True)],
     4: [c(pp=2, tp=2, microbatches=2), c(pp=2, dp=2, dp_kind="fsdp", microbatches=2),
         c(pp=2, cp=2, microbatches=2), c(dp=2, cp=2, dp_kind="fsdp"), c(cp=2, tp=2, sp=True),
-        c(pp=4, microbatches=8), c(arch="qwen3_moe", dp=2, tp=2, dp_kind="fsdp")],
+        c(pp=4, microbatches=8), c(arch="qwen3_moe", dp=2, tp=2, dp_kind="fsdp"),
+        c(arch="qwen3_moe", pp=2, tp=2, microbatches=4)],
     8: [c(pp=2, dp=2, tp=2, dp_kind="fsdp", microbatches=2)],
 }
 # Activations are the peak of bytes saved for the backward. The tolerance is 10%;

@@ -381,3 +381,30 @@ def fused_matmul_reduce_scatter(x: torch.Tensor, mat: torch.Tensor, dim: int,
     out: torch.Tensor = torch.ops.symm_mem.fused_matmul_reduce_scatter(
         x, mat, "sum", dim, group.group_name)
     return out
+
+
+def zeroed_shape_inference(stage_cls: type) -> type:
+    """``stage_cls`` (a subclass of torch's ``PipelineStage``) whose shape inference feeds zeros.
+
+    torch infers the shapes a stage sends by running it once on tensors
+    materialized from metadata (``PipelineStage._to_tensor``), which are
+    uninitialized memory: the tensor-parallel ranks of one stage then compute
+    from different garbage, and an MoE router routes their tokens to
+    different experts (torchtp's route check raises). Zeros make every rank
+    of a stage compute the same values; shapes do not depend on them.
+    A release without ``_to_tensor`` gets ``stage_cls`` unchanged.
+    Checked: torch 2.13.0.
+    """
+    if not hasattr(stage_cls, "_to_tensor"):
+        return stage_cls
+
+    class Zeroed(stage_cls):
+        def _to_tensor(self, arg: Any) -> torch.Tensor:
+            out = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor):  # materialized from metadata
+                with torch.no_grad():
+                    out.zero_()
+            return out
+
+    Zeroed.__name__ = Zeroed.__qualname__ = stage_cls.__name__
+    return Zeroed

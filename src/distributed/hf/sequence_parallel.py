@@ -86,14 +86,21 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
     """Give every norm of the decoder the ``sequence_parallel`` style and check the blocks.
 
     Raises:
-        ValueError: the architecture is not supported, the plan marks a module
-            outside the decoder's norms ``sequence_parallel``, or an attention/MLP
-            block is not split as colwise in-projections + one rowwise out-projection.
+        ValueError: the architecture is not supported, the model is a pipeline
+            stage, the plan marks a module outside the decoder's norms
+            ``sequence_parallel``, or an attention/MLP block is not split as
+            colwise in-projections + one rowwise out-projection.
     """
     layout = _layout(model)
     base = model.base_model
     prefix = next(n for n, m in model.named_modules() if m is base)
     layers = getattr(base, layout.layers)
+    elsewhere = [i for i, layer in enumerate(layers) if getattr(layer, "held_elsewhere", False)]
+    if elsewhere:  # a pipeline stage: hidden states would cross stages as sequence shards
+        raise ValueError(f"{WHO}: {type(model).__name__} is a pipeline stage (decoder layers "
+                         f"{elsewhere[0]}..{elsewhere[-1]} are held by other stages); sequence "
+                         "parallelism inside a pipeline stage is not supported yet: wrap the "
+                         "stage without sequence_parallel")
     sp = SequencePlan(prefix, _join(prefix, f"{layout.layers}.0"),
                       final_norm=_join(prefix, layout.final_norm))
     rule = _join(prefix, f"{layout.layers}.*")

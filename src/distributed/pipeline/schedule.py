@@ -39,6 +39,7 @@ from ..comm import ops as _comm
 from ..comm.group_ref import WeakGroup
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_size, resolve_group
+from ..core import torch_compat as _torch_compat
 from ..core.errors import RankMismatchError
 from ..cp import grads as _cp_grads
 from ..cp import pipeline as _cp_pipeline
@@ -54,11 +55,16 @@ __all__ = ["SCHEDULES", "PipelineSchedule"]
 WHO_CP = "PipelineSchedule step (every cp rank must get the same batch)"
 
 
-class _Stage(PipelineStage):
+class _WeakStage(PipelineStage):
     """torch's pipeline stage, holding its group weakly (:mod:`torchtp.comm.group_ref`): a
     schedule the script keeps must not keep the group alive past its destruction."""
 
     group: WeakGroup[ProcessGroup | None] = WeakGroup()
+
+
+# Shape inference on zeros, not uninitialized memory, so a stage's tensor-parallel
+# ranks compute alike (an MoE router's routes are checked across them).
+_Stage = _torch_compat.zeroed_shape_inference(_WeakStage)
 
 
 class PipelineSchedule:

@@ -81,23 +81,37 @@ _MEGATRON_TABLE = [  # params, heads, hidden, layers, tp, pp, gpus, batch, repor
 ]
 
 
-def _megatron_runs() -> list[Run]:
+def _gpt_table(table: list[tuple[Any, ...]], name: str, arch: Any, gpu: str,
+               training: Training, source: str, metric: str, microbatch_alone: int,
+               sequence_parallel: bool) -> list[Run]:
+    """One run per row of a Megatron GPT table: ``(name, heads, hidden, layers, tp, pp,
+    gpus, batch, reported)``, ``arch(size, hidden, heads, layers)`` the model.
+
+    Not published, so assumed: ``microbatch_alone`` sequences a microbatch
+    without a pipeline, one with, and 2 stages per rank of the interleaved schedule.
+    """
     runs = []
-    for name, heads, h, layers, tp, pp, gpus, batch, pct in _MEGATRON_TABLE:
+    for size, heads, h, layers, tp, pp, gpus, batch, reported in table:
         dp = gpus // (tp * pp)
-        training = Training(batch, 2048, precision="bf16", optimizer="adamw",
-                            data_parallel="ddp", recompute="full", overlap=False, flash=False,
-                            stack="fused")
-        # Not published: the microbatch size (4 sequences without a pipeline, the best in
-        # the paper's section 3.4; one with) and the stages per rank of the interleaved
-        # schedule (2 assumed).
-        layout = Layout(pp=pp, dp=dp, tp=tp, microbatches=batch // dp // (4 if pp == 1 else 1),
+        layout = Layout(pp=pp, dp=dp, tp=tp,
+                        microbatches=batch // dp // (microbatch_alone if pp == 1 else 1),
                         schedule="interleaved1f1b" if pp > 1 else "1f1b",
                         stages_per_rank=2 if pp > 1 else 1,
-                        sequence_parallel=False, data_parallel="ddp")
-        runs.append(Run(f"Megatron GPT {name}", _SC21, _gpt(name, h, heads, layers),
-                        "a100-80gb", gpus, training, layout, "megatron", pct))
+                        sequence_parallel=tp > 1 and sequence_parallel,
+                        data_parallel=training.data_parallel)
+        runs.append(Run(name.format(size), source, arch(size, h, heads, layers), gpu, gpus,
+                        replace(training, global_batch=batch), layout, metric, reported))
     return runs
+
+
+def _megatron_runs() -> list[Run]:
+    # Megatron-LM 2021: no sequence parallelism or overlap, attention scores written out,
+    # full recomputation ("equation (3) assumes activation recomputation"); 4 sequences a
+    # microbatch without a pipeline (the paper's section 3.4 finds 4 best).
+    training = Training(1, 2048, precision="bf16", optimizer="adamw", data_parallel="ddp",
+                        recompute="full", overlap=False, flash=False, stack="fused")
+    return _gpt_table(_MEGATRON_TABLE, "Megatron GPT {}", _gpt, "a100-80gb", training, _SC21,
+                      "megatron", 4, sequence_parallel=False)
 
 
 _LLAMA3 = ("The Llama 3 Herd of Models (arXiv:2407.21783), Table 4; architecture Table 3 "
@@ -138,22 +152,17 @@ _MEGATRON_H100_TABLE = [  # name, heads, hidden, layers, tp, pp, gpus, batch, MF
 ]
 
 
+def _h100_gpt(size: str, h: int, heads: int, layers: int) -> Arch:
+    return replace(_gpt(size, h, heads, layers, vocab=131072), tied=False, positions=4096)
+
+
 def _megatron_h100_runs() -> list[Run]:
-    runs = []
-    for name, heads, h, layers, tp, pp, gpus, batch, mfu in _MEGATRON_H100_TABLE:
-        dp = gpus // (tp * pp)
-        arch = replace(_gpt(name, h, heads, layers, vocab=131072), tied=False, positions=4096)
-        training = Training(batch, 4096, precision="bf16", optimizer="adamw",
-                            data_parallel="zero1", recompute="none", stack="fused")
-        # Not published: the microbatch size (a replica's 4 sequences at once without a
-        # pipeline, one with) and the stages per rank (2 assumed).
-        layout = Layout(pp=pp, dp=dp, tp=tp, microbatches=batch // dp if pp > 1 else 1,
-                        schedule="interleaved1f1b" if pp > 1 else "1f1b",
-                        stages_per_rank=2 if pp > 1 else 1,
-                        sequence_parallel=tp > 1, data_parallel="zero1")
-        runs.append(Run(f"Megatron-Core GPT {name} (H100)", _MEGATRON_H100, arch, "h100-80gb",
-                        gpus, training, layout, "mfu", mfu))
-    return runs
+    # Megatron-Core r0.8.0: sequence parallelism, TP and DP overlap, the distributed
+    # optimizer (ZeRO-1); a replica's 4 sequences a microbatch without a pipeline.
+    training = Training(1, 4096, precision="bf16", optimizer="adamw", data_parallel="zero1",
+                        recompute="none", stack="fused")
+    return _gpt_table(_MEGATRON_H100_TABLE, "Megatron-Core GPT {} (H100)", _h100_gpt,
+                      "h100-80gb", training, _MEGATRON_H100, "mfu", 4, sequence_parallel=True)
 
 
 _DEEPSEEK = ("DeepSeek-V3 Technical Report (arXiv:2412.19437), sections 3.1, 3.2, 4.2 and "
@@ -174,9 +183,25 @@ def _deepseek_run() -> Run:
                layout, "tokens", 1e12 / (180e3 * 3600))
 
 
+_TORCHTITAN = ("pytorch/torchtitan docs/performance.md at commit 3faaa1a0d (2024-08-23): "
+               "Llama 3 70B on 64 A100 80GB, FSDP2, local batch 1, full activation "
+               "checkpointing, 331 tokens/s per GPU (MFU 51.7%); sequence 8192 from "
+               "train_configs/llama3_70b.toml")
+LLAMA3_70B = Arch(name="Llama 3 70B", hidden=8192, layers=80, heads=64, kv_heads=8,
+                  head_dim=128, ffn=28672, vocab=128256)
+
+
+def _torchtitan_run() -> Run:
+    training = Training(64, 8192, precision="bf16", optimizer="adamw", data_parallel="fsdp",
+                        recompute="full")
+    return Run("torchtitan Llama 3 70B (A100)", _TORCHTITAN, LLAMA3_70B, "a100-80gb", 64,
+               training, Layout(dp=64, data_parallel="fsdp"), "tokens", 331.0)
+
+
 def runs() -> list[Run]:
     """Every published run the planner is validated against."""
-    return [*_megatron_runs(), *_megatron_h100_runs(), *_llama3_runs(), _deepseek_run()]
+    return [*_megatron_runs(), *_megatron_h100_runs(), *_llama3_runs(), _torchtitan_run(),
+            _deepseek_run()]
 
 
 CALIBRATION = {"a100-80gb": "Megatron GPT 145.6B", "h100-80gb": "Megatron-Core GPT 177B (H100)"}

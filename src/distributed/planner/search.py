@@ -99,8 +99,9 @@ def layouts(arch: Arch, cluster: Cluster, training: Training) -> Iterator[Layout
                     continue
                 per_replica = training.global_batch // dp
                 for ep in _ep_sizes(arch, tp, dp * cp * tp):
+                    # torchtp runs sequence parallelism without a pipeline only.
                     yield from _schedules(Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep,
-                                                 sequence_parallel=tp > 1,
+                                                 sequence_parallel=tp > 1 and pp == 1,
                                                  data_parallel=training.data_parallel),
                                           per_replica, arch.layers)
 
