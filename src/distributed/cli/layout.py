@@ -52,14 +52,21 @@ def add_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--runnable", action="store_true",
                    help="only layouts torchtp runs today")
     g.add_argument("--out", help="write the winner as a layout file for init_parallel(layout=...)")
+    g.add_argument("--inventory", choices=("plan", "shapes"), default="plan",
+                   help="parameter bytes from torchtp's own plan on the meta device (plan: "
+                   "exact; its head probe runs one layer on the CPU, GBs for 100B+ models) or "
+                   "from the model's shapes split evenly (shapes: fast)")
 
 
-def _model(path: str) -> tuple[Arch, Any]:
-    """The model's shape and an inventory factory (torchtp's own plan for a config)."""
+def _model(path: str, exact: bool) -> tuple[Arch, Any]:
+    """The model's shape and an inventory factory (torchtp's own plan for a config, when
+    ``exact``; ``None``: the even split of the shapes)."""
     if path in KNOWN:
         return KNOWN[path], None
     config = load_config(path)
     arch = arch_from_config(config, source=str(path))
+    if not exact:
+        return arch, None
     meta = build_model(config, parse_dtype(None, config), device="meta")
 
     def inventory(tp: int, ep: int) -> Any:
@@ -80,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                             precision=args.precision, optimizer=args.optimizer,
                             data_parallel=args.data_parallel,
                             recompute="none" if args.recompute == "auto" else args.recompute)
-        arch, inventory = _model(args.path)
+        arch, inventory = _model(args.path, args.inventory == "plan")
         ranked = plan_layouts(arch, cluster, training, inventory, objective=args.objective,
                               recompute=args.recompute, only_runnable=args.runnable)
     except ValueError as err:

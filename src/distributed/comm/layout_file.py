@@ -9,8 +9,9 @@ any group is laid out.
 The file is JSON::
 
     {"torchtp_layout": 1, "world": 16, "pp": 2, "dp": 2, "cp": 1, "tp": 4, "ep": 1,
-     "microbatches": 8, "schedule": "1f1b", "sequence_parallel": true,
-     "data_parallel": "fsdp", "model": "...", "predicted": {...}}
+     "microbatches": 8, "schedule": "1f1b", "stages_per_rank": 1,
+     "sequence_parallel": false, "data_parallel": "fsdp", "model": "...",
+     "predicted": {...}}
 
 Only the sizes are read back by ``init_parallel``; the rest says what the
 planner assumed (the schedule and microbatches for ``PipelineSchedule``,

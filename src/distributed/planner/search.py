@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..comm.layout_file import Layout
+from ..cp.hf_attention import SUPPORTED as CP_FAMILIES
 from .arch import Arch
 from .cluster import Cluster
 from .inventory import Inventory, inventory_from_arch
@@ -144,10 +145,12 @@ def runs_in_torchtp(arch: Arch, layout: Layout, training: Training) -> str:
         return "ZeRO-1 (optimizer state sharded over dp) is planned only; use fsdp or ddp"
     if layout.pp > 1 and layout.cp > 1 and layout.tp > 1:
         return "pp x cp x tp is not composed yet (pp x cp and cp x tp are)"
-    if arch.latent is not None and layout.cp > 1:
-        return "context parallelism does not cover latent attention yet"
-    if arch.positions and layout.cp > 1:
-        return "context parallelism covers GPT-2 but not learned positions beyond it"
+    if layout.cp > 1:
+        kind = arch.extra.get("model_type")
+        if arch.latent is not None:
+            return "context parallelism does not cover latent attention yet"
+        if kind and kind not in CP_FAMILIES:
+            return f"context parallelism does not cover model_type={kind!r} yet"
     return ""
 
 
