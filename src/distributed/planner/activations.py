@@ -18,8 +18,9 @@ attention                ``o_proj`` saves: ``T * (2 q + 2 kv) a / tp``, no log-s
 gated MLP                gate, its SiLU, up, their product: ``4 T f a / tp``
 experts (grouped mm)     router scores and indices, every routed copy of a token in and
                          out (``2 h``) and its expert activations (``4 f``):
-                         ``T k (2 h + 4 f ep / tp) a`` plus ``T (4 E + 36 k)``; with
-                         all-to-all dispatch (``tp > 2 k``) ``1/ep`` of the copies
+                         ``T k (2 h + 4 f ep / tp) a`` plus ``T (4 E + 36 k)``; every
+                         rank runs all ``T k`` copies (the all-reduce dispatch masks
+                         the experts other ranks hold)
 LM head and loss         final norm, the float32 logits the loss saves (``V / tp`` with
                          loss parallelism), the labels
 full recomputation       each layer keeps its input (``T_n h a``); one layer's
@@ -108,9 +109,9 @@ def experts(arch: Arch, s: Shares, layout: Layout) -> int:
     assert arch.experts is not None
     e = arch.experts
     ep, tp = layout.ep, layout.tp
-    slots = s.tokens * e.top_k  # routed copies of tokens: every rank runs all of them
-    if ep > 1 and tp > 2 * e.top_k:  # all-to-all dispatch: only the rows for this rank's experts
-        slots //= ep
+    # Routed copies of tokens a rank runs: all of them (the all-reduce dispatch masks the
+    # other ranks' experts; all-to-all across data-parallel ranks brings as many, balanced).
+    slots = s.tokens * e.top_k
     ffn = e.ffn * ep // tp if ep <= tp else e.ffn
     saved = s.tokens * (e.count * F32 + 4 * e.top_k * I64) + slots * F32
     saved += slots * (2 * arch.hidden + 4 * ffn) * s.a

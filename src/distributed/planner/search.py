@@ -25,6 +25,7 @@ from typing import Any
 
 from ..comm.layout_file import Layout
 from ..cp.hf_attention import SUPPORTED as CP_FAMILIES
+from ..hf.sequence_parallel import LAYOUTS as SP_FAMILIES
 from .arch import Arch
 from .cluster import Cluster
 from .inventory import Inventory, inventory_from_arch
@@ -100,11 +101,17 @@ def layouts(arch: Arch, cluster: Cluster, training: Training) -> Iterator[Layout
                     continue
                 per_replica = training.global_batch // dp
                 for ep in _ep_sizes(arch, tp, dp * cp * tp):
-                    # torchtp runs sequence parallelism without a pipeline only.
                     yield from _schedules(Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep,
-                                                 sequence_parallel=tp > 1 and pp == 1,
+                                                 sequence_parallel=_sp(arch, tp, pp),
                                                  data_parallel=training.data_parallel),
                                           per_replica, arch.layers)
+
+
+def _sp(arch: Arch, tp: int, pp: int) -> bool:
+    """Sequence parallelism where torchtp runs it: with tp, without a pipeline, for the
+    families it covers (a shape written by hand: assumed covered)."""
+    kind = arch.extra.get("model_type")
+    return tp > 1 and pp == 1 and (kind is None or kind in SP_FAMILIES)
 
 
 def _microbatches(per_replica: int) -> list[int]:
