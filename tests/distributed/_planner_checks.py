@@ -100,7 +100,8 @@ def build(case: dict[str, Any], cfg: Any) -> tuple[Any, torch.nn.Module, Any]:
     if case["recompute"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     pp, dp, cp, tp = case["pp"], case["dp"], case["cp"], case["tp"]
-    held: Any = decoder_stage(model, cfg.pp_rank, pp) if pp > 1 else model
+    split = list(case["split"]) if case.get("split") else None
+    held: Any = decoder_stage(model, cfg.pp_rank, pp, split=split) if pp > 1 else model
     inner = held.model if pp > 1 else model
     runner: Any = held
     if tp > 1:
@@ -176,7 +177,7 @@ def predict(case: dict[str, Any], stage: int, tp_rank: int, dp_rank: int) -> Any
     inv = inventory_from_model(meta, case["tp"], case["ep"], sequence_parallel=case["sp"])
     layout = Layout(pp=case["pp"], dp=case["dp"], cp=case["cp"], tp=case["tp"], ep=case["ep"],
                     microbatches=case["microbatches"], schedule=case["schedule"],
-                    sequence_parallel=case["sp"])
+                    stage_layers=tuple(case.get("split") or ()), sequence_parallel=case["sp"])
     training = Training(BATCH, SEQ, precision="fp32", optimizer="adamw",
                         data_parallel=case["dp_kind"] if case["dp"] > 1 else "ddp",
                         recompute="full" if case["recompute"] else "none")
@@ -185,11 +186,13 @@ def predict(case: dict[str, Any], stage: int, tp_rank: int, dp_rank: int) -> Any
 
 def case(arch: str = "llama", pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
          sp: bool = False, dp_kind: str = "ddp", recompute: bool = False,
-         microbatches: int = 1, schedule: str = "1f1b") -> dict[str, Any]:
-    """A layout to measure, as plain data (it crosses into the rank processes)."""
+         microbatches: int = 1, schedule: str = "1f1b",
+         split: tuple[int, ...] = ()) -> dict[str, Any]:
+    """A layout to measure, as plain data (it crosses into the rank processes); ``split``:
+    layers per pipeline stage (empty: balanced)."""
     return {"arch": arch, "pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep, "sp": sp,
             "dp_kind": dp_kind, "recompute": recompute, "microbatches": microbatches,
-            "schedule": schedule}
+            "schedule": schedule, "split": split}
 
 
 def name(c: dict[str, Any]) -> str:
@@ -198,6 +201,7 @@ def name(c: dict[str, Any]) -> str:
             for k in ("pp", "dp", "cp", "tp", "ep") if c[k] > 1]
     flags = [f for f, on in (("sp", c["sp"]), ("recompute", c["recompute"])) if on]
     sched = [f"{c['schedule']} x{c['microbatches']}"] if c["pp"] > 1 else []
+    sched += [f"layers {'/'.join(map(str, c['split']))}"] if c.get("split") else []
     return " ".join([c["arch"], *(dims or ["one rank"]), *flags, *sched])
 
 

@@ -30,11 +30,13 @@ from . import _planner_checks as checks
 
 c = checks.case
 # Layouts torchtp runs here, grouped by world size so each group is one spawn. Every
-# dimension, both data-parallel wrappers, both schedules, recomputation and experts.
+# dimension, both data-parallel wrappers, both schedules, an uneven pipeline split,
+# recomputation and experts.
 MEASURED = {
     1: [c(), c(recompute=True), c(arch="qwen3_moe")],
     2: [c(tp=2), c(tp=2, sp=True), c(cp=2), c(dp=2, dp_kind="fsdp"), c(dp=2),
         c(pp=2, microbatches=4), c(pp=2, microbatches=4, schedule="gpipe"),
+        c(pp=2, microbatches=4, split=(1, 3)),
         c(arch="qwen3_moe", tp=2, ep=2), c(tp=2, recompute=True)],
     4: [c(pp=2, tp=2, microbatches=2), c(pp=2, dp=2, dp_kind="fsdp", microbatches=2),
         c(pp=2, cp=2, microbatches=2), c(dp=2, cp=2, dp_kind="fsdp"), c(cp=2, tp=2, sp=True),
@@ -80,7 +82,8 @@ def test_a_layout_file_launches_what_was_planned(ranks, tmp_path):
 
 def test_layout_files_round_trip_and_refuse_what_is_not_one(tmp_path):
     planned = Layout(pp=2, dp=2, tp=4, microbatches=8, schedule="interleaved1f1b",
-                     stages_per_rank=2, sequence_parallel=True, extra={"model": "m"})
+                     stages_per_rank=2, stage_layers=(3, 5), sequence_parallel=True,
+                     extra={"model": "m"})
     path = write_layout(planned, tmp_path / "layout.json")
     back = read_layout(path)
     assert back == planned and back.world == 16 and back.extra == {"model": "m"}
@@ -138,8 +141,8 @@ def test_the_planner_refuses_a_job_no_layout_can_run():
 # The published runs (planner/published.py, docs/planning.md "Validation"): each GPU
 # profile's one fitted number reproduces its calibration run, and every other run is a
 # prediction of the run's own metric. Within 15% of what was reported: every Megatron-LM
-# A100 row, the pipelined Megatron-Core H100 rows, the three Llama 3 405B layouts and
-# DeepSeek-V3's tokens per GPU; the four Megatron-Core H100 rows without a pipeline are
+# A100 row, the pipelined Megatron-Core H100 rows, the three Llama 3 405B layouts,
+# torchtitan's 70B and DeepSeek-V3's tokens per GPU; the four Megatron-Core H100 rows without a pipeline are
 # over-predicted (docs/planning.md says why). Memory: every run but two fits in 80 GB.
 MISSES = {"Megatron-Core GPT 1.7B (H100)", "Megatron-Core GPT 7.1B (H100)",
           "Megatron-Core GPT 16B (H100)", "Megatron-Core GPT 32B (H100)"}

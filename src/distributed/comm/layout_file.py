@@ -9,7 +9,7 @@ any group is laid out.
 The file is JSON::
 
     {"torchtp_layout": 1, "world": 16, "pp": 2, "dp": 2, "cp": 1, "tp": 4, "ep": 1,
-     "microbatches": 8, "schedule": "1f1b", "stages_per_rank": 1,
+     "microbatches": 8, "schedule": "1f1b", "stages_per_rank": 1, "stage_layers": [],
      "sequence_parallel": false, "data_parallel": "fsdp", "model": "...",
      "predicted": {...}}
 
@@ -45,6 +45,8 @@ class Layout:
         schedule: Pipeline schedule (a :class:`torchtp.pipeline.PipelineSchedule` name).
         stages_per_rank: Pipeline stages each rank holds (``v`` of an interleaved
             schedule; 2 for ``dualpipev``).
+        stage_layers: Decoder layers of each of the ``pp`` stages
+            (``decoder_stage(split=...)``); empty: the balanced split.
         sequence_parallel: Norms and residuals on sequence shards inside TP.
         data_parallel: ``"ddp"`` (replicas), ``"zero1"`` (optimizer state
             sharded over ``dp``) or ``"fsdp"`` (parameters, gradients and
@@ -60,6 +62,7 @@ class Layout:
     microbatches: int = 1
     schedule: str = "1f1b"
     stages_per_rank: int = 1
+    stage_layers: tuple[int, ...] = ()
     sequence_parallel: bool = False
     data_parallel: str = "fsdp"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -114,10 +117,13 @@ def read_layout(source: str | Path | dict[str, Any] | Layout, who: str = "init_p
     if data.get("world", world) != world:
         raise ValueError(f"{who}: layout={_shown(source)} says world={data['world']} but its "
                          f"sizes multiply to {world} (pp x dp x cp x tp)")
-    known = set(SIZES) | {"microbatches", "schedule", "stages_per_rank", "sequence_parallel",
-                          "data_parallel"}
+    known = set(SIZES) | {"microbatches", "schedule", "stages_per_rank", "stage_layers",
+                          "sequence_parallel", "data_parallel"}
     extra = {k: v for k, v in data.items() if k not in known | {"torchtp_layout", "world"}}
-    return Layout(**sizes, **{k: data[k] for k in known - set(SIZES) if k in data}, extra=extra)
+    rest = {k: data[k] for k in known - set(SIZES) if k in data}
+    if "stage_layers" in rest:
+        rest["stage_layers"] = tuple(rest["stage_layers"])
+    return Layout(**sizes, **rest, extra=extra)
 
 
 def _load(path: str | Path, who: str) -> dict[str, Any]:

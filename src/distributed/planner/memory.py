@@ -5,7 +5,7 @@ Parameters, gradients and optimizer state are sums over the
 exact when the inventory is torchtp's plan:
 
 * a pipeline stage holds its decoder layers (the balanced split of
-  :func:`torchtp.pipeline.stage_layers`), the first also the embeddings, the
+  :func:`torchtp.pipeline.stage_layers`, or the layout's ``stage_layers``), the first also the embeddings, the
   last the final norm and LM head (a tied head is a second copy there);
 * expert parallelism shares the experts out (``ep`` divides ``tp``: torchtp's
   folding; ``ep`` above ``tp`` is planned with whole experts over ``ep``
@@ -75,9 +75,22 @@ class Memory:
         return asdict(self) | {"total": self.total}
 
 
-def stage_tensors(inv: Inventory, stage: int, pp: int) -> list[Param]:
-    """The tensors pipeline stage ``stage`` of ``pp`` holds."""
-    start, n = shard_range(inv.layers, pp, stage)
+def stage_range(layers: int, layout: Layout, stage: int) -> tuple[int, int]:
+    """(first layer, layers) of pipeline stage ``stage``: ``layout.stage_layers`` when
+    given, else the balanced split of :func:`torchtp.pipeline.stage_layers`."""
+    split = layout.stage_layers
+    if not split:
+        return shard_range(layers, layout.pp, stage)
+    if len(split) != layout.pp or sum(split) != layers:
+        raise ValueError(f"stage_layers={list(split)}: give {layout.pp} layer counts summing to "
+                         f"the model's {layers} layers")
+    return sum(split[:stage]), split[stage]
+
+
+def stage_tensors(inv: Inventory, stage: int, layout: Layout) -> list[Param]:
+    """The tensors pipeline stage ``stage`` holds."""
+    pp = layout.pp
+    start, n = stage_range(inv.layers, layout, stage)
     out = []
     for t in inv.tensors:
         if t.place == "layer":
@@ -115,7 +128,7 @@ def _sharded(numel: int, rows: int, parts: int, index: int) -> int:
     return max(0, min(chunk, rows - index * chunk)) * (numel // rows)
 
 
-_SHAPES: dict[tuple[int, int, int, int, bool], tuple[Inventory, Counter[tuple[int, int, bool]]]] = {}
+_SHAPES: dict[tuple[Any, ...], tuple[Inventory, Counter[tuple[int, int, bool]]]] = {}
 
 
 def _stage_shapes(inv: Inventory, stage: int, rank: int, layout: Layout
@@ -126,14 +139,14 @@ def _stage_shapes(inv: Inventory, stage: int, rank: int, layout: Layout
     tensors of a few shapes.
     """
     beyond = layout.ep > layout.tp
-    key = (id(inv), layout.pp, stage, rank, beyond)
+    key = (id(inv), layout.pp, layout.stage_layers, stage, rank, beyond)
     hit = _SHAPES.get(key)
     if hit is not None and hit[0] is inv:
         return hit[1]
     if len(_SHAPES) > 4096:
         _SHAPES.clear()
     counts: Counter[tuple[int, int, bool]] = Counter()
-    for t in stage_tensors(inv, stage, layout.pp):
+    for t in stage_tensors(inv, stage, layout):
         numel, rows = _local(t, rank, layout)
         counts[(numel, rows, t.expert)] += 1
     _SHAPES[key] = (inv, counts)
@@ -216,7 +229,7 @@ def activation_bytes(arch: Arch, layout: Layout, training: Training, stage: int,
     right after its forward under every schedule but GPipe.
     """
     s = act.shares(arch, layout, training, microbatch)
-    start, n = shard_range(arch.layers, layout.pp, stage)
+    start, n = stage_range(arch.layers, layout, stage)
     layers = range(start, start + n)
     if training.recompute == "full":
         body = n * act.checkpointed_layer(s, arch)
@@ -317,7 +330,7 @@ def _transient(arch: Arch, inv: Inventory, layout: Layout, training: Training, s
     if stage == layout.pp - 1:  # logits in the compute dtype and their float32 gradient
         vocab = arch.vocab // layout.tp if loss_parallel else arch.vocab
         out = s.tokens * vocab * (s.a + act.F32)
-    start, n = shard_range(arch.layers, layout.pp, stage)
+    start, n = stage_range(arch.layers, layout, stage)
     one_layer = max((act.layer(arch, i, s, layout, training.stack)
                      for i in range(start, start + n)), default=0)
     if training.recompute == "full":

@@ -130,10 +130,12 @@ def _llama3_runs() -> list[Run]:
         training = Training(per_dp * dp, seq, precision="bf16", optimizer="adamw",
                             data_parallel="fsdp", recompute="none" if seq == 8192 else "full",
                             stack="fused")
-        # Not published: the microbatch size (one sequence assumed) and the stages per rank
-        # (4 assumed: two layers a stage).
+        # "To balance the pipeline, we reduce one Transformer layer each from the first and
+        # the last stages": 7 + 14 x 8 + 7 = 126. Not published: the microbatch size (one
+        # sequence assumed) and the stages per rank (4 assumed: two layers a stage).
         layout = Layout(pp=pp, dp=dp, cp=cp, tp=tp, microbatches=per_dp,
-                        schedule="interleaved1f1b", stages_per_rank=4, sequence_parallel=True,
+                        schedule="interleaved1f1b", stages_per_rank=4,
+                        stage_layers=(7, *[8] * 14, 7), sequence_parallel=True,
                         data_parallel="fsdp")
         runs.append(Run(f"Llama 3 405B, {label}", _LLAMA3, LLAMA3_405B, "h100-80gb", gpus,
                         training, layout, "mfu", mfu))

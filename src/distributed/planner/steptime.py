@@ -47,7 +47,7 @@ from ..comm.layout_file import Layout
 from . import activations as act
 from .arch import Arch
 from .cluster import Cluster
-from .memory import microbatch_size
+from .memory import microbatch_size, stage_range
 from .setup import Training
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "dualpipev")
@@ -178,7 +178,7 @@ def step_time(arch: Arch, layout: Layout, training: Training, cluster: Cluster,
     m, pp, tp, cp, ep, dp = (layout.microbatches, layout.pp, layout.tp, layout.cp, layout.ep,
                              layout.dp)
     tokens = mb * training.seq // cp  # per microbatch on one rank
-    layers = -(-arch.layers // pp)  # the largest stage
+    layers = max(stage_range(arch.layers, layout, s)[1] for s in range(pp))  # the largest stage
     per_layer, head = active_params(arch)
     # QK^T and AV over the keys before each query (flash kernels skip the masked half).
     attn = 4 * (training.seq / (2 if training.flash else 1)) * arch.q_dim
@@ -202,7 +202,8 @@ def step_time(arch: Arch, layout: Layout, training: Training, cluster: Cluster,
     if ep > tp and arch.experts is not None:
         ep_bw, ep_lat, _ = cluster.link(1, ep)
         routed = tokens * arch.experts.top_k * arch.hidden * a
-        moe_layers = -(-arch.moe_layers // pp)
+        moe_layers = max(sum(arch.is_moe_layer(i) for i in range(a, a + n))
+                         for a, n in (stage_range(arch.layers, layout, s) for s in range(pp)))
         t_ep = moe_layers * 4 * _collective("all_to_all", routed, ep, ep_bw, ep_lat)
     pp_bw, pp_lat, _ = cluster.link(dp * cp * tp, pp)
     t_pp = 2 * _collective("send", tokens * arch.hidden * a, 2, pp_bw, pp_lat) if pp > 1 else 0.0
