@@ -117,11 +117,21 @@ def test_the_planner_ranks_only_valid_layouts_and_says_why():
     assert [f.time.total for f in fits] == sorted(f.time.total for f in fits)
     best = ranked[0]
     assert best.memory.total <= cluster.gpu.memory
+    from torchtp.planner.explain import table, why_loses
+    from torchtp.planner.search import tokens_that_fit
+
+    text = table(ranked, cluster.gpu.memory, top=3)
+    assert re.search(r"^winner: .+ s a step, [\d,]+ tokens/s, MFU \d+%; [\d.]+ of 80 GB per "
+                     r"rank; time in compute \d+%", text, re.M), text
+    assert re.search(r"^  #2 .+: \+\d+% step time: .+ \([+-][\d.e-]+ s against the winner's\)$",
+                     text, re.M), text
+    # The other objective: the most tokens a rank could hold first.
+    most = plan_layouts(SMALL, cluster, training, objective="tokens")
+    room = [tokens_that_fit(c, cluster.gpu.memory, training) for c in most if c.fits and c.runs]
+    assert room[0] == max(room)
     # More memory per rank than the GPU has: the reason names what takes it.
     tight = plan_layouts(SMALL, Cluster(get_gpu("h100-80gb")), Training(8, 131072))
     assert not tight[-1].fits
-    from torchtp.planner.explain import why_loses
-
     assert re.match(r"does not fit: [\d.]+ GB per rank > 80 GB \(activations [\d.]+ GB\)",
                     why_loses(tight[-1], tight[0], 80e9))
 
