@@ -5,6 +5,9 @@ from __future__ import annotations
 from .search import Candidate
 
 GB = 1e9
+_MEMORY = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+           "activations": "activations", "transient": "working memory",
+           "buffers": "communication buffers"}
 _PARTS = ("compute", "tp", "cp", "ep", "pp", "bubble", "dp", "optimizer")
 _NAMES = {"compute": "compute", "tp": "tensor-parallel collectives",
           "cp": "context-parallel K/V exchanges", "ep": "expert all-to-alls",
@@ -19,6 +22,8 @@ def describe(c: Candidate) -> str:
     if layout.pp > 1:
         v = f" v{layout.stages_per_rank}" if layout.schedule == "interleaved1f1b" else ""
         parts.append(f"{layout.schedule}{v} x {layout.microbatches}")
+        if layout.stage_layers:
+            parts.append("layers " + "/".join(map(str, sorted(set(layout.stage_layers)))))
     if c.recompute:
         parts.append("recompute")
     return ", ".join(parts)
@@ -27,10 +32,9 @@ def describe(c: Candidate) -> str:
 def why_loses(c: Candidate, best: Candidate, memory: float) -> str:
     """One sentence: what makes ``c`` worse than ``best``."""
     if not c.fits:
-        part = max(("params", "grads", "optimizer", "activations", "transient", "buffers"),
-                   key=lambda k: getattr(c.memory, k))
+        part = max(_MEMORY, key=lambda k: getattr(c.memory, k))
         return (f"does not fit: {c.memory.total / GB:.1f} GB per rank > {memory / GB:.0f} GB "
-                f"({part} {getattr(c.memory, part) / GB:.1f} GB)")
+                f"({_MEMORY[part]} {getattr(c.memory, part) / GB:.1f} GB)")
     if not c.runs:
         return f"planned only: {c.why}"
     slower = c.time.total / best.time.total - 1

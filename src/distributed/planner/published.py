@@ -287,9 +287,11 @@ def check(run: Run) -> Check:
     t, mem = predict(run)
     value = metric(run, t)
     ranked = plan_layouts(run.arch, run.cluster, run.training, prefer_runnable=False)
-    key = (run.layout.pp, run.layout.dp, run.layout.cp, run.layout.tp, run.layout.ep)
-    same = [i for i, c in enumerate(ranked, 1)  # the published sizes with any schedule
-            if (c.layout.pp, c.layout.dp, c.layout.cp, c.layout.tp, c.layout.ep) == key]
+    key = (run.layout.pp, run.layout.dp, run.layout.cp, run.layout.tp, run.layout.ep,
+           run.layout.stage_layers)
+    same = [i for i, c in enumerate(ranked, 1)  # the published sizes and split, any schedule
+            if (c.layout.pp, c.layout.dp, c.layout.cp, c.layout.tp, c.layout.ep,
+                c.layout.stage_layers) == key]
     return Check(run, value, value / run.reported - 1, t, mem / 1e9,
                  mem <= run.cluster.gpu.memory, ranked[0].layout, ranked[0].time.total,
                  same[0] if same else 0)

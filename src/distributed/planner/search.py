@@ -15,6 +15,8 @@ the layers; ``dp`` dividing the global batch into microbatches of at least
 one sequence; 1F1B with at least ``pp`` microbatches; ``ep`` dividing the
 experts, inside the TP group (torchtp's folding) or across data-parallel
 ranks (planned only: torchtp does not run it yet, and the table says so).
+A pipeline's layers are split balanced, and also with one layer fewer on its
+first and last stages where that comes out even.
 """
 
 from __future__ import annotations
@@ -101,17 +103,21 @@ def layouts(arch: Arch, cluster: Cluster, training: Training) -> Iterator[Layout
                     continue
                 per_replica = training.global_batch // dp
                 for ep in _ep_sizes(arch, tp, dp * cp * tp):
-                    yield from _schedules(Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep,
-                                                 sequence_parallel=_sp(arch, tp, pp),
-                                                 data_parallel=training.data_parallel),
-                                          per_replica, arch.layers)
+                    for sp in _sp(arch, tp, pp):
+                        yield from _schedules(Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep,
+                                                     sequence_parallel=sp,
+                                                     data_parallel=training.data_parallel),
+                                              per_replica, arch.layers)
 
 
-def _sp(arch: Arch, tp: int, pp: int) -> bool:
-    """Sequence parallelism where torchtp runs it: with tp, without a pipeline, for the
-    families it covers (a shape written by hand: assumed covered)."""
+def _sp(arch: Arch, tp: int, pp: int) -> list[bool]:
+    """Sequence parallelism to try: on with tp for the families torchtp covers (a shape
+    written by hand: assumed covered); with a pipeline also off, since torchtp runs
+    sequence parallelism without one only (on is then planned only)."""
     kind = arch.extra.get("model_type")
-    return tp > 1 and pp == 1 and (kind is None or kind in SP_FAMILIES)
+    if tp == 1 or (kind is not None and kind not in SP_FAMILIES):
+        return [False]
+    return [True] if pp == 1 else [False, True]
 
 
 def _microbatches(per_replica: int) -> list[int]:
@@ -121,11 +127,27 @@ def _microbatches(per_replica: int) -> list[int]:
     return sorted(set(counts) | {per_replica})
 
 
+def _splits(pp: int, layers: int) -> list[tuple[int, ...]]:
+    """Layer splits to try: the balanced one (``()``) and, when it comes out even, one layer
+    fewer on the first and last stages, which also hold the embeddings and the LM head (as
+    Llama 3 405B was trained)."""
+    out: list[tuple[int, ...]] = [()]
+    if pp > 2 and (layers + 2) % pp == 0 and (layers + 2) // pp > 1:
+        k = (layers + 2) // pp
+        out.append((k - 1, *[k] * (pp - 2), k - 1))
+    return out
+
+
 def _schedules(base: Layout, per_replica: int, layers: int) -> Iterator[Layout]:
     if base.pp == 1:  # gradient accumulation over microbatches
         for m in _microbatches(per_replica):
             yield replace(base, microbatches=m)
         return
+    for split in _splits(base.pp, layers):
+        yield from _pipelined(replace(base, stage_layers=split), per_replica, layers)
+
+
+def _pipelined(base: Layout, per_replica: int, layers: int) -> Iterator[Layout]:
     for m in _microbatches(per_replica):
         for schedule in SCHEDULES:
             if m < base.pp and schedule != "gpipe":
@@ -150,6 +172,8 @@ def runs_in_torchtp(arch: Arch, layout: Layout, training: Training) -> str:
                 f"group (ep must divide tp={layout.tp})")
     if training.data_parallel == "zero1" and layout.dp > 1:
         return "ZeRO-1 (optimizer state sharded over dp) is planned only; use fsdp or ddp"
+    if layout.pp > 1 and layout.sequence_parallel:
+        return "sequence parallelism inside a pipeline stage is not supported yet"
     if layout.pp > 1 and layout.cp > 1 and layout.tp > 1:
         return "pp x cp x tp is not composed yet (pp x cp and cp x tp are)"
     if layout.cp > 1:
