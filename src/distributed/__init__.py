@@ -25,7 +25,6 @@ from .comm.runtime import (
     init_tensor_parallel,
     shutdown_tensor_parallel,
 )
-from .core import deprecated
 from .core.errors import (
     GroupDestroyedError,
     InconsistentGroupError,
@@ -33,6 +32,7 @@ from .core.errors import (
     RankMismatchError,
 )
 from .core.log import configure_from_env, logger
+from .ep import styles as _ep_styles  # noqa: F401 - registers the experts' styles
 from .integrations import wrap_steps as _wrap_steps  # noqa: F401 - registers its wrap steps
 from .layers import (
     ColumnParallelLinear,
@@ -42,6 +42,7 @@ from .layers import (
     layouts_of,
 )
 from .layers.loss import vocab_parallel_cross_entropy
+from .sp import style as _sp_style  # noqa: F401 - registers the sequence-parallel style
 from .training.clip import clip_grad_norm_, grad_norm
 from .training.rng import manual_seed
 from .wrap.wrapper import DistributedModelWrapper
@@ -53,23 +54,12 @@ configure_from_env()
 _LAZY_SUBPACKAGES = ("checkpoint", "hf", "plans", "shard", "signal", "slicing")
 
 
-# One spelling per job (docs/api.md): the region operators that repeat a
-# collective warn for one release and name the collective to use instead.
-_MOVED: deprecated.Moved = {
-    name: (".comm.regions", name, f"torchtp.{collective}(...), or torchtp.comm.regions.{name} (the "
-                                  "layer-level operator: explicit group, uneven chunks)")
-    for name, collective in (("reduce_from_tensor_parallel_region", "all_reduce_sum"),
-                             ("gather_from_tensor_parallel_region", "all_gather"),
-                             ("reduce_scatter_to_tensor_parallel_region", "reduce_scatter"))
-}
-
-
 def __getattr__(name: str) -> object:
     if name in _LAZY_SUBPACKAGES:
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
-    return deprecated.resolve(__name__, name, _MOVED)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CollectiveCounter",

@@ -182,7 +182,7 @@ def test_the_circle_finder_finds_a_circle_and_its_members():
     real = import_graph()
     assert "plans.sources" in real["plans.resolve"]  # module level
     assert "layers.ddp_guard" in real["layers._base"]  # function level counts
-    assert "hf.sequence_parallel" in real["training.options"]  # so does TYPE_CHECKING
+    assert "sp.hf_plan" in real["training.options"]  # so does TYPE_CHECKING
     real["plans.sources"].add("plans.resolve")
     assert any({"plans.resolve", "plans.sources"} <= set(c) for c in import_circles(real))
 

@@ -28,7 +28,7 @@ from torchtp.checkpoint.offline import consolidate, reshard
 from torchtp.checkpoint.sources import TorchTPSource
 from torchtp.core.layouts import ParamLayout
 from torchtp.costmodel import expert_dispatch_times, get_hardware
-from torchtp.plans.styles_experts import ExpertsEP
+from torchtp.ep.styles import ExpertsEP
 
 from ._moe_checks import (
     ARCHS,

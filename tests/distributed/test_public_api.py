@@ -5,8 +5,8 @@
   nothing that is not exported. A name exported by two packages must be one of
   the explicitly listed exceptions: the guide module's re-exports, or the seed
   documents' own names (different objects).
-* Every deprecated spelling still works, warns ``DeprecationWarning`` naming its
-  replacement, and is documented beside it.
+* The aliases that only repeated another name (issue 36) are gone: asking for
+  one raises ``AttributeError``, and the table lists none.
 * The reference guide's names import from ``src.distributed.tensor_parallel``
   with warnings turned into errors.
 """
@@ -40,16 +40,16 @@ SEED_NAME_COLLISIONS = {
     "reduce_scatter": {"torchtp", "torchtp.shard"},
     "gather": {"torchtp.shard", "torchtp.slicing"},
 }
-# Every deprecated spelling: (module, old name, replacement the warning names).
-DEPRECATED_NAMES = [
-    ("torchtp", "reduce_from_tensor_parallel_region", "torchtp.all_reduce_sum"),
-    ("torchtp", "gather_from_tensor_parallel_region", "torchtp.all_gather"),
-    ("torchtp", "reduce_scatter_to_tensor_parallel_region", "torchtp.reduce_scatter"),
-    ("torchtp.plans", "Rules", "torchtp.plans.Plan"),
-    ("torchtp.plans", "PlanArg", "torchtp.plans.Plan"),
-    ("torchtp.plans", "LayerPlan", "ResolvedPlan"),
+# The spellings removed by issue 36 (each repeated another name): (module, old name).
+REMOVED_NAMES = [
+    ("torchtp", "reduce_from_tensor_parallel_region"),
+    ("torchtp", "gather_from_tensor_parallel_region"),
+    ("torchtp", "reduce_scatter_to_tensor_parallel_region"),
+    ("torchtp.plans", "Rules"),
+    ("torchtp.plans", "PlanArg"),
+    ("torchtp.plans", "LayerPlan"),
 ]
-CONFIG_ALIASES = [("tp_size", "world_size"), ("tp_rank", "rank"), ("tp_group", "group")]
+CONFIG_ALIASES = ["tp_size", "tp_rank", "tp_group"]
 
 
 def _packages() -> list[str]:
@@ -67,16 +67,16 @@ def exports() -> dict[str, set[str]]:
 
 
 def documented(text: str) -> tuple[list[tuple[str, set[str]]], str]:
-    """The public-names table's rows ``(name, {packages})`` and its deprecated-spellings column."""
+    """The public-names table's rows ``(name, {packages})`` and its descriptions, joined."""
     section = text.split("## Public names", 1)[1].split("\n## ", 1)[0]
-    rows, deprecated = [], []
+    rows, described = [], []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4 or not cells[0].startswith("`"):
+        if len(cells) != 3 or not cells[0].startswith("`"):
             continue
         rows.append((cells[0].strip("`"), set(re.findall(r"`(torchtp[\w.]*)`", cells[1]))))
-        deprecated.append(cells[3])
-    return rows, "\n".join(deprecated)
+        described.append(cells[2])
+    return rows, "\n".join(described)
 
 
 def surface_problems(exported: dict[str, set[str]], rows: list[tuple[str, set[str]]]) -> list[str]:
@@ -125,45 +125,28 @@ def test_the_surface_check_catches_each_kind_of_drift() -> None:
         f"Grid: {GUIDE_MODULE} may only re-export")
 
 
-@pytest.mark.parametrize(("package", "old", "replacement"), DEPRECATED_NAMES)
-def test_deprecated_names_warn_naming_the_replacement_and_still_work(
-        package: str, old: str, replacement: str) -> None:
+@pytest.mark.parametrize(("package", "old"), REMOVED_NAMES)
+def test_removed_spellings_are_gone_and_undocumented(package: str, old: str) -> None:
     module = importlib.import_module(package)
-    assert old not in module.__all__ and old not in vars(module)
-    with pytest.warns(DeprecationWarning, match=re.escape(replacement)):
-        value = getattr(module, old)
-    kept = {"reduce_from_tensor_parallel_region": torchtp.comm.regions.reduce_from_tensor_parallel_region,
-            "gather_from_tensor_parallel_region": torchtp.comm.regions.gather_from_tensor_parallel_region,
-            "reduce_scatter_to_tensor_parallel_region":
-                torchtp.comm.regions.reduce_scatter_to_tensor_parallel_region}
-    if package == "torchtp":
-        assert value is kept[old]
-    else:
-        from torchtp.plans import resolve, resolved, styles
-
-        assert value is {"Rules": resolved.Rules, "PlanArg": resolve.PlanArg,
-                         "LayerPlan": styles.LayerPlan}[old]
-    _, deprecated = documented(API.read_text())
-    assert f"`{package}.{old}`" in deprecated
+    with pytest.raises(AttributeError, match=f"has no attribute '{old}'"):
+        getattr(module, old)
+    _, described = documented(API.read_text())
+    assert f"`{package}.{old}`" not in described
 
 
-def test_deprecated_region_spellings_compute_what_the_collectives_do() -> None:
+def test_the_kept_region_operators_compute_what_the_collectives_do() -> None:
     import torch
 
     x = torch.randn(2, 3)
-    with pytest.warns(DeprecationWarning, match="torchtp.all_gather"):
-        gather = torchtp.gather_from_tensor_parallel_region
+    gather = torchtp.comm.regions.gather_from_tensor_parallel_region
     assert torch.equal(gather(x, None, -1), torchtp.all_gather(x))
 
 
-@pytest.mark.parametrize(("old", "new"), CONFIG_ALIASES)
-def test_deprecated_config_aliases_warn_and_return_the_kept_value(old: str, new: str) -> None:
+@pytest.mark.parametrize("old", CONFIG_ALIASES)
+def test_the_config_has_one_spelling_per_value(old: str) -> None:
     cfg = torchtp.TensorParallelConfig(world_size=4, rank=3, group=None)
-    with pytest.warns(DeprecationWarning, match=rf"TensorParallelConfig\.{new}\b"):
-        value = getattr(cfg, old)
-    assert value == getattr(cfg, new)
-    _, deprecated = documented(API.read_text())
-    assert f"`.{old}` (use `.{new}`)" in deprecated
+    with pytest.raises(AttributeError, match=old):
+        getattr(cfg, old)
 
 
 def test_unknown_names_still_raise_attribute_error() -> None:

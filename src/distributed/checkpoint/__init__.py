@@ -10,7 +10,8 @@
 
 See docs/checkpoints.md.
 
-Layer 6. May import: ``core``, ``comm``, ``layers``, ``plans``, ``hf``, ``guards``
+Layer 8. May import: ``core``, ``comm``, ``layers``, ``plans``, ``ep``, ``hf``, ``sp``,
+``guards``
 (agreement and fingerprints), ``training``.
 """
 

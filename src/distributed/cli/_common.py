@@ -97,7 +97,7 @@ PLAN_HELP = ("which plan: auto (as DistributedModelWrapper(model): the cheapest 
 
 def add_expert_options(p: Any) -> None:
     """``--expert-parallel`` and ``--expert-dispatch`` (MoE models; see docs/moe.md)."""
-    from ..layers.expert_dispatch import DISPATCH
+    from ..ep.dispatch import DISPATCH
 
     p.add_argument("--expert-parallel", type=expert_parallel_arg, default=False, metavar="true|K",
                    help="MoE models: whole experts per rank (true) or experts over K ranks x "

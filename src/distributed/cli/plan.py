@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from ..layers.expert_dispatch import Dispatch
+from ..ep.dispatch import Dispatch
 from ..plans import ResolvedPlan, ShardContext, resolve_plan, valid_tp_sizes
 from ..training.options import Options
 from . import layout

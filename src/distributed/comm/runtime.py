@@ -12,7 +12,6 @@ the one place that answers "which group is the TP group".
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from math import prod
@@ -42,8 +41,6 @@ class TensorParallelConfig:
 
     ``world_size``, ``rank`` and ``group`` always mean the **TP group** (the
     whole world unless ``init_tensor_parallel(tp_size=k)`` made a 2-D mesh).
-    ``tp_size``/``tp_rank``/``tp_group`` are deprecated spellings of the same
-    values (a ``DeprecationWarning`` naming the replacement, for one release).
 
     Attributes:
         world_size: Number of ranks in the tensor-parallel group.
@@ -92,31 +89,6 @@ class TensorParallelConfig:
     cp_size: int = 1
     cp_rank: int = 0
     cp_group: WeakGroup[ProcessGroup | None] = WeakGroup()
-
-    @property
-    def tp_size(self) -> int:
-        """Deprecated spelling of ``world_size`` (the guide's name); removed in the next release."""
-        _deprecated_alias("tp_size", "world_size")
-        return self.world_size
-
-    @property
-    def tp_rank(self) -> int:
-        """Deprecated spelling of ``rank`` (the guide's name); removed in the next release."""
-        _deprecated_alias("tp_rank", "rank")
-        return self.rank
-
-    @property
-    def tp_group(self) -> ProcessGroup | None:
-        """Deprecated spelling of ``group``; removed in the next release."""
-        _deprecated_alias("tp_group", "group")
-        return self.group
-
-
-def _deprecated_alias(old: str, new: str) -> None:
-    # One spelling per value (docs/api.md); the alias keeps old code working for a release.
-    warnings.warn(f"TensorParallelConfig.{old} is deprecated and will be removed in the next "
-                  f"release; use TensorParallelConfig.{new} (the same value)",
-                  DeprecationWarning, stacklevel=3)
 
 
 _CONFIG: TensorParallelConfig | None = None

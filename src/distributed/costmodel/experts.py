@@ -1,7 +1,7 @@
 """How the two expert-parallel dispatch paths compare: seconds per MoE layer forward.
 
 Whole experts per rank, ``N`` tokens of ``H`` values (``b`` bytes each), top-``k``
-routing over ``n`` ranks (see :mod:`torchtp.layers.expert_dispatch`):
+routing over ``n`` ranks (see :mod:`torchtp.ep.dispatch`):
 
 * ``all_reduce``: one all-reduce of ``N H b`` bytes (:func:`allreduce_time`);
 * ``all_to_all``: a route-hash all-gather (latency only), two all-to-alls that

@@ -8,7 +8,7 @@ per-architecture plans, the config view, probe inputs and copies, model
 detection); ``plans`` imports it by name the first time a model that may be
 one is planned, and never imports anything else from here.
 
-Layer 4, the HuggingFace plug-in of ``plans``. May import: ``core``, ``comm``,
+Layer 5, the HuggingFace plug-in of ``plans``. May import: ``core``, ``comm``,
 ``layers``, ``plans``.
 """
 

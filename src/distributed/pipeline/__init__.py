@@ -1,4 +1,4 @@
-"""Layer 7, beside the wrapper: pipeline parallelism on ``torch.distributed.pipelining``.
+"""Layer 9, beside the wrapper: pipeline parallelism on ``torch.distributed.pipelining``.
 
 :func:`~torchtp.pipeline.stage.decoder_stage` turns a HuggingFace decoder LM
 into this rank's stage (its share of the decoder layers; the embeddings on the

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..comm.layout_file import Layout
 from ..cp.hf_attention import SUPPORTED as CP_FAMILIES
-from ..hf.sequence_parallel import LAYOUTS as SP_FAMILIES
+from ..sp.hf_plan import LAYOUTS as SP_FAMILIES
 from .arch import Arch
 from .cluster import Cluster
 from .inventory import Inventory, inventory_from_arch

@@ -8,7 +8,6 @@ is planned (``tests/distributed/test_architecture.py`` checks both).
 
 from __future__ import annotations
 
-from ..core import deprecated
 from .apply import apply_plan
 from .constraints import Constraint, check, valid_tp_sizes
 from .files import load_plan_file
@@ -52,16 +51,3 @@ __all__ = [
     "resolve_plan",
     "valid_tp_sizes",
 ]
-
-# Public plan types are ``Plan`` (a plan as data) and ``ResolvedPlan`` (what the
-# wrapper applied, for inspection); the pipeline's intermediate types are internal
-# and warn here for one release (docs/api.md).
-_MOVED: deprecated.Moved = {
-    "LayerPlan": (".styles", "LayerPlan", "ResolvedPlan.layers (torchtp.plans.ResolvedPlan)"),
-    "PlanArg": (".resolve", "PlanArg", "torchtp.plans.Plan (or a plan file's path)"),
-    "Rules": (".resolved", "Rules", "torchtp.plans.Plan (a plan as data)"),
-}
-
-
-def __getattr__(name: str) -> object:
-    return deprecated.resolve(__name__, name, _MOVED)

@@ -1,4 +1,10 @@
-"""Style names -> style objects (PyTorch/HF vocabulary, with HF's meaning)."""
+"""Style names -> style objects (PyTorch/HF vocabulary, with HF's meaning).
+
+The core's styles are listed here; a parallel dimension's own styles (``ep``'s
+experts, ``sp``'s sequence-sharded modules) are added by its folder with
+:func:`register_style` when ``torchtp`` is imported, so ``plans`` never imports
+a dimension folder.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,6 @@ from .styles import (
     Unsupported,
 )
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
-from .styles_experts import ExpertsEP, ExpertsTP
 from .styles_heads import HeadSplit, RopeKey
 from .styles_partial import (
     PartialGradOutput,
@@ -20,7 +25,6 @@ from .styles_partial import (
     ReduceResidual,
     RowwisePartial,
 )
-from .styles_sp import SequenceParallel
 from .styles_state_space import SsmHeads
 
 _EP = ("a bare expert parameter is planned by its experts module's style "
@@ -44,14 +48,11 @@ STYLES: dict[str, ParallelStyle] = {
     "replicated_with_grad_allreduce": ReplicatedWithGradAllreduce(),
     "embedding_rowwise": EmbeddingRowwise(),
     "embedding_colwise": EmbeddingColwise(),
-    "moe_tp_experts": ExpertsTP(),
     "moe_identity_expert": Unsupported("moe_identity_expert", "identity (zero-compute) experts "
                                        "are not split by torchtp yet"),
-    "ep_dispatch_experts": ExpertsEP(),
     "grouped_gemm": Unsupported("grouped_gemm", _EP),
     "packed_rowwise": Unsupported("packed_rowwise", "fused input-side projections are not "
                                   "split by torchtp yet"),
-    "sequence_parallel": SequenceParallel(),
     "mla_kv_a_proj": RopeKey(),
     "ssm_heads": SsmHeads(),
     "all_reduce": Unsupported("all_reduce", "partial-output modules are not implemented yet"),
@@ -61,6 +62,19 @@ STYLES: dict[str, ParallelStyle] = {
 # Names users may pass that only exist for HF's internal bookkeeping are not listed:
 # an unknown name raises with the list above.
 SUPPORTED = sorted(n for n, s in STYLES.items() if not isinstance(s, Unsupported))
+
+
+def register_style(name: str, style: ParallelStyle) -> None:
+    """Add a parallel dimension's style under ``name`` (once, at import of its folder).
+
+    Raises:
+        ValueError: ``name`` is taken by another style.
+    """
+    if STYLES.get(name, style) is not style:
+        raise ValueError(f"plan style {name!r} is already registered as {STYLES[name]!r}")
+    STYLES[name] = style
+    if not isinstance(style, Unsupported) and name not in SUPPORTED:
+        SUPPORTED[:] = sorted([*SUPPORTED, name])  # in place: `from .registry import SUPPORTED`
 
 
 def get_style(style: str | ParallelStyle, fqn: str = "?") -> ParallelStyle:

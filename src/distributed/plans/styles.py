@@ -24,7 +24,7 @@ style                       splits                              becomes
 
 Whole-head splits live in :mod:`torchtp.plans.styles_heads`, embeddings in
 :mod:`torchtp.plans.styles_embedding`, the sequence-parallel norm style in
-:mod:`torchtp.plans.styles_sp`.
+:mod:`torchtp.sp.style`.
 """
 
 from __future__ import annotations

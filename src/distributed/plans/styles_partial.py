@@ -55,7 +55,7 @@ class RowwisePartial(Rowwise):
         producers: The Linears that feed it (an expert's up/gate projections),
             when the automatic plan found them: ``expert_parallel=True`` places
             such an expert whole on one rank instead
-            (:mod:`torchtp.plans.styles_whole_expert`).
+            (:mod:`torchtp.ep.whole_experts`).
         columns: The split whose input columns it keeps (an attention output
             projection's whole heads, :class:`torchtp.plans.styles_heads.HeadColumns`);
             ``None``: a balanced split of ``in_features``.

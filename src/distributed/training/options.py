@@ -1,7 +1,7 @@
 """The wrapper's ``loss_parallel`` and ``sequence_parallel`` options: plan edits, then hooks.
 
 Both are HuggingFace features (``torchtp.hf.loss_parallel``,
-``torchtp.hf.sequence_parallel``), imported when an option is on, so a wrap
+``torchtp.sp.hf_plan``), imported when an option is on, so a wrap
 without them (any plain ``nn.Module``) loads nothing from ``torchtp.hf``.
 """
 
@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from ..ep.dispatch import DISPATCH, Dispatch
+from ..ep.styles import ExpertsEP, ExpertsTP, check_expert_parallel
+from ..ep.whole_experts import place_experts
 from ..layers import grad_sync
-from ..layers.expert_dispatch import DISPATCH, Dispatch
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.registry import get_style
 from ..plans.sources import experts_layout
 from ..plans.styles import ParallelStyle
-from ..plans.styles_experts import ExpertsEP, ExpertsTP, check_expert_parallel
-from ..plans.styles_sp import SequenceParallel
-from ..plans.styles_whole_expert import place_experts
+from ..sp.style import SequenceParallel
 
 if TYPE_CHECKING:
-    from ..hf.sequence_parallel import SequencePlan
+    from ..sp.hf_plan import SequencePlan
 
 
 class Options:
@@ -72,7 +72,7 @@ class Options:
             plan_loss_parallel(model, plan, ctx)
         if self.sequence_parallel or any(isinstance(s, SequenceParallel)
                                          for s in plan.assignments.values()):
-            from ..hf.sequence_parallel import plan_sequence_parallel
+            from ..sp.hf_plan import plan_sequence_parallel
 
             self.sequence = plan_sequence_parallel(model, plan, ctx)
 
@@ -83,7 +83,7 @@ class Options:
 
             install_loss_parallel(model)
         if self.sequence is not None:
-            from ..hf.sequence_parallel import install_sequence_parallel
+            from ..sp.hf_plan import install_sequence_parallel
 
             install_sequence_parallel(model, self.sequence, ctx)
             grad_sync.install(model)
@@ -98,12 +98,12 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
     (GPT-OSS's HF plan names none) get whole experts per rank; an experts
     module the plan assigns anything else (``replicate``) keeps it. ``ep=k``
     (an int) places them over ``k`` ranks with each expert's features split over
-    ``tp/k`` (:class:`~torchtp.plans.styles_experts.ExpertsEP`); ``k = 1`` is the
+    ``tp/k`` (:class:`~torchtp.ep.styles.ExpertsEP`); ``k = 1`` is the
     plain feature split (``moe_tp_experts``). ``dispatch`` is ``ExpertsEP``'s.
 
     A model without such modules gets its hand-written experts placed instead
     (an ``nn.ModuleList`` of expert MLPs the automatic plan sums once, over
-    ``world_size``'s TP group, :mod:`torchtp.plans.styles_whole_expert`).
+    ``world_size``'s TP group, :mod:`torchtp.ep.whole_experts`).
 
     Raises:
         ValueError: ``ep`` is neither a bool nor a positive int, or the model
@@ -140,7 +140,7 @@ def _experts_style(ep: bool | int, dispatch: Dispatch) -> ParallelStyle:
 def _place_hand_written(model: nn.Module, plan: ResolvedPlan, ep: bool | int,
                         dispatch: Dispatch, world_size: int, required: bool = True) -> None:
     """Experts over ``ep`` blocks of the TP group for a hand-written MoE the automatic plan
-    sums once (:mod:`torchtp.plans.styles_whole_expert`).
+    sums once (:mod:`torchtp.ep.whole_experts`).
 
     Raises:
         ValueError: the model has no such experts, ``ep`` does not divide the TP

@@ -19,9 +19,9 @@ from ..comm import overlap as overlap_switch
 from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_group
 from ..core.torch_compat import registered_child
+from ..ep.dispatch import Dispatch
 from ..guards import checks, forward_door, forward_guard, input_check, step_check
 from ..layers.ddp_guard import check_fsdp
-from ..layers.expert_dispatch import Dispatch
 from ..layers.parallel_linear import ParallelLinear
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.resolve import AUTO, PlanArg

@@ -11,7 +11,7 @@ A dispatch (token states to the ranks holding their experts) and its combine
 (expert outputs back) are two calls with swapped counts. The counts differ
 per rank and per call and must be consistent across ranks (``recv[j]`` here
 is rank ``j``'s ``send[me]``): the caller makes sure they are first
-(:mod:`torchtp.layers.expert_dispatch` computes them from routes every rank
+(:mod:`torchtp.ep.dispatch` computes them from routes every rank
 holds, after comparing a hash of those routes).
 With a group of size 1 the rows are returned as they are.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import ops as _comm
-from .group_ref import GroupRef
-from .runtime import ProcessGroup, group_size
+from ..comm import ops as _comm
+from ..comm.group_ref import GroupRef
+from ..comm.runtime import ProcessGroup, group_size
 
 
 class _AllToAllRows(torch.autograd.Function):

@@ -23,12 +23,12 @@ from __future__ import annotations
 from torch import nn
 
 from ..core.layouts import shard_range
-from .auto import common_owner
-from .constraints import Constraint
-from .linear_view import LinearView
-from .resolved import ResolvedPlan
-from .styles import Colwise, ShardContext
-from .styles_partial import RowwisePartial
+from ..plans.auto import common_owner
+from ..plans.constraints import Constraint
+from ..plans.linear_view import LinearView
+from ..plans.resolved import ResolvedPlan
+from ..plans.styles import Colwise, ShardContext
+from ..plans.styles_partial import RowwisePartial
 
 
 class ExpertBlock:

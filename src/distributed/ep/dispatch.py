@@ -37,11 +37,11 @@ from typing import Any, Literal
 import torch
 
 from ..comm import ops as _comm
-from ..comm.dispatch import all_to_all_rows
 from ..comm.regions import gather_from_tensor_parallel_region, scatter_to_tensor_parallel_region
 from ..comm.runtime import ProcessGroup
 from ..core.errors import RankMismatchError
 from ..core.layouts import shard_range, shard_sizes
+from .all_to_all import all_to_all_rows
 
 Dispatch = Literal["auto", "all_reduce", "all_to_all"]
 """How tokens reach whole experts: the all-reduce, the all-to-all, or chosen per call."""
@@ -58,7 +58,7 @@ def dispatch_combine(module: Any, x: torch.Tensor, index: torch.Tensor, weights:
     """The experts module's output ``(N, H)`` computed through all-to-all dispatch.
 
     Args:
-        module: The :class:`~torchtp.layers.experts.ParallelExperts` (group, rank,
+        module: The :class:`~torchtp.ep.experts.ParallelExperts` (group, rank,
             ``expert_starts``, name).
         x: Token states ``(N, H)``, replicated; the experts run in their dtype.
         index: Every token's ``k`` global expert ids ``(N, k)``, replicated.

@@ -46,11 +46,11 @@ from dataclasses import replace
 from torch import nn
 
 from ..core.layouts import ParamLayout, shard_range
-from ..layers.expert_dispatch import DISPATCH, Dispatch
-from ..layers.experts import shard_experts
-from .constraints import Constraint, MultipleOf
-from .sources import ExpertsLayout, experts_layout
-from .styles import LayerPlan, ParallelStyle, ShardContext, split_constraint
+from ..plans.constraints import Constraint, MultipleOf
+from ..plans.sources import ExpertsLayout, experts_layout
+from ..plans.styles import LayerPlan, ParallelStyle, ShardContext, split_constraint
+from .dispatch import DISPATCH, Dispatch
+from .experts import shard_experts
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
 
@@ -188,7 +188,7 @@ class ExpertsEP(ParallelStyle):
         dispatch: How tokens reach whole experts (``ep = tp``): ``"all_reduce"``
             (every rank runs its experts on all their tokens, one all-reduce),
             ``"all_to_all"`` (each rank routes a slice of the tokens to the
-            experts' ranks and back, :mod:`torchtp.layers.expert_dispatch`) or
+            experts' ranks and back, :mod:`torchtp.ep.dispatch`) or
             ``"auto"`` (per call, whichever the cost model estimates cheaper for
             the call's shapes). Blocks (``ep < tp``) use the all-reduce.
     """

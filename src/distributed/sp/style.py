@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .styles import ReplicatedWithGradAllreduce
+from ..plans.styles import ReplicatedWithGradAllreduce
 
 
 class SequenceParallel(ReplicatedWithGradAllreduce):

@@ -38,8 +38,8 @@ from ..core import log as _log
 from ..core.errors import RankMismatchError
 from ..core.layouts import ParamLayout, shard_offsets
 from ..costmodel import expert_dispatch_times, get_hardware
-from .expert_dispatch import Dispatch, dispatch_combine
-from .owned import ShardedModule, with_mixin
+from ..layers.owned import ShardedModule, with_mixin
+from .dispatch import Dispatch, dispatch_combine
 
 
 class ParallelExperts(ShardedModule):
@@ -57,7 +57,7 @@ class ParallelExperts(ShardedModule):
     every rank.
 
     Whole experts per rank with ``dispatch`` ``"all_to_all"`` (or ``"auto"``
-    choosing it for the call) take :func:`~torchtp.layers.expert_dispatch.dispatch_combine`
+    choosing it for the call) take :func:`~torchtp.ep.dispatch.dispatch_combine`
     instead: each rank routes a slice of the tokens to the experts' ranks.
 
     Attributes:
@@ -205,7 +205,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
         dispatch: Whole experts per rank (``expert_range`` over all ranks):
             ``"all_reduce"`` (every rank runs its experts on every token routed
             to them, one all-reduce), ``"all_to_all"`` (each rank routes a slice
-            of the tokens, :mod:`torchtp.layers.expert_dispatch`) or ``"auto"``
+            of the tokens, :mod:`torchtp.ep.dispatch`) or ``"auto"``
             (per call, the one the cost model estimates cheaper).
 
     Returns:

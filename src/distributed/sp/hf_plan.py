@@ -31,6 +31,7 @@ from ..comm.sequence_parallel import (
     gather_from_sequence_shards,
     scatter_to_sequence_shards,
 )
+from ..hf.detect import is_hf_model
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..layers.grad_sync import GradSync, mark
 from ..plans import ResolvedPlan, ShardContext
@@ -38,8 +39,7 @@ from ..plans.linear_view import linear_view
 from ..plans.registry import STYLES
 from ..plans.styles import Colwise, Rowwise
 from ..plans.styles_partial import RowwisePartial
-from ..plans.styles_sp import SequenceParallel
-from .detect import is_hf_model
+from .style import SequenceParallel
 
 SEQ_DIM = 1  # HF hidden states are (B, T, d)
 WHO = "DistributedModelWrapper(sequence_parallel=True)"
