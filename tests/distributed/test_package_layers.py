@@ -9,6 +9,7 @@ Each folder's ``__init__`` docstring says its job and what it may import.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,49 @@ def test_the_check_fails_on_an_upward_import():
 def test_every_folder_says_its_job_and_what_it_may_import(package):
     doc = ast.get_docstring(ast.parse((SRC / package / "__init__.py").read_text())) or ""
     assert "May import" in doc, f"src/distributed/{package}/__init__.py must say what it may import"
+
+
+def stated_imports(package: str, doc: str, folders: set[str]) -> set[str] | None:
+    """The folders ``package``'s docstring says it may import (``None``: anything).
+
+    Read from its "May import" paragraph up to a "never"/"not": the folders
+    named in double backticks, and every folder of a lower layer where it says
+    "every layer below".
+    """
+    text = doc.split("May import", 1)[1].lstrip(":").split("\n\n", 1)[0]
+    if text.strip().startswith("anything"):
+        return None
+    text = re.split(r"\b(?:[Nn]ever|[Nn]ot)\b", text, maxsplit=1)[0]
+    named = {n.split(".")[0] for n in re.findall(r"``([\w.]+)``", text)} & folders
+    if "every layer below" in text:
+        named |= {f for f in folders if layer_of(f) < layer_of(package)}
+    return named
+
+
+def unstated_imports(files: dict[str, tuple[str, bool]]) -> list[str]:
+    """``folder -> folders`` it imports that its ``__init__`` docstring does not allow."""
+    folders = {name for name, (_, is_pkg) in files.items() if is_pkg and name and "." not in name}
+    graph = _graph(files, folders=True)
+    bad = []
+    for package in sorted(folders):
+        doc = ast.get_docstring(ast.parse(files[package][0])) or ""
+        allowed = stated_imports(package, doc, folders)
+        extra = set() if allowed is None else (graph.get(package, set()) & folders) - allowed
+        if extra:
+            bad.append(f"torchtp.{package} imports {sorted(extra)}, which its docstring does not name")
+    return bad
+
+
+def test_every_folder_imports_only_what_its_docstring_says():
+    assert unstated_imports(_files()) == []
+
+
+def test_the_docstring_check_fails_on_an_unstated_import():
+    files = _files()
+    source, is_pkg = files["layers.row"]
+    files["layers.row"] = (source + "\n\ndef _probe():\n    from ..costmodel import model\n", is_pkg)
+    assert unstated_imports(files) == [
+        "torchtp.layers imports ['costmodel'], which its docstring does not name"]
 
 
 # What a real wrap runs, in files (benchmarks/wrap_files.py): rank 0 of two torchrun-style

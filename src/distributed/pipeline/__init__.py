@@ -9,7 +9,8 @@ chain of blocks;
 over the stages with a token-mean loss over the whole batch. See
 docs/pipeline.md.
 
-May import: every layer below (not ``integrations``' entry points, ``cli``).
+May import: every layer below, and ``wrap`` and ``cp`` beside it (not
+``integrations``' entry points, ``cli``).
 """
 
 from __future__ import annotations

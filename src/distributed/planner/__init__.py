@@ -14,8 +14,8 @@ own plan (:func:`inventory_from_model`). See docs/planning.md.
 
 A service beside the core: it hands the core a layout (data) and changes
 nothing at run time. May import: ``core``, ``comm``, ``costmodel``,
-``plans``, ``training``, ``pipeline``, ``hf`` (the model's plan), ``sp``
-(the families it covers), not the
+``plans``, ``training``, ``pipeline``, ``hf`` (the model's plan), ``sp`` and
+``cp`` (the families they cover), not the
 wrapper, the integrations or ``cli``.
 """
 

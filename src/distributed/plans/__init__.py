@@ -1,6 +1,6 @@
 """Plans: which module gets which parallel style (see :func:`resolve_plan`).
 
-Layer 3, generic planning. May import: ``core``, ``comm``, ``layers``. Never
+Layer 3, generic planning. May import: ``core``, ``costmodel``, ``comm``, ``layers``. Never
 ``hf``: model families (HuggingFace) plug in through :mod:`.sources`, which
 loads the HuggingFace plug-in by name the first time a model that may be one
 is planned (``tests/distributed/test_architecture.py`` checks both).
