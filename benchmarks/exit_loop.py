@@ -263,29 +263,37 @@ def _passed(run: Run, fail_rank: int) -> bool:
         and all(f"rank {fail_rank}" in t for t in others)
 
 
-def run_variant(args: argparse.Namespace, variant: str) -> Tally:
-    """``args.runs`` launches of ``variant`` (``work/start/error``), ``args.jobs`` at a time."""
-    work, start, error = variant.split("/")
-    tally = Tally()
+def run_interleaved(args: argparse.Namespace, variants: list[str]) -> dict[str, Tally]:
+    """``args.runs`` launches of each variant (``work/start/error``), ``args.jobs`` at a time.
 
-    def launch(_i: int) -> Run:
+    The variants take turns (run i of every variant before run i + 1 of any), so a control
+    runs under the same load as the jobs it is compared with.
+    """
+    rows = {v: Tally() for v in variants}
+    order = [(i, v) for i in range(args.runs) for v in variants]
+
+    def launch(item: tuple[int, str]) -> Run:
+        work, start, error = item[1].split("/")
         return one_run(args.tp, args.fail_rank, args.fail_how, args.deadline, start, error, work)
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        for i, run in enumerate(pool.map(launch, range(args.runs))):
-            ok = _passed(run, args.fail_rank)
-            tally.outcomes["pass" if ok else "fail"] += 1
-            tally.outcomes["abort"] += any(c == -signal.SIGABRT for c in run.codes)
-            tally.exits += [e for e in run.exits if e is not None]
-            tally.lags.append(run.lag)
-            tally.loads.append(os.getloadavg()[0])
-            if not ok:
-                print(f"{variant} run {i}: exit codes {run.codes}; stderr tails: {run.tails}",
-                      flush=True)
-            if (i + 1) % 25 == 0:
-                print(f"{variant}: {i + 1} runs, {tally.outcomes['pass']} passed",
+        for (i, variant), run in zip(order, pool.map(launch, order), strict=True):
+            _count(rows[variant], run, args.fail_rank, f"{variant} run {i}")
+            if variant == variants[-1] and (i + 1) % 25 == 0:
+                print(f"after {i + 1} rounds:", *table(rows, i + 1)[2:], sep="\n",
                       file=sys.stderr, flush=True)
-    return tally
+    return rows
+
+
+def _count(tally: Tally, run: Run, fail_rank: int, name: str) -> None:
+    ok = _passed(run, fail_rank)
+    tally.outcomes["pass" if ok else "fail"] += 1
+    tally.outcomes["abort"] += any(c == -signal.SIGABRT for c in run.codes)
+    tally.exits += [e for e in run.exits if e is not None]
+    tally.lags.append(run.lag)
+    tally.loads.append(os.getloadavg()[0])
+    if not ok:
+        print(f"{name}: exit codes {run.codes}; stderr tails: {run.tails}", flush=True)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -337,12 +345,9 @@ def main() -> None:
         os._exit(143)
 
     signal.signal(signal.SIGTERM, stop)
-    rows: dict[str, Tally] = {}
     began = time.time()
     try:
-        for variant in variants:
-            rows[variant] = run_variant(args, variant)
-            print(table({variant: rows[variant]}, args.runs)[-1], file=sys.stderr, flush=True)
+        rows = run_interleaved(args, variants)
     finally:
         for p in loops:
             p.kill()
