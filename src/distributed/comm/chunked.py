@@ -197,7 +197,7 @@ def _fused_gather(shard: torch.Tensor, dim: int, group: ProcessGroup, length: in
         log_fallback("all-gather + matmul", reason)
         return None
     # Agreed and counted as the one all-gather it replaces (NCCL bounds its own wait).
-    n = _comm.record("all_gather", shard, group)
+    n = _comm.enter("all_gather", shard, group)
     full, outs = _torch_compat.fused_all_gather_matmul(
         shard, [p.matrix().to(shard.dtype) for p in products], dim, group)
     _comm.ordered(group, n)
@@ -218,7 +218,7 @@ def _fused_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup, produc
     extra = shard_len * world - x.shape[dim]
     if extra:  # zero rows up to a multiple of the group size
         x = torch.cat([x, x.new_zeros(_with(x.shape, dim, extra))], dim)
-    n = _comm.record("reduce_scatter", x, group)  # agreed and counted as the one it replaces
+    n = _comm.enter("reduce_scatter", x, group)  # agreed and counted as the one it replaces
     out = _torch_compat.fused_matmul_reduce_scatter(x, product.matrix().to(x.dtype), dim, group)
     _comm.ordered(group, n)
     return out

@@ -1,15 +1,28 @@
 """Raw (non-autograd) collectives used by every torchtp operator.
 
 Each function returns a tensor the caller owns: inputs are never modified
-unless the caller passes one it created itself (``*_`` functions). Every call
-is logged under ``TP_DEBUG=1`` and recorded by :func:`count_collectives`.
-Before a collective whose shape or dtype differs from the last one agreed for
-that op (the first of each op, every shape change; every call with
-``TP_CHECK_SHAPES=1``), all ranks agree on it through the group's store, so
-different shapes raise :class:`~torchtp.RankMismatchError` on every rank
-instead of garbage (Gloo silently accepts equal element counts) or an abort.
-A collective that is slow watches the store for another rank's failure (see
-:mod:`torchtp.comm.health`).
+unless the caller passes one it created itself (``*_`` functions).
+
+The collectives are plain: they shape buffers and call the process group.
+What torchtp adds to a collective attaches at one hook point, a pair of
+calls every eager collective makes and nothing else of the safety machinery:
+
+* :func:`enter`, before it is issued: the group's health (an earlier failure
+  left it out of step: :class:`~torchtp.InconsistentGroupError`), the shape
+  agreement, the count (:func:`count_collectives`) and the ``TP_DEBUG`` log.
+  When the shape or dtype differs from the last one agreed for that op (the
+  first of each op, every shape change; every call with ``TP_CHECK_SHAPES=1``),
+  all ranks agree on it through the group's store, so different shapes raise
+  :class:`~torchtp.RankMismatchError` on every rank instead of garbage (Gloo
+  silently accepts equal element counts) or an abort;
+* :func:`leave`, after it is issued: the bounded wait, which watches the
+  store for another rank's failure while the collective is slow, and the hold
+  on Gloo's tensors until its worker lets go of them (:mod:`torchtp.comm.health`).
+
+The values of torchtp's checks that ride a collective (:func:`ride_next_collective`)
+are taken by the two collectives that can carry them (a floating-point sum
+all-reduce, an all-gather), which pass the hook with the number riding. Inside
+``torch.compile`` the hook is skipped: the graph holds the collectives.
 
 The ``*_start`` functions (:func:`all_reduce_start`, :func:`all_gather_start`,
 :func:`reduce_scatter_start`) issue a collective without waiting and return a
@@ -80,9 +93,9 @@ class CollectiveCounter:
 _COUNTERS: list[CollectiveCounter] = []
 
 
-def _compiling() -> bool:
-    check = getattr(torch.compiler, "is_compiling", None)
-    return bool(check and check())
+# Whether torch.compile is tracing (the graph then holds the collectives); the function
+# itself, not a wrapper: it runs on every collective
+_compiling = torch.compiler.is_compiling
 
 
 @contextmanager
@@ -102,25 +115,38 @@ def count_collectives() -> Iterator[CollectiveCounter]:
         _COUNTERS.remove(counter)
 
 
-def record(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> int | None:
-    """Count, log (under TP_DEBUG) and check one collective; return its index in the group.
+def enter(op: str, tensor: torch.Tensor, group: ProcessGroup | None,
+          st: _health.GroupState | None = None, riding: int = 0,
+          counted: torch.Tensor | None = None) -> int | None:
+    """The hook point, before collective ``op`` of ``tensor`` is issued; its index in the group.
 
-    Eager only: inside ``torch.compile`` this is skipped and returns ``None``
-    (the compiled graph holds the collectives; logging, counters and store
-    checks cannot be traced). This runs on every collective of every forward:
-    without counters or debug logging it costs a dict look-up and a shape
-    comparison.
+    Checks the group's health and agrees on the signature (:func:`torchtp.comm.health.before`),
+    counts and (under TP_DEBUG) logs it. Eager only: inside ``torch.compile``
+    this is skipped and returns ``None`` (the compiled graph holds the
+    collectives; logging, counters and store checks cannot be traced). This runs
+    on every collective of every forward: without counters or debug logging it
+    costs a dict look-up and a shape comparison.
+
+    Args:
+        op: The op name it is agreed and counted as.
+        tensor: The tensor whose shape and dtype every rank must pass.
+        group: The process group (``None``: the default group).
+        st: The group's state, when the caller has looked it up already (outside
+            ``torch.compile``).
+        riding: Values of torchtp's checks travelling in the same collective.
+        counted: The tensor counted (its bytes moved), when it is not ``tensor``.
 
     Raises:
         InconsistentGroupError: an earlier failure left the group out of step.
         RankMismatchError: ranks pass different shapes or dtypes.
     """
-    if _compiling():
-        return None
-    st = _health.state(group)
-    n = _health.before(op, tensor, st)
+    if st is None:  # a state is only looked up outside torch.compile
+        if _compiling():
+            return None
+        st = _health.state(group)
+    n = _health.before(op, tensor, st, riding)
     if _COUNTERS or logger.isEnabledFor(logging.DEBUG):
-        count(op, tensor, group)
+        count(op, tensor if counted is None else counted, group)
     return n
 
 
@@ -146,7 +172,7 @@ def count(op: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
 
 
 def ordered(group: ProcessGroup | None, n: int | None) -> None:
-    """Note collective ``n`` (from :func:`record`) as waited for, without a work handle.
+    """Note collective ``n`` (from :func:`enter`) as waited for, without a work handle.
 
     For a fused op that issues and orders its communication on the device's
     stream itself (NCCL), as a CUDA collective's wait does.
@@ -156,15 +182,31 @@ def ordered(group: ProcessGroup | None, n: int | None) -> None:
         st.completed = max(st.completed, n)
 
 
-def _finish(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor,
-            group: ProcessGroup | None, out: torch.Tensor | None = None) -> None:
-    """Wait for an issued collective (bounded; see :func:`torchtp.comm.health.finish`).
+def leave(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor,
+          group: ProcessGroup | None, st: _health.GroupState | None = None,
+          out: torch.Tensor | None = None, shown: torch.Tensor | None = None,
+          riding: int = 0) -> None:
+    """The hook point, after collective ``n`` (from :func:`enter`) was issued: wait for it.
 
-    ``out``: the output, when it is not ``tensor`` (kept alive with it until
-    the backend's worker thread has let go of the collective).
+    The wait is bounded (:func:`torchtp.comm.health.finish`); nothing to wait for
+    when the collective ran synchronously (``work`` or ``n`` is ``None``).
+
+    Args:
+        work: The backend's handle.
+        n: The collective's index in its group.
+        op: Its op name.
+        tensor: What it sent.
+        group: The process group.
+        st: The group's state, when the caller has looked it up already.
+        out: The output, when it is not ``tensor`` (kept alive with it until
+            the backend's worker thread has let go of the collective).
+        shown: The tensor whose signature was agreed, when ``tensor`` carries
+            riding values as well.
+        riding: The number of values riding.
     """
     if work is not None and n is not None:
-        _health.finish(work, _health.state(group), n, op, tensor, out)
+        _health.finish(work, _health.state(group) if st is None else st, n, op, tensor, out,
+                       shown, riding)
 
 
 @dataclass(frozen=True)
@@ -240,19 +282,18 @@ class Pending:
             self.done = True
             if _TRACES:
                 _trace("wait", self.op, self.index, self.out)
-            if self.work is not None and self.index is not None and self.st is not None:
-                _health.finish(self.work, self.st, self.index, self.op, self.tensor,
-                               None if self.out is self.tensor else self.out)
+            if self.st is not None:
+                leave(self.work, self.index, self.op, self.tensor, None, self.st,
+                      None if self.out is self.tensor else self.out)
             if _TRACES:
                 _trace("done", self.op, self.index, self.out)
         return self.out
 
 
 def _issued(work: dist.Work | None, n: int | None, op: str, tensor: torch.Tensor,
-            group: ProcessGroup | None, out: torch.Tensor) -> Pending:
+            st: _health.GroupState | None, out: torch.Tensor) -> Pending:
     if _TRACES:
         _trace("issue", op, n, out)
-    st = None if work is None or n is None else _health.state(group)
     return Pending(work, n, op, tensor, st, out, done=work is None)
 
 
@@ -269,13 +310,11 @@ def all_reduce_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pendin
     assert tensor.is_contiguous(), "all_reduce_start needs a contiguous tensor"
     if _compiling() or has_torch_function_unary(tensor) or _riding(_health.state(group), tensor):
         out = all_reduce_(tensor, group)
-        return _issued(None, None, "all_reduce", out, group, out)
+        return _issued(None, None, "all_reduce", out, None, out)
     st = _health.state(group)
-    n = _health.before("all_reduce", tensor, st)
-    if _COUNTERS or logger.isEnabledFor(logging.DEBUG):
-        count("all_reduce", tensor, group)
-    work = st.group.allreduce([tensor], _allreduce_options(_SUM))  # as all_reduce_ does
-    return _issued(work, n, "all_reduce", tensor, group, tensor)
+    n = enter("all_reduce", tensor, group, st)
+    work = st.group.allreduce([tensor], _OPT_SUM)  # as all_reduce_ does
+    return _issued(work, n, "all_reduce", tensor, st, tensor)
 
 
 def all_gather_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pending:
@@ -287,15 +326,16 @@ def all_gather_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pendin
     :func:`all_reduce_start` does.
     """
     local = tensor.contiguous()
-    if not _compiling() and _riding(_health.state(group), local):
-        out = _all_gather_riding(local, group, _health.state(group))
-        return _issued(None, None, "all_gather", local, group, out)
+    st = None if _compiling() else _health.state(group)
+    if st is not None and _riding(st, local):
+        out = _all_gather_riding(local, group, st)
+        return _issued(None, None, "all_gather", local, None, out)
     world = dist.get_world_size(group)
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype,
                       device=local.device)
-    n = record("all_gather", local, group)
+    n = enter("all_gather", local, group, st)
     work = gather_single(out, local, group=group, async_op=n is not None)
-    return _issued(work, n, "all_gather", local, group, out)
+    return _issued(work, n, "all_gather", local, st, out)
 
 
 def reduce_scatter_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pending:
@@ -308,9 +348,10 @@ def reduce_scatter_start(tensor: torch.Tensor, group: ProcessGroup | None) -> Pe
     world = dist.get_world_size(group)
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype,
                       device=full.device)
-    n = record("reduce_scatter", full, group)
+    n = enter("reduce_scatter", full, group)
     work = reduce_scatter_single(out, full, group=group, async_op=n is not None)
-    return _issued(work, n, "reduce_scatter", full, group, out)
+    st = None if n is None else _health.state(group)
+    return _issued(work, n, "reduce_scatter", full, st, out)
 
 
 @dataclass(eq=False)  # rides are found by identity (their values are tensors)
@@ -436,23 +477,21 @@ def _all_reduce_riding(tensor: torch.Tensor, group: ProcessGroup | None,
                        st: _health.GroupState) -> torch.Tensor:
     """Sum ``tensor`` (contiguous, ``(...)``) and the waiting rides' values in one collective."""
     rides, extra = _take_rides(st, tensor)
-    # Agreed as the model's all-reduce with k values riding (health.before)
+    # Agreed as the model's all-reduce with k values riding, counted as the model's own
     op, k = "all_reduce", extra.numel()
-    n = _health.before(op, tensor, st, riding=k)
-    if _COUNTERS or logger.isEnabledFor(logging.DEBUG):  # counted as the model's own
-        count("all_reduce", tensor, group)
+    n = enter(op, tensor, group, st, riding=k)
     if st.cpu_gloo and tensor.device.type == "cpu":
         # Gloo sums a list of tensors as one collective, packing them in C++: the
         # activation is neither copied into a longer buffer nor copied back here.
         work = st.group.allreduce_coalesced([tensor, extra], _COALESCED)
-        _health.finish(work, st, n, op, tensor, out=extra, riding=k)
+        leave(work, n, op, tensor, group, st, out=extra, riding=k)
         sums = extra
     else:
         # Other backends and devices (NCCL, Gloo's CUDA path) get one buffer: (numel + k,)
         flat = tensor.view(-1)
         buf = torch.cat([flat, extra])
-        work = st.group.allreduce([buf], _allreduce_options(_SUM))  # as all_reduce_ does
-        _health.finish(work, st, n, op, buf, shown=tensor, riding=k)
+        work = st.group.allreduce([buf], _OPT_SUM)  # as all_reduce_ does
+        leave(work, n, op, buf, group, st, shown=tensor, riding=k)
         flat.copy_(buf[:flat.numel()])
         # A copy of the (k,) sums, not a view that would keep the activation-sized
         # buffer alive; still on the device: ride_result reads them when asked.
@@ -475,11 +514,9 @@ def _all_gather_riding(local: torch.Tensor, group: ProcessGroup | None,
     op, k, numel, world = "all_gather", extra.numel(), local.numel(), st.size
     buf = torch.cat([local.view(-1), extra])  # (numel + k,)
     flat = buf.new_empty(world * buf.numel())  # (world * (numel + k),)
-    n = _health.before(op, local, st, riding=k)
-    if _COUNTERS or logger.isEnabledFor(logging.DEBUG):  # counted as the model's own
-        count("all_gather", local, group)
+    n = enter(op, local, group, st, riding=k)  # agreed with k riding, counted as the model's own
     work = gather_single(flat, buf, group=group, async_op=True)
-    _health.finish(work, st, n, op, buf, out=flat, shown=local, riding=k)
+    leave(work, n, op, buf, group, st, out=flat, shown=local, riding=k)
     gathered = flat.view(world, buf.numel())  # (world, numel + k)
     # (k,) every rank's values summed: 0/1 over at most 256 ranks, exact in any float dtype
     _hand_sums(rides, gathered[:, numel:].sum(0, dtype=torch.float64))
@@ -502,15 +539,13 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum
     st = _health.state(group)
     if st.rides and name == "all_reduce" and reduce_op == _SUM and _riding(st, tensor):
         return _all_reduce_riding(tensor, group, st)
-    n = _health.before(name, tensor, st)
-    if _COUNTERS or logger.isEnabledFor(logging.DEBUG):
-        count(name, tensor, group)
+    n = enter(name, tensor, group, st)
     # Straight to the process group: dist.all_reduce's Python wrapper (its logging
-    # decorator, group-membership and tensor checks, which state() and before() make
+    # decorator, group-membership and tensor checks, which state() and enter() make
     # redundant here) costs about 10 us per call, paid by every forward's all-reduces.
     pg = group if group is not None else st.group
     opts = _OPT_SUM if reduce_op is _SUM else _allreduce_options(reduce_op)
-    _health.finish(pg.allreduce([tensor], opts), st, n, name, tensor)
+    leave(pg.allreduce([tensor], opts), n, name, tensor, group, st)
     return tensor
 
 
@@ -572,15 +607,15 @@ def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None,
         local = torch.cat([tensor, tensor.new_zeros(widths)], dim)
     local = local.contiguous()
     # Gather into (world * d0, ...) along dim 0, where collectives are contiguous.
-    if not _compiling() and not has_torch_function_unary(local) \
-            and _riding(_health.state(group), local):
-        out = _all_gather_riding(local, group, _health.state(group))
+    st = None if _compiling() or has_torch_function_unary(local) else _health.state(group)
+    if st is not None and _riding(st, local):
+        out = _all_gather_riding(local, group, st)
     else:
         out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype,
                           device=local.device)
-        n = record("all_gather", local, group)
+        n = enter("all_gather", local, group, st)
         work = gather_single(out, local, group=group, async_op=n is not None)
-        _finish(work, n, "all_gather", local, group, out)
+        leave(work, n, "all_gather", local, group, st, out)
     if dim == 0 and sizes is None:
         return out
     chunks = out.chunk(world, dim=0)
@@ -611,9 +646,9 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -
     full = full.contiguous()
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype,
                       device=full.device)
-    n = record("reduce_scatter", full, group)
+    n = enter("reduce_scatter", full, group)
     work = reduce_scatter_single(out, full, group=group, async_op=n is not None)
-    _finish(work, n, "reduce_scatter", full, group, out)
+    leave(work, n, "reduce_scatter", full, group, out=out)
     out = out[:sizes[dist.get_rank(group)]]
     return out.movedim(0, dim).contiguous() if dim else out
 
@@ -632,15 +667,10 @@ def all_to_all(tensor: torch.Tensor, send: list[int], recv: list[int],
     local = tensor.contiguous()
     out = local.new_empty((sum(recv), *local.shape[1:]))
     shown = torch.empty((len(send), *local.shape[1:]), dtype=local.dtype, device="meta")
-    n = None
-    if not _compiling():  # as record(), but counted with the rows this rank sends
-        n = _health.before("all_to_all", shown, _health.state(group))
-        if _COUNTERS or logger.isEnabledFor(logging.DEBUG):
-            count("all_to_all", local, group)
+    n = enter("all_to_all", shown, group, counted=local)  # counted with the rows this rank sends
     work = dist.all_to_all_single(out, local, output_split_sizes=recv, input_split_sizes=send,
                                   group=group, async_op=n is not None)
-    if work is not None and n is not None:
-        _health.finish(work, _health.state(group), n, "all_to_all", local, out, shown=shown)
+    leave(work, n, "all_to_all", local, group, out=out, shown=shown)
     return out
 
 
@@ -662,10 +692,10 @@ def ring_shift(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """Return ``src``'s ``tensor`` on every rank (fresh tensor; ``src`` is a group rank)."""
     out = tensor.clone(memory_format=torch.contiguous_format)
-    n = record("broadcast", out, group)
+    n = enter("broadcast", out, group)
     global_src = src if group is None else dist.get_global_rank(group, src)
     work = dist.broadcast(out, src=global_src, group=group, async_op=n is not None)
-    _finish(work, n, "broadcast", out, group)
+    leave(work, n, "broadcast", out, group)
     return out
 
 
