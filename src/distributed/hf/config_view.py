@@ -55,11 +55,6 @@ def is_local_config(config: object) -> bool:
     return _SHARED in getattr(config, "__dict__", {})
 
 
-def shared_config(config: Any) -> Any:
-    """The shared config behind a local copy (``config`` itself otherwise)."""
-    return config.__dict__.get(_SHARED, config) if hasattr(config, "__dict__") else config
-
-
 def _local_class(base: type) -> type:
     """``base`` with the live attributes turned into properties on the shared config."""
     cls = _CLASSES.get(base)

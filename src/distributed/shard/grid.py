@@ -191,11 +191,6 @@ class Grid:
         assert group is not None  # built from a running group
         return group
 
-    def root_rank(self, root: int | Sequence[int], axes: Sequence[int], what: str = "root") -> int:
-        """Global rank of in-group multi-index ``root`` in this process's group along ``axes``."""
-        index = check_root(root, self.grid_shape(axes), what, axes)
-        return self.members(axes)[_index.linear_index(index, self.grid_shape(axes))]
-
 
 def check_root(root: int | Sequence[int], group_shape: Shape, what: str,
                axes: Sequence[int]) -> Shape:
