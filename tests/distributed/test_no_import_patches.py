@@ -110,3 +110,36 @@ wrapped(torch.randn(2, 8)).sum().backward()
 print("peft" in sys.modules)
 """
     assert _run(code)[-1] == "False", "wrapping a model without PEFT layers imported peft"
+
+
+def test_importing_and_wrapping_load_no_compiler() -> None:
+    """torch._dynamo (and sympy with it) cost ~1 s of import and 0.3 s of every exit; DTensor too."""
+    code = """
+import sys
+import torch
+import torchtp
+
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+wrapped = torchtp.DistributedModelWrapper(model, world_size=1, rank=0)
+wrapped(torch.randn(2, 8)).sum().backward()
+print(sorted(m for m in ("torch._dynamo", "sympy", "torch.distributed.tensor") if m in sys.modules))
+"""
+    assert _run(code)[-1] == "[]", "importing or wrapping imported torch's compiler"
+
+
+def test_accelerate_imported_after_a_wrap_is_guarded() -> None:
+    """A tp > 1 wrap imports no accelerate; importing it later still installs the refusal."""
+    code = """
+import sys
+import torch
+import torchtp
+
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+print("accelerate" in sys.modules)
+from accelerate import Accelerator
+print(getattr(Accelerator.prepare_model, "_torchtp", False))
+"""
+    loaded, guarded = _run(code)[-2:]
+    assert loaded == "False", "a wrap imported accelerate"
+    assert guarded == "True", "accelerate imported after the wrap was not guarded"

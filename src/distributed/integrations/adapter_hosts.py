@@ -9,13 +9,13 @@ the base. Nothing here imports PEFT unless PEFT is in use.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from .guards import after_import
 
 
 @dataclass
@@ -43,40 +43,11 @@ def watch_for_peft() -> None:
     ``import peft`` after the wrap, then ``get_peft_model(wrapped.base_model, ...)``,
     would otherwise meet torchtp's layers unregistered: PEFT refuses explicit targets
     (``NoMatchingPeftModuleError``, "not supported") and ``"all-linear"`` leaves them
-    out. One finder on ``sys.meta_path`` (installed once, removed at that import)
-    runs :func:`peft_loaded` right after PEFT's own import, so either order works.
+    out. :func:`~torchtp.integrations.guards.after_import` runs
+    :func:`peft_loaded` right after PEFT's own import, so either order works.
     Nothing is imported or changed before the user imports PEFT.
     """
-    if "peft" in sys.modules or any(isinstance(f, _PeftImport) for f in sys.meta_path):
-        return
-    sys.meta_path.insert(0, _PeftImport())
-
-
-class _PeftImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: lets the other finders find ``peft`` and wraps its loader."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "peft":
-            return None
-        sys.meta_path.remove(self)  # once: the other finders find PEFT itself
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _InstallAfter(spec.loader)
-        return spec
-
-
-class _InstallAfter(importlib.abc.Loader):
-    """PEFT's own loader, then torchtp's PEFT hooks."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self.loader.exec_module(module)
-        peft_loaded()
+    after_import("peft", peft_loaded)
 
 
 def detach_adapters(model: nn.Module) -> list[Detached]:
