@@ -29,7 +29,6 @@ from torch import nn
 from ..comm import ops as _comm
 from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup
-from ..core import torch_compat as _torch_compat
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def _unhooked(module: nn.Module) -> bool:
     return False
 
 
-@_torch_compat.eager_when_compiled
+@torch.compiler.disable
 def _hook_parameters_eagerly(module: nn.Module) -> None:
     _hook_parameters(module)
 
