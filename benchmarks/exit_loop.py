@@ -36,6 +36,11 @@ plain control of the same ``start``; for the HF jobs, ``hfcontrol``).
     .venv/bin/python benchmarks/exit_loop.py [--runs 250] [--variants all|forward|work|LIST]
         [--load N] [--jobs J] [--tp 2]
 
+A variant may end in ``/dynamo`` (``hfcontrol/dist/none/dynamo``): its script
+imports ``torch._dynamo`` before the group starts, as ``import torchtp`` does
+(decision 157: imported while a group exists, it keeps the group alive past its
+destroy).
+
 ``--load N`` starts N busy-loop processes beside the runs (a loaded node);
 ``--jobs J`` runs J launches at a time.
 
@@ -70,6 +75,8 @@ from torch import nn
 
 work, start, error = (os.environ[f"EXIT_LOOP_{k}"] for k in ("WORK", "START", "ERROR"))
 fail_rank, how = int(os.environ["EXIT_LOOP_FAIL_RANK"]), os.environ["EXIT_LOOP_FAIL_HOW"]
+if os.environ.get("EXIT_LOOP_PRELOAD") == "1":
+    import torch._dynamo  # before the group: see docs/troubleshooting.md
 if not work.endswith("control"):
     import torchtp
 if start == "torchtp":
@@ -197,26 +204,36 @@ class Tally:
 
 
 def one_run(tp: int, fail_rank: int, how: str, deadline: float, start: str = "torchtp",
-            error: str = "none", work: str = "forward") -> Run:
+            error: str = "none", work: str = "forward", preload: bool = False) -> Run:
     """Launch ``tp`` rank processes of one job (see the module docstring) and wait for them.
 
     Control processes run the plain-torch ``start`` analogue: ``torchtp`` there means
-    the script starts the group itself and never destroys it.
+    the script starts the group itself and never destroys it. ``preload``: the script
+    imports ``torch._dynamo`` before the group starts (a variant ending in ``/dynamo``).
+    """
+    with tempfile.TemporaryDirectory(prefix="exit_loop-") as tmp:
+        procs = launch(SCRIPT, tp, tmp, subprocess.PIPE, EXIT_LOOP_FAIL_RANK=str(fail_rank),
+                       EXIT_LOOP_FAIL_HOW=how, EXIT_LOOP_START=start, EXIT_LOOP_ERROR=error,
+                       EXIT_LOOP_WORK=work, EXIT_LOOP_PRELOAD="1" if preload else "0")
+        return _collect(procs, deadline)
+
+
+def launch(script: str, tp: int, tmp: str, stderr: int, **job: str) -> list[subprocess.Popen[str]]:
+    """Start ``tp`` torchrun-style rank processes running ``script`` with the ``job`` variables.
+
+    ``tmp`` holds what the job writes; ``EXIT_LOOP_PRELOAD`` (``"1"``) makes the script
+    import ``torch._dynamo`` before the group starts.
     """
     # The control's analogue of a torchtp-started group: started by the script, never destroyed
-    script_start = "none" if work.endswith("control") and start == "torchtp" else start
+    if job["EXIT_LOOP_WORK"].endswith("control") and job["EXIT_LOOP_START"] == "torchtp":
+        job["EXIT_LOOP_START"] = "none"
     env_base = dict(os.environ, WORLD_SIZE=str(tp), LOCAL_WORLD_SIZE=str(tp),
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                    EXIT_LOOP_FAIL_RANK=str(fail_rank), EXIT_LOOP_FAIL_HOW=how,
-                    EXIT_LOOP_START=script_start, EXIT_LOOP_ERROR=error, EXIT_LOOP_WORK=work,
-                    OMP_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory(prefix="exit_loop-") as tmp:
-        env_base["EXIT_LOOP_DIR"] = os.path.join(tmp, "saved")
-        procs = [subprocess.Popen([sys.executable, "-c", SCRIPT],
-                                  env=dict(env_base, RANK=str(r), LOCAL_RANK=str(r)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for r in range(tp)]
-        return _collect(procs, deadline)
+                    OMP_NUM_THREADS="1", EXIT_LOOP_DIR=os.path.join(tmp, "saved"), **job)
+    return [subprocess.Popen([sys.executable, "-c", script],
+                             env=dict(env_base, RANK=str(r), LOCAL_RANK=str(r)),
+                             stdout=subprocess.PIPE, stderr=stderr, text=True)
+            for r in range(tp)]
 
 
 def _collect(procs: list[subprocess.Popen[str]], deadline: float) -> Run:
@@ -272,12 +289,13 @@ def run_interleaved(args: argparse.Namespace, variants: list[str]) -> dict[str, 
     rows = {v: Tally() for v in variants}
     order = [(i, v) for i in range(args.runs) for v in variants]
 
-    def launch(item: tuple[int, str]) -> Run:
-        work, start, error = item[1].split("/")
-        return one_run(args.tp, args.fail_rank, args.fail_how, args.deadline, start, error, work)
+    def start_job(item: tuple[int, str]) -> Run:
+        work, start, error, *preload = item[1].split("/")
+        return one_run(args.tp, args.fail_rank, args.fail_how, args.deadline, start, error, work,
+                       preload == ["dynamo"])
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        for (i, variant), run in zip(order, pool.map(launch, order), strict=True):
+        for (i, variant), run in zip(order, pool.map(start_job, order), strict=True):
             _count(rows[variant], run, args.fail_rank, f"{variant} run {i}")
             if variant == variants[-1] and (i + 1) % 25 == 0:
                 print(f"after {i + 1} rounds:", *table(rows, i + 1)[2:], sep="\n",

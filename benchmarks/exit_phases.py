@@ -20,7 +20,6 @@ process of ``--runs`` launches:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -52,32 +51,23 @@ def _process(proc: subprocess.Popen[str]) -> tuple[int, dict[str, float], float]
     return proc.returncode, marks, ended
 
 
-def launch(variant: str, tp: int) -> list[tuple[float, float, float]]:
+def phases(variant: str, tp: int) -> list[tuple[float, float, float]]:
     """One launch of ``variant``: each process's three phases in seconds."""
     work, start, error = variant.split("/")
-    env = dict(os.environ, WORLD_SIZE=str(tp), LOCAL_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(exit_loop._free_port()), EXIT_LOOP_FAIL_RANK="-1",
-               EXIT_LOOP_FAIL_HOW="raise", EXIT_LOOP_ERROR=error, EXIT_LOOP_WORK=work,
-               OMP_NUM_THREADS="1",
-               # the control's analogue of a torchtp-started group (exit_loop.one_run)
-               EXIT_LOOP_START="none" if work.endswith("control") and start == "torchtp"
-               else start)
     with tempfile.TemporaryDirectory(prefix="exit_phases-") as tmp:
-        env["EXIT_LOOP_DIR"] = os.path.join(tmp, "saved")
-        procs = [subprocess.Popen([sys.executable, "-c", SCRIPT],
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                 for r in range(tp)]
+        procs = exit_loop.launch(SCRIPT, tp, tmp, subprocess.DEVNULL, EXIT_LOOP_FAIL_RANK="-1",
+                                 EXIT_LOOP_FAIL_HOW="raise", EXIT_LOOP_START=start,
+                                 EXIT_LOOP_ERROR=error, EXIT_LOOP_WORK=work)
         with ThreadPoolExecutor(tp) as pool:
             results = list(pool.map(_process, procs))
-    phases = []
+    out = []
     for code, marks, ended in results:
         if code != 0:
             raise RuntimeError(f"{variant}: a process exited with {code}")
         destroyed = marks.get("DESTROYED", marks["END"])
-        phases.append((destroyed - marks["END"], marks["LASTATEXIT"] - destroyed,
-                       ended - marks["LASTATEXIT"]))
-    return phases
+        out.append((destroyed - marks["END"], marks["LASTATEXIT"] - destroyed,
+                    ended - marks["LASTATEXIT"]))
+    return out
 
 
 def main() -> None:
@@ -89,7 +79,7 @@ def main() -> None:
     print("| variant | " + " | ".join(f"{p} (median / max s)" for p in PHASES) + " |")
     print("|---|" + "---:|" * len(PHASES))
     for variant in args.variants:
-        rows = [p for _ in range(args.runs) for p in launch(variant, args.tp)]
+        rows = [p for _ in range(args.runs) for p in phases(variant, args.tp)]
         cells = [f"{statistics.median(col):.3f} / {max(col):.3f}" for col in zip(*rows, strict=True)]
         print(f"| {variant} | " + " | ".join(cells) + " |")
 
