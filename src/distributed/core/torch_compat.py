@@ -27,7 +27,7 @@ from torch import nn
 # ``dist.destroy_process_group()`` (about 10 references that no garbage collection
 # reaches), so it is freed only at interpreter shutdown, where Gloo's worker can abort
 # the process (decision 148). torch imports dynamo lazily, at an optimizer's first
-# step or with transformers, usually after the script started its group.
+# step or when a transformers model is built, usually after the script started its group.
 # Checked: torch 2.13.0 (decision 157).
 
 CHECKED_TORCH = ("2.13.0", "2.14.1")
