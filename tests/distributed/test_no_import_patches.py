@@ -112,25 +112,47 @@ print("peft" in sys.modules)
     assert _run(code)[-1] == "False", "wrapping a model without PEFT layers imported peft"
 
 
+def test_importing_and_wrapping_load_no_compiler() -> None:
+    """torch._dynamo (and sympy with it) cost ~1 s of import and 0.3 s of every exit; DTensor too."""
+    code = """
+import sys
+import torch
+import torchtp
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+
+torchtp.DistributedModelWrapper(mlp(), world_size=2, rank=0)
+wrapped = torchtp.DistributedModelWrapper(mlp(), world_size=1, rank=0)
+wrapped(torch.randn(2, 8)).sum().backward()
+print(sorted(m for m in ("torch._dynamo", "sympy", "torch.distributed.tensor") if m in sys.modules))
+"""
+    assert _run(code)[-1] == "[]", "importing or wrapping imported torch's compiler"
+
+
 def test_a_group_started_after_import_is_freed_at_destroy_after_an_optimizer_step(
         tmp_path: Path) -> None:
-    """torch 2.13 keeps a group alive past its destroy when torch._dynamo is first imported
-    while it exists (an optimizer's first step imports it); torchtp loads it first."""
+    """torch 2.13's ``torch.distributed.nn.functional`` captures the group that exists when it
+    is first imported (an optimizer's first step imports it with dynamo, so does FSDP) in
+    its default arguments; torchtp imports it before any group (decision 157)."""
     code = f"""
+import sys
 import weakref
 import torch
 import torch.distributed as dist
 import torchtp
 
+loaded = "torch._dynamo" in sys.modules
 dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
 ref = weakref.ref(dist.group.WORLD)
 param = torch.nn.Parameter(torch.ones(3))
 param.grad = torch.ones(3)
 torch.optim.SGD([param], lr=0.1).step()
+import torch.distributed.fsdp
 dist.destroy_process_group()
-print(ref() is None)
+print(loaded, "torch._dynamo" in sys.modules, ref() is None)
 """
-    assert _run(code)[-1] == "True", "the group outlived destroy_process_group()"
+    assert _run(code)[-1] == "False True True", "the group outlived destroy_process_group()"
 
 
 def test_accelerate_imported_after_a_wrap_is_guarded() -> None:

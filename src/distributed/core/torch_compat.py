@@ -19,20 +19,25 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import torch
-import torch._dynamo  # loaded up front: see the comment below
+import torch.distributed.nn.functional  # imported up front: see the comment below
 from torch import nn
 
-# Loaded with torchtp, before the script starts its process group. torch 2.13:
-# importing torch._dynamo while a process group exists keeps that group alive past
-# ``dist.destroy_process_group()`` (about 10 references that no garbage collection
-# reaches), so it is freed only at interpreter shutdown, where Gloo's worker can abort
-# the process (decision 148). torch imports dynamo lazily, at an optimizer's first
-# step or when a transformers model is built, usually after the script started its group.
+# Imported with torchtp, before the script starts its process group. torch 2.13:
+# ``torch.distributed.nn.functional`` evaluates ``group.WORLD`` in the default
+# arguments of its functions when it is imported, so imported while a process group
+# exists, its ten defaults keep that group alive past ``dist.destroy_process_group()``
+# (C++ objects in tuples that the garbage collector does not track), to interpreter
+# shutdown, where Gloo's worker can abort the process (decision 148). torch imports it
+# lazily with dynamo (an optimizer's first step, a transformers model, torch.compile),
+# FSDP and sharded tensors, usually after the script started its group. Imported
+# before any group, the defaults are ``None``: the group current at the call, as
+# torch means. It costs 9 small modules; dynamo itself stays lazy.
 # Checked: torch 2.13.0 (decision 157).
 
 CHECKED_TORCH = ("2.13.0", "2.14.1")
 
 M = TypeVar("M", bound=nn.Module)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) -> None:
@@ -214,6 +219,31 @@ def implicit_replication() -> AbstractContextManager[None]:
     from torch.distributed.tensor.experimental import implicit_replication as replicate
 
     return replicate()
+
+
+def eager_when_compiled(fn: F) -> F:
+    """``fn`` as is, except that inside ``torch.compile`` it runs eagerly (never traced).
+
+    What ``@torch.compiler.disable`` does, without importing dynamo when the
+    decorated module is imported: ``torch.compiler.disable`` imports
+    ``torch._dynamo`` (and sympy with it), about 1 s of every ``import torchtp``
+    and 0.3 s of every process exit spent tearing those modules down, for
+    users who never compile. Here the disabled function is made on the first
+    call under tracing (dynamo is loaded by then): that trace graph-breaks
+    once more, at the ``disable`` call itself.
+    Checked: torch 2.13.0.
+    """
+    disabled: list[F] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def is_view(tensor: torch.Tensor) -> bool:

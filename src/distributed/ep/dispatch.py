@@ -39,6 +39,7 @@ import torch
 from ..comm import ops as _comm
 from ..comm.regions import gather_from_tensor_parallel_region, scatter_to_tensor_parallel_region
 from ..comm.runtime import ProcessGroup
+from ..core import torch_compat as _torch_compat
 from ..core.errors import RankMismatchError
 from ..core.layouts import shard_range, shard_sizes
 from .all_to_all import all_to_all_rows
@@ -51,7 +52,7 @@ DISPATCH: tuple[Dispatch, ...] = ("auto", "all_reduce", "all_to_all")
 # Eager even inside torch.compile: the counts are data (read on the host), and traced
 # through dynamo with its all-to-alls this path gave wrong gradients upstream of the
 # layer (aot_eager, torch 2.13) while its outputs were right; test_moe_compositions.
-@torch.compiler.disable
+@_torch_compat.eager_when_compiled
 def dispatch_combine(module: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                      run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
                      ) -> torch.Tensor:

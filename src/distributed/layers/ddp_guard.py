@@ -20,6 +20,7 @@ was sharded is refused at its first forward into the model (:func:`check_active_
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -151,10 +152,13 @@ def check_fsdp(model: nn.Module, tp: ProcessGroup | None) -> None:
         ValueError: the FSDP mesh contains TP peers (it would cut and gather
             different shards as if they were one tensor).
     """
-    from torch.distributed.tensor import DTensor
-
+    # Not imported means no DTensor exists; importing it would cost ~1 s (sympy) and
+    # as much again at exit, for every user who never applies FSDP2.
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
+        return
     meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters()
-              if isinstance(p, DTensor)}
+              if isinstance(p, dtensor)}
     if not meshes or tp is None or dist.get_world_size(tp) == 1:
         return
     tp_ranks = set(dist.get_process_group_ranks(tp))

@@ -29,6 +29,7 @@ from torch import nn
 from ..comm import ops as _comm
 from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup
+from ..core import torch_compat as _torch_compat
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def _unhooked(module: nn.Module) -> bool:
     return False
 
 
-@torch.compiler.disable
+@_torch_compat.eager_when_compiled
 def _hook_parameters_eagerly(module: nn.Module) -> None:
     _hook_parameters(module)
 
