@@ -37,9 +37,9 @@ plain control of the same ``start``; for the HF jobs, ``hfcontrol``).
         [--load N] [--jobs J] [--tp 2]
 
 A variant may end in ``/dynamo`` (``hfcontrol/dist/none/dynamo``): its script
-imports ``torch._dynamo`` before the group starts, as ``import torchtp`` does
-(decision 157: imported while a group exists, it keeps the group alive past its
-destroy).
+imports ``torch._dynamo`` before the group starts (decision 157: dynamo imports
+``torch.distributed.nn.functional``, which, imported while a group exists, keeps
+the group alive past its destroy; ``import torchtp`` imports that module alone).
 
 ``--load N`` starts N busy-loop processes beside the runs (a loaded node);
 ``--jobs J`` runs J launches at a time.
