@@ -68,3 +68,25 @@ def _ddp_compiled_training(x: torch.Tensor) -> None:
 
 def test_fullgraph_compile_matches_eager(ranks):
     assert ranks(_compiled, 2, timeout=300) == ["ok", "ok"]
+
+
+def test_eager_when_compiled_runs_eagerly_and_never_recompiles():
+    """A function torchtp keeps out of compiled graphs (the MoE dispatch, the gradient
+    sync's hooks) runs eagerly inside ``torch.compile`` and leaves nothing for dynamo's
+    guards to see change: a second call does not recompile (``fail_on_recompile``)."""
+    from torchtp.core.torch_compat import eager_when_compiled
+
+    seen: list[bool] = []
+
+    @eager_when_compiled
+    def host_side(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.compiler.is_compiling())  # False: not traced
+        return x * 2
+
+    compiled = torch.compile(lambda x: host_side(x + 1) - 1, backend="eager")
+    x = torch.randn(4)
+    torch.testing.assert_close(compiled(x), (x + 1) * 2 - 1)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), (x + 1) * 2 - 1)
+    assert seen == [False, False, False]

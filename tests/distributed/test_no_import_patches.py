@@ -123,6 +123,9 @@ def mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
 
 torchtp.DistributedModelWrapper(mlp(), world_size=2, rank=0)
+# The FSDP2 check a forward at tp > 1 runs (on a tp-1 wrap it does not run)
+from torchtp.layers.ddp_guard import check_fsdp
+check_fsdp(mlp(), None)
 wrapped = torchtp.DistributedModelWrapper(mlp(), world_size=1, rank=0)
 wrapped(torch.randn(2, 8)).sum().backward()
 print(sorted(m for m in ("torch._dynamo", "sympy", "torch.distributed.tensor") if m in sys.modules))
