@@ -42,9 +42,9 @@ from .layers import (
     layouts_of,
 )
 from .layers.loss import vocab_parallel_cross_entropy
+from .layers.rng import manual_seed
 from .sp import style as _sp_style  # noqa: F401 - registers the sequence-parallel style
 from .training.clip import clip_grad_norm_, grad_norm
-from .training.rng import manual_seed
 from .wrap.wrapper import DistributedModelWrapper
 
 configure_from_env()

@@ -130,11 +130,11 @@ def _train_replicated(cfg: Any, kind: str) -> list[float]:
 def _streams(cfg: Any) -> list[float]:
     """One draw from each stream of ``torchtp.manual_seed(7)`` on this rank: shared, local."""
     import torchtp
-    from torchtp.training import rng
+    from torchtp.layers import rng
 
     torchtp.manual_seed(7)
     draws = []
-    for state in (rng._TRACKER.shared, rng._TRACKER.local):
+    for state in (rng.TRACKER.shared, rng.TRACKER.local):
         saved = torch.get_rng_state()
         assert state is not None
         torch.set_rng_state(state[0])

@@ -84,6 +84,12 @@ def _misuse() -> list[str]:
     sharded = fully_shard(torchtp.DistributedModelWrapper(build("llama")), mesh=world)
     msgs.append(_raises(lambda: sharded(input_ids=ids),
                         r"FSDP's mesh \[0, 1, 2, 3\] contains tensor-parallel peers"))
+    # Sharded after a forward: the wrapper noticed FSDP2's new parameter objects
+    used = torchtp.DistributedModelWrapper(build("llama"))
+    used(input_ids=ids)
+    used = fully_shard(used, mesh=world)
+    msgs.append(_raises(lambda: used(input_ids=ids),
+                        r"FSDP's mesh \[0, 1, 2, 3\] contains tensor-parallel peers"))
     return msgs
 
 
@@ -314,9 +320,20 @@ def _logits(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
+def _lora_on_rowwise(model: nn.Module) -> nn.Module:
+    """LoRA (with its own dropout) on deep_mlp's weight-column-split layers ("rowwise"),
+    whose LoRA forward computes the partial sum itself instead of calling the layer."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    return get_peft_model(model, LoraConfig(r=2, target_modules=r".*0\.(3|5\.2)",
+                                            lora_dropout=0.3, init_lora_weights="gaussian"))
+
+
 def rng_streams(rank: int, world_size: int) -> list[bool]:
-    """Dropout everywhere (GPT-2: embedding, attention probs, residual), different RNG states."""
-    from torchtp.training import rng
+    """Dropout everywhere (GPT-2: embedding, attention probs, residual), different RNG states;
+    a replicated dropout after LoRA'd weight-column-split layers."""
+    from torchtp.layers import rng
 
     from ._models import deep_mlp
 
@@ -324,16 +341,25 @@ def rng_streams(rank: int, world_size: int) -> list[bool]:
     results = []
     for model, inputs in ((build("gpt2", resid_pdrop=0.3, attn_pdrop=0.3, embd_pdrop=0.3),
                            {"input_ids": _batch()}),
-                          (nn.Sequential(deep_mlp(), nn.Dropout(0.5)), (torch.randn(4, 16),))):
+                          (nn.Sequential(deep_mlp(), nn.Dropout(0.5)), (torch.randn(4, 16),)),
+                          (_lora_on_rowwise(nn.Sequential(deep_mlp(), nn.Dropout(0.5))),
+                           (torch.randn(4, 16),))):
         wrapped = torchtp.DistributedModelWrapper(model.train())
         torch.manual_seed(100 + rank)  # every rank's own RNG state differs from here on
         before = torch.get_rng_state()
         args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+        local = rng.TRACKER.local
+        assert local is not None
         out = _logits(wrapped(*args, **kwargs))
         assert torch.equal(torch.get_rng_state(), before)  # the user's stream is untouched
+        # Dropout inside the split regions (attention probabilities, deep_mlp's first pair)
+        # drew from the local stream
+        assert rng.TRACKER.local is not None
+        assert not torch.equal(rng.TRACKER.local[0], local[0])
         out.square().mean().backward()
-        replicated = [p.grad for n, p in wrapped.named_parameters()
-                      if "ln" in n or "norm" in n or n.endswith("4.weight")]
+        # LoRA: only the adapters train; B of a weight-column-split layer is replicated
+        replicated = [p.grad for n, p in wrapped.named_parameters() if p.grad is not None
+                      and ("ln" in n or "norm" in n or n.endswith("4.weight") or "lora_B" in n)]
         assert replicated
         results.append(_same_on_every_rank(out) and all(map(_same_on_every_rank, replicated)))
         torchtp.manual_seed(7)
@@ -342,7 +368,7 @@ def rng_streams(rank: int, world_size: int) -> list[bool]:
         torchtp.manual_seed(7)
         again = _logits(wrapped(*args, **kwargs))
         results.append(torch.equal(first, again) and not torch.equal(first, later))
-    local = rng._TRACKER.local
+    local = rng.TRACKER.local
     assert local is not None
     results.append(not _same_on_every_rank(local[0]))  # sharded regions: per-rank stream
     return results

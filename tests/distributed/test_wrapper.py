@@ -294,7 +294,7 @@ def test_tp1_plan_resolved_after_peft_sees_the_base_layers():
 def _wrap_on_a_subgroup_then_the_world(rank: int, world_size: int) -> list[float]:
     import torch.distributed as dist
 
-    from torchtp.training import rng
+    from torchtp.layers import rng
 
     pair = dist.new_group([0, 1])  # every rank creates it; only 0 and 1 wrap on it first
     if rank < 2:
@@ -305,8 +305,8 @@ def _wrap_on_a_subgroup_then_the_world(rank: int, world_size: int) -> list[float
     torch.manual_seed(10 + rank)
     DistributedModelWrapper(second, group=dist.group.WORLD)
     saved = torch.get_rng_state()
-    assert rng._TRACKER.shared is not None
-    torch.set_rng_state(rng._TRACKER.shared[0])
+    assert rng.TRACKER.shared is not None
+    torch.set_rng_state(rng.TRACKER.shared[0])
     draw = float(torch.rand(()))
     torch.set_rng_state(saved)
     return [draw]

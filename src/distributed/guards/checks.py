@@ -20,9 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.devices import device_mismatch
-from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..layers import ColumnParallelLinear, RowParallelLinear, rng
 from ..plans import ResolvedPlan, ShardContext
-from ..training import rng
 from .agreement import agree as agree_across
 from .fingerprints import tensor_digest
 

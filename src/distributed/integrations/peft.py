@@ -56,6 +56,7 @@ from ..layers._base import require_group
 from ..layers._shape import input_mismatch
 from ..layers.grad_sync import GradSync
 from ..layers.owned import ShardedModule, layouts_of
+from ..layers.rng import TRACKER, split_region_ends
 
 PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
 # Initialisations PEFT draws without reading the base weight (PiSSA, OLoRA,
@@ -150,6 +151,8 @@ class TensorParallelLoraLinear(LoraLinear):
             raise rank_local_error(group, input_mismatch(base, x, expected))  # type: ignore[arg-type]
         if not base.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
+        elif TRACKER.depth and base.training:  # as the base's forward: the split region ends
+            split_region_ends()
         partial = F.linear(x, base.weight)  # (..., out), this rank's partial sum
         for name in active:
             a: Any = self.lora_A[name]

@@ -1,7 +1,9 @@
 """Parallel layers (Linear names follow the weight layout ``(out_features, in_features)``).
 
 Every parallel layer owns the layouts of its parameters (which slice of the
-full tensor it holds); read them with :func:`layouts_of`.
+full tensor it holds); read them with :func:`layouts_of`. The model-parallel
+RNG streams (``rng``) live here too: the layers switch them where a split
+region begins and ends.
 
 Layer 2. May import: ``core``, ``comm``.
 """

@@ -21,6 +21,7 @@ from ._base import require_group
 from ._shape import input_mismatch
 from .linear_reduce_scatter import linear_reduce_scatter
 from .parallel_linear import ParallelLinear
+from .rng import TRACKER, split_region_ends
 
 _GROUP = slot("group")  # where ParallelLinear's WeakGroup keeps its weak reference
 
@@ -171,6 +172,8 @@ class ColumnParallelLinear(ParallelLinear):
             group = require_group(self._name, group, self.world_size)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
+        elif TRACKER.depth and self.training:  # the split region ends (see layers/rng.py)
+            split_region_ends()
         if self.sequence_dim is not None and not self.partial_output \
                 and not torch.compiler.is_compiling() \
                 and _overlap.enabled("sequence", self.overlap, x.device):

@@ -169,3 +169,32 @@ def check_fsdp(model: nn.Module, tp: ProcessGroup | None) -> None:
                 f"FSDP's mesh {mesh.mesh.tolist()} contains tensor-parallel peers "
                 f"{sorted(shared)}, which hold different shards; shard with "
                 "fully_shard(module, mesh=cfg.mesh['dp']) from init_tensor_parallel(tp_size=...)")
+
+
+
+# Where a model's first parameter sits: its module's parameter dict, its name there, the
+# parameter. Kept by the caller, it tells with one dict look-up whether the slot still
+# holds the same object, i.e. whether FSDP2 may have replaced the parameters since.
+ParamSlot = tuple[dict[str, nn.Parameter | None], str, nn.Parameter]
+
+
+def check_fsdp_if_new(model: nn.Module, tp: ProcessGroup | None,
+                      last: ParamSlot | None) -> ParamSlot | None:
+    """Run :func:`check_fsdp` unless ``model``'s first parameter is ``last``'s; its slot now.
+
+    The wrapper calls it before a forward once ``last`` no longer holds its
+    parameter (FSDP2's ``fully_shard`` replaces parameter objects): a forward
+    whose first parameter is the one checked last pays no walk over
+    ``model.parameters()``.
+
+    Raises:
+        ValueError: as :func:`check_fsdp`; raised again at every forward until fixed.
+    """
+    named = next(model.named_parameters(), None)
+    if named is None:
+        return None
+    name, param = named
+    if last is None or param is not last[2]:
+        check_fsdp(model, tp)
+    owner, _, leaf = name.rpartition(".")
+    return _torch_compat.parameter_slots(model.get_submodule(owner)), leaf, param

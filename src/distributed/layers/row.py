@@ -20,6 +20,7 @@ from ._base import require_group
 from ._shape import input_mismatch
 from .linear_grad_reduce import linear_reducing_input_grad
 from .parallel_linear import ParallelLinear
+from .rng import TRACKER, split_region_begins
 from .sequence_linear import linear_on_gathered
 
 _GROUP = slot("group")  # where ParallelLinear's WeakGroup keeps its weak reference
@@ -175,6 +176,8 @@ class RowParallelLinear(ParallelLinear):
         if self.gather_output:
             group = require_group(self._name, group, self.world_size)
             y = gather_from_tensor_parallel_region(y, group, -1, self.out_features)  # (..., out)
+        elif TRACKER.depth and self.training:  # a split region begins (see layers/rng.py)
+            split_region_begins()
         return y
 
     def extra_repr(self) -> str:

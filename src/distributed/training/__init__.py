@@ -1,6 +1,7 @@
 """Layer 7, training features: gradient clipping over the TP group (``clip``),
-RNG streams for dropout (``rng``), the wrapper's loss and sequence
-parallelism options (``options``).
+the wrapper's loss and sequence parallelism options (``options``). The RNG
+streams for dropout are the layers' (``torchtp.layers.rng``): the layers
+switch them.
 
 May import: ``core``, ``comm``, ``layers``, ``plans``, ``ep``, ``hf``, ``sp``,
 ``guards``.

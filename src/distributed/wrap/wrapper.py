@@ -21,11 +21,11 @@ from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_gro
 from ..core.torch_compat import registered_child
 from ..ep.dispatch import Dispatch
 from ..guards import checks, forward_door, forward_guard, input_check, step_check
-from ..layers.ddp_guard import check_fsdp
+from ..layers import rng
+from ..layers.ddp_guard import check_fsdp_if_new
 from ..layers.parallel_linear import ParallelLinear
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.resolve import AUTO, PlanArg
-from ..training import rng
 from ..training.options import Options
 from . import frameworks
 from . import tp as tp_step
@@ -172,6 +172,7 @@ class DistributedModelWrapper(nn.Module):
             self.base_model = model
             self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
             self.__dict__["_resolved"] = resolved
+            self.__dict__["_fsdp_slot"] = None  # see __call__
             # What the ranks agreed on, weights' digests included: saved shards record a
             # digest of it (shard_identity.origin), computed when a state dict is taken.
             self.__dict__["_wrap_fingerprint"] = fingerprint
@@ -242,15 +243,14 @@ class DistributedModelWrapper(nn.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Before the module's hooks: FSDP2's pre-forward hook would replace the
         # sharded DTensor parameters that the composition check looks at.
-        if not torch.compiler.is_compiling():
-            first = next(self.base_model.parameters(), None)
-            if self.world_size > 1 and first is not None \
-                    and id(first) != self.__dict__.get("_checked_param"):
-                # FSDP2 over TP peers; one rank has no peers to mix up
-                check_fsdp(self.base_model, self.group)
-                self.__dict__["_checked_param"] = id(first)
-            if self.training and self.world_size > 1:
-                # Replicated regions draw from the TP group's shared stream (see training/rng.py).
+        # One rank has no peers to mix up: nothing to check or switch at tp 1.
+        if self.world_size > 1 and not torch.compiler.is_compiling():
+            # FSDP2 over TP peers, checked when the first parameter object was replaced
+            slot = self.__dict__["_fsdp_slot"]
+            if slot is None or slot[0].get(slot[1]) is not slot[2]:
+                self.__dict__["_fsdp_slot"] = check_fsdp_if_new(self.base_model, self.group, slot)
+            if self.training:
+                # Replicated regions draw from the TP group's shared stream (see layers/rng.py).
                 rng.enter_model()
                 try:
                     return super().__call__(*args, **kwargs)
@@ -265,9 +265,6 @@ class DistributedModelWrapper(nn.Module):
         forward in training mode raises when the model has active dropout.
         """
         super().train(mode)
-        if self.world_size > 1 and self.__dict__.get("_streams_hooked") != mode:
-            rng.hook_streams(self.base_model, mode)  # the layers switch streams in training only
-            self.__dict__["_streams_hooked"] = mode
         site = rng.dropout_site(self.base_model) if mode and self.world_size > 1 else None
         self.__dict__["_dropout_site"] = site
         return self

@@ -14,10 +14,13 @@ Two streams per process, each a saved generator state:
 A wrapped model in training mode runs its forward with the default
 generator set to the shared stream (the user's own generator state is put
 back afterwards, so whatever each rank's RNG state was does not matter);
-forward hooks switch to the local stream where a split output leaves a
-``RowParallelLinear`` and back where a ``ColumnParallelLinear`` reads it.
-The hooks are on the layers only while the wrapper is in training mode
-(:func:`hook_streams`), so an eval-mode forward pays nothing for them.
+the layers themselves switch to the local stream where a split output
+leaves a ``RowParallelLinear`` (:func:`split_region_begins`) and back where
+a ``ColumnParallelLinear`` reads it (:func:`split_region_ends`). They switch
+inline, after checking ``TRACKER.depth`` and their mode without a call,
+rather than from forward hooks: a hooked module takes ``nn.Module``'s slow
+call path, about seven Python calls per layer and forward. An eval-mode
+forward, or a layer used outside a wrapped model, switches nothing.
 Eager mode only: under ``torch.compile`` the streams are not switched, so a
 compiled wrapped model in training mode with active dropout raises
 (:func:`dropout_site`, checked by the wrapper) instead of drawing different
@@ -38,36 +41,84 @@ from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_rank,
 LOCAL_OFFSET = 2718  # Megatron's offset of the tensor-parallel seed
 STAGE_OFFSET = 100  # Megatron's offset per pipeline stage
 
+State = tuple[torch.Tensor, "torch.Tensor | None"]  # the CPU generator's, CUDA's if initialized
 
-def _get_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+# torch.get_rng_state() / set_rng_state() are these two calls behind a Python wrapper; the
+# streams switch up to four times per training forward, so they are called directly.
+_CPU = torch.default_generator
+
+
+def get_state() -> State:
+    """The default generators' states (CPU, and CUDA's once CUDA is initialized)."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+    return _CPU.get_state(), cuda
 
 
-def _set_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
+def set_state(state: State) -> None:
+    """Set the default generators to ``state`` (from :func:`get_state`)."""
+    _CPU.set_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1])
 
 
-def _seeded(seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    saved = _get_state()
-    torch.manual_seed(seed)
-    state = _get_state()
-    _set_state(saved)
-    return state
-
-
 @dataclass
-class _Tracker:
-    shared: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    local: tuple[torch.Tensor, torch.Tensor | None] | None = None
+class Tracker:
+    """This process's streams: each a saved generator state, and which one is active."""
+
+    shared: State | None = None  # identical on every rank of a TP group
+    local: State | None = None  # different per TP rank
     in_local: bool = False
-    depth: int = 0
-    user: list[Any] = field(default_factory=list)
+    depth: int = 0  # wrapped training forwards running (nested: a model inside a model)
+    user: list[Any] = field(default_factory=list)  # the caller's states, put back at the end
 
 
-_TRACKER = _Tracker()
+TRACKER = Tracker()
+
+
+def to_local() -> None:
+    """Default generator := this rank's local stream (the shared one saved)."""
+    if not TRACKER.in_local:
+        TRACKER.shared = get_state()
+        assert TRACKER.local is not None
+        set_state(TRACKER.local)
+        TRACKER.in_local = True
+
+
+def to_shared() -> None:
+    """Default generator := the shared stream (the local one saved)."""
+    if TRACKER.in_local:
+        TRACKER.local = get_state()
+        assert TRACKER.shared is not None
+        set_state(TRACKER.shared)
+        TRACKER.in_local = False
+
+
+def split_region_begins() -> None:
+    """A layer's output stays split: what follows draws from this rank's local stream.
+
+    Called by a ``RowParallelLinear`` in training mode inside a wrapped
+    model's training forward (``TRACKER.depth > 0``), which it checks itself.
+    """
+    if not torch.compiler.is_compiling():
+        to_local()
+
+
+def split_region_ends() -> None:
+    """A layer reads split input: it and what follows draw from the shared stream again.
+
+    Called as :func:`split_region_begins`, by a ``ColumnParallelLinear`` that
+    reads input shards.
+    """
+    if not torch.compiler.is_compiling():
+        to_shared()
+
+
+def _seeded(seed: int) -> State:
+    saved = get_state()
+    torch.manual_seed(seed)
+    state = get_state()
+    set_state(saved)
+    return state
 
 
 def manual_seed(seed: int, stage: int | None = None) -> None:
@@ -86,8 +137,8 @@ def manual_seed(seed: int, stage: int | None = None) -> None:
     cfg = get_tensor_parallel_config()
     own = seed + STAGE_OFFSET * (cfg.pp_rank if stage is None else stage)
     torch.manual_seed(own)
-    _TRACKER.shared = _get_state()
-    _TRACKER.local = _seeded(own + LOCAL_OFFSET + cfg.rank)
+    TRACKER.shared = get_state()
+    TRACKER.local = _seeded(own + LOCAL_OFFSET + cfg.rank)
 
 
 def sync(group: ProcessGroup | None) -> None:
@@ -101,9 +152,9 @@ def sync(group: ProcessGroup | None) -> None:
     stream (TP rank 0's generator when none started) and a local stream
     seeded from that rank's seed and their own TP rank.
     """
-    started = _TRACKER.shared is not None
+    started = TRACKER.shared is not None
     seed = torch.initial_seed()
-    state = _TRACKER.shared if started else _get_state()
+    state = TRACKER.shared if started else get_state()
     assert state is not None
     if group is not None and group_size(group) > 1:
         everyone = all_gather_object((started, seed, state), group, "the RNG sync")
@@ -111,84 +162,27 @@ def sync(group: ProcessGroup | None) -> None:
                            (everyone[0][1], everyone[0][2]))
     if started:
         return
-    _TRACKER.shared = (state[0].clone(), None if state[1] is None else state[1].clone())
-    _TRACKER.local = _seeded(seed + LOCAL_OFFSET + group_rank(group))
-
-
-def _active(module: nn.Module) -> bool:
-    return module.training and _TRACKER.depth > 0 and not torch.compiler.is_compiling()
+    TRACKER.shared = (state[0].clone(), None if state[1] is None else state[1].clone())
+    TRACKER.local = _seeded(seed + LOCAL_OFFSET + group_rank(group))
 
 
 def enter_model() -> None:
     """Forward of a wrapped model starts: default generator := shared stream."""
-    if _TRACKER.depth == 0:
-        _TRACKER.user.append(_get_state())
-        assert _TRACKER.shared is not None
-        _set_state(_TRACKER.shared)
-    _TRACKER.depth += 1
+    if TRACKER.depth == 0:
+        TRACKER.user.append(get_state())
+        assert TRACKER.shared is not None
+        set_state(TRACKER.shared)
+    TRACKER.depth += 1
 
 
 def exit_model() -> None:
     """Forward ends: remember the streams, give the user back their generator state."""
-    _TRACKER.depth -= 1
-    if _TRACKER.depth:
+    TRACKER.depth -= 1
+    if TRACKER.depth:
         return
-    _to_shared()
-    _TRACKER.shared = _get_state()
-    _set_state(_TRACKER.user.pop())
-
-
-def _to_local() -> None:
-    if not _TRACKER.in_local:
-        _TRACKER.shared = _get_state()
-        assert _TRACKER.local is not None
-        _set_state(_TRACKER.local)
-        _TRACKER.in_local = True
-
-
-def _to_shared() -> None:
-    if _TRACKER.in_local:
-        _TRACKER.local = _get_state()
-        assert _TRACKER.shared is not None
-        _set_state(_TRACKER.shared)
-        _TRACKER.in_local = False
-
-
-def _after_split_output(module: nn.Module, args: Any, output: Any) -> None:
-    if _active(module):
-        _to_local()
-
-
-def _before_split_input(module: nn.Module, args: Any) -> None:
-    if _active(module):
-        _to_shared()
-
-
-def hook_streams(model: nn.Module, training: bool) -> None:
-    """Hook the parallel layers that open and close sharded regions, or unhook them.
-
-    The wrapper calls it from ``train(mode)``: the hooks only act inside a
-    wrapped model's training-mode forward, so an eval-mode model carries
-    none and its layers take ``nn.Module``'s hook-free call path. Idempotent.
-    """
-    from ..layers import ColumnParallelLinear, RowParallelLinear
-
-    for mod in model.modules():
-        handle = mod.__dict__.get("_torchtp_rng_hook")
-        if not training:
-            if handle is not None:
-                handle.remove()
-                del mod.__dict__["_torchtp_rng_hook"]
-            continue
-        if handle is not None:
-            continue
-        if isinstance(mod, RowParallelLinear) and not mod.gather_output:
-            handle = mod.register_forward_hook(_after_split_output)
-        elif isinstance(mod, ColumnParallelLinear) and mod.input_is_parallel:
-            handle = mod.register_forward_pre_hook(_before_split_input)
-        else:
-            continue
-        mod.__dict__["_torchtp_rng_hook"] = handle
+    to_shared()
+    TRACKER.shared = get_state()
+    set_state(TRACKER.user.pop())
 
 
 _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
