@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm import ops as _comm
@@ -98,8 +97,11 @@ class InputCheck:
         self.forwards, self.period = 0, step_check.period_from_env()
 
     def before(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Hash the inputs; the hash rides the group's next collective."""
-        if not _logging.CHECK_INPUTS or not dist.is_initialized():
+        """Hash the inputs; the hash rides the group's next collective.
+
+        Called by the forward door once it saw a process group running.
+        """
+        if not _logging.CHECK_INPUTS:
             return
         self.pending = None
         # Earlier forwards whose hashes travelled since (a backward's all-reduce carried
