@@ -7,6 +7,7 @@ seed), so the reference never comes from the shard under test.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -320,14 +321,26 @@ def _logits(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def _lora_on_rowwise(model: nn.Module) -> nn.Module:
-    """LoRA (with its own dropout) on deep_mlp's weight-column-split layers ("rowwise"),
-    whose LoRA forward computes the partial sum itself instead of calling the layer."""
+def _lora_on_pairs(model: nn.Module) -> nn.Module:
+    """LoRA (with its own dropout) on both layers of deep_mlp's pairs: on the weight-row-split
+    ("colwise") ones its dropout reads the replicated input, the second after a split region
+    opened (0.5.0 after 0.0's); on the weight-column-split ("rowwise") ones the LoRA forward
+    computes the partial sum itself instead of calling the layer."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(5)
-    return get_peft_model(model, LoraConfig(r=2, target_modules=r".*0\.(3|5\.2)",
-                                            lora_dropout=0.3, init_lora_weights="gaussian"))
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=r".*0\.(0|3|5\.0|5\.2)",
+                                             lora_dropout=0.3, init_lora_weights="gaussian"))
+    with torch.no_grad():  # B starts at zero: A's gradient would be zero, whatever the masks
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    return model
+
+
+# Replicated parameters of the models below: norms, the unpaired head, LoRA's B on the
+# weight-column-split layers and LoRA's A on the weight-row-split ones.
+_REPLICATED = re.compile(r"ln|norm|4\.weight$|0\.(3|5\.2)\.lora_B|0\.(0|5\.0)\.lora_A")
 
 
 def rng_streams(rank: int, world_size: int) -> list[bool]:
@@ -342,7 +355,7 @@ def rng_streams(rank: int, world_size: int) -> list[bool]:
     for model, inputs in ((build("gpt2", resid_pdrop=0.3, attn_pdrop=0.3, embd_pdrop=0.3),
                            {"input_ids": _batch()}),
                           (nn.Sequential(deep_mlp(), nn.Dropout(0.5)), (torch.randn(4, 16),)),
-                          (_lora_on_rowwise(nn.Sequential(deep_mlp(), nn.Dropout(0.5))),
+                          (_lora_on_pairs(nn.Sequential(deep_mlp(), nn.Dropout(0.5))),
                            (torch.randn(4, 16),))):
         wrapped = torchtp.DistributedModelWrapper(model.train())
         torch.manual_seed(100 + rank)  # every rank's own RNG state differs from here on
@@ -359,8 +372,10 @@ def rng_streams(rank: int, world_size: int) -> list[bool]:
         out.square().mean().backward()
         # LoRA: only the adapters train; B of a weight-column-split layer is replicated
         replicated = [p.grad for n, p in wrapped.named_parameters() if p.grad is not None
-                      and ("ln" in n or "norm" in n or n.endswith("4.weight") or "lora_B" in n)]
+                      and _REPLICATED.search(n)]
         assert replicated
+        assert sum("lora" in n for n, p in wrapped.named_parameters()
+                   if p.grad is not None and _REPLICATED.search(n)) in (0, 4)
         results.append(_same_on_every_rank(out) and all(map(_same_on_every_rank, replicated)))
         torchtp.manual_seed(7)
         first = _logits(wrapped(*args, **kwargs))

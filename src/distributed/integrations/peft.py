@@ -56,7 +56,7 @@ from ..layers._base import require_group
 from ..layers._shape import input_mismatch
 from ..layers.grad_sync import GradSync
 from ..layers.owned import ShardedModule, layouts_of
-from ..layers.rng import TRACKER, split_region_ends
+from ..layers.rng import TRACKER, split_region_begins, split_region_ends
 
 PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
 # Initialisations PEFT draws without reading the base weight (PiSSA, OLoRA,
@@ -127,12 +127,21 @@ class TensorParallelLoraLinear(LoraLinear):
 
     def _forward_rows(self, base: Any, x: torch.Tensor, active: list[str],
                       group: Any) -> torch.Tensor:
+        # x is the same on every rank and A is replicated: LoRA's input dropout must drop
+        # the same features everywhere, so it draws from the shared stream, also after an
+        # earlier layer opened a split region (q_proj before k_proj; layers/rng.py).
+        local = TRACKER.depth and base.training and TRACKER.in_local
+        if local:
+            split_region_ends()
+        dropped = [self.lora_dropout[name](compat.peft_cast_input_dtype(
+            self, x, self.lora_A[name].weight.dtype)) for name in active]
+        if local:
+            split_region_begins()
         result = base(x)  # (..., out/tp), or (..., out) when the base gathers
-        for name in active:
+        for name, xa in zip(active, dropped, strict=True):
             a: Any = self.lora_A[name]
             b: Any = self.lora_B[name]
-            xa = compat.peft_cast_input_dtype(self, x, a.weight.dtype)
-            h = copy_to_tensor_parallel_region(a(self.lora_dropout[name](xa)), group)  # (..., r)
+            h = copy_to_tensor_parallel_region(a(xa), group)  # (..., r)
             delta = b(h) * self.scaling[name]  # (..., out/tp)
             if base.gather_output:
                 # (..., out); shares may differ by one row when out_features does not divide
@@ -151,14 +160,21 @@ class TensorParallelLoraLinear(LoraLinear):
             raise rank_local_error(group, input_mismatch(base, x, expected))  # type: ignore[arg-type]
         if not base.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
-        elif TRACKER.depth and base.training:  # as the base's forward: the split region ends
-            split_region_ends()
+        streamed = TRACKER.depth and base.training
+        was_local = streamed and TRACKER.in_local
+        if streamed:
+            # x is this rank's shard: LoRA's input dropout draws from the local stream, so
+            # the shards' masks are independent, as one mask over all features would be.
+            split_region_begins()
+        dropped = [self.lora_dropout[name](compat.peft_cast_input_dtype(
+            self, x, self.lora_A[name].weight.dtype)) for name in active]
+        if streamed and (base.input_is_parallel or not was_local):
+            split_region_ends()  # as the base's forward: the split region ends here
         partial = F.linear(x, base.weight)  # (..., out), this rank's partial sum
-        for name in active:
+        for name, xa in zip(active, dropped, strict=True):
             a: Any = self.lora_A[name]
             b: Any = self.lora_B[name]
-            xa = compat.peft_cast_input_dtype(self, x, a.weight.dtype)
-            lora = b(a(self.lora_dropout[name](xa))) * self.scaling[name]  # (..., out) partial
+            lora = b(a(xa)) * self.scaling[name]  # (..., out) partial
             partial = partial + lora.to(partial.dtype)
         return base.sum_partial(partial, group)
 
