@@ -128,18 +128,20 @@ def _train_replicated(cfg: Any, kind: str) -> list[float]:
 
 
 def _streams(cfg: Any) -> list[float]:
-    """One draw from each stream of ``torchtp.manual_seed(7)`` on this rank: shared, local."""
+    """After ``torchtp.manual_seed(7)``, one draw from the shared stream and one from the
+    local stream the first split region would start on this rank."""
     import torchtp
     from torchtp.layers import rng
 
     torchtp.manual_seed(7)
-    draws = []
-    for state in (rng.TRACKER.shared, rng.TRACKER.local):
-        saved = torch.get_rng_state()
-        assert state is not None
-        torch.set_rng_state(state[0])
-        draws.append(float(torch.rand(())))
-        torch.set_rng_state(saved)
+    saved, shared = rng.get_state(), rng.TRACKER.shared
+    assert shared is not None
+    rng.set_state(shared)
+    draws = [float(torch.rand(()))]
+    rng.set_state(shared)
+    rng.to_local(rng.Tracker())  # what a RowParallelLinear whose output stays split does
+    draws.append(float(torch.rand(())))
+    rng.set_state(saved)
     return draws
 
 

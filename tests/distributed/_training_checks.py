@@ -361,14 +361,22 @@ def rng_streams(rank: int, world_size: int) -> list[bool]:
         torch.manual_seed(100 + rank)  # every rank's own RNG state differs from here on
         before = torch.get_rng_state()
         args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
-        local = rng.TRACKER.local
-        assert local is not None
+        shared = rng.TRACKER.shared
+        assert shared is not None
+        masks: list[torch.Tensor] = []
+        inner = [m for n, m in wrapped.named_modules() if n.endswith("0.2")]  # deep_mlp's pair
+        hooks = [m.register_forward_hook(lambda _m, _i, o, seen=masks: seen.append(o == 0))
+                 for m in inner]
         out = _logits(wrapped(*args, **kwargs))
+        for hook in hooks:
+            hook.remove()
         assert torch.equal(torch.get_rng_state(), before)  # the user's stream is untouched
-        # Dropout inside the split regions (attention probabilities, deep_mlp's first pair)
-        # drew from the local stream
-        assert rng.TRACKER.local is not None
-        assert not torch.equal(rng.TRACKER.local[0], local[0])
+        assert rng.TRACKER.shared is not None  # the shared stream moved on (region seeds)
+        assert not torch.equal(rng.TRACKER.shared[0], shared[0])
+        # The dropout inside the pair's split region (a (4, 16) shard on each rank) drew
+        # from the rank's local stream: the masks differ across ranks (from the shared
+        # stream they would be equal).
+        assert len(masks) == len(inner) and all(not _same_on_every_rank(m) for m in masks)
         out.square().mean().backward()
         # LoRA: only the adapters train; B of a weight-column-split layer is replicated
         replicated = [p.grad for n, p in wrapped.named_parameters() if p.grad is not None
@@ -383,9 +391,6 @@ def rng_streams(rank: int, world_size: int) -> list[bool]:
         torchtp.manual_seed(7)
         again = _logits(wrapped(*args, **kwargs))
         results.append(torch.equal(first, again) and not torch.equal(first, later))
-    local = rng.TRACKER.local
-    assert local is not None
-    results.append(not _same_on_every_rank(local[0]))  # sharded regions: per-rank stream
     return results
 
 

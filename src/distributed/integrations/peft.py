@@ -56,7 +56,7 @@ from ..layers._base import require_group
 from ..layers._shape import input_mismatch
 from ..layers.grad_sync import GradSync
 from ..layers.owned import ShardedModule, layouts_of
-from ..layers.rng import TRACKER, split_region_begins, split_region_ends
+from ..layers.rng import TRACKER, in_split_region, split_region_begins, split_region_ends
 
 PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
 # Initialisations PEFT draws without reading the base weight (PiSSA, OLoRA,
@@ -130,7 +130,7 @@ class TensorParallelLoraLinear(LoraLinear):
         # x is the same on every rank and A is replicated: LoRA's input dropout must drop
         # the same features everywhere, so it draws from the shared stream, also after an
         # earlier layer opened a split region (q_proj before k_proj; layers/rng.py).
-        local = TRACKER.depth and base.training and TRACKER.in_local
+        local = base.training and (TRACKER.depth or base.streamed) and in_split_region()
         if local:
             split_region_ends()
         dropped = [self.lora_dropout[name](compat.peft_cast_input_dtype(
@@ -160,8 +160,8 @@ class TensorParallelLoraLinear(LoraLinear):
             raise rank_local_error(group, input_mismatch(base, x, expected))  # type: ignore[arg-type]
         if not base.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
-        streamed = TRACKER.depth and base.training
-        was_local = streamed and TRACKER.in_local
+        streamed = base.training and (TRACKER.depth or base.streamed)
+        was_local = streamed and in_split_region()
         if streamed:
             # x is this rank's shard: LoRA's input dropout draws from the local stream, so
             # the shards' masks are independent, as one mask over all features would be.

@@ -172,7 +172,8 @@ class ColumnParallelLinear(ParallelLinear):
             group = require_group(self._name, group, self.world_size)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
-        elif TRACKER.depth and self.training:  # the split region ends (see layers/rng.py)
+        elif self.training and (TRACKER.depth or self.streamed):  # the split region ends
+            # (in a wrapped training forward or its recomputation; see layers/rng.py)
             split_region_ends()
         if self.sequence_dim is not None and not self.partial_output \
                 and not torch.compiler.is_compiling() \

@@ -42,6 +42,9 @@ class ParallelLinear(ShardedModule, nn.Module):
 
     split_dim: int = 0
     overlap: bool | None = None
+    # True once a wrapped model trains it: its recomputation (activation checkpointing)
+    # switches the RNG streams as its forward did (layers/rng.py).
+    streamed: bool = False
     weight: nn.Parameter
     bias: nn.Parameter | None
     group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)

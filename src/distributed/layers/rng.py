@@ -1,26 +1,40 @@
 """Model-parallel RNG streams (Megatron's tracker semantics).
 
-Two streams per process, each a saved generator state:
+Two kinds of stream per process:
 
 * **shared**: identical on every rank of a TP group; replicated regions
   (residual dropout, a plain MLP's ``nn.Dropout`` after a pair) draw from it,
   so their masks, activations and gradients are the same on every TP rank;
-* **local**: different per TP rank (``seed + 2718 + tp_rank``); sharded
-  regions (between a ``RowParallelLinear`` whose output stays split and the
+* **local**: different per TP rank; sharded regions (between a
+  ``RowParallelLinear`` whose output stays split and the
   ``ColumnParallelLinear`` that consumes it, e.g. attention-probability
-  dropout on local heads) draw from it, so uneven work there never moves
-  the shared stream.
+  dropout on local heads) draw from it, so uneven work there never moves the
+  shared stream. Each split region starts a fresh local stream, seeded from
+  one draw of the shared stream plus ``2718 + tp_rank`` (Megatron's offset).
 
 A wrapped model in training mode runs its forward with the default
 generator set to the shared stream (the user's own generator state is put
 back afterwards, so whatever each rank's RNG state was does not matter);
-the layers themselves switch to the local stream where a split output
+the layers themselves switch to a local stream where a split output
 leaves a ``RowParallelLinear`` (:func:`split_region_begins`) and back where
 a ``ColumnParallelLinear`` reads it (:func:`split_region_ends`). They switch
 inline, after checking ``TRACKER.depth`` and their mode without a call,
 rather than from forward hooks: a hooked module takes ``nn.Module``'s slow
 call path, about seven Python calls per layer and forward. An eval-mode
 forward, or a layer used outside a wrapped model, switches nothing.
+
+Activation checkpointing replays the streams: torch restores the default
+generator at the start of a recomputed segment (the shared stream, for a
+segment that starts on replicated activations: a decoder layer, a block),
+and the layers of a wrapped model switch again while autograd recomputes
+(:data:`REPLAY`, one per recomputed segment), so each local stream is seeded
+from the same draw and every mask is the one the forward drew. Not replayed,
+and refused when the model has dropout: a checkpoint around the whole wrapped
+model (its forward starts from the shared stream's current state, not the
+recorded one; checkpoint its blocks instead), and a recomputed segment that
+starts inside a split region and leaves it (:func:`split_region_ends` with no
+region open).
+
 Eager mode only: under ``torch.compile`` the streams are not switched, so a
 compiled wrapped model in training mode with active dropout raises
 (:func:`dropout_site`, checked by the wrapper) instead of drawing different
@@ -37,9 +51,11 @@ from torch import nn
 
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
+from ..core import torch_compat
 
 LOCAL_OFFSET = 2718  # Megatron's offset of the tensor-parallel seed
 STAGE_OFFSET = 100  # Megatron's offset per pipeline stage
+SEEDS = 2**62  # a local stream's seed is drawn below this (plus the offset: still < 2**63)
 
 State = tuple[torch.Tensor, "torch.Tensor | None"]  # the CPU generator's, CUDA's if initialized
 
@@ -63,44 +79,58 @@ def set_state(state: State) -> None:
 
 @dataclass
 class Tracker:
-    """This process's streams: each a saved generator state, and which one is active."""
+    """This process's streams: the saved shared state, and whether a local one is active."""
 
     shared: State | None = None  # identical on every rank of a TP group
-    local: State | None = None  # different per TP rank
+    offset: int = LOCAL_OFFSET  # + this rank's TP rank: what makes a local stream per-rank
     in_local: bool = False
     depth: int = 0  # wrapped training forwards running (nested: a model inside a model)
     user: list[Any] = field(default_factory=list)  # the caller's states, put back at the end
+    site: str | None = None  # the last wrapped training model's first dropout site
+    node: Any = None  # REPLAY only: the autograd node whose recomputation it follows
 
 
 TRACKER = Tracker()
+REPLAY = Tracker()  # the streams of the segment autograd recomputes now
 
 
-def to_local() -> None:
-    """Default generator := this rank's local stream (the shared one saved)."""
-    if not TRACKER.in_local:
-        TRACKER.shared = get_state()
-        assert TRACKER.local is not None
-        set_state(TRACKER.local)
-        TRACKER.in_local = True
+def to_local(t: Tracker = TRACKER) -> None:
+    """Default generator := a fresh local stream for the split region beginning here.
+
+    One draw of the shared stream (the same on every rank) seeds it, plus this
+    rank's offset: each region's masks differ per rank and per region, and a
+    recomputation that restores the shared stream draws the same seed.
+    """
+    if not t.in_local:
+        seed = int(torch.randint(SEEDS, ())) + TRACKER.offset
+        t.shared = get_state()
+        _CPU.manual_seed(seed)
+        if torch.cuda.is_initialized():
+            torch.cuda.manual_seed(seed)
+        t.in_local = True
 
 
-def to_shared() -> None:
-    """Default generator := the shared stream (the local one saved)."""
-    if TRACKER.in_local:
-        TRACKER.local = get_state()
-        assert TRACKER.shared is not None
-        set_state(TRACKER.shared)
-        TRACKER.in_local = False
+def to_shared(t: Tracker = TRACKER) -> None:
+    """Default generator := the shared stream, as the split region began."""
+    if t.in_local:
+        assert t.shared is not None
+        set_state(t.shared)
+        t.in_local = False
 
 
 def split_region_begins() -> None:
     """A layer's output stays split: what follows draws from this rank's local stream.
 
     Called by a ``RowParallelLinear`` in training mode inside a wrapped
-    model's training forward (``TRACKER.depth > 0``), which it checks itself.
+    model's training forward (``TRACKER.depth > 0``), or while autograd
+    recomputes one (``streamed`` layers), which it checks itself.
     """
-    if not torch.compiler.is_compiling():
-        to_local()
+    if torch.compiler.is_compiling():
+        return
+    if TRACKER.depth:
+        to_local(TRACKER)
+    elif (replay := _replaying()) is not None:
+        to_local(replay)
 
 
 def split_region_ends() -> None:
@@ -109,24 +139,55 @@ def split_region_ends() -> None:
     Called as :func:`split_region_begins`, by a ``ColumnParallelLinear`` that
     reads input shards.
     """
-    if not torch.compiler.is_compiling():
-        to_shared()
+    if torch.compiler.is_compiling():
+        return
+    if TRACKER.depth:
+        to_shared(TRACKER)
+    elif (replay := _replaying()) is not None:
+        if not replay.in_local and TRACKER.site is not None:
+            raise RuntimeError(
+                f"activation checkpointing recomputes a segment that starts inside a split "
+                f"region (between a layer whose weight rows are split and the one whose weight "
+                f"columns are split) and leaves it, in a tensor-parallel model (tp rank offset "
+                f"{TRACKER.offset - LOCAL_OFFSET}) with dropout at {TRACKER.site}: torchtp "
+                "cannot replay the shared RNG stream there, so the recomputed dropout masks "
+                "would differ from the forward's; checkpoint whole blocks (HF "
+                "gradient_checkpointing_enable(), one checkpoint per decoder layer) or set "
+                "the dropout probabilities to 0")
+        to_shared(replay)
 
 
-def _seeded(seed: int) -> State:
-    saved = get_state()
-    torch.manual_seed(seed)
-    state = get_state()
-    set_state(saved)
-    return state
+def _replaying() -> Tracker | None:
+    """:data:`REPLAY`, reset for each recomputed segment, or None outside a backward pass."""
+    node = torch_compat.backward_node()
+    if node is None:
+        return None
+    if REPLAY.node is not node:
+        if REPLAY.node is None:  # let go of the node when this backward ends
+            torch_compat.at_end_of_backward(_forget_replay)
+        REPLAY.node, REPLAY.in_local, REPLAY.shared = node, False, None
+    return REPLAY
+
+
+def _forget_replay() -> None:
+    REPLAY.node, REPLAY.in_local, REPLAY.shared = None, False, None
+
+
+def in_split_region() -> bool:
+    """Whether a split region's local stream is active (in a wrapped forward or its replay)."""
+    if TRACKER.depth:
+        return TRACKER.in_local
+    replay = _replaying()
+    return replay is not None and replay.in_local
 
 
 def manual_seed(seed: int, stage: int | None = None) -> None:
-    """Seed torch and both streams of this rank's pipeline stage.
+    """Seed torch and the streams of this rank's pipeline stage.
 
-    shared = ``seed + 100 * stage``, local = that ``+ 2718 + tp_rank``
-    (Megatron's offsets): the TP ranks of a stage share one stream, and
-    stages draw different dropout masks instead of repeating one another's.
+    shared = ``seed + 100 * stage`` (Megatron's offset): the TP ranks of a
+    stage share one stream, and stages draw different dropout masks instead
+    of repeating one another's; each split region's local stream is seeded
+    from it (see the module docstring).
 
     Args:
         seed: The same on every rank (call it after ``init_parallel``).
@@ -138,7 +199,7 @@ def manual_seed(seed: int, stage: int | None = None) -> None:
     own = seed + STAGE_OFFSET * (cfg.pp_rank if stage is None else stage)
     torch.manual_seed(own)
     TRACKER.shared = get_state()
-    TRACKER.local = _seeded(own + LOCAL_OFFSET + cfg.rank)
+    TRACKER.offset = LOCAL_OFFSET + cfg.rank
 
 
 def sync(group: ProcessGroup | None) -> None:
@@ -149,26 +210,40 @@ def sync(group: ProcessGroup | None) -> None:
     started, or :func:`manual_seed` ran) still takes part, so a second wrap
     over a group mixing such ranks with new ones cannot leave the new ones
     waiting. Ranks without streams take the first started rank's shared
-    stream (TP rank 0's generator when none started) and a local stream
-    seeded from that rank's seed and their own TP rank.
+    stream (TP rank 0's generator when none started) and their own TP rank's
+    offset for the local streams.
     """
     started = TRACKER.shared is not None
-    seed = torch.initial_seed()
     state = TRACKER.shared if started else get_state()
     assert state is not None
     if group is not None and group_size(group) > 1:
-        everyone = all_gather_object((started, seed, state), group, "the RNG sync")
-        seed, state = next(((s, st) for ok, s, st in everyone if ok),
-                           (everyone[0][1], everyone[0][2]))
+        everyone = all_gather_object((started, state), group, "the RNG sync")
+        state = next((st for ok, st in everyone if ok), everyone[0][1])
     if started:
         return
     TRACKER.shared = (state[0].clone(), None if state[1] is None else state[1].clone())
-    TRACKER.local = _seeded(seed + LOCAL_OFFSET + group_rank(group))
+    TRACKER.offset = LOCAL_OFFSET + group_rank(group)
 
 
-def enter_model() -> None:
-    """Forward of a wrapped model starts: default generator := shared stream."""
+def enter_model(site: str | None) -> None:
+    """Forward of a wrapped model starts: default generator := shared stream.
+
+    Args:
+        site: The model's first dropout site (:func:`dropout_site`), or None.
+
+    Raises:
+        RuntimeError: autograd recomputes the whole wrapped model (a checkpoint
+            around it) and it has dropout: its streams cannot be replayed.
+    """
     if TRACKER.depth == 0:
+        if site is not None and torch_compat.in_backward():
+            raise RuntimeError(
+                f"activation checkpointing recomputes a whole tensor-parallel model with dropout "
+                f"at {site}: torchtp's RNG streams have moved on since its forward, so the "
+                "recomputed dropout masks would differ from the forward's; checkpoint its blocks "
+                "instead (HF gradient_checkpointing_enable(), one checkpoint per decoder layer), "
+                "or set the dropout probabilities to 0")
+        TRACKER.site = site
         TRACKER.user.append(get_state())
         assert TRACKER.shared is not None
         set_state(TRACKER.shared)

@@ -176,7 +176,8 @@ class RowParallelLinear(ParallelLinear):
         if self.gather_output:
             group = require_group(self._name, group, self.world_size)
             y = gather_from_tensor_parallel_region(y, group, -1, self.out_features)  # (..., out)
-        elif TRACKER.depth and self.training:  # a split region begins (see layers/rng.py)
+        elif self.training and (TRACKER.depth or self.streamed):  # a split region begins
+            # (in a wrapped training forward or its recomputation; see layers/rng.py)
             split_region_begins()
         return y
 

@@ -251,7 +251,7 @@ class DistributedModelWrapper(nn.Module):
                 self.__dict__["_fsdp_slot"] = check_fsdp_if_new(self.base_model, self.group, slot)
             if self.training:
                 # Replicated regions draw from the TP group's shared stream (see layers/rng.py).
-                rng.enter_model()
+                rng.enter_model(self.__dict__["_dropout_site"])
                 try:
                     return super().__call__(*args, **kwargs)
                 finally:
@@ -267,6 +267,10 @@ class DistributedModelWrapper(nn.Module):
         super().train(mode)
         site = rng.dropout_site(self.base_model) if mode and self.world_size > 1 else None
         self.__dict__["_dropout_site"] = site
+        if mode and self.world_size > 1:
+            for module in self.base_model.modules():
+                if isinstance(module, ParallelLinear):
+                    module.streamed = True  # a recomputation replays the streams (layers/rng.py)
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

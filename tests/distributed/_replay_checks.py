@@ -1,0 +1,104 @@
+"""Rank bodies for activation checkpointing with dropout: recomputation replays the RNG streams.
+
+One process draws the same dropout masks in a checkpointed segment's
+recomputation as in its forward (torch restores the generator); a
+tensor-parallel model must too, in its split regions (local streams) and
+after them (the shared stream), or its gradients are those of other masks.
+The reference here is the same sharded model without checkpointing, built
+and seeded alike, so the masks, the logits and every gradient must agree.
+Tolerance: HF runs a checkpointed model without its cache, which moves float32
+results by rounding (1.2e-7 in the logits, 4e-9 in the gradients, measured);
+one other dropout mask (p=0.3) moves them by O(0.1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import torchtp
+
+from ._hf_models import VOCAB, build
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _gpt2_run(gradient_checkpointing: dict[str, Any] | None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """GPT-2 with dropout everywhere, one training forward and backward at tp 2."""
+    model = build("gpt2", resid_pdrop=0.3, attn_pdrop=0.3, embd_pdrop=0.3)
+    if gradient_checkpointing is not None:  # one checkpoint per decoder layer
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing)
+    wrapped = torchtp.DistributedModelWrapper(model.train())
+    torchtp.manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    logits = wrapped(input_ids=ids).logits
+    logits.square().mean().backward()
+    return logits.detach(), _grads(wrapped)
+
+
+class _Pair(nn.Module):
+    """A weight-row-split Linear, dropout on its split output, the weight-column-split Linear
+    and a dropout on the replicated result; ``segment`` says what is checkpointed."""
+
+    def __init__(self, segment: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.inner, self.outer = nn.Dropout(0.3), nn.Dropout(0.3)
+        self.segment = segment
+
+    def _tail(self, h: torch.Tensor) -> torch.Tensor:
+        return self.outer(self.down(self.inner(h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)  # (B, 32/tp): a split region begins
+        if self.segment == "inside":  # starts and ends inside it (Megatron's core attention)
+            return self.outer(self.down(checkpoint(self.inner, h, use_reentrant=False)))
+        if self.segment == "leaving":  # starts inside it and leaves it
+            return checkpoint(self._tail, h, use_reentrant=False)
+        return self._tail(h)
+
+
+def _pair_run(segment: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    wrapped = torchtp.DistributedModelWrapper(_Pair(segment).train(),
+                                              plan={"up": "colwise", "down": "rowwise"})
+    torchtp.manual_seed(3)
+    out = wrapped(torch.randn(4, 16, generator=torch.Generator().manual_seed(2)))
+    out.square().mean().backward()
+    return out.detach(), _grads(wrapped)
+
+
+def _equal(a: tuple[torch.Tensor, dict[str, Any]], b: tuple[torch.Tensor, dict[str, Any]]) -> bool:
+    def close(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+
+    return close(a[0], b[0]) and a[1].keys() == b[1].keys() and all(
+        close(a[1][n], b[1][n]) for n in a[1])
+
+
+def replayed_masks(rank: int, world_size: int) -> dict[str, Any]:
+    """Checkpointed runs against the same runs without checkpointing; the refusals' messages."""
+    torchtp.init_tensor_parallel()
+    plain = _gpt2_run(None)
+    got: dict[str, Any] = {
+        "gpt2 per layer": _equal(plain, _gpt2_run({"use_reentrant": False})),
+        "gpt2 per layer, reentrant": _equal(plain, _gpt2_run({"use_reentrant": True})),
+        "segment inside a split region": _equal(_pair_run("none"), _pair_run("inside")),
+    }
+    with pytest.raises(RuntimeError, match="starts inside a split region") as leaving:
+        _pair_run("leaving")
+    got["leaving"] = str(leaving.value)
+    # A checkpoint around the whole wrapped model: refused with dropout, exact without.
+    wrapped = torchtp.DistributedModelWrapper(build("gpt2", attn_pdrop=0.3).train())
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    logits = checkpoint(lambda i: wrapped(input_ids=i).logits, ids, use_reentrant=False)
+    with pytest.raises(RuntimeError, match="recomputes a whole tensor-parallel model") as whole:
+        logits.sum().backward()
+    got["whole"] = str(whole.value)
+    return got
