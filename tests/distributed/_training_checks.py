@@ -91,6 +91,16 @@ def _misuse() -> list[str]:
     used = fully_shard(used, mesh=world)
     msgs.append(_raises(lambda: used(input_ids=ids),
                         r"FSDP's mesh \[0, 1, 2, 3\] contains tensor-parallel peers"))
+    # The module holding the first parameter replaced after a forward (as
+    # resize_token_embeddings does), then sharded: the old module's slot still holds the
+    # old parameter, the registration tells the wrapper to look again.
+    swapped = torchtp.DistributedModelWrapper(build("llama"))
+    swapped(input_ids=ids)
+    inner = swapped.base_model.model
+    inner.embed_tokens = copy.deepcopy(inner.embed_tokens)
+    swapped = fully_shard(swapped, mesh=world)
+    msgs.append(_raises(lambda: swapped(input_ids=ids),
+                        r"FSDP's mesh \[0, 1, 2, 3\] contains tensor-parallel peers"))
     return msgs
 
 

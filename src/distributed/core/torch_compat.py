@@ -152,13 +152,20 @@ def watch_ddp_construction(callback: Callable[[Any, nn.Module], None]) -> None:
 
 
 _DDP_WATCHERS: list[Callable[[Any, nn.Module], None]] = []
+# Modules registered (``parent.child = module``) in this process since the hook below was
+# installed: a changed count tells a wrapper, without a call, that a submodule may have
+# been replaced since it last looked (its FSDP2 check, wrap/wrapper.py).
+REGISTRATIONS = 0
 
 
 def on_module_registration(parent: nn.Module, name: str, child: Any) -> None:
     """The hook :func:`watch_ddp_construction` registers (cheap: one string compare).
 
+    Also counts the registration (:data:`REGISTRATIONS`).
     Checked: torch 2.13.0, 2.14.1.
     """
+    global REGISTRATIONS
+    REGISTRATIONS += 1
     if name == "module" and isinstance(parent, _ddp_class()) and isinstance(child, nn.Module):
         for watcher in _DDP_WATCHERS:
             watcher(parent, child)

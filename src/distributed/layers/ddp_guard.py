@@ -173,19 +173,21 @@ def check_fsdp(model: nn.Module, tp: ProcessGroup | None) -> None:
 
 
 # Where a model's first parameter sits: its module's parameter dict, its name there, the
-# parameter. Kept by the caller, it tells with one dict look-up whether the slot still
-# holds the same object, i.e. whether FSDP2 may have replaced the parameters since.
-ParamSlot = tuple[dict[str, nn.Parameter | None], str, nn.Parameter]
+# parameter, and the process's module registrations then. Kept by the caller, it tells
+# with one dict look-up whether the slot still holds the same object, i.e. whether FSDP2
+# may have replaced the parameters since, and with one compare whether a submodule was
+# replaced since (the slot would belong to a module no longer in the model).
+ParamSlot = tuple[dict[str, nn.Parameter | None], str, nn.Parameter, int]
 
 
 def check_fsdp_if_new(model: nn.Module, tp: ProcessGroup | None,
                       last: ParamSlot | None) -> ParamSlot | None:
-    """Run :func:`check_fsdp` unless ``model``'s first parameter is ``last``'s; its slot now.
+    """Run :func:`check_fsdp` unless nothing changed since ``last``; the slot now.
 
     The wrapper calls it before a forward once ``last`` no longer holds its
-    parameter (FSDP2's ``fully_shard`` replaces parameter objects): a forward
-    whose first parameter is the one checked last pays no walk over
-    ``model.parameters()``.
+    parameter (FSDP2's ``fully_shard`` replaces parameter objects) or a module
+    was registered since (``model.embed_tokens = new``): a forward where
+    neither happened pays no walk over ``model.parameters()``.
 
     Raises:
         ValueError: as :func:`check_fsdp`; raised again at every forward until fixed.
@@ -194,7 +196,8 @@ def check_fsdp_if_new(model: nn.Module, tp: ProcessGroup | None,
     if named is None:
         return None
     name, param = named
-    if last is None or param is not last[2]:
+    count = _torch_compat.REGISTRATIONS
+    if last is None or param is not last[2] or count != last[3]:
         check_fsdp(model, tp)
     owner, _, leaf = name.rpartition(".")
-    return _torch_compat.parameter_slots(model.get_submodule(owner)), leaf, param
+    return _torch_compat.parameter_slots(model.get_submodule(owner)), leaf, param, count

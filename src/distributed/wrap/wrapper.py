@@ -18,6 +18,7 @@ from ..checkpoint.st_writer import parse_size
 from ..comm import overlap as overlap_switch
 from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, resolve_group
+from ..core import torch_compat as _torch_compat
 from ..core.torch_compat import registered_child
 from ..ep.dispatch import Dispatch
 from ..guards import checks, forward_door, forward_guard, input_check, step_check
@@ -245,9 +246,11 @@ class DistributedModelWrapper(nn.Module):
         # sharded DTensor parameters that the composition check looks at.
         # One rank has no peers to mix up: nothing to check or switch at tp 1.
         if self.world_size > 1 and not torch.compiler.is_compiling():
-            # FSDP2 over TP peers, checked when the first parameter object was replaced
+            # FSDP2 over TP peers, checked when the first parameter object or a module
+            # was replaced
             slot = self.__dict__["_fsdp_slot"]
-            if slot is None or slot[0].get(slot[1]) is not slot[2]:
+            if slot is None or slot[0].get(slot[1]) is not slot[2] \
+                    or slot[3] != _torch_compat.REGISTRATIONS:
                 self.__dict__["_fsdp_slot"] = check_fsdp_if_new(self.base_model, self.group, slot)
             if self.training:
                 # Replicated regions draw from the TP group's shared stream (see layers/rng.py).
