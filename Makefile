@@ -22,7 +22,7 @@ lint: $(STAMP)
 # make test skips tests marked slow (long matrices); make test-all runs them too.
 # It ends with the compatibility smoke run (oldest supported transformers).
 test: lint
-	$(PY) -m pytest tests -q -p no:cacheprovider -m "not slow"
+	$(PY) -m pytest tests -q -p no:cacheprovider -m "not slow" --durations=30
 	$(MAKE) compat-smoke
 
 # Compatibility runs (docs/compat.md). "old": the oldest supported versions:
