@@ -139,7 +139,7 @@ def _streams(cfg: Any) -> list[float]:
     rng.set_state(shared)
     draws = [float(torch.rand(()))]
     rng.set_state(shared)
-    rng.to_local(rng.Tracker())  # what a RowParallelLinear whose output stays split does
+    rng.to_local(rng.Tracker(), 0)  # what a RowParallelLinear whose output stays split does
     draws.append(float(torch.rand(())))
     rng.set_state(saved)
     return draws

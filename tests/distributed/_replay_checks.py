@@ -24,20 +24,24 @@ import torchtp
 
 from ._hf_models import VOCAB, build
 
+Run = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _gpt2_run(gradient_checkpointing: dict[str, Any] | None) -> tuple[torch.Tensor, dict[str, Any]]:
-    """GPT-2 with dropout everywhere, one training forward and backward at tp 2."""
+def _gpt2_run(gradient_checkpointing: dict[str, Any] | None, past_the_wrapper: bool = False) -> Run:
+    """GPT-2 with dropout everywhere, one training forward and backward at tp 2; called
+    through the wrapper, or ``past_the_wrapper`` (``wrapped.base_model``, as
+    TensorParallelTrainer does: every mask from the caller's generator)."""
     model = build("gpt2", resid_pdrop=0.3, attn_pdrop=0.3, embd_pdrop=0.3)
     if gradient_checkpointing is not None:  # one checkpoint per decoder layer
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing)
     wrapped = torchtp.DistributedModelWrapper(model.train())
-    torchtp.manual_seed(3)
+    torchtp.manual_seed(3)  # torch's generator too, the same on every rank
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
-    logits = wrapped(input_ids=ids).logits
+    logits = (wrapped.base_model if past_the_wrapper else wrapped)(input_ids=ids).logits
     logits.square().mean().backward()
     return logits.detach(), _grads(wrapped)
 
@@ -65,16 +69,24 @@ class _Pair(nn.Module):
         return self._tail(h)
 
 
-def _pair_run(segment: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    wrapped = torchtp.DistributedModelWrapper(_Pair(segment).train(),
-                                              plan={"up": "colwise", "down": "rowwise"})
+def _pair_run(segment: str, lora: bool = False) -> Run:
+    model: nn.Module = _Pair(segment)
+    if lora:  # LoRA on the weight-column-split Linear: its LoRA forward leaves the region
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(5)
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["down"], lora_dropout=0.3))
+    plan = {"up": "colwise", "down": "rowwise"}
+    if lora:
+        plan = {f"base_model.model.{k}": v for k, v in plan.items()}
+    wrapped = torchtp.DistributedModelWrapper(model.train(), plan=plan)
     torchtp.manual_seed(3)
     out = wrapped(torch.randn(4, 16, generator=torch.Generator().manual_seed(2)))
     out.square().mean().backward()
     return out.detach(), _grads(wrapped)
 
 
-def _equal(a: tuple[torch.Tensor, dict[str, Any]], b: tuple[torch.Tensor, dict[str, Any]]) -> bool:
+def _equal(a: Run, b: Run) -> bool:
     def close(x: torch.Tensor, y: torch.Tensor) -> bool:
         return torch.allclose(x, y, rtol=1e-5, atol=1e-6)
 
@@ -85,16 +97,18 @@ def _equal(a: tuple[torch.Tensor, dict[str, Any]], b: tuple[torch.Tensor, dict[s
 def replayed_masks(rank: int, world_size: int) -> dict[str, Any]:
     """Checkpointed runs against the same runs without checkpointing; the refusals' messages."""
     torchtp.init_tensor_parallel()
-    plain = _gpt2_run(None)
+    plain, past = _gpt2_run(None), _gpt2_run(None, past_the_wrapper=True)
     got: dict[str, Any] = {
         "gpt2 per layer": _equal(plain, _gpt2_run({"use_reentrant": False})),
         "gpt2 per layer, reentrant": _equal(plain, _gpt2_run({"use_reentrant": True})),
+        "gpt2 past the wrapper": _equal(past, _gpt2_run({"use_reentrant": False}, True)),
         "segment inside a split region": _equal(_pair_run("none"), _pair_run("inside")),
     }
-    with pytest.raises(RuntimeError, match="starts inside a split region") as leaving:
-        _pair_run("leaving")
-    got["leaving"] = str(leaving.value)
-    # A checkpoint around the whole wrapped model: refused with dropout, exact without.
+    for lora in (False, True):
+        with pytest.raises(RuntimeError, match="starts inside the split region") as leaving:
+            _pair_run("leaving", lora)
+        got[f"leaving, lora={lora}"] = str(leaving.value)
+    # A checkpoint around the whole wrapped model: refused with dropout.
     wrapped = torchtp.DistributedModelWrapper(build("gpt2", attn_pdrop=0.3).train())
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     logits = checkpoint(lambda i: wrapped(input_ids=i).logits, ids, use_reentrant=False)

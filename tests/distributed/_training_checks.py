@@ -381,7 +381,7 @@ def rng_streams(rank: int, world_size: int) -> list[bool]:
         for hook in hooks:
             hook.remove()
         assert torch.equal(torch.get_rng_state(), before)  # the user's stream is untouched
-        assert rng.TRACKER.shared is not None  # the shared stream moved on (region seeds)
+        assert rng.TRACKER.shared is not None  # the shared stream moved on
         assert not torch.equal(rng.TRACKER.shared[0], shared[0])
         # The dropout inside the pair's split region (a (4, 16) shard on each rank) drew
         # from the rank's local stream: the masks differ across ranks (from the shared

@@ -152,20 +152,24 @@ def watch_ddp_construction(callback: Callable[[Any, nn.Module], None]) -> None:
 
 
 _DDP_WATCHERS: list[Callable[[Any, nn.Module], None]] = []
-# Modules registered (``parent.child = module``) in this process since the hook below was
-# installed: a changed count tells a wrapper, without a call, that a submodule may have
-# been replaced since it last looked (its FSDP2 check, wrap/wrapper.py).
-REGISTRATIONS = 0
+# Submodules replaced (``parent.child = module`` where ``parent`` had a ``child``) in this
+# process since the hook below was installed: a changed count tells a wrapper, without a
+# call, that a module of its model may have been replaced since it last looked (its FSDP2
+# check, wrap/wrapper.py). First registrations are not counted: models build containers
+# in their forward (an HF decoder slices its ModuleList of layers on every call).
+REPLACEMENTS = 0
 
 
 def on_module_registration(parent: nn.Module, name: str, child: Any) -> None:
     """The hook :func:`watch_ddp_construction` registers (cheap: one string compare).
 
-    Also counts the registration (:data:`REGISTRATIONS`).
+    Also counts a replacement (:data:`REPLACEMENTS`): torch calls the hook before
+    it writes ``parent._modules[name]``, so the old child is still there.
     Checked: torch 2.13.0, 2.14.1.
     """
-    global REGISTRATIONS
-    REGISTRATIONS += 1
+    if name in parent.__dict__["_modules"]:
+        global REPLACEMENTS
+        REPLACEMENTS += 1
     if name == "module" and isinstance(parent, _ddp_class()) and isinstance(child, nn.Module):
         for watcher in _DDP_WATCHERS:
             watcher(parent, child)

@@ -56,7 +56,13 @@ from ..layers._base import require_group
 from ..layers._shape import input_mismatch
 from ..layers.grad_sync import GradSync
 from ..layers.owned import ShardedModule, layouts_of
-from ..layers.rng import TRACKER, in_split_region, split_region_begins, split_region_ends
+from ..layers.rng import (
+    TRACKER,
+    in_split_region,
+    split_region_begins,
+    split_region_ends,
+    streams_switch,
+)
 
 PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
 # Initialisations PEFT draws without reading the base weight (PiSSA, OLoRA,
@@ -132,11 +138,11 @@ class TensorParallelLoraLinear(LoraLinear):
         # earlier layer opened a split region (q_proj before k_proj; layers/rng.py).
         local = base.training and (TRACKER.depth or base.streamed) and in_split_region()
         if local:
-            split_region_ends()
+            split_region_ends(base)
         dropped = [self.lora_dropout[name](compat.peft_cast_input_dtype(
             self, x, self.lora_A[name].weight.dtype)) for name in active]
         if local:
-            split_region_begins()
+            split_region_begins(base)
         result = base(x)  # (..., out/tp), or (..., out) when the base gathers
         for name, xa in zip(active, dropped, strict=True):
             a: Any = self.lora_A[name]
@@ -160,16 +166,19 @@ class TensorParallelLoraLinear(LoraLinear):
             raise rank_local_error(group, input_mismatch(base, x, expected))  # type: ignore[arg-type]
         if not base.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
-        streamed = base.training and (TRACKER.depth or base.streamed)
-        was_local = streamed and in_split_region()
-        if streamed:
-            # x is this rank's shard: LoRA's input dropout draws from the local stream, so
-            # the shards' masks are independent, as one mask over all features would be.
-            split_region_begins()
+        switching = False
+        if base.training and (TRACKER.depth or base.streamed):
+            base.__dict__["streamed"] = switching = streams_switch()  # as the base's forward
+        # x is this rank's shard: LoRA's input dropout draws from a local stream, so the
+        # shards' masks are independent, as one mask over all features would be (a
+        # scattered replicated input opens a region for it; a split input is in one).
+        opened = switching and not base.input_is_parallel and not in_split_region()
+        if opened:
+            split_region_begins(base)
         dropped = [self.lora_dropout[name](compat.peft_cast_input_dtype(
             self, x, self.lora_A[name].weight.dtype)) for name in active]
-        if streamed and (base.input_is_parallel or not was_local):
-            split_region_ends()  # as the base's forward: the split region ends here
+        if switching and (base.input_is_parallel or opened):
+            split_region_ends(base)  # as the base's forward: the split region ends here
         partial = F.linear(x, base.weight)  # (..., out), this rank's partial sum
         for name, xa in zip(active, dropped, strict=True):
             a: Any = self.lora_A[name]

@@ -174,7 +174,7 @@ class ColumnParallelLinear(ParallelLinear):
             x = scatter_to_tensor_parallel_region(x, group, -1)  # (..., in/tp)
         elif self.training and (TRACKER.depth or self.streamed):  # the split region ends
             # (in a wrapped training forward or its recomputation; see layers/rng.py)
-            split_region_ends()
+            self.__dict__["streamed"] = split_region_ends(self)
         if self.sequence_dim is not None and not self.partial_output \
                 and not torch.compiler.is_compiling() \
                 and _overlap.enabled("sequence", self.overlap, x.device):

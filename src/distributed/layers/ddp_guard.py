@@ -173,7 +173,7 @@ def check_fsdp(model: nn.Module, tp: ProcessGroup | None) -> None:
 
 
 # Where a model's first parameter sits: its module's parameter dict, its name there, the
-# parameter, and the process's module registrations then. Kept by the caller, it tells
+# parameter, and the process's module replacements then. Kept by the caller, it tells
 # with one dict look-up whether the slot still holds the same object, i.e. whether FSDP2
 # may have replaced the parameters since, and with one compare whether a submodule was
 # replaced since (the slot would belong to a module no longer in the model).
@@ -186,7 +186,7 @@ def check_fsdp_if_new(model: nn.Module, tp: ProcessGroup | None,
 
     The wrapper calls it before a forward once ``last`` no longer holds its
     parameter (FSDP2's ``fully_shard`` replaces parameter objects) or a module
-    was registered since (``model.embed_tokens = new``): a forward where
+    was replaced since (``model.embed_tokens = new``): a forward where
     neither happened pays no walk over ``model.parameters()``.
 
     Raises:
@@ -196,7 +196,7 @@ def check_fsdp_if_new(model: nn.Module, tp: ProcessGroup | None,
     if named is None:
         return None
     name, param = named
-    count = _torch_compat.REGISTRATIONS
+    count = _torch_compat.REPLACEMENTS
     if last is None or param is not last[2] or count != last[3]:
         check_fsdp(model, tp)
     owner, _, leaf = name.rpartition(".")

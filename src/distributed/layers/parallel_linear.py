@@ -42,9 +42,12 @@ class ParallelLinear(ShardedModule, nn.Module):
 
     split_dim: int = 0
     overlap: bool | None = None
-    # True once a wrapped model trains it: its recomputation (activation checkpointing)
-    # switches the RNG streams as its forward did (layers/rng.py).
+    # Whether its last training forward switched the RNG streams (it ran inside a wrapped
+    # model's training forward): its recomputation then switches them too (layers/rng.py).
     streamed: bool = False
+    # Its name in the wrapped model, hashed (set by the wrapper): the key of the local RNG
+    # stream a split region it opens starts (layers/rng.py).
+    stream_key: int = 0
     weight: nn.Parameter
     bias: nn.Parameter | None
     group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)

@@ -10,7 +10,12 @@ Two kinds of stream per process:
   ``ColumnParallelLinear`` that consumes it, e.g. attention-probability
   dropout on local heads) draw from it, so uneven work there never moves the
   shared stream. Each split region starts a fresh local stream, seeded from
-  one draw of the shared stream plus ``2718 + tp_rank`` (Megatron's offset).
+  a draw of the shared stream's current state (not taken from it: the shared
+  stream goes on where it was), the layer that opens the region, and
+  ``2718 + tp_rank`` (Megatron's offset). Replicated regions therefore draw
+  what one process would after the same ``torch.manual_seed``; the shared
+  stream moves one draw on after each training forward that opened a region,
+  so the next forward's local streams differ.
 
 A wrapped model in training mode runs its forward with the default
 generator set to the shared stream (the user's own generator state is put
@@ -33,7 +38,9 @@ and refused when the model has dropout: a checkpoint around the whole wrapped
 model (its forward starts from the shared stream's current state, not the
 recorded one; checkpoint its blocks instead), and a recomputed segment that
 starts inside a split region and leaves it (:func:`split_region_ends` with no
-region open).
+region open). A layer replays only what its forward switched (``streamed``):
+a model called past the wrapper (``wrapped.base_model(...)``) draws from the
+caller's generator in its forward and in its recomputation alike.
 
 Eager mode only: under ``torch.compile`` the streams are not switched, so a
 compiled wrapped model in training mode with active dropout raises
@@ -87,6 +94,7 @@ class Tracker:
     depth: int = 0  # wrapped training forwards running (nested: a model inside a model)
     user: list[Any] = field(default_factory=list)  # the caller's states, put back at the end
     site: str | None = None  # the last wrapped training model's first dropout site
+    regions: int = 0  # split regions opened in the running wrapped forward
     node: Any = None  # REPLAY only: the autograd node whose recomputation it follows
 
 
@@ -94,23 +102,27 @@ TRACKER = Tracker()
 REPLAY = Tracker()  # the streams of the segment autograd recomputes now
 
 
-def to_local(t: Tracker = TRACKER) -> None:
-    """Default generator := a fresh local stream for the split region beginning here.
+def to_local(t: Tracker, key: int) -> None:
+    """Default generator := a fresh local stream for the split region ``key`` opens here.
 
-    One draw of the shared stream (the same on every rank) seeds it, plus this
-    rank's offset: each region's masks differ per rank and per region, and a
-    recomputation that restores the shared stream draws the same seed.
+    Seeded from a draw of the shared stream's state (which is saved first and
+    put back at the region's end, so the draw takes nothing from it), ``key``
+    (the opening layer's ``stream_key``, from its name in the wrapped model:
+    regions opened on the same shared state by different layers differ, and a
+    rebuilt model draws the same masks) and this rank's offset. A
+    recomputation that restores the shared stream derives the same seed.
     """
     if not t.in_local:
-        seed = int(torch.randint(SEEDS, ())) + TRACKER.offset
         t.shared = get_state()
+        seed = (int(torch.randint(SEEDS, ())) + key) % SEEDS + TRACKER.offset
         _CPU.manual_seed(seed)
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed(seed)
         t.in_local = True
+        t.regions += 1
 
 
-def to_shared(t: Tracker = TRACKER) -> None:
+def to_shared(t: Tracker) -> None:
     """Default generator := the shared stream, as the split region began."""
     if t.in_local:
         assert t.shared is not None
@@ -118,43 +130,66 @@ def to_shared(t: Tracker = TRACKER) -> None:
         t.in_local = False
 
 
-def split_region_begins() -> None:
-    """A layer's output stays split: what follows draws from this rank's local stream.
+def split_region_begins(layer: Any) -> bool:
+    """``layer``'s output stays split: what follows draws from this rank's local stream.
+
+    ``layer.stream_key`` (set by the wrapper) tells its region's stream apart.
 
     Called by a ``RowParallelLinear`` in training mode inside a wrapped
     model's training forward (``TRACKER.depth > 0``), or while autograd
-    recomputes one (``streamed`` layers), which it checks itself.
+    recomputes one (a ``streamed`` layer), which it checks itself.
+
+    Returns:
+        Whether the streams switched: in a wrapped training forward or its
+        recomputation. The layer keeps it as ``streamed``: a forward called
+        past the wrapper (``wrapped.base_model(...)``) switches nothing, and
+        then neither does its recomputation.
     """
     if torch.compiler.is_compiling():
-        return
+        return False
     if TRACKER.depth:
-        to_local(TRACKER)
-    elif (replay := _replaying()) is not None:
-        to_local(replay)
+        to_local(TRACKER, layer.stream_key)
+        return True
+    replay = _replaying()
+    if replay is None:
+        return False
+    to_local(replay, layer.stream_key)
+    return True
 
 
-def split_region_ends() -> None:
+def split_region_ends(layer: Any) -> bool:
     """A layer reads split input: it and what follows draw from the shared stream again.
 
     Called as :func:`split_region_begins`, by a ``ColumnParallelLinear`` that
-    reads input shards.
+    reads input shards (``layer``, named in the error); returns the same.
+
+    Raises:
+        RuntimeError: autograd recomputes a segment that started inside the
+            split region this layer leaves, and the model has dropout.
     """
     if torch.compiler.is_compiling():
-        return
+        return False
     if TRACKER.depth:
         to_shared(TRACKER)
-    elif (replay := _replaying()) is not None:
-        if not replay.in_local and TRACKER.site is not None:
-            raise RuntimeError(
-                f"activation checkpointing recomputes a segment that starts inside a split "
-                f"region (between a layer whose weight rows are split and the one whose weight "
-                f"columns are split) and leaves it, in a tensor-parallel model (tp rank offset "
-                f"{TRACKER.offset - LOCAL_OFFSET}) with dropout at {TRACKER.site}: torchtp "
-                "cannot replay the shared RNG stream there, so the recomputed dropout masks "
-                "would differ from the forward's; checkpoint whole blocks (HF "
-                "gradient_checkpointing_enable(), one checkpoint per decoder layer) or set "
-                "the dropout probabilities to 0")
-        to_shared(replay)
+        return True
+    replay = _replaying()
+    if replay is None:
+        return False
+    if not replay.in_local and TRACKER.site is not None:
+        raise RuntimeError(
+            f"{layer._name()}: activation checkpointing recomputes a segment that starts "
+            "inside the split region this layer (weight columns = in_features split) "
+            f"leaves, in a model with dropout at {TRACKER.site}: torchtp cannot replay the "
+            "shared RNG stream there, so the recomputed dropout masks would differ from the "
+            "forward's; checkpoint whole blocks (HF gradient_checkpointing_enable(), one "
+            "checkpoint per decoder layer) or set the dropout probabilities to 0")
+    to_shared(replay)
+    return True
+
+
+def streams_switch() -> bool:
+    """Whether the streams switch now: in a wrapped training forward or its recomputation."""
+    return TRACKER.depth > 0 or _replaying() is not None
 
 
 def _replaying() -> Tracker | None:
@@ -163,8 +198,9 @@ def _replaying() -> Tracker | None:
     if node is None:
         return None
     if REPLAY.node is not node:
-        if REPLAY.node is None:  # let go of the node when this backward ends
-            torch_compat.at_end_of_backward(_forget_replay)
+        # Let go of the node when this backward ends (a backward that raises drops the
+        # callback: the next wrapped forward lets go, enter_model).
+        torch_compat.at_end_of_backward(_forget_replay)
         REPLAY.node, REPLAY.in_local, REPLAY.shared = node, False, None
     return REPLAY
 
@@ -244,6 +280,8 @@ def enter_model(site: str | None) -> None:
                 "instead (HF gradient_checkpointing_enable(), one checkpoint per decoder layer), "
                 "or set the dropout probabilities to 0")
         TRACKER.site = site
+        if REPLAY.node is not None:  # left by a backward that raised
+            _forget_replay()
         TRACKER.user.append(get_state())
         assert TRACKER.shared is not None
         set_state(TRACKER.shared)
@@ -255,7 +293,10 @@ def exit_model() -> None:
     TRACKER.depth -= 1
     if TRACKER.depth:
         return
-    to_shared()
+    to_shared(TRACKER)
+    if TRACKER.regions:  # local streams derive from the shared state: move it on
+        torch.randint(SEEDS, ())
+        TRACKER.regions = 0
     TRACKER.shared = get_state()
     set_state(TRACKER.user.pop())
 

@@ -178,7 +178,7 @@ class RowParallelLinear(ParallelLinear):
             y = gather_from_tensor_parallel_region(y, group, -1, self.out_features)  # (..., out)
         elif self.training and (TRACKER.depth or self.streamed):  # a split region begins
             # (in a wrapped training forward or its recomputation; see layers/rng.py)
-            split_region_begins()
+            self.__dict__["streamed"] = split_region_begins(self)
         return y
 
     def extra_repr(self) -> str:

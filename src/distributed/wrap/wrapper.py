@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -250,7 +251,7 @@ class DistributedModelWrapper(nn.Module):
             # was replaced
             slot = self.__dict__["_fsdp_slot"]
             if slot is None or slot[0].get(slot[1]) is not slot[2] \
-                    or slot[3] != _torch_compat.REGISTRATIONS:
+                    or slot[3] != _torch_compat.REPLACEMENTS:
                 self.__dict__["_fsdp_slot"] = check_fsdp_if_new(self.base_model, self.group, slot)
             if self.training:
                 # Replicated regions draw from the TP group's shared stream (see layers/rng.py).
@@ -271,9 +272,9 @@ class DistributedModelWrapper(nn.Module):
         site = rng.dropout_site(self.base_model) if mode and self.world_size > 1 else None
         self.__dict__["_dropout_site"] = site
         if mode and self.world_size > 1:
-            for module in self.base_model.modules():
-                if isinstance(module, ParallelLinear):
-                    module.streamed = True  # a recomputation replays the streams (layers/rng.py)
+            for name, module in self.base_model.named_modules():
+                if isinstance(module, ParallelLinear):  # its split regions' stream key
+                    module.stream_key = zlib.crc32(name.encode())
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
