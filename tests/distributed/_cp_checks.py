@@ -394,6 +394,86 @@ def cp_with_tp(rank: int, world: int) -> dict[str, Any]:
         assert max(errs) < HF_TOL, ("ep", errs)
         found["ep"] = max(errs)
     found["ranks"] = (cfg.cp_rank, cfg.rank, dist.get_process_group_ranks(cfg.cp_group))
+    found["masks"] = _dropout_masks()
+    found["replayed"] = _dropout_replayed()
+    return found
+
+
+_SHARDS = ("attn.resid_dropout", "mlp.dropout")  # GPT-2's dropouts on token (and sequence) shards
+
+
+def _dropout_gpt2(p: float = 0.5) -> torch.nn.Module:
+    from ._hf_models import build
+
+    return build("gpt2", 0, resid_pdrop=p, embd_pdrop=p, attn_pdrop=0.0).to(torch.float64).train()
+
+
+def _same_mask(wrapped: Any, ends: tuple[str, ...]) -> list[list[bool]]:
+    """One training forward of ``wrapped``; whether each pair of ranks (global ranks: tp
+    peers 0-1 and 2-3, cp peers 0-2 and 1-3) drew the same masks in the dropouts whose
+    names end in ``ends`` (every rank's shards have one shape: the padding is inside)."""
+    masks: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: masks.append((out == 0).flatten()))
+             for n, m in wrapped.named_modules() if n.endswith(ends)]
+    wrapped(**_hf_batch("plain", t=16))
+    for hook in hooks:
+        hook.remove()
+    mine = torch.cat(masks).to(torch.uint8)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [[torch.equal(a, b) for b in everyone] for a in everyone]
+
+
+def _dropout_masks() -> dict[str, list[list[bool]]]:
+    """The dropout masks of cp 2 x tp 2 GPT-2 (p=0.5, every rank seeded alike): plain
+    context parallelism, and around a tensor-parallel wrapper with and without sequence
+    parallelism, on the embedding's dropout and on the blocks'."""
+    import torchtp
+    from torchtp.cp import ContextParallel
+
+    found = {}
+    for case in ("cp", "cp x tp", "cp x tp, sp"):
+        torch.manual_seed(11)
+        model = _dropout_gpt2()
+        if case != "cp":
+            model = torchtp.DistributedModelWrapper(model, sequence_parallel=case.endswith("sp"))
+        wrapped = ContextParallel(model)
+        found[f"{case}: embedding"] = _same_mask(wrapped, ("transformer.drop",))
+        found[f"{case}: blocks"] = _same_mask(wrapped, _SHARDS)
+    return found
+
+
+def _dropout_replayed() -> dict[str, float]:
+    """Activation checkpointing with dropout (p=0.3) replays the masks: the largest gradient
+    difference to the same run without it (a checkpoint around the whole plain
+    ContextParallel; HF's per decoder layer around cp x tp with sequence parallelism)."""
+    from torch.utils.checkpoint import checkpoint
+
+    import torchtp
+    from torchtp.cp import ContextParallel
+
+    def run(case: str, recompute: bool) -> dict[str, torch.Tensor]:
+        model: Any = _dropout_gpt2(0.3)
+        if case == "cp x tp, sp":
+            if recompute:
+                model.gradient_checkpointing_enable({"use_reentrant": False})
+            model = torchtp.DistributedModelWrapper(model, sequence_parallel=True)
+            torchtp.manual_seed(5)
+        torch.manual_seed(5)
+        wrapped = ContextParallel(model)
+        batch = _hf_batch("plain", t=16)
+        if case == "cp" and recompute:
+            loss = checkpoint(lambda **b: wrapped(**b).loss, use_reentrant=False, **batch)
+        else:
+            loss = wrapped(**batch).loss
+        loss.backward()
+        return {n: q.grad for n, q in wrapped.named_parameters() if q.grad is not None}
+
+    found = {}
+    for case in ("cp", "cp x tp, sp"):
+        plain, again = run(case, False), run(case, True)
+        assert plain.keys() == again.keys() and plain
+        found[case] = max(float((plain[n] - again[n]).abs().max()) for n in plain)
     return found
 
 

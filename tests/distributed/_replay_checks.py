@@ -31,14 +31,15 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _gpt2_run(gradient_checkpointing: dict[str, Any] | None, past_the_wrapper: bool = False) -> Run:
+def _gpt2_run(gradient_checkpointing: dict[str, Any] | None, past_the_wrapper: bool = False,
+              sequence_parallel: bool = False) -> Run:
     """GPT-2 with dropout everywhere, one training forward and backward at tp 2; called
     through the wrapper, or ``past_the_wrapper`` (``wrapped.base_model``, as
     TensorParallelTrainer does: every mask from the caller's generator)."""
     model = build("gpt2", resid_pdrop=0.3, attn_pdrop=0.3, embd_pdrop=0.3)
     if gradient_checkpointing is not None:  # one checkpoint per decoder layer
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing)
-    wrapped = torchtp.DistributedModelWrapper(model.train())
+    wrapped = torchtp.DistributedModelWrapper(model.train(), sequence_parallel=sequence_parallel)
     torchtp.manual_seed(3)  # torch's generator too, the same on every rank
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     logits = (wrapped.base_model if past_the_wrapper else wrapped)(input_ids=ids).logits
@@ -86,6 +87,24 @@ def _pair_run(segment: str, lora: bool = False) -> Run:
     return out.detach(), _grads(wrapped)
 
 
+def _shard_masks_differ() -> bool:
+    """GPT-2 at tp 2 with sequence parallelism: the residual dropouts run on sequence
+    shards (4 of 8 tokens per rank), and the ranks' masks must differ, as the two halves
+    of one mask over the sequence would (from one stream they were the same)."""
+    model = build("gpt2", resid_pdrop=0.5, attn_pdrop=0.0, embd_pdrop=0.0)
+    wrapped = torchtp.DistributedModelWrapper(model.train(), sequence_parallel=True)
+    masks: list[torch.Tensor] = []
+    for name, module in wrapped.named_modules():
+        if name.endswith(("attn.resid_dropout", "mlp.dropout")):
+            module.register_forward_hook(lambda _m, _i, out: masks.append(out == 0))
+    wrapped(input_ids=torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1)))
+    assert len(masks) == 4 and all(m.shape == (2, 4, 64) for m in masks), [m.shape for m in masks]
+    gathered = [[torch.empty_like(m) for _ in range(2)] for m in masks]
+    for everyone, m in zip(gathered, masks, strict=True):
+        torch.distributed.all_gather(everyone, m.contiguous())
+    return all(not torch.equal(*everyone) for everyone in gathered)
+
+
 def _equal(a: Run, b: Run) -> bool:
     def close(x: torch.Tensor, y: torch.Tensor) -> bool:
         return torch.allclose(x, y, rtol=1e-5, atol=1e-6)
@@ -103,6 +122,10 @@ def replayed_masks(rank: int, world_size: int) -> dict[str, Any]:
         "gpt2 per layer, reentrant": _equal(plain, _gpt2_run({"use_reentrant": True})),
         "gpt2 past the wrapper": _equal(past, _gpt2_run({"use_reentrant": False}, True)),
         "segment inside a split region": _equal(_pair_run("none"), _pair_run("inside")),
+        "gpt2 sequence parallel per layer": _equal(
+            _gpt2_run(None, sequence_parallel=True),
+            _gpt2_run({"use_reentrant": False}, sequence_parallel=True)),
+        "sequence shards draw their own masks": _shard_masks_differ(),
     }
     for lora in (False, True):
         with pytest.raises(RuntimeError, match="starts inside the split region") as leaving:

@@ -90,3 +90,18 @@ def test_eager_when_compiled_runs_eagerly_and_never_recompiles():
         for _ in range(2):
             torch.testing.assert_close(compiled(x), (x + 1) * 2 - 1)
     assert seen == [False, False, False]
+
+
+def test_compiled_dropout_on_context_shards_is_refused() -> None:
+    # ContextParallel's training forward with dropout switches to a stream per rank's
+    # tokens in eager mode only (layers/rng.py): traced, it raises instead of giving every
+    # rank's tokens the same masks.
+    from torchtp.layers import rng
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with rng.own_tokens(1, 1, "transformer.drop (p=0.1)"):
+            return nn.functional.dropout(x, 0.1)
+
+    with pytest.raises(Exception, match=r"torch\.compile of a context-parallel model in "
+                       r"training mode with dropout at transformer\.drop \(p=0\.1\)"):
+        torch.compile(forward, fullgraph=True, backend="aot_eager")(torch.ones(4))

@@ -84,6 +84,17 @@ def test_cp_composes_with_tp_sp_ddp_and_fsdp2(ranks):
     # cp groups stride over tp: ranks {0, 2} and {1, 3}
     assert [g["ranks"] for g in got] == [(0, 0, [0, 2]), (0, 1, [1, 3]), (1, 0, [0, 2]),
                                          (1, 1, [1, 3])]
+    # Dropout on a rank's tokens draws its own masks (every rank seeded alike): tp peers
+    # (ranks 0-1, 2-3) holding the same tokens draw the same ones, cp peers other ones;
+    # sequence shards (sp) differ on every rank. A recomputation draws the forward's masks:
+    # float64 gradients equal to rounding (1e-9; another mask moves them by O(0.1)).
+    peers = [[i // 2 == j // 2 for j in range(4)] for i in range(4)]
+    alone = [[i == j for j in range(4)] for i in range(4)]
+    for g in got:
+        assert g["masks"] == {"cp: embedding": peers, "cp: blocks": peers,
+                              "cp x tp: embedding": peers, "cp x tp: blocks": peers,
+                              "cp x tp, sp: embedding": peers, "cp x tp, sp: blocks": alone}
+        assert all(err < checks.HF_TOL for err in g["replayed"].values()), g["replayed"]
     got = ranks(checks.dp_with_cp, 4, timeout=600)
     assert all(set(g) == {"ddp", "fsdp2"} for g in got)
 

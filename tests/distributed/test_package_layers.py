@@ -225,8 +225,10 @@ def test_the_docstring_check_fails_on_an_unstated_import():
 MOST_FILES = {"mlp": {"wrap": 52, "plan": 46, "steady": 9},
               "hf-llama": {"wrap": 67, "plan": 55, "steady": 10}}
 # Calls per steady forward (cProfile, Python functions and builtins), the same ratchet
-# toward <= 1.2x the hand-written floor's (55 / 996)
-MOST_CALLS = {"mlp": 185, "hf-llama": 1154}
+# toward <= 1.2x the hand-written floor's (55 / 996). MLP 185 -> 188 (decision 160): the
+# RNG streams nest (token regions under sp/cp), a training forward's split region forks
+# and the exit unwinds through one more function each
+MOST_CALLS = {"mlp": 188, "hf-llama": 1154}
 
 
 def test_a_real_wrap_does_not_travel_further():

@@ -43,16 +43,17 @@ def test_dropout_keeps_replicated_activations_and_grads_identical(ranks):
 
 
 def test_activation_checkpointing_replays_the_dropout_masks(ranks):
-    # Per-layer checkpointing (HF's, both torch variants; through the wrapper and past it)
-    # and a segment inside a split region: the logits and gradients of the run without
-    # checkpointing; the
+    # Per-layer checkpointing (HF's, both torch variants; through the wrapper and past it;
+    # with sequence parallelism) and a segment inside a split region: the logits and
+    # gradients of the run without checkpointing; sequence shards draw their own masks; the
     # two segments torchtp cannot replay raise on every rank instead of using other masks.
     from ._replay_checks import replayed_masks
 
     for got in ranks(replayed_masks, 2):
         assert {k: v for k, v in got.items() if v is True} == {
             "gpt2 per layer": True, "gpt2 per layer, reentrant": True,
-            "gpt2 past the wrapper": True, "segment inside a split region": True}
+            "gpt2 past the wrapper": True, "segment inside a split region": True,
+            "gpt2 sequence parallel per layer": True, "sequence shards draw their own masks": True}
         for lora in (False, True):
             assert "ColumnParallelLinear" in got[f"leaving, lora={lora}"]
             assert "with dropout at" in got[f"leaving, lora={lora}"]

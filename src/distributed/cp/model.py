@@ -19,6 +19,8 @@ them failed to cut it, so a bad batch raises the same error on every rank.
 
 from __future__ import annotations
 
+import zlib
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,9 +28,10 @@ from torch import nn
 
 from ..comm import ops as _comm
 from ..comm.group_ref import WeakGroup
-from ..comm.runtime import ProcessGroup, group_size, resolve_group
+from ..comm.runtime import ProcessGroup, group_rank, group_size, resolve_group
 from ..guards.agreement import agree
 from ..guards.fingerprints import tensor_digest
+from ..layers import rng
 from . import grads as _grads
 from .attention import check_algorithm
 from .batch import LocalBatch, shard_batch, unshard_sequence
@@ -36,6 +39,7 @@ from .hf_attention import BATCH_KWARG, NO_PACKING, CPState, prepare
 from .loss import token_mean_loss
 
 WHO = "ContextParallel"
+_TOKENS_KEY = zlib.crc32(b"context parallel")  # seeds the streams of a rank's tokens
 _REFUSED = ("inputs_embeds", "past_key_values", "cache_position", "shift_labels")
 
 
@@ -95,6 +99,14 @@ class ContextParallel(nn.Module):
                            "weights": _weights_digest(model)}, group)
         _grads.install(model, group)
         self.family = getattr(getattr(self.hf, "config", None), "model_type", None)
+        self.train(model.training)
+
+    def train(self, mode: bool = True) -> ContextParallel:
+        """``nn.Module.train``; also records whether the model has dropout (then each
+        rank's tokens draw their own masks in training: ``torchtp.layers.rng.own_tokens``)."""
+        super().train(mode)
+        self.__dict__["_dropout_site"] = rng.dropout_site(self.module) if mode else None
+        return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -135,8 +147,12 @@ class ContextParallel(nn.Module):
                                              ("labels", labels)) if t is not None}
         agree(f"{WHO} forward (every cp rank must get the same full batch)", error, prints, group)
         assert batch is not None
-        out = self.module(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                          use_cache=False, **{BATCH_KWARG: batch}, **kwargs)
+        # Dropout on this rank's tokens draws masks of their own (layers/rng.py)
+        site = self.__dict__["_dropout_site"]
+        with rng.own_tokens(_TOKENS_KEY, group_rank(group) + 1, site) if self.training \
+                and site is not None else nullcontext():
+            out = self.module(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                              use_cache=False, **{BATCH_KWARG: batch}, **kwargs)
         if labels is not None:
             divisor = self._divisor(batch) if items is None else items
             out["loss"] = token_mean_loss(out["logits"], batch, group, divisor)

@@ -28,6 +28,17 @@ rather than from forward hooks: a hooked module takes ``nn.Module``'s slow
 call path, about seven Python calls per layer and forward. An eval-mode
 forward, or a layer used outside a wrapped model, switches nothing.
 
+Dropout on **token shards** (tokens split over ranks, not features) draws
+from a stream per shard, as the parts of one mask over the whole sequence
+would be, never from the shared stream (which gave every shard the same
+mask): sequence parallelism's hooks open such a region where the hidden
+states are cut into sequence shards and close it where they are gathered
+(:func:`sequence_region_begins`, :func:`sequence_region_ends`: a stream per
+TP rank); ``ContextParallel`` runs its training forward in one
+(:func:`own_tokens`: a stream per cp rank, shared by its TP ranks). A split
+region inside a token region starts from it and returns to it; the streams
+nest (``Tracker.saved``).
+
 Activation checkpointing replays the streams: torch restores the default
 generator at the start of a recomputed segment (the shared stream, for a
 segment that starts on replicated activations: a decoder layer, a block),
@@ -50,6 +61,8 @@ masks on different ranks.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,11 +99,17 @@ def set_state(state: State) -> None:
 
 @dataclass
 class Tracker:
-    """This process's streams: the saved shared state, and whether a local one is active."""
+    """This process's streams: the shared one, the ones to go back to, and whether a split
+    region's local one is active."""
 
-    shared: State | None = None  # identical on every rank of a TP group
+    shared: State | None = None  # TRACKER: identical on every rank of a TP group
     offset: int = LOCAL_OFFSET  # + this rank's TP rank: what makes a local stream per-rank
-    in_local: bool = False
+    in_local: bool = False  # a split region's local stream is active
+    # The streams to go back to, innermost last: a split region's, and token regions'
+    # (sequence shards, context parallelism) it may nest in
+    saved: list[State] = field(default_factory=list)
+    # Token regions opened around the wrapped model (context parallelism): (key, offset)
+    outer: list[tuple[int, int]] = field(default_factory=list)
     depth: int = 0  # wrapped training forwards running (nested: a model inside a model)
     user: list[Any] = field(default_factory=list)  # the caller's states, put back at the end
     site: str | None = None  # the last wrapped training model's first dropout site
@@ -102,31 +121,53 @@ TRACKER = Tracker()
 REPLAY = Tracker()  # the streams of the segment autograd recomputes now
 
 
-def to_local(t: Tracker, key: int) -> None:
-    """Default generator := a fresh local stream for the split region ``key`` opens here.
+def fork(t: Tracker, key: int, offset: int) -> None:
+    """Default generator := a fresh stream seeded from a draw of the current one.
 
-    Seeded from a draw of the shared stream's state (which is saved first and
-    put back at the region's end, so the draw takes nothing from it), ``key``
-    (the opening layer's ``stream_key``, from its name in the wrapped model:
-    regions opened on the same shared state by different layers differ, and a
-    rebuilt model draws the same masks) and this rank's offset. A
-    recomputation that restores the shared stream derives the same seed.
+    The current state is saved first (and put back by :func:`join`, so the draw
+    takes nothing from it); the seed mixes in ``key`` (who opens the stream: streams
+    opened on the same state by different layers differ, and a rebuilt model draws
+    the same masks) and ``offset`` (what tells the ranks apart). A recomputation
+    that restores the current state derives the same seed.
     """
+    t.saved.append(get_state())
+    _reseed(key, offset)
+    t.regions += 1
+
+
+def _reseed(key: int, offset: int) -> None:
+    seed = (int(torch.randint(SEEDS, ())) + key) % SEEDS + offset
+    _CPU.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed(seed)
+
+
+def join(t: Tracker) -> None:
+    """Default generator := the stream the innermost :func:`fork` began on."""
+    set_state(t.saved.pop())
+
+
+def unwind(t: Tracker) -> None:
+    """Default generator := the stream the outermost :func:`fork` began on; none open."""
+    if t.saved:
+        set_state(t.saved[0])
+        t.saved.clear()
+    t.in_local = False
+
+
+def to_local(t: Tracker, key: int) -> None:
+    """Default generator := a fresh local stream for the split region ``key`` opens here
+    (``key``: the opening layer's ``stream_key``), unless one is active."""
     if not t.in_local:
-        t.shared = get_state()
-        seed = (int(torch.randint(SEEDS, ())) + key) % SEEDS + TRACKER.offset
-        _CPU.manual_seed(seed)
-        if torch.cuda.is_initialized():
-            torch.cuda.manual_seed(seed)
+        fork(t, key, TRACKER.offset)
         t.in_local = True
-        t.regions += 1
 
 
 def to_shared(t: Tracker) -> None:
-    """Default generator := the shared stream, as the split region began."""
+    """Default generator := the stream the split region began on (the shared one, or a
+    token region's)."""
     if t.in_local:
-        assert t.shared is not None
-        set_state(t.shared)
+        set_state(t.saved.pop())  # join(t), inline: per split region and forward
         t.in_local = False
 
 
@@ -145,16 +186,12 @@ def split_region_begins(layer: Any) -> bool:
         past the wrapper (``wrapped.base_model(...)``) switches nothing, and
         then neither does its recomputation.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # _active() inline: this runs per layer and forward
         return False
-    if TRACKER.depth:
-        to_local(TRACKER, layer.stream_key)
-        return True
-    replay = _replaying()
-    if replay is None:
-        return False
-    to_local(replay, layer.stream_key)
-    return True
+    t = TRACKER if TRACKER.depth else _replaying()
+    if t is not None:
+        to_local(t, layer.stream_key)
+    return t is not None
 
 
 def split_region_ends(layer: Any) -> bool:
@@ -167,15 +204,12 @@ def split_region_ends(layer: Any) -> bool:
         RuntimeError: autograd recomputes a segment that started inside the
             split region this layer leaves, and the model has dropout.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # _active() inline, as in split_region_begins
         return False
-    if TRACKER.depth:
-        to_shared(TRACKER)
-        return True
-    replay = _replaying()
-    if replay is None:
+    t = TRACKER if TRACKER.depth else _replaying()
+    if t is None:
         return False
-    if not replay.in_local and TRACKER.site is not None:
+    if t is REPLAY and not t.in_local and TRACKER.site is not None:
         raise RuntimeError(
             f"{layer._name()}: activation checkpointing recomputes a segment that starts "
             "inside the split region this layer (weight columns = in_features split) "
@@ -183,8 +217,108 @@ def split_region_ends(layer: Any) -> bool:
             "shared RNG stream there, so the recomputed dropout masks would differ from the "
             "forward's; checkpoint whole blocks (HF gradient_checkpointing_enable(), one "
             "checkpoint per decoder layer) or set the dropout probabilities to 0")
-    to_shared(replay)
+    to_shared(t)
     return True
+
+
+def sequence_region_begins(owner: Any) -> bool:
+    """Hidden states are cut into sequence shards here (sequence parallelism).
+
+    Up to :func:`sequence_region_ends`, each rank's tokens draw from a stream
+    of their own (seeded as a split region's, from ``owner.stream_key``), so
+    dropout on the shards (GPT-2's residual dropout) draws independent masks,
+    as one mask over the whole sequence would be; from the shared stream,
+    every shard would get the same mask. Split regions inside it (attention,
+    MLP) start from it and return to it. Called by the sequence-parallel
+    hooks as :func:`split_region_begins` is by a layer; returns the same.
+    """
+    t = _active()
+    if t is None:
+        return False
+    to_shared(t)  # the shards are cut from replicated hidden states
+    fork(t, owner.stream_key, TRACKER.offset)
+    return True
+
+
+def sequence_region_ends(owner: Any) -> bool:
+    """The sequence shards are gathered again: the stream the region began on.
+
+    Raises:
+        RuntimeError: autograd recomputes a segment that started inside the
+            sequence-parallel region and leaves it, and the model has dropout.
+    """
+    t = _active()
+    if t is None:
+        return False
+    to_shared(t)
+    if t.saved:
+        join(t)
+    elif t is REPLAY and TRACKER.site is not None:
+        raise RuntimeError(
+            f"{owner.who}: activation checkpointing recomputes a segment that starts on "
+            "sequence shards and ends where they are gathered again (the final norm), in a "
+            f"model with dropout at {TRACKER.site}: torchtp cannot replay the shared RNG "
+            "stream there, so the recomputed dropout masks would differ from the forward's; "
+            "checkpoint the decoder layers only (HF gradient_checkpointing_enable()) or set "
+            "the dropout probabilities to 0")
+    return True
+
+
+@contextmanager
+def own_tokens(key: int, offset: int, site: str) -> Iterator[None]:
+    """A training forward on this rank's tokens only (context parallelism).
+
+    Every dropout inside draws from a stream of this rank's tokens: seeded from
+    a draw of the stream the forward starts on, ``key`` and ``offset`` (the
+    same on ranks that hold the same tokens, different otherwise), so the
+    ranks' masks are independent, as one mask over the whole sequence would
+    be. A wrapped tensor-parallel model inside starts its shared stream the
+    same way (:func:`enter_model`), so its TP ranks still agree. Outside any
+    wrapped forward, the caller's generator is the stream: it is put back
+    and moved one draw on, so the next forward draws other masks; a
+    recomputation (a checkpoint around the whole model) restores it first
+    and draws the same ones.
+
+    Args:
+        key: Who opens the stream (a constant of the caller).
+        offset: The same on ranks holding the same tokens, different otherwise.
+        site: The model's first dropout site (:func:`dropout_site`), for the error.
+
+    Raises:
+        RuntimeError: under ``torch.compile``, which would not switch the stream.
+    """
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"torch.compile of a context-parallel model in training mode with dropout at "
+            f"{site}: torchtp switches to a stream per rank's tokens in eager mode only, so "
+            "compiled dropout would draw the same masks on every rank's tokens; set the "
+            "dropout probabilities to 0, compile in eval mode, or train eagerly")
+    t = _active()
+    if t is not None:  # inside a wrapped forward or its recomputation
+        fork(t, key, offset)
+        try:
+            yield
+        finally:
+            to_shared(t)
+            join(t)
+        return
+    user = get_state()
+    _reseed(key, offset)
+    TRACKER.outer.append((key, offset))
+    try:
+        yield
+    finally:
+        TRACKER.outer.pop()
+        set_state(user)
+        torch.randint(SEEDS, ())
+
+
+def _active() -> Tracker | None:
+    """The streams to switch: in a wrapped training forward, or while autograd recomputes
+    one; None otherwise (and in compiled code)."""
+    if torch.compiler.is_compiling():
+        return None
+    return TRACKER if TRACKER.depth else _replaying()
 
 
 def streams_switch() -> bool:
@@ -201,12 +335,19 @@ def _replaying() -> Tracker | None:
         # Let go of the node when this backward ends (a backward that raises drops the
         # callback: the next wrapped forward lets go, enter_model).
         torch_compat.at_end_of_backward(_forget_replay)
-        REPLAY.node, REPLAY.in_local, REPLAY.shared = node, False, None
+        REPLAY.node = node
+        _reset(REPLAY)
     return REPLAY
 
 
 def _forget_replay() -> None:
-    REPLAY.node, REPLAY.in_local, REPLAY.shared = None, False, None
+    REPLAY.node = None
+    _reset(REPLAY)
+
+
+def _reset(t: Tracker) -> None:
+    t.in_local = False
+    t.saved.clear()
 
 
 def in_split_region() -> bool:
@@ -285,6 +426,8 @@ def enter_model(site: str | None) -> None:
         TRACKER.user.append(get_state())
         assert TRACKER.shared is not None
         set_state(TRACKER.shared)
+        for key, offset in TRACKER.outer:  # this rank's tokens only (context parallelism)
+            fork(TRACKER, key, offset)
     TRACKER.depth += 1
 
 
@@ -293,7 +436,7 @@ def exit_model() -> None:
     TRACKER.depth -= 1
     if TRACKER.depth:
         return
-    to_shared(TRACKER)
+    unwind(TRACKER)
     if TRACKER.regions:  # local streams derive from the shared state: move it on
         torch.randint(SEEDS, ())
         TRACKER.regions = 0

@@ -17,6 +17,7 @@ and the final norm's output is gathered again, so the model's outputs,
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from ..comm.sequence_parallel import (
 from ..hf.detect import is_hf_model
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..layers.grad_sync import GradSync, mark
+from ..layers.rng import TRACKER, sequence_region_begins, sequence_region_ends
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.linear_view import linear_view
 from ..plans.registry import STYLES
@@ -178,6 +180,12 @@ class _Hooks:
 
     group: WeakGroup[ProcessGroup | None] = WeakGroup()  # held weakly (comm.group_ref)
 
+    who = WHO
+    # Seeds the shards' RNG stream (layers/rng.py); whether the last training forward
+    # switched the streams, so that its recomputation does too
+    stream_key = zlib.crc32(b"sequence shards")
+    streamed = False
+
     def __init__(self, ctx: ShardContext, config: object) -> None:
         self.group = ctx.group
         self.config = config
@@ -191,7 +199,10 @@ class _Hooks:
             raise ValueError(f"{WHO}: output_hidden_states=True is not supported (the "
                              "decoder layers' outputs are sequence shards); call without it")
 
-    def scatter(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def scatter(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if mod.training and (TRACKER.depth or self.streamed):  # dropout on shards (rng.py)
+            self.streamed = sequence_region_begins(self)
+
         def cut(x: torch.Tensor) -> torch.Tensor:
             self.length = x.shape[SEQ_DIM]
             return scatter_to_sequence_shards(x, self.group, SEQ_DIM)  # (B, S, d)
@@ -221,7 +232,9 @@ class _Hooks:
         return gather_for_tensor_parallel(x, self.group, SEQ_DIM, length,
                                           [(p.weight, p.bias) for p in layers], overlap.chunks())
 
-    def gather_output(self, _mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+    def gather_output(self, mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if mod.training and (TRACKER.depth or self.streamed):
+            self.streamed = sequence_region_ends(self)
         return gather_from_sequence_shards(out, self.group, SEQ_DIM, self.length)  # (B, T, d)
 
 
