@@ -3,7 +3,9 @@
 Each rank runs in its own process (a crash or a hang never takes pytest
 down), joins a Gloo group through a file store under the test's ``tmp_path``
 with a short collective timeout, and writes its result or traceback to a
-file. The parent enforces a hard wall-clock deadline, kills what is left, and
+file; its standard error goes to a file too, whose end is quoted for a rank
+that failed or died (a SIGABRT leaves no traceback, only what the C++ runtime
+printed). The parent enforces a hard wall-clock deadline, kills what is left, and
 raises :class:`RankFailure` with every failing rank's traceback, earliest first.
 A run whose group could not be joined on some rank is started again, after a
 pause, and the last time from freshly spawned processes.
@@ -34,6 +36,8 @@ FAILURE_GRACE_S = 5.0
 START_METHODS = ("forkserver", "forkserver", "spawn")
 # Seconds between attempts, so whatever broke the rendezvous has time to clear.
 RETRY_PAUSE_S = 2.0
+# How much of a failing rank's standard error a failure report quotes (its end).
+STDERR_TAIL_CHARS = 4000
 
 
 class RankFailure(AssertionError):
@@ -54,6 +58,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[A
     import torch
     import torch.distributed as dist
 
+    _stderr_to(Path(workdir) / f"rank{rank}.stderr")
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
@@ -79,6 +84,26 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[A
             dist.destroy_process_group()
     finally:
         os._exit(0 if outcome.ok else 1)
+
+
+def _stderr_to(path: Path) -> None:
+    """Send this process's fd 2 (Python's and C++'s writes alike) to ``path``."""
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _stderr_tail(workdir: Path, rank: int) -> str:
+    """The end of ``rank``'s standard error, indented, or ``""`` when it wrote none."""
+    path = workdir / f"rank{rank}.stderr"
+    text = path.read_text(errors="replace").strip() if path.exists() else ""
+    if not text:
+        return ""
+    cut = text[-STDERR_TAIL_CHARS:]
+    head = "  [...]\n" if len(cut) < len(text) else ""
+    return (f"\n  stderr of rank {rank} (its end):\n{head}"
+            + "\n".join("  | " + line for line in cut.splitlines()))
 
 
 def _write(path: Path, outcome: _Outcome) -> None:
@@ -147,7 +172,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, tmp_path: Pat
               f"starting all {world_size} ranks again with {START_METHODS[attempt + 1]}:\n"
               + _summary(outcomes, procs, start), file=sys.stderr)
         time.sleep(RETRY_PAUSE_S * (attempt + 1))
-    _raise_failures(outcomes, procs, hung, start, timeout)
+    _raise_failures(outcomes, procs, hung, start, timeout, workdir)
     return [o.value for o in outcomes if o is not None]
 
 
@@ -183,17 +208,23 @@ def _wait(procs: list[Any], workdir: Path, deadline: float) -> list[int]:
 
 
 def _raise_failures(outcomes: list[_Outcome | None], procs: list[Any], hung: list[int],
-                    start: float, timeout: float) -> None:
+                    start: float, timeout: float, workdir: Path) -> None:
     failures = [o for o in outcomes if o is not None and not o.ok]
     failures.sort(key=lambda o: o.finished_at)
     lines = [f"rank {o.rank} failed at +{o.finished_at - start:.2f}s:\n{o.value}"
-             for o in failures]
+             + _stderr_tail(workdir, o.rank) for o in failures]
     for r, o in enumerate(outcomes):
         if o is None and r not in hung:
-            lines.append(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+            lines.append(f"rank {r} died without a result (exit code {procs[r].exitcode})"
+                         + _stderr_tail(workdir, r))
+        elif o is not None and o.ok and procs[r].exitcode not in (0, None):
+            # fn returned, then the process did not end cleanly (group teardown)
+            lines.append(f"rank {r} returned, then exited with code {procs[r].exitcode}"
+                         + _stderr_tail(workdir, r))
     if hung:
         why = "after another rank failed" if failures else f"within the {timeout:.0f}s deadline"
-        lines.append(f"rank(s) {hung} did not finish {why} and were killed")
+        lines.append(f"rank(s) {hung} did not finish {why} and were killed"
+                     + "".join(_stderr_tail(workdir, r) for r in hung))
     if lines:
         raise RankFailure(f"{len(lines)} problem(s) across {len(outcomes)} ranks:\n\n"
                           + "\n\n".join(lines))

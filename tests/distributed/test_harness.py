@@ -34,6 +34,20 @@ def _rank1_aborts(rank: int, world_size: int) -> None:
         os.abort()
 
 
+def _rank1_says_then_aborts(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.write(2, b"what the C++ runtime printed before the abort\n")
+        os.abort()
+
+
+def _rank1_aborts_in_teardown(rank: int, world_size: int) -> int:
+    if rank == 1:
+        # Stands in for a backend that aborts while the harness ends the group
+        # (the harness calls dist.destroy_process_group after writing the result).
+        dist.destroy_process_group = lambda *a, **k: os.abort()
+    return rank
+
+
 def _rank1_raises_before_collective(rank: int, world_size: int) -> None:
     if rank == 1:
         raise RuntimeError("rank 1 broke before the all-reduce")
@@ -59,6 +73,18 @@ def test_hang_ends_at_the_deadline(ranks):
 def test_hard_crash_is_reported(ranks):
     with pytest.raises(RankFailure, match=r"rank 1 died without a result \(exit code -6\)"):
         ranks(_rank1_aborts, 2)
+
+
+def test_a_crashed_rank_s_stderr_is_quoted(ranks):
+    # A SIGABRT leaves no traceback: what the rank wrote to fd 2 is all there is.
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 died without a result \(exit code -6\)"
+                       r".*stderr of rank 1.*what the C\+\+ runtime printed"):
+        ranks(_rank1_says_then_aborts, 2)
+
+
+def test_a_rank_that_returned_then_aborted_fails_the_run(ranks):
+    with pytest.raises(RankFailure, match=r"rank 1 returned, then exited with code -6"):
+        ranks(_rank1_aborts_in_teardown, 2)
 
 
 def test_rank_raising_before_collective_does_not_hang_the_others(ranks):
