@@ -160,3 +160,21 @@ def check_ddp_refused(rank: int, world_size: int) -> str:
     except ValueError as err:
         return str(err)
     raise AssertionError("DDP without find_unused_parameters=True was accepted")
+
+
+def stage_masks(rank: int, world_size: int) -> list[bool]:
+    """pp 2 x tp 2, every rank seeded alike and no ``torchtp.manual_seed``: a wrapped MLP
+    stage's training forward, then a dropout on its (replicated) output; the mask."""
+    from torch import nn
+
+    import torchtp
+
+    from ._models import mlp
+
+    torchtp.init_parallel(pp=2, tp=2)
+    torch.manual_seed(0)  # what most scripts do on every rank
+    model = nn.Sequential(*mlp(), nn.Dropout(0.5))
+    wrapped = torchtp.DistributedModelWrapper(model)
+    wrapped.train()
+    out = wrapped(torch.ones(4, 16))  # (4, 16), replicated: the shared stream's mask
+    return (out == 0).flatten().tolist()

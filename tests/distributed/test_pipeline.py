@@ -163,6 +163,18 @@ def test_pp_dp_tp_on_init_parallels_mesh_trains_like_one_process(ranks):
     assert local[0] == local[2] and local[0] != local[1] and local[0] != local[4]
 
 
+def test_stages_seeded_alike_draw_their_own_dropout_masks(ranks):
+    # Without torchtp.manual_seed, the wrap starts each stage's shared stream from its TP
+    # rank 0's generator: ranks seeded alike gave every stage the same masks, position for
+    # position. The TP ranks of a stage still agree (a replicated region's dropout).
+    from ._pipeline_schedule_checks import stage_masks
+
+    masks = ranks(stage_masks, 4)
+    assert masks[0] == masks[1] and masks[2] == masks[3]  # stage 0: ranks 0, 1; stage 1: 2, 3
+    assert masks[0] != masks[2]
+    assert 0 < sum(masks[0]) < len(masks[0]) and 0 < sum(masks[2]) < len(masks[2])
+
+
 def test_ddp_around_a_stage_needs_find_unused_parameters(ranks):
     # PyTorch's DDP reducer with its defaults fails an internal assert at the second
     # pipeline step; with static_graph=True the last stage's gradients are wrong, silently.

@@ -388,7 +388,11 @@ def sync(group: ProcessGroup | None) -> None:
     over a group mixing such ranks with new ones cannot leave the new ones
     waiting. Ranks without streams take the first started rank's shared
     stream (TP rank 0's generator when none started) and their own TP rank's
-    offset for the local streams.
+    offset for the local streams. Under pipeline parallelism (``cfg.pp_rank``
+    > 0) that state is first moved to the stage's own stream, as
+    :func:`manual_seed` does: ranks seeded alike (torch's fixed default seed,
+    or one ``torch.manual_seed`` on every rank) would otherwise draw every
+    stage's dropout masks position for position the same.
     """
     started = TRACKER.shared is not None
     state = TRACKER.shared if started else get_state()
@@ -398,8 +402,22 @@ def sync(group: ProcessGroup | None) -> None:
         state = next((st for ok, st in everyone if ok), everyone[0][1])
     if started:
         return
-    TRACKER.shared = (state[0].clone(), None if state[1] is None else state[1].clone())
+    TRACKER.shared = _stage_stream(state, get_tensor_parallel_config().pp_rank)
     TRACKER.offset = LOCAL_OFFSET + group_rank(group)
+
+
+def _stage_stream(state: State, stage: int) -> State:
+    """Pipeline stage ``stage``'s shared stream from ``state``: a copy of it for stage 0
+    (no pipeline: one process's masks), else a stream seeded from one draw of it plus
+    ``STAGE_OFFSET * stage`` (Megatron's per-stage offset)."""
+    if stage == 0:
+        return state[0].clone(), None if state[1] is None else state[1].clone()
+    user = get_state()
+    set_state(state)
+    _reseed(STAGE_OFFSET * stage, 0)
+    own = get_state()
+    set_state(user)
+    return own
 
 
 def enter_model(site: str | None) -> None:
