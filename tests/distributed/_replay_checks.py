@@ -105,6 +105,31 @@ def _shard_masks_differ() -> bool:
     return all(not torch.equal(*everyone) for everyone in gathered)
 
 
+class _Checkpointed(nn.Module):
+    """``inner`` run under a reentrant checkpoint: the segment is this one module, hooks
+    included (the non-reentrant variant stops recomputing once the module's saved tensors
+    are back, before its forward hooks, so nothing there needs replaying)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=True)
+
+
+def _final_norm_checkpointed() -> None:
+    """GPT-2 (dropout) at tp 2 with sequence parallelism, its final norm checkpointed
+    alone: the segment starts on sequence shards and ends where they are gathered (the
+    norm's output), which torchtp cannot replay; the backward must raise."""
+    model = build("gpt2", attn_pdrop=0.3)
+    wrapped = torchtp.DistributedModelWrapper(model.train(), sequence_parallel=True)
+    base = wrapped.base_model.transformer
+    base.ln_f = _Checkpointed(base.ln_f)  # the norm keeps its gather hook
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    wrapped(input_ids=ids).logits.sum().backward()
+
+
 def _equal(a: Run, b: Run) -> bool:
     def close(x: torch.Tensor, y: torch.Tensor) -> bool:
         return torch.allclose(x, y, rtol=1e-5, atol=1e-6)
@@ -131,6 +156,9 @@ def replayed_masks(rank: int, world_size: int) -> dict[str, Any]:
         with pytest.raises(RuntimeError, match="starts inside the split region") as leaving:
             _pair_run("leaving", lora)
         got[f"leaving, lora={lora}"] = str(leaving.value)
+    with pytest.raises(RuntimeError, match="starts on sequence shards") as shards:
+        _final_norm_checkpointed()
+    got["leaving the sequence shards"] = str(shards.value)
     # A checkpoint around the whole wrapped model: refused with dropout.
     wrapped = torchtp.DistributedModelWrapper(build("gpt2", attn_pdrop=0.3).train())
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
