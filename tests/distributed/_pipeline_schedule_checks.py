@@ -162,8 +162,9 @@ def check_ddp_refused(rank: int, world_size: int) -> str:
     raise AssertionError("DDP without find_unused_parameters=True was accepted")
 
 
-def stage_masks(rank: int, world_size: int) -> list[bool]:
-    """pp 2 x tp 2, every rank seeded alike and no ``torchtp.manual_seed``: a wrapped MLP
+def stage_masks(rank: int, world_size: int, seeded_rank: int = -1) -> list[bool]:
+    """pp 2 x tp 2, every rank seeded alike and no ``torchtp.manual_seed`` (but on
+    ``seeded_rank``, whose streams are then started before the wrap): a wrapped MLP
     stage's training forward, then a dropout on its (replicated) output; the mask."""
     from torch import nn
 
@@ -173,6 +174,8 @@ def stage_masks(rank: int, world_size: int) -> list[bool]:
 
     torchtp.init_parallel(pp=2, tp=2)
     torch.manual_seed(0)  # what most scripts do on every rank
+    if rank == seeded_rank:
+        torchtp.manual_seed(0)
     model = nn.Sequential(*mlp(), nn.Dropout(0.5))
     wrapped = torchtp.DistributedModelWrapper(model)
     wrapped.train()

@@ -173,6 +173,10 @@ def test_stages_seeded_alike_draw_their_own_dropout_masks(ranks):
     assert masks[0] == masks[1] and masks[2] == masks[3]  # stage 0: ranks 0, 1; stage 1: 2, 3
     assert masks[0] != masks[2]
     assert 0 < sum(masks[0]) < len(masks[0]) and 0 < sum(masks[2]) < len(masks[2])
+    # A TP peer whose streams started already (here: torchtp.manual_seed on rank 2 only)
+    # hands its stream over as it is; the stage's offset is not applied twice.
+    masks = ranks(stage_masks, 4, 2)
+    assert masks[2] == masks[3] and masks[0] == masks[1] and masks[0] != masks[2]
 
 
 def test_ddp_around_a_stage_needs_find_unused_parameters(ranks):

@@ -397,19 +397,22 @@ def sync(group: ProcessGroup | None) -> None:
     started = TRACKER.shared is not None
     state = TRACKER.shared if started else get_state()
     assert state is not None
+    ahead = started  # the state is a started stream (already the stage's own)
     if group is not None and group_size(group) > 1:
         everyone = all_gather_object((started, state), group, "the RNG sync")
-        state = next((st for ok, st in everyone if ok), everyone[0][1])
+        state, ahead = next(((st, True) for ok, st in everyone if ok), (everyone[0][1], False))
     if started:
         return
-    TRACKER.shared = _stage_stream(state, get_tensor_parallel_config().pp_rank)
+    stage = 0 if ahead else get_tensor_parallel_config().pp_rank
+    TRACKER.shared = _stage_stream(state, stage)
     TRACKER.offset = LOCAL_OFFSET + group_rank(group)
 
 
 def _stage_stream(state: State, stage: int) -> State:
     """Pipeline stage ``stage``'s shared stream from ``state``: a copy of it for stage 0
-    (no pipeline: one process's masks), else a stream seeded from one draw of it plus
-    ``STAGE_OFFSET * stage`` (Megatron's per-stage offset)."""
+    (no pipeline, or a stream a TP peer started: one process's masks), else a stream
+    seeded from one draw of it plus ``STAGE_OFFSET * stage`` (Megatron's per-stage
+    offset)."""
     if stage == 0:
         return state[0].clone(), None if state[1] is None else state[1].clone()
     user = get_state()
