@@ -13,6 +13,7 @@ pause, and the last time from freshly spawned processes.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -59,6 +60,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[A
     import torch.distributed as dist
 
     _stderr_to(Path(workdir) / f"rank{rank}.stderr")
+    faulthandler.enable()  # a SIGABRT / SIGSEGV writes the Python stacks there too
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
@@ -79,6 +81,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[A
     except BaseException:
         outcome = _Outcome(rank, False, traceback.format_exc(), time.time(), started)
     _write(Path(workdir) / f"rank{rank}.pkl", outcome)
+    sys.stderr.flush()  # os._exit below skips Python's flush
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -217,7 +220,7 @@ def _raise_failures(outcomes: list[_Outcome | None], procs: list[Any], hung: lis
         if o is None and r not in hung:
             lines.append(f"rank {r} died without a result (exit code {procs[r].exitcode})"
                          + _stderr_tail(workdir, r))
-        elif o is not None and o.ok and procs[r].exitcode not in (0, None):
+        elif o is not None and o.ok and r not in hung and procs[r].exitcode not in (0, None):
             # fn returned, then the process did not end cleanly (group teardown)
             lines.append(f"rank {r} returned, then exited with code {procs[r].exitcode}"
                          + _stderr_tail(workdir, r))

@@ -416,7 +416,9 @@ def _stage_stream(state: State, stage: int) -> State:
     if stage == 0:
         return state[0].clone(), None if state[1] is None else state[1].clone()
     user = get_state()
-    set_state(state)
+    # A peer's CUDA state on a rank whose CUDA is not initialized would only be queued
+    # for CUDA's start (nothing here could undo it): such a rank draws on the CPU.
+    set_state((state[0], state[1] if torch.cuda.is_initialized() else None))
     _reseed(STAGE_OFFSET * stage, 0)
     own = get_state()
     set_state(user)
