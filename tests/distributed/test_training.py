@@ -46,7 +46,7 @@ def test_activation_checkpointing_replays_the_dropout_masks(ranks):
     # Per-layer checkpointing (HF's, both torch variants; through the wrapper and past it;
     # with sequence parallelism) and a segment inside a split region: the logits and
     # gradients of the run without checkpointing; sequence shards draw their own masks; the
-    # two segments torchtp cannot replay raise on every rank instead of using other masks.
+    # segments torchtp cannot replay raise on every rank instead of using other masks.
     from ._replay_checks import replayed_masks
 
     # 11 GPT-2 runs per rank: 169 s at a load average of 11 on 2 cores, past the default 120.
