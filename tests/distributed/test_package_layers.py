@@ -222,7 +222,7 @@ def test_the_docstring_check_fails_on_an_unstated_import():
 # Gloo processes, so every rank-agreement, check and hook a user's wrap pays is counted.
 # A ratchet toward issue 36's targets (wrap + first forward <= 24 / 32 files, explicit
 # plan <= 16, a steady forward <= 8 / 10): lower these when work leaves the path.
-MOST_FILES = {"mlp": {"wrap": 52, "plan": 46, "steady": 9},
+MOST_FILES = {"mlp": {"wrap": 52, "plan": 45, "steady": 9},
               "hf-llama": {"wrap": 67, "plan": 55, "steady": 10}}
 # Calls per steady forward (cProfile, Python functions and builtins), the same ratchet
 # toward <= 1.2x the hand-written floor's (55 / 996). MLP 185 -> 188 (decision 160): the

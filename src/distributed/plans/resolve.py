@@ -110,7 +110,8 @@ def _matched(model: nn.Module, rules: Rules, ctx: ShardContext, example_inputs: 
         resolved.heads = dict(rules.heads)
     else:
         resolved.heads = split_whole_heads(model, resolved)
-        resolved.problems += verify_heads(model, resolved, ctx, example_inputs, verify)
+        if resolved.heads:  # attention split by whole heads: each split verified
+            resolved.problems += verify_heads(model, resolved, ctx, example_inputs, verify)
     if any(isinstance(s, SsmHeads) for s in resolved.assignments.values()):
         resolved.problems += split_mixers(model, resolved, ctx, verify)
     return resolved
