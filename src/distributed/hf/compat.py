@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0", "5.24.0")
+CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0", "5.24.0", "5.25.0")
 CHECKED_PEFT = ("0.21.2",)
 CHECKED_ACCELERATE = ("1.15.0",)
 # The oldest release torchtp supports (pyproject's lower bound, run by ``make
@@ -65,8 +65,9 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     entries (``{"lm_head": "colwise_gather_output"}``; missing up to 5.10),
     the base model's ``embed_tokens`` as ``"embedding_rowwise"`` when it is an
     ``nn.Embedding`` the plan does not name (added by transformers from 5.21),
-    and the entries of :data:`ADDED_IN_5_24`.
-    Checked: transformers 5.3.0, 5.23.0, 5.24.0.
+    the entries of :data:`ADDED_IN_5_24`, and the experts entries 5.25 moved to the
+    EP plan (:data:`EXPERTS_SPLIT_IN_5_24`).
+    Checked: transformers 5.3.0, 5.23.0, 5.24.0, 5.25.0.
     """
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, dict):
@@ -78,14 +79,38 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     extra: dict[str, str] = {}
     if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
         extra[f"{lead}embed_tokens"] = "embedding_rowwise"
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for name, style in ADDED_IN_5_24.get(str(model_type), {}).items():
+    config = getattr(model, "config", None)
+    model_type = str(getattr(config, "model_type", None))
+    for name, style in ADDED_IN_5_24.get(model_type, {}).items():
         extra[lead + name] = style
+    if model_type in EXPERTS_SPLIT_IN_5_24:
+        for name, style in (getattr(config, "base_model_ep_plan", None) or {}).items():
+            if style == "ep_dispatch_experts":  # 5.24's entry for the same module
+                extra[lead + name] = "moe_tp_experts"
     return {**class_tp_plan(type(model)), **extra, **plan}
 
 
 # Base-model plan entries transformers 5.24 ships and older releases lack.
 ADDED_IN_5_24 = {"gpt_neox": {"embed_in": "embedding_rowwise"}}
+# Model types whose experts transformers 5.24's TP plan splits by features
+# ("<experts>": "moe_tp_experts"). 5.25 dropped those entries (the experts are
+# named in ``base_model_ep_plan`` only, as "ep_dispatch_experts"), which would
+# leave every expert whole on every rank; the entry comes back from the EP plan.
+# GPT-OSS and the other types 5.24 kept whole are not listed, so they stay whole.
+EXPERTS_SPLIT_IN_5_24 = frozenset({
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe",
+    "deepseek_ocr2_text", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4",
+    "diffusion_gemma_text", "dots1", "dots3_note_text", "dots3_note_vision_encoder",
+    "ernie4_5_moe", "ernie4_5_vl_moe_text", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
+    "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
+    "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe",
+    "hy_v3", "hy_v4", "hy_v4_vl_text", "inkling2_loop_text", "inkling2_text", "inkling_text",
+    "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text",
+    "longcat_flash", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text",
+    "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe",
+    "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
+    "qwen3_omni_moe_text", "qwen3_vl_moe_text", "qwen4_exp_text", "sarvam_mla", "sarvam_moe",
+    "solar_open", "step3p5", "unlimited_ocr_text"})
 
 
 def class_tp_plan(cls: type) -> dict[str, str]:
