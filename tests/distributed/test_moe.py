@@ -221,6 +221,21 @@ def test_tp1_keeps_the_experts_whole():
                        build_moe("mixtral")(input_ids=torch.tensor([[3, 4, 5]])).logits)
 
 
+def test_experts_named_only_in_the_ep_plan_are_split_as_5_24_splits_them():
+    # transformers 5.25 names a MoE's experts in base_model_ep_plan only (5.24 also in the
+    # TP plan, as moe_tp_experts): the plan is completed as 5.24 ships it, or every rank
+    # would hold every expert whole.
+    from torchtp.hf.plan_source import hf_plan
+
+    model = build_moe("mixtral")
+    model.tp_plan = {k: v for k, v in model.tp_plan.items() if ".experts" not in k}  # as 5.25
+    assert hf_plan(model)["model.layers.*.mlp.experts"] == "moe_tp_experts"
+    wrapped = torchtp.DistributedModelWrapper(model)
+    assert wrapped.resolved_plan.layers["model.layers.0.mlp.experts"].style == "moe_tp_experts"
+    # GPT-OSS (biases inside every expert): 5.24 keeps its experts whole, and so does torchtp
+    assert "moe_tp_experts" not in (hf_plan(build_moe("gpt_oss")) or {}).values()
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_hub_checkpoints_with_one_tensor_per_expert_load_into_every_split(ranks, tmp_path, arch):
     # transformers writes (and the Hub holds) experts.{e}.w1/w2/w3 (Mixtral, under
