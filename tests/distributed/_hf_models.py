@@ -7,10 +7,21 @@ heads), vocab 128.
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 from torch import nn
 
+from torchtp.plans.state_space import FUSED_KERNELS
+
 VOCAB = 128
+# With a fused Mamba kernel's package importable (transformers >= 5.25 requires `kernels`)
+# torchtp keeps Mamba-style mixers whole, with the reason in describe_plan(): tests of
+# their split need the torch path (test_fused_kernel_keeps_mixers_whole tests the other).
+NEEDS_MAMBA_TORCH_PATH = pytest.mark.skipif(
+    any(importlib.util.find_spec(k) is not None for k in FUSED_KERNELS),
+    reason=f"one of {FUSED_KERNELS} is importable: torchtp keeps Mamba mixers whole")
 
 
 def _common() -> dict:

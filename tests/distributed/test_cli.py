@@ -13,6 +13,8 @@ import transformers
 
 from torchtp.cli import SUBCOMMANDS, main
 
+from ._hf_models import NEEDS_MAMBA_TORCH_PATH
+
 
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -149,6 +151,7 @@ def test_plan_other_architectures_from_config_only(capsys, tmp_path):
     assert 4 in report["valid_tp_sizes"]  # 2 KV heads replicated over 4 ranks
 
 
+@NEEDS_MAMBA_TORCH_PATH
 def test_plan_a_mamba2_config_splits_its_mixers(capsys, tmp_path):
     # Its config.json stores time_step_limit's infinity as {"__float__": "Infinity"}: read
     # by transformers' own reader. On the meta device the mixers are probed on a CPU copy.

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from ._hf_models import NEEDS_MAMBA_TORCH_PATH
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,6 +25,7 @@ def _generated(generator: str, page: str) -> tuple[str, Any]:
     return section(ROOT / "docs" / page, gen.BEGIN, gen.END), gen.table
 
 
+@NEEDS_MAMBA_TORCH_PATH
 def test_hf_table_is_up_to_date():
     current, table = _generated("gen_hf_table", "hf.md")
     assert current == table(), "docs/hf.md is stale: run python docs/gen_hf_table.py --write"

@@ -12,7 +12,7 @@ import torch
 
 import torchtp
 
-from ._hf_models import build
+from ._hf_models import NEEDS_MAMBA_TORCH_PATH, build
 from ._new_families import (
     check_family,
     check_fused_kernel_keeps_mixers_whole,
@@ -106,6 +106,7 @@ SSM = ["mamba2", "mamba2-uneven", "falcon_h1", "falcon_h1-uneven", "mamba-uneven
 GATED_NORMS = {"mamba2", "mamba2-uneven", "falcon_h1", "bamba", "nemotron_h", "granitemoehybrid"}
 
 
+@NEEDS_MAMBA_TORCH_PATH
 @pytest.mark.parametrize("tp", [2, 3, TP4_SLOW])
 def test_state_space_mixers_split_by_heads(ranks, tp):
     # Mamba-2 with 16 heads in 2 groups (tp 3: group 0 on ranks 0-1, 8/8 heads; tp 4: each
@@ -182,6 +183,7 @@ def test_split_mixers_load_and_save_checkpoints(ranks, tmp_path):
             assert torch.equal(got[name], t), f"{arch}: {name}"
 
 
+@NEEDS_MAMBA_TORCH_PATH
 def test_lora_on_a_split_mamba_x_proj_is_refused_on_every_rank(ranks):
     for msg in ranks(check_lora_on_x_proj_refused, 2, timeout=300):
         assert "LoRA adapters on a 'partial_grad_output' layer (ColumnParallelLinear, a " \

@@ -224,11 +224,13 @@ def test_the_docstring_check_fails_on_an_unstated_import():
 # plan <= 16, a steady forward <= 8 / 10): lower these when work leaves the path.
 MOST_FILES = {"mlp": {"wrap": 52, "plan": 45, "steady": 9},
               "hf-llama": {"wrap": 67, "plan": 55, "steady": 10}}
-# Calls per steady forward (cProfile, Python functions and builtins), the same ratchet
-# toward <= 1.2x the hand-written floor's (55 / 996). MLP 185 -> 188 (decision 160): the
-# RNG streams nest (token regions under sp/cp), a training forward's split region forks
-# and the exit unwinds through one more function each
-MOST_CALLS = {"mlp": 188, "hf-llama": 1154}
+# Calls per steady forward beyond the hand-written floor's (cProfile, Python functions and
+# builtins): torchtp's own, the same ratchet toward <= 1.2x the floor (55 / 996 calls on
+# transformers 5.24, 1064 on 5.25, whose Llama forward makes 68 more: so the excess, not
+# the total, is pinned). MLP 130 -> 133 (decision 160): the RNG streams nest (token regions
+# under sp/cp), a training forward's split region forks and the exit unwinds through one
+# more function each
+MOST_EXTRA_CALLS = {"mlp": 133, "hf-llama": 158}
 
 
 def test_a_real_wrap_does_not_travel_further():
@@ -243,5 +245,6 @@ def test_a_real_wrap_does_not_travel_further():
     assert counts.keys() == MOST_FILES.keys()
     for case, most in MOST_FILES.items():
         assert all(counts[case][k] <= most[k] for k in most), (case, counts[case], most)
-    calls = {r[0]: int(r[4]) for r in rows}
-    assert all(calls[case] <= most for case, most in MOST_CALLS.items()), (calls, MOST_CALLS)
+    extra = {r[0]: int(r[4]) - int(r[5]) for r in rows}  # torchtp's calls minus the floor's
+    assert all(extra[case] <= most for case, most in MOST_EXTRA_CALLS.items()), \
+        (extra, MOST_EXTRA_CALLS)
