@@ -19,7 +19,7 @@ from torch import nn
 
 CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0", "5.24.0", "5.25.0")
 CHECKED_PEFT = ("0.21.2",)
-CHECKED_ACCELERATE = ("1.15.0",)
+CHECKED_ACCELERATE = ("1.15.0", "1.16.0")
 # The oldest release torchtp supports (pyproject's lower bound, run by ``make
 # compat``). Older releases ship tp plans torchtp would follow into wrong
 # gradients: before 5.3 Qwen3's plan leaves the per-head ``q_norm``/``k_norm``
@@ -215,7 +215,7 @@ def peft_cast_input_dtype(layer: Any, x: Any, dtype: Any) -> Any:
 def accelerate_prepared(data_loader: Any) -> bool:
     """Whether accelerate prepared ``data_loader`` already.
 
-    Checked: accelerate 1.15.0 (the ``_is_accelerate_prepared`` flag).
+    Checked: accelerate 1.15.0, 1.16.0 (the ``_is_accelerate_prepared`` flag).
     """
     return bool(getattr(data_loader, "_is_accelerate_prepared", False))
 
@@ -224,7 +224,7 @@ def accelerate_track_dataloader(acc: Any, data_loader: Any) -> None:
     """Register a data loader prepared outside ``Accelerator.prepare`` with ``acc``, as
     ``prepare_data_loader`` does, so ``acc.save_state``/``skip_first_batches`` see it.
 
-    Checked: accelerate 1.15.0 (``Accelerator._dataloaders``).
+    Checked: accelerate 1.15.0, 1.16.0 (``Accelerator._dataloaders``).
     """
     acc._dataloaders.append(data_loader)
 
