@@ -228,7 +228,9 @@ def test_experts_named_only_in_the_ep_plan_are_split_as_5_24_splits_them():
     from torchtp.hf.plan_source import hf_plan
 
     model = build_moe("mixtral")
-    model.tp_plan = {k: v for k, v in model.tp_plan.items() if ".experts" not in k}  # as 5.25
+    # The plans as 5.25 ships them (5.3 has no EP plan: given here as 5.24 and 5.25 name it)
+    model.tp_plan = {k: v for k, v in model.tp_plan.items() if ".experts" not in k}
+    model.config.base_model_ep_plan = {"layers.*.mlp.experts": "ep_dispatch_experts"}
     assert hf_plan(model)["model.layers.*.mlp.experts"] == "moe_tp_experts"
     wrapped = torchtp.DistributedModelWrapper(model)
     assert wrapped.resolved_plan.layers["model.layers.0.mlp.experts"].style == "moe_tp_experts"
