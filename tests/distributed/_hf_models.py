@@ -104,11 +104,22 @@ def _more_configs(tf: object) -> dict:
         "electra": lambda: tf.ElectraConfig(**c, embedding_size=64),
         "t5": lambda: tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=8, d_ff=128, num_layers=2,
                                   num_heads=8, decoder_start_token_id=0),
+        # Qwen3 with an HF plan that leaves its per-head_dim q_norm/k_norm plainly
+        # replicated, as transformers 5.25's Param2MoE plan does with its own.
+        "qwen3-bare-norms": lambda: _without_norm_rules(
+            tf.Qwen3Config(**c, num_key_value_heads=4, head_dim=8)),
         "bart": lambda: tf.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2,
                                       decoder_layers=2, encoder_attention_heads=8,
                                       decoder_attention_heads=8, encoder_ffn_dim=128,
                                       decoder_ffn_dim=128, max_position_embeddings=64),
     }
+
+
+def _without_norm_rules(config: object) -> object:
+    """``config`` with the norm entries taken out of its HF TP plan."""
+    plan = dict(config.base_model_tp_plan)  # type: ignore[attr-defined]
+    config.base_model_tp_plan = {k: v for k, v in plan.items() if "norm" not in k}
+    return config
 
 
 def _uneven_configs(tf: object) -> dict:

@@ -31,6 +31,16 @@ BERT_PLAN = {
 }
 
 
+# A plan written for PyTorch's parallelize_module: Qwen3's per-head_dim q_norm/k_norm not
+# named (so plainly replicated), k/v in transformers 5.25's "unit_colwise".
+QWEN3_USER_PLAN = {"model.layers.*.self_attn.q_proj": "colwise",
+                   "model.layers.*.self_attn.k_proj": "unit_colwise",
+                   "model.layers.*.self_attn.v_proj": "unit_colwise",
+                   "model.layers.*.self_attn.o_proj": "rowwise",
+                   "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+                   "model.layers.*.mlp.down_proj": "rowwise"}
+
+
 class _BalancedColumns(Rowwise):
     """A user style that splits input columns balanced, ignoring heads (22/21/21 of 64)."""
 
@@ -44,6 +54,10 @@ def _at_tp_3(rank: int, world_size: int) -> dict:
                             ("qwen3", True)):
         got = check_arch(rank, world_size, arch, 1, unplanned)
         out[f"{arch}{'-auto' if unplanned else ''}"] = got
+    # Plans that keep q_norm/k_norm plainly replicated inside the head split: the HF plan
+    # (as transformers 5.25's Param2MoE ships its own) and the user's.
+    out["qwen3-bare-norms"] = check_arch(rank, world_size, "qwen3-bare-norms", 1)
+    out["qwen3-user"] = check_arch(rank, world_size, "qwen3", 1, plan=QWEN3_USER_PLAN)
     # torchtitan-style Llama and timm-style ViT through the automatic plan.
     out.update(_check_kinds(rank, world_size, ["titan", "vit"]))
     return out
@@ -59,6 +73,13 @@ def test_uneven_heads_at_tp_3_are_exact_and_split(ranks):
         assert got["collectives"]["all_reduce"] == 4, (arch, got)
         assert not [n for n in got["notes"] if "attention" in n], (arch, got["notes"])
     assert results[0]["bert-auto"]["source"] == "auto: dataflow pairs (any model)"
+    # Their gradients summed over the group (check_arch compared every gradient), and said.
+    for arch in ("qwen3-bare-norms", "qwen3-user"):
+        got = results[0][arch]
+        assert got["collectives"]["all_reduce"] == 4, (arch, got)
+        for norm in ("q_norm", "k_norm"):
+            assert f"'model.layers.*.self_attn.{norm}' gets replicated_with_grad_allreduce: the " \
+                "plan" in "\n".join(got["notes"]), (arch, got["notes"])
     assert results[0]["bloom"]["generated"] == 6
     for kind in ("titan", "vit"):
         for rank in results:

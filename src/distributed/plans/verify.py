@@ -22,6 +22,11 @@ at all, and the copy costs a few layers' work instead of ``tp + 1`` forwards of
 the whole model. A model whose modules differ from the copy's (replaced by the
 user), one given ``example_inputs`` and any other model are probed themselves.
 
+A confirmed split whose heads pass through a norm over ``head_dim`` (Qwen3's
+``q_norm``) that the plan keeps plainly replicated gets that norm as
+``replicated_with_grad_allreduce``, with a note: each rank's gradient of it
+covers only its heads (transformers 5.25's Param2MoE plan leaves it out).
+
 A split that is not confirmed stays replicated with the reason in
 ``describe_plan()`` when the plan comes from a source torchtp does not
 control; a plan the user passed is refused with the reason, unless
@@ -37,20 +42,22 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from .auto import Pair, _as_inputs, _derive, _simulate
+from .auto import Pair, _as_inputs, _derive, _head_dim_norms, _simulate
 from .dataflow import Trace, record
 from .heads import HeadInfo
 from .linear_view import linear_view
 from .resolved import ResolvedPlan, is_user_plan
-from .sources import family_of
-from .styles import Colwise, ParallelStyle, Replicate, Rowwise, ShardContext
+from .sources import family_of, head_config
+from .styles import Colwise, ParallelStyle, Replicate, ReplicatedWithGradAllreduce, Rowwise, ShardContext
 from .styles_heads import HeadNorm, RopeKey
 
 CONFIRMED = "whole heads confirmed by the local probe"
 OPT_OUT = "verify_plan=False"
 UNVERIFIABLE = "could not be verified"
 CACHE_SIZE = 32  # verdicts of distinct (model class, config, plan, tp) kept per process
-_CACHE: dict[Hashable, dict[str, tuple[str | None, str | None, str]]] = {}
+# Per name pattern: (why not confirmed or None, consumer, attention, head_dim norms), as probed
+Verdict = tuple[str | None, str | None, str, tuple[str, ...]]
+_CACHE: dict[Hashable, dict[str, Verdict]] = {}
 
 
 def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
@@ -81,8 +88,8 @@ def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
     errors = []
     # A split that does not fit this tp raises while its layers are planned, naming the size.
     unfit = {a for a in plan.heads if not _fits(model, plan, a, ctx)}
-    for attention, (why, consumer) in _verdicts(model, plan, ctx, example_inputs,
-                                                 unfit).items():
+    for attention, (why, consumer, norms) in _verdicts(model, plan, ctx, example_inputs,
+                                                        unfit).items():
         members = [n for n in plan.assignments if n.startswith(f"{attention}.")]
         outside = [consumer] if consumer is not None else _output_projections(model, plan,
                                                                              attention)
@@ -91,6 +98,7 @@ def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
             plan.checks[attention] = "confirmed"
             for name in members:
                 plan.why[name] = f"{plan.why.get(name, '')}; {CONFIRMED}"
+            _sum_norm_gradients(plan, attention, norms)
         elif is_user_plan(plan.source):
             plan.checks[attention] = f"refused: {why}"
             errors.append(_refusal(model, plan, attention, members, why, ctx))
@@ -98,6 +106,29 @@ def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
             plan.checks[attention] = f"kept replicated: {why}"
             _replicate(plan, attention, members, why)
     return errors
+
+
+def _sum_norm_gradients(plan: ResolvedPlan, attention: str, norms: tuple[str, ...]) -> None:
+    """Sum the gradients of the norms over ``head_dim`` inside a confirmed split.
+
+    Such a norm (Qwen3's ``q_norm``) runs on this rank's heads only, so each
+    rank's gradient of its weight covers only those heads. A plan that keeps
+    it plainly replicated (transformers 5.25's Param2MoE plan, a plan written
+    for PyTorch's ``parallelize_module``) would train it on partial gradients:
+    it gets ``replicated_with_grad_allreduce``, as the automatic plan gives it.
+    """
+    for name in norms:
+        if isinstance(plan.assignments.get(name), ReplicatedWithGradAllreduce):
+            continue
+        plan.assignments[name] = ReplicatedWithGradAllreduce()
+        plan.why[name] = (f"replicated_with_grad_allreduce: a norm over head_dim inside "
+                          f"'{attention}', whose heads are split; each rank's gradient covers "
+                          "only its heads, so it is summed over the group")
+        note = (f"'{_stars(name)}' gets replicated_with_grad_allreduce: the plan ({plan.source}) "
+                "kept this norm over head_dim plainly replicated inside a head split, which "
+                "would leave each rank the gradient of its own heads only")
+        if note not in plan.notes:  # once per layer pattern
+            plan.notes.append(note)
 
 
 def _output_projections(model: nn.Module, plan: ResolvedPlan, attention: str) -> list[str]:
@@ -135,8 +166,9 @@ def _fits(model: nn.Module, plan: ResolvedPlan, attention: str, ctx: ShardContex
 
 
 def _verdicts(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext, example_inputs: object,
-              unfit: set[str]) -> dict[str, tuple[str | None, str | None]]:
-    """Per attention module in ``plan.heads``: (``None`` or why not confirmed, its consumer).
+              unfit: set[str]) -> dict[str, tuple[str | None, str | None, tuple[str, ...]]]:
+    """Per attention module in ``plan.heads``: (``None`` or why not confirmed, its consumer,
+    the norms over ``head_dim`` on the way to it).
 
     One layer per name pattern is checked (``h.*.attn``); its verdict holds for all.
     Verdicts from a one-layer copy depend only on the model's class, config,
@@ -154,27 +186,28 @@ def _verdicts(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext, example_i
             if len(_CACHE) >= CACHE_SIZE:
                 del _CACHE[next(iter(_CACHE))]
             _CACHE[key] = found
-    return {a: (found[_stars(a)][0], _renumber(found[_stars(a)][1], found[_stars(a)][2], a))
-            for a in heads}
+    return {a: (why, _renumber(consumer, probed, a),
+                tuple(n for norm in norms if (n := _renumber(norm, probed, a)) is not None))
+            for a in heads for why, consumer, probed, norms in [found[_stars(a)]]}
 
 
 def _probe_patterns(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadInfo],
                     ctx: ShardContext, example_inputs: object
-                    ) -> tuple[dict[str, tuple[str | None, str | None, str]], bool]:
-    """Per name pattern: (why not confirmed or ``None``, consumer, attention) as probed,
-    and whether the probe was the one-layer copy."""
+                    ) -> tuple[dict[str, Verdict], bool]:
+    """Per name pattern: (why not confirmed or ``None``, consumer, attention, norms over
+    ``head_dim`` on the way) as probed, and whether the probe was the one-layer copy."""
     with _probe_model(model, example_inputs) as (probe, trace, why):
         if trace is None or probe is None:
-            return {_stars(a): (f"{UNVERIFIABLE}: {why}", None, a) for a in heads}, False
+            return {_stars(a): (f"{UNVERIFIABLE}: {why}", None, a, ()) for a in heads}, False
         names = _names_by_pattern(probe)
         pairs: dict[str, Pair] = {}
-        out: dict[str, tuple[str | None, str | None, str]] = {}
+        out: dict[str, Verdict] = {}
         for attention, info in heads.items():
             key = _stars(attention)
             if key not in pairs and key not in out:
                 pair = _pair(probe, trace, plan, attention, info, names)
                 if isinstance(pair, str):
-                    out[key] = (pair, None, names.get(key, attention))
+                    out[key] = (pair, None, names.get(key, attention), ())
                 else:
                     pairs[key] = pair
         # Every layer of a checked pattern runs split, as after the wrap: a value one layer
@@ -186,7 +219,7 @@ def _probe_patterns(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadI
             out[key] = (None if why_not is None else (
                 "with its projections split by whole heads, the local probe does not "
                 f"reproduce each rank's slice of its output projection's input ({why_not})"),
-                pair.consumer, names[key])
+                pair.consumer, names[key], pair.norms)
         return out, probe is not model
 
 
@@ -344,7 +377,11 @@ def _pair(probe: nn.Module, trace: Trace, plan: ResolvedPlan, attention: str, in
     if any(n is None or src not in local for n, (_, src) in norms.items()):
         return f"{UNVERIFIABLE}: its norms over all heads are not in the probe model"
     head_norms = {n: (s, src) for n, (s, src) in norms.items() if n is not None and src}
-    return Pair(consumer[0], styles, owner, info, "whole heads", head_norms=head_norms)
+    # Norms over head_dim on the way (Qwen3's q_norm): their gradients need summing.
+    synced = _head_dim_norms(probe, trace.region(consumer[0]), sorted(local), consumer[0],
+                             head_config(probe))
+    return Pair(consumer[0], styles, owner, info, "whole heads", norms=synced or (),
+                head_norms=head_norms)
 
 
 def _consumer(probe: nn.Module, trace: Trace, plan: ResolvedPlan, producers: set[str],
