@@ -74,7 +74,7 @@ def test_unknown_style_lists_valid_ones():
             r"partial_grad_output, reduce_input, reduce_output, reduce_residual, replicate, "
             r"replicated_with_grad_allreduce, "
             r"rowwise, rowwise_partial, rowwise_rep, rowwise_split_input, sequence_parallel, "
-            r"ssm_heads$")):
+            r"ssm_heads, unit_colwise, unit_rowwise$")):
         DistributedModelWrapper(mlp(), world_size=2, rank=0, plan={"0": "columnwise"})
 
 

@@ -38,6 +38,10 @@ STYLES: dict[str, ParallelStyle] = {
     "rowwise_split_input": Rowwise(split_input=True),
     "rowwise_rep": Rowwise(split_input=True),
     "rowwise_partial": RowwisePartial(),
+    # transformers 5.25 (MiniCPM5-MoE's k/v): whole heads, replicated where fewer heads
+    # than ranks, which is what torchtp's head split makes of any colwise attention split
+    "unit_colwise": Colwise(),
+    "unit_rowwise": Rowwise(),
     "reduce_output": ReduceOutput(),
     "reduce_input": ReduceInput(),
     "reduce_residual": ReduceResidual(),
