@@ -27,6 +27,14 @@ class SameMathLinear(nn.Linear):
         return x @ self.weight.t() + self.bias
 
 
+class Float32OutLinear(nn.Linear):
+    """Computes the linear map in float32 whatever its inputs' dtype (transformers 5.25's
+    Ergo lm_head and router)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.float(), self.weight.float(), self.bias.float())
+
+
 class ShiftedEmbedding(nn.Embedding):
     """Adds a constant after the lookup: partial lookups do not sum to it."""
 
@@ -48,6 +56,16 @@ def test_linear_subclass_with_extra_forward_is_refused():
     with pytest.raises(ValueError, match=(
             r"module '0' \(LoraLinear\) overrides forward and does not compute a plain linear "
             r"map, so style 'colwise(_gather_output)?' would drop its extra behaviour")):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+
+
+def test_linear_subclass_with_another_output_dtype_is_refused():
+    # Not a dtype error from the comparison: the refusal, naming both dtypes.
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Float32OutLinear(16, 8)).double()
+    with pytest.raises(ValueError, match=(
+            r"module '2' \(Float32OutLinear\) overrides forward and does not compute a plain "
+            r"linear map \(its output is torch.float32 where the plain map's is torch.float64\), "
+            r"so style '\w+' would drop its extra behaviour")):
         torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
 
 

@@ -54,15 +54,19 @@ def check_linear_forward(module: nn.Module, fqn: str, style: str) -> None:
         got = module(x)
     except Exception as err:  # a forward that cannot even run on a plain input
         raise ValueError(_custom(fqn, module, style)) from err
+    if isinstance(got, torch.Tensor) and got.dtype != want.dtype:  # Ergo's float32 logits
+        raise ValueError(_custom(fqn, module, style, f" (its output is {got.dtype} where the "
+                                 f"plain map's is {want.dtype})"))
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.allclose(
             got, want, rtol=1e-3, atol=1e-5):
         raise ValueError(_custom(fqn, module, style))
 
 
-def _custom(fqn: str, module: nn.Module, style: str) -> str:
+def _custom(fqn: str, module: nn.Module, style: str, detail: str = "") -> str:
     return (f"module '{fqn}' ({type(module).__name__}) overrides forward and does not compute a "
-            f"plain linear map, so style {style!r} would drop its extra behaviour (LoRA, "
-            "quantization...); merge it into a plain nn.Linear first or mark it 'replicate'")
+            f"plain linear map{detail}, so style {style!r} would drop its extra behaviour (LoRA, "
+            "quantization, a cast...); merge it into a plain nn.Linear first or mark it "
+            "'replicate'")
 
 
 @torch.no_grad()
