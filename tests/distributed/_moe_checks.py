@@ -51,6 +51,24 @@ def build_moe(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
         # Biases inside every expert, transposed and interleaved gate/up (whole experts only).
         "gpt_oss": lambda: tf.GptOssConfig(**common, intermediate_size=24, head_dim=8,
                                            num_local_experts=4, num_experts_per_tok=2),
+        # New in transformers 5.25. Param2MoE: q_norm/k_norm its plan leaves plainly
+        # replicated; MiniCPM5-MoE: a gated q projection, k/v "unit_colwise";
+        # Kolibri-1.1: no plan, sliding and indexed attention, q/k norms.
+        "param2moe": lambda: tf.Param2MoeConfig(
+            **common, head_dim=8, intermediate_size=48, moe_intermediate_size=24,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=0, n_group=1, topk_group=1),
+        "minicpm5_moe": lambda: tf.MiniCPM5MoeConfig(
+            **common, head_dim=8, intermediate_size=48, moe_intermediate_size=24,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            mlp_layer_types=["sparse", "sparse"]),
+        "kolibri1_1": lambda: tf.Kolibri1_1Config(
+            **common, head_dim=16, moe_intermediate_size=24, num_local_experts=4,
+            num_experts_per_tok=2, shared_expert_intermediate_size=40,
+            layer_types=["sliding_attention", "indexed_attention"], sliding_window=8,
+            index_layers=[1], kv_source_layers=[0, 1], index_num_heads=1, index_topk=8,
+            index_pool_size=64, index_compression=4, index_num_local_tokens=4,
+            index_num_sink_tokens=2, mlp_only_layers=[], mlp_only_intermediate_size=48),
     }
     config = configs[arch]()
     config._attn_implementation = "eager"

@@ -87,6 +87,21 @@ def test_whole_experts_on_each_rank_match_one_process(ranks):
     assert results[1]["mixtral-e3"]["local"][0] == 1  # rank 1 holds the third expert
 
 
+@pytest.mark.skipif(not hasattr(transformers, "Param2MoeConfig"),
+                    reason="model types added by transformers 5.25 (make compat runs the newest)")
+def test_moe_models_new_in_5_25_match_one_process(ranks):
+    # Logits, loss, routes, every gradient, two AdamW steps (check_one), experts split inside
+    # and whole. Param2MoE's plan leaves its q_norm/k_norm plainly replicated inside the head
+    # split: their gradients are summed all the same (compared here).
+    archs = ["param2moe", "minicpm5_moe", "kolibri1_1"]
+    for whole in (False, True):
+        results = ranks(check_moe, 2, archs, whole, timeout=300)
+        for arch in archs:
+            assert results[0][arch]["checked"] > 20, (arch, whole)
+    text = results[0]["param2moe"]["describe"]
+    assert "'model.layers.*.self_attn.q_norm' gets replicated_with_grad_allreduce" in text
+
+
 def test_ranks_that_route_differently_raise_on_every_rank(ranks):
     for expert_parallel in [False, True] if _sentinel() else [False]:  # whole: see above
         _route_mismatch_raises(ranks, expert_parallel)
