@@ -186,9 +186,12 @@ def _verdicts(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext, example_i
             if len(_CACHE) >= CACHE_SIZE:
                 del _CACHE[next(iter(_CACHE))]
             _CACHE[key] = found
-    return {a: (why, _renumber(consumer, probed, a),
-                tuple(n for norm in norms if (n := _renumber(norm, probed, a)) is not None))
-            for a in heads for why, consumer, probed, norms in [found[_stars(a)]]}
+    out = {}
+    for a in heads:  # the probed layer's names renumbered to this layer's
+        why, consumer, probed, norms = found[_stars(a)]
+        renamed = (_renumber(n, probed, a) for n in norms)
+        out[a] = (why, _renumber(consumer, probed, a), tuple(n for n in renamed if n is not None))
+    return out
 
 
 def _probe_patterns(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadInfo],
