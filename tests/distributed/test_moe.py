@@ -91,13 +91,16 @@ def test_whole_experts_on_each_rank_match_one_process(ranks):
                     reason="model types added by transformers 5.25 (make compat runs the newest)")
 def test_moe_models_new_in_5_25_match_one_process(ranks):
     # Logits, loss, routes, every gradient, two AdamW steps (check_one), experts split inside
-    # and whole. Param2MoE's plan leaves its q_norm/k_norm plainly replicated inside the head
+    # (5.25 names them in the EP plan only; hf/compat.EXPERTS_SPLIT restores the split) and
+    # whole. Param2MoE's plan leaves its q_norm/k_norm plainly replicated inside the head
     # split: their gradients are summed all the same (compared here).
     archs = ["param2moe", "minicpm5_moe", "kolibri1_1"]
     for whole in (False, True):
         results = ranks(check_moe, 2, archs, whole, timeout=300)
         for arch in archs:
             assert results[0][arch]["checked"] > 20, (arch, whole)
+            # gate_up_proj (experts, 2 x intermediate, hidden): 4 x 48 x 32 in one process
+            assert results[0][arch]["local"] == ((2, 48, 32) if whole else (4, 24, 32)), arch
     text = results[0]["param2moe"]["describe"]
     assert "'model.layers.*.self_attn.q_norm' gets replicated_with_grad_allreduce" in text
 

@@ -66,7 +66,7 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     the base model's ``embed_tokens`` as ``"embedding_rowwise"`` when it is an
     ``nn.Embedding`` the plan does not name (added by transformers from 5.21),
     the entries of :data:`ADDED_IN_5_24`, and the experts entries 5.25 moved to the
-    EP plan (:data:`EXPERTS_SPLIT_IN_5_24`).
+    EP plan (:data:`EXPERTS_SPLIT`, which also names three types new in 5.25).
     Checked: transformers 5.3.0, 5.23.0, 5.24.0, 5.25.0.
     """
     plan = getattr(model, "tp_plan", None)
@@ -83,7 +83,7 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     model_type = str(getattr(config, "model_type", None))
     for name, style in ADDED_IN_5_24.get(model_type, {}).items():
         extra[lead + name] = style
-    if model_type in EXPERTS_SPLIT_IN_5_24:
+    if model_type in EXPERTS_SPLIT:
         for name, style in (getattr(config, "base_model_ep_plan", None) or {}).items():
             if style == "ep_dispatch_experts":  # 5.24's entry for the same module
                 extra[lead + name] = "moe_tp_experts"
@@ -92,12 +92,13 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
 
 # Base-model plan entries transformers 5.24 ships and older releases lack.
 ADDED_IN_5_24 = {"gpt_neox": {"embed_in": "embedding_rowwise"}}
-# Model types whose experts transformers 5.24's TP plan splits by features
-# ("<experts>": "moe_tp_experts"). 5.25 dropped those entries (the experts are
-# named in ``base_model_ep_plan`` only, as "ep_dispatch_experts"), which would
-# leave every expert whole on every rank; the entry comes back from the EP plan.
-# GPT-OSS and the other types 5.24 kept whole are not listed, so they stay whole.
-EXPERTS_SPLIT_IN_5_24 = frozenset({
+# Model types whose experts are split by features ("<experts>": "moe_tp_experts"):
+# those transformers 5.24's TP plan splits, and three types new in 5.25. 5.25 dropped
+# those entries (the experts are named in ``base_model_ep_plan`` only, as
+# "ep_dispatch_experts"), which would leave every expert whole on every rank; the
+# entry comes back from the EP plan. GPT-OSS and the other types 5.24 kept whole are
+# not listed, so they stay whole, as do types no test has split.
+EXPERTS_SPLIT = frozenset({
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe",
     "deepseek_ocr2_text", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4",
     "diffusion_gemma_text", "dots1", "dots3_note_text", "dots3_note_vision_encoder",
@@ -110,7 +111,10 @@ EXPERTS_SPLIT_IN_5_24 = frozenset({
     "mistral4", "mistral_large4_text", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe",
     "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
     "qwen3_omni_moe_text", "qwen3_vl_moe_text", "qwen4_exp_text", "sarvam_mla", "sarvam_moe",
-    "solar_open", "step3p5", "unlimited_ocr_text"})
+    "solar_open", "step3p5", "unlimited_ocr_text",
+    # New in 5.25, the same fused experts (3D gate_up_proj/down_proj, no biases), checked
+    # exact split at tp 2 (test_moe_models_new_in_5_25_match_one_process)
+    "kolibri1_1", "minicpm5_moe", "param2moe"})
 
 
 def class_tp_plan(cls: type) -> dict[str, str]:
