@@ -78,18 +78,19 @@ def vlm_batch(arch: str) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _compare(wrapped: nn.Module, ref: nn.Module, grads: bool, tol: dict[str, float]) -> int:
-    """Every parameter (or gradient) of ``wrapped`` equals this rank's part of ``ref``'s;
-    a parameter the batch does not reach (CLIP's unused post-layernorm) has no gradient
-    in either. Replicated ones are identical on every rank."""
+def _compare(model: nn.Module, ref: nn.Module, grads: bool, tol: dict[str, float]) -> int:
+    """Every parameter (or gradient) of ``model`` (the wrapped one, named as ``ref``'s)
+    equals this rank's part of ``ref``'s; a parameter the batch does not reach (CLIP's
+    unused post-layernorm, a frozen base weight) has no gradient in either. Replicated
+    ones are identical on every rank."""
     ref_params, checked = dict(ref.named_parameters()), 0
-    for name, p in wrapped.base_model.named_parameters():
+    for name, p in model.named_parameters():
         full = ref_params[name].grad if grads else ref_params[name].detach()
         mine = p.grad if grads else p.detach()
         if full is None or mine is None:
             assert full is None and mine is None, f"{name}: gradient on one side only"
             continue
-        module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
+        module = model.get_submodule(name.rpartition(".")[0])
         torch.testing.assert_close(mine, expected_local(module, name.rpartition(".")[2], full),
                                    **tol, msg=lambda m, n=name: f"{n}: {m}")
         if not torchtp.layouts_of(module):
@@ -101,22 +102,53 @@ def _compare(wrapped: nn.Module, ref: nn.Module, grads: bool, tol: dict[str, flo
 
 
 def check_vlms(rank: int, world_size: int, archs: list[str]) -> dict[str, dict[str, Any]]:
-    """Per architecture: logits, every gradient, the parameters after one SGD step and the
-    next logits equal one process's; the share of parameters this rank holds."""
+    """Per architecture: logits, every gradient, the parameters after one SGD step, the
+    next logits and greedy generation from the images equal one process's; the share of
+    parameters this rank holds."""
     results = {}
     for arch in archs:
         ref, wrapped = build_vlm(arch), torchtp.DistributedModelWrapper(build_vlm(arch))
         batch = vlm_batch(arch)
-        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, wrapped)]
-        logits = [m(**batch).logits for m in (ref, wrapped)]  # (2, 12, 96) on every rank
-        torch.testing.assert_close(logits[1], logits[0], **TOL[arch])
-        for out, opt in zip(logits, opts, strict=True):
-            out.square().mean().backward()  # reaches every logit, image positions included
-            opt.step()
-        grads = _compare(wrapped, ref, True, TOL[arch])
-        _compare(wrapped, ref, False, TOL[arch])
-        torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **TOL[arch])
-        mine = sum(p.numel() for p in wrapped.base_model.parameters())
-        results[arch] = {"grads": grads, "share": mine / sum(p.numel() for p in ref.parameters()),
-                         "split": len(wrapped.parallelized_layers)}
+        results[arch] = _train_step(ref, wrapped, batch, TOL[arch])
+        ref.eval(), wrapped.eval()
+        greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+        assert torch.equal(wrapped.generate(**batch, **greedy), ref.generate(**batch, **greedy))
     return results
+
+
+def check_vlm_lora(rank: int, world_size: int, arch: str) -> int:
+    """LoRA on every Linear (``target_modules="all-linear"``: the vision tower's and the
+    projector's too) added to the wrapped model, as docs/integrations.md shows: one
+    training step as plain PEFT's on one process. Returns the gradients compared."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)  # B != 0
+    models = []
+    for wrap in (False, True):
+        model = build_vlm(arch)
+        wrapped = torchtp.DistributedModelWrapper(model) if wrap else None
+        torch.manual_seed(5)  # the same adapters drawn at full size on both sides
+        models.append((get_peft_model(model, config), wrapped))
+    (ref, _), (lora, wrapped) = models
+    assert wrapped is not None
+    return int(_train_step(ref, wrapped, vlm_batch(arch), TOL[arch], lora)["grads"])
+
+
+def _train_step(ref: nn.Module, wrapped: nn.Module, batch: dict[str, torch.Tensor],
+                tol: dict[str, float], run: nn.Module | None = None) -> dict[str, Any]:
+    """One SGD step of ``ref`` and of ``wrapped`` (called as ``run`` when given: a PEFT
+    model around its base model, named as ``ref``), compared before and after."""
+    named = run or wrapped.base_model
+    run = run or wrapped
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, run)]
+    logits = [m(**batch).logits for m in (ref, run)]  # (2, 12, 96) on every rank
+    torch.testing.assert_close(logits[1], logits[0], **tol)
+    for out, opt in zip(logits, opts, strict=True):
+        out.square().mean().backward()  # reaches every logit, image positions included
+        opt.step()
+    grads = _compare(named, ref, True, tol)
+    _compare(named, ref, False, tol)
+    torch.testing.assert_close(run(**batch).logits, ref(**batch).logits, **tol)
+    mine = sum(p.numel() for p in wrapped.base_model.parameters())
+    return {"grads": grads, "share": mine / sum(p.numel() for p in ref.parameters()),
+            "split": len(wrapped.parallelized_layers)}
