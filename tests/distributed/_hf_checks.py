@@ -128,3 +128,48 @@ def versions() -> str:
     import transformers
 
     return f"transformers {transformers.__version__}, torch {torch.__version__}"
+
+
+# Task heads on a decoder or encoder (reward models, classifiers, extractive QA):
+# (model class, config class, config arguments beside the tiny sizes below).
+TASK_HEADS = {
+    "llama-seq-cls": ("LlamaForSequenceClassification", "LlamaConfig", {"num_key_value_heads": 2}),
+    "llama-token-cls": ("LlamaForTokenClassification", "LlamaConfig", {"num_key_value_heads": 2}),
+    "llama-qa": ("LlamaForQuestionAnswering", "LlamaConfig", {"num_key_value_heads": 2}),
+    "bert-seq-cls": ("BertForSequenceClassification", "BertConfig", {}),
+}
+
+
+def _task_head(arch: str) -> nn.Module:
+    """A tiny ``arch`` of :data:`TASK_HEADS` in float64, eval mode (BERT's dropout off),
+    3 labels, pad token 0."""
+    import transformers as tf
+
+    model_class, config_class, extra = TASK_HEADS[arch]
+    torch.manual_seed(0)
+    config = getattr(tf, config_class)(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, pad_token_id=0, num_labels=3, **extra)
+    return getattr(tf, model_class)(config).double().eval()
+
+
+def check_task_heads(rank: int, world_size: int, archs: list[str]) -> dict[str, int]:
+    """Per architecture, on a padded batch (sequence classification pools each row's last
+    non-pad token): the head's outputs and every gradient equal one process's in float64
+    (sharding only reorders additions: ~1e-16 relative). Returns the layers split."""
+    ids = torch.randint(3, 90, (3, 10), generator=torch.Generator().manual_seed(1))
+    ids[0, 7:], ids[2, 4:] = 0, 0  # right padding of different lengths
+    batch = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+    f64 = {"rtol": 1e-9, "atol": 1e-12}
+    split = {}
+    for arch in archs:
+        ref, wrapped = _task_head(arch), torchtp.DistributedModelWrapper(_task_head(arch))
+        want, got = ref(**batch), wrapped(**batch)
+        keys = [k for k in ("logits", "start_logits", "end_logits") if k in want]
+        for key in keys:  # (3, 3), (3, 10, 3) or (3, 10) twice
+            torch.testing.assert_close(got[key], want[key], **f64)
+        for out in (want, got):
+            sum(out[k].square().sum() for k in keys).backward()
+        compare_params(wrapped, ref, grads=True, tol=f64)
+        split[arch] = len(wrapped.parallelized_layers)
+    return split
