@@ -66,8 +66,9 @@ def _raises(fn: Callable[[], Any], match: str) -> str:
     return str(info.value)
 
 
-def _misuse() -> list[str]:
-    """DDP over the world (TP peers + DP peers), FSDP2 over TP peers."""
+def _misuse(tmp: str) -> list[str]:
+    """DDP over the world (TP peers + DP peers), FSDP2 over TP peers, a model sharded
+    before the wrap (``tmp``: a directory for transformers' ``from_pretrained``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -101,6 +102,31 @@ def _misuse() -> list[str]:
     swapped = fully_shard(swapped, mesh=world)
     msgs.append(_raises(lambda: swapped(input_ids=ids),
                         r"FSDP's mesh \[0, 1, 2, 3\] contains tensor-parallel peers"))
+    # Sharded before the wrap (FSDP2, PyTorch's TP; transformers' tp_plan leaves DTensors
+    # too): refused before any fingerprint or cut, on every rank
+    msgs.append(_raises(lambda: torchtp.DistributedModelWrapper(fully_shard(build("llama"),
+                                                                            mesh=world)),
+                        r"model is already sharded: parameter 'model\.embed_tokens\.weight' is "
+                        r"a DTensor \(Shard\(dim=0\) over a mesh of 4 ranks\).*wrap the "
+                        r"unsharded model .* fully_shard\(module, mesh=cfg\.mesh\['dp'\]\) "
+                        r"after the wrap"))
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    mlp = parallelize_module(nn.Sequential(nn.Linear(8, 8)), world, {"0": RowwiseParallel()})
+    msgs.append(_raises(lambda: torchtp.DistributedModelWrapper(mlp),
+                        r"parameter '0\.weight' is a DTensor \(Shard\(dim=1\) over a mesh"))
+    from transformers import AutoModelForCausalLM
+
+    saved = f"{tmp}-hf"
+    if torch.distributed.get_rank() == 0:
+        build("llama-tied").save_pretrained(saved)  # 8 query and 4 KV heads: tp 4 fits
+    torch.distributed.barrier()
+    hf_tp = AutoModelForCausalLM.from_pretrained(saved, tp_plan="auto")
+    msgs.append(_raises(lambda: torchtp.DistributedModelWrapper(hf_tp),
+                        r"model is already sharded: 'LlamaForCausalLM' was loaded with "
+                        r"transformers' own tensor parallelism \(from_pretrained\(\.\.\., "
+                        r"tp_plan=\.\.\.\) over 4 ranks\).*DistributedModelWrapper\."
+                        r"from_pretrained\(path\)"))
     return msgs
 
 
@@ -131,7 +157,7 @@ def dp_tp_ddp_fsdp(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
                                    torch.distributed.get_process_group_ranks(cfg.group),
                                    torch.distributed.get_process_group_ranks(cfg.dp_group))}
     mine = _batch()[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]  # this DP rank's slice
-    out["misuse"] = _misuse()
+    out["misuse"] = _misuse(tmp)
     for arch, kind in (("mistral-mqa", "ddp"), ("llama", "fsdp")):
         ref, ref_losses, ref_norms = _reference(arch)
         wrapped = torchtp.DistributedModelWrapper(build(arch, seed=0).train())

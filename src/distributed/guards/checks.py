@@ -14,6 +14,7 @@ fingerprints, rng); nothing that runs per call.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
@@ -29,7 +30,8 @@ WHO = "DistributedModelWrapper"
 
 
 def refuse_wrapped(model: nn.Module, wrapper_type: type) -> None:
-    """Raise when ``model`` is already a wrapper, a DDP, or holds torchtp layers.
+    """Raise when ``model`` is already a wrapper, a DDP, holds torchtp layers or
+    sharded (DTensor) parameters.
 
     Raises:
         ValueError: naming what was found and the fix.
@@ -44,6 +46,44 @@ def refuse_wrapped(model: nn.Module, wrapper_type: type) -> None:
         if isinstance(mod, (RowParallelLinear, ColumnParallelLinear)):
             raise ValueError(f"model is already tensor-parallel: '{name}' is a "
                              f"{type(mod).__name__}; wrap the original model once")
+    _refuse_transformers_tp(model)
+    _refuse_dtensors(model)
+
+
+def _refuse_transformers_tp(model: nn.Module) -> None:
+    """Raise when transformers' own tensor parallelism sharded a module of ``model``."""
+    if "transformers" not in sys.modules:  # no HF model without it; hf stays unloaded
+        return
+    from ..hf.compat import transformers_tp_size
+
+    for name, mod in model.named_modules():
+        size = transformers_tp_size(mod)
+        if size > 1:
+            raise ValueError(
+                f"model is already sharded: {name or type(mod).__name__!r} was loaded with "
+                f"transformers' own tensor parallelism (from_pretrained(..., tp_plan=...) over "
+                f"{size} ranks), so each rank holds transformers' shards, while "
+                "DistributedModelWrapper cuts the full weights itself: load it without tp_plan "
+                "and wrap it, or load it with DistributedModelWrapper.from_pretrained(path), "
+                "which reads only this rank's shard")
+
+
+def _refuse_dtensors(model: nn.Module) -> None:
+    """Raise when a parameter is a DTensor: the model was sharded before the wrap."""
+    # Not imported means no DTensor exists (importing it costs ~1 s: layers.ddp_guard)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
+        return
+    for name, p in model.named_parameters():
+        if isinstance(p, dtensor):
+            raise ValueError(
+                f"model is already sharded: parameter '{name}' is a DTensor "
+                f"({', '.join(map(repr, p.placements))} over a mesh of {p.device_mesh.size()} "
+                "ranks), as PyTorch's parallelize_module, FSDP2's fully_shard and transformers' "
+                "from_pretrained(tp_plan=...) leave it, while DistributedModelWrapper cuts the "
+                "full weights itself: wrap the unsharded model (from_pretrained without "
+                "tp_plan), and apply fully_shard(module, mesh=cfg.mesh['dp']) after the wrap "
+                "(docs/training.md)")
 
 
 def before_slicing(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,

@@ -55,6 +55,17 @@ def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
     return dummy if isinstance(dummy, dict) else None
 
 
+def transformers_tp_size(model: nn.Module) -> int:
+    """Over how many ranks transformers' own tensor parallelism split ``model``
+    (``from_pretrained(..., tp_plan=...)``); 1 when it did not.
+
+    Checked: transformers 5.3.0, 5.24.0, 5.25.0 (``from_pretrained`` sets the instance's
+    ``_tp_size``; 5.3 leaves plain local shards, 5.24 and 5.25 DTensors).
+    """
+    size = vars(model).get("_tp_size")
+    return size if isinstance(size, int) else 1
+
+
 def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     """The TP plan transformers assembled on the instance, completed as 5.24 ships it, or ``None``.
 
