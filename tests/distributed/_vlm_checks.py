@@ -101,10 +101,11 @@ def _compare(model: nn.Module, ref: nn.Module, grads: bool, tol: dict[str, float
     return checked
 
 
-def check_vlms(rank: int, world_size: int, archs: list[str]) -> dict[str, dict[str, Any]]:
+def check_vlms(rank: int, world_size: int, archs: list[str],
+               lora_arch: str) -> dict[str, dict[str, Any]]:
     """Per architecture: logits, every gradient, the parameters after one SGD step, the
     next logits and greedy generation from the images equal one process's; the share of
-    parameters this rank holds."""
+    parameters this rank holds. Then LoRA on ``lora_arch`` (:func:`_lora`)."""
     results = {}
     for arch in archs:
         ref, wrapped = build_vlm(arch), torchtp.DistributedModelWrapper(build_vlm(arch))
@@ -113,10 +114,11 @@ def check_vlms(rank: int, world_size: int, archs: list[str]) -> dict[str, dict[s
         ref.eval(), wrapped.eval()
         greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
         assert torch.equal(wrapped.generate(**batch, **greedy), ref.generate(**batch, **greedy))
+    results["lora"] = {"grads": _lora(lora_arch)}
     return results
 
 
-def check_vlm_lora(rank: int, world_size: int, arch: str) -> int:
+def _lora(arch: str) -> int:
     """LoRA on every Linear (``target_modules="all-linear"``: the vision tower's and the
     projector's too) added to the wrapped model, as docs/integrations.md shows: one
     training step as plain PEFT's on one process. Returns the gradients compared."""
