@@ -197,6 +197,18 @@ def peft_all_linear_owner() -> tuple[Any, str]:
     return tuners_utils, "_maybe_include_all_linear_layers"
 
 
+def peft_trainable_tokens_owner() -> tuple[Any, str]:
+    """``(TrainableTokensLayer, name)`` of the method that sets up trainable token rows
+    on a base layer (``TrainableTokensConfig``, ``LoraConfig(trainable_token_indices=...)``
+    and the LM head tied to the embedding).
+
+    Checked: peft 0.21.2.
+    """
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    return TrainableTokensLayer, "update_layer"
+
+
 # PEFT LoRA layer methods TensorParallelLoraLinear overrides: the full
 # (unsplit) sizes PEFT sizes A and B from. Checked: peft 0.21.2.
 LORA_LAYER_HOOKS = ("_get_in_out_features",)

@@ -372,6 +372,29 @@ def _create_new_module(original: Any) -> Any:
     return staticmethod(create)
 
 
+def _refuse_split_tokens(original: Any) -> Any:
+    @functools.wraps(original)
+    def update_layer(self: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        base = self.get_base_layer()
+        layouts = layouts_of(base)
+        if layouts:
+            # PEFT's forward looks the ids up in the merged weight itself
+            # (F.embedding / F.linear): on a shard that is the wrong rows, or out of range.
+            weight = layouts.get("weight")
+            split = "" if weight is None or weight.dim is None else (
+                f" (weight {list(weight.full_shape)} split along dim {weight.dim}: "
+                f"{list(weight.local_shape)} on this rank)")
+            raise ValueError(
+                f"PEFT trainable tokens on {type(base).__name__}{split} are not supported "
+                "under tensor parallelism: PEFT looks the tokens up in this rank's shard "
+                "only. Train the whole layer with modules_to_save=['embed_tokens'] (exact "
+                "on a split layer), or keep it whole with plan={'<its name>': 'replicate', "
+                "...} when wrapping")
+        return original(self, adapter_name, *args, **kwargs)
+    update_layer._torchtp = True  # type: ignore[attr-defined]
+    return update_layer
+
+
 def _include_all_linear(original: Any) -> Any:
     @functools.wraps(original)
     def include(peft_config: Any, model: nn.Module) -> Any:
@@ -392,10 +415,11 @@ def install() -> None:
     wrapped model holding LoRA layers, or the first forward after PEFT was
     imported (see ``integrations/adapter_hosts.py``); never on import.
 
-    Three hooks: LoRA targets whose base is a torchtp layer register
+    Four hooks: LoRA targets whose base is a torchtp layer register
     :class:`TensorParallelLoraLinear` on their ``LoraConfig`` (PEFT's
     custom-module mechanism); ``target_modules="all-linear"`` includes torchtp
-    layers; ``PeftModel.save_pretrained`` gathers sharded adapters first.
+    layers; trainable tokens on a split layer are refused;
+    ``PeftModel.save_pretrained`` gathers sharded adapters first.
     """
     missing = compat.missing_lora_layer_hooks(LoraLinear)
     if missing:
@@ -409,5 +433,8 @@ def install() -> None:
     module, fname = compat.peft_all_linear_owner()
     if not getattr(getattr(module, fname), "_torchtp", False):
         setattr(module, fname, _include_all_linear(getattr(module, fname)))
+    owner, name = compat.peft_trainable_tokens_owner()
+    if not getattr(getattr(owner, name), "_torchtp", False):
+        setattr(owner, name, _refuse_split_tokens(getattr(owner, name)))
     if not getattr(PeftModel.save_pretrained, "_torchtp", False):
         PeftModel.save_pretrained = _save_pretrained(PeftModel.save_pretrained)  # type: ignore[method-assign]
