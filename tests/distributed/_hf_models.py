@@ -108,6 +108,9 @@ def _more_configs(tf: object) -> dict:
         # replicated, as transformers 5.25's Param2MoE plan does with its own.
         "qwen3-bare-norms": lambda: _without_norm_rules(
             tf.Qwen3Config(**c, num_key_value_heads=4, head_dim=8)),
+        # xIELU activation between up_proj and down_proj, with learnable scalars read
+        # inside the MLP's split region: their gradients need summing too.
+        "apertus": lambda: tf.ApertusConfig(**c, num_key_value_heads=4),
         "bart": lambda: tf.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2,
                                       decoder_layers=2, encoder_attention_heads=8,
                                       decoder_attention_heads=8, encoder_ffn_dim=128,

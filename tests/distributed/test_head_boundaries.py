@@ -58,6 +58,8 @@ def _at_tp_3(rank: int, world_size: int) -> dict:
     # (as transformers 5.25's Param2MoE ships its own) and the user's.
     out["qwen3-bare-norms"] = check_arch(rank, world_size, "qwen3-bare-norms", 1)
     out["qwen3-user"] = check_arch(rank, world_size, "qwen3", 1, plan=QWEN3_USER_PLAN)
+    # The same inside an MLP: Apertus's xIELU scalars between up_proj and down_proj.
+    out["apertus"] = check_arch(rank, world_size, "apertus", 1)
     # torchtitan-style Llama and timm-style ViT through the automatic plan.
     out.update(_check_kinds(rank, world_size, ["titan", "vit"]))
     return out
@@ -80,6 +82,8 @@ def test_uneven_heads_at_tp_3_are_exact_and_split(ranks):
         for norm in ("q_norm", "k_norm"):
             assert f"'model.layers.*.self_attn.{norm}' gets replicated_with_grad_allreduce: the " \
                 "plan" in "\n".join(got["notes"]), (arch, got["notes"])
+    assert "'model.layers.*.mlp.act_fn' gets replicated_with_grad_allreduce: the plan (HF " \
+        "plan" in "\n".join(results[0]["apertus"]["notes"]), results[0]["apertus"]["notes"]
     assert results[0]["bloom"]["generated"] == 6
     for kind in ("titan", "vit"):
         for rank in results:

@@ -92,6 +92,27 @@ def test_hf_plan_that_splits_codegen_heads_keeps_attention_replicated():
         assert "note: 'transformer.h.*.attn' kept replicated" in text
 
 
+@pytest.mark.skipif(not hasattr(__import__("transformers"), "Gemma4UnifiedTextConfig"),
+                    reason="Gemma 4 is new in transformers 5.24 (make test runs it)")
+def test_a_layer_the_patterns_split_does_not_fit_leaves_its_heads_unconfirmed():
+    # Gemma 4's full-attention layers have their own head_dim (per_layer_config): the
+    # split run of the probe's pattern raised inside the wrap (RuntimeError: start (0) +
+    # length (1024) exceeds dimension size (32)). Now no split of it is confirmed: the HF
+    # plan's heads stay whole and the automatic plan, which pairs each layer itself, wins.
+    from transformers import AutoModelForCausalLM, Gemma4UnifiedTextConfig
+
+    torch.manual_seed(0)
+    config = Gemma4UnifiedTextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16,
+        max_position_embeddings=128)  # the last layer is full attention, head_dim 512
+    wrapped = torchtp.DistributedModelWrapper(AutoModelForCausalLM.from_config(config),
+                                              world_size=2, rank=0)
+    assert wrapped.resolved_plan.source.startswith("auto")
+    assert re.search(r"HF plan .* -> 2 head split\(s\) not confirmed by the probe",
+                     wrapped.describe_plan())
+
+
 def test_correct_plans_still_split_heads_and_say_so():
     for arch in ("llama", "qwen3", "gpt2", "bert"):  # HF plan, per-head norms, built-in plans
         wrapped = torchtp.DistributedModelWrapper(build(arch), world_size=4, rank=1)

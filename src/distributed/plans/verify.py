@@ -27,6 +27,12 @@ A confirmed split whose heads pass through a norm over ``head_dim`` (Qwen3's
 ``replicated_with_grad_allreduce``, with a note: each rank's gradient of it
 covers only its heads (transformers 5.25's Param2MoE plan leaves it out).
 
+A plainly replicated module whose parameters a split region reads (Apertus's
+xIELU activation, with learnable scalars, between ``up_proj`` and
+``down_proj``) gets ``replicated_with_grad_allreduce`` too, with a note: found on
+the same probe, for every pair of a weight-rows split Linear and the
+weight-columns split one reading it, within their common parent module.
+
 A split that is not confirmed stays replicated with the reason in
 ``describe_plan()`` when the plan comes from a source torchtp does not
 control; a plan the user passed is refused with the reason, unless
@@ -57,7 +63,10 @@ UNVERIFIABLE = "could not be verified"
 CACHE_SIZE = 32  # verdicts of distinct (model class, config, plan, tp) kept per process
 # Per name pattern: (why not confirmed or None, consumer, attention, head_dim norms), as probed
 Verdict = tuple[str | None, str | None, str, tuple[str, ...]]
-_CACHE: dict[Hashable, dict[str, Verdict]] = {}
+# A probe's verdicts, and the name patterns of the plainly replicated modules whose
+# parameters a split region reads (:func:`_region_parameters`)
+Probed = tuple[dict[str, Verdict], tuple[str, ...]]
+_CACHE: dict[Hashable, Probed] = {}
 
 
 def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
@@ -88,8 +97,8 @@ def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
     errors = []
     # A split that does not fit this tp raises while its layers are planned, naming the size.
     unfit = {a for a in plan.heads if not _fits(model, plan, a, ctx)}
-    for attention, (why, consumer, norms) in _verdicts(model, plan, ctx, example_inputs,
-                                                        unfit).items():
+    verdicts, regions = _verdicts(model, plan, ctx, example_inputs, unfit)
+    for attention, (why, consumer, norms) in verdicts.items():
         members = [n for n in plan.assignments if n.startswith(f"{attention}.")]
         outside = [consumer] if consumer is not None else _output_projections(model, plan,
                                                                              attention)
@@ -105,6 +114,7 @@ def verify_heads(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
         else:
             plan.checks[attention] = f"kept replicated: {why}"
             _replicate(plan, attention, members, why)
+    _sum_region_gradients(model, plan, regions)
     return errors
 
 
@@ -127,6 +137,36 @@ def _sum_norm_gradients(plan: ResolvedPlan, attention: str, norms: tuple[str, ..
         note = (f"'{_stars(name)}' gets replicated_with_grad_allreduce: the plan ({plan.source}) "
                 "kept this norm over head_dim plainly replicated inside a head split, which "
                 "would leave each rank the gradient of its own heads only")
+        if note not in plan.notes:  # once per layer pattern
+            plan.notes.append(note)
+
+
+def _sum_region_gradients(model: nn.Module, plan: ResolvedPlan, patterns: tuple[str, ...]) -> None:
+    """Sum the gradients of plainly replicated parameters that a split region reads.
+
+    Apertus's xIELU activation between ``up_proj`` (weight rows split) and
+    ``down_proj`` (weight columns split) has learnable scalars ``alpha_p`` and
+    ``alpha_n``: each rank applies them to its share of the intermediate
+    features only, so each rank's gradient of them is a partial sum. Such a
+    parameter broadcasts over the split features (a tensor indexed by them
+    could not run on a share), so the sum over the group is its gradient:
+    ``replicated_with_grad_allreduce``, with a note.
+    """
+    for name, module in model.named_modules():
+        pattern = _stars(name)
+        if pattern not in patterns or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        style = plan.assignments.get(name)
+        if style is not None and not isinstance(style, Replicate):
+            continue
+        plan.assignments[name] = ReplicatedWithGradAllreduce()
+        plan.why[name] = ("replicated_with_grad_allreduce: its parameters are read inside a "
+                          "split region (between a weight-rows split and a weight-columns split "
+                          "Linear); each rank's gradient covers only its share of the split "
+                          "features, so it is summed over the group")
+        note = (f"'{pattern}' gets replicated_with_grad_allreduce: the plan ({plan.source}) kept "
+                "it plainly replicated, but a split region reads its parameters, which would "
+                "leave each rank the gradient of its own share of the features only")
         if note not in plan.notes:  # once per layer pattern
             plan.notes.append(note)
 
@@ -166,9 +206,12 @@ def _fits(model: nn.Module, plan: ResolvedPlan, attention: str, ctx: ShardContex
 
 
 def _verdicts(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext, example_inputs: object,
-              unfit: set[str]) -> dict[str, tuple[str | None, str | None, tuple[str, ...]]]:
+              unfit: set[str]
+              ) -> tuple[dict[str, tuple[str | None, str | None, tuple[str, ...]]],
+                         tuple[str, ...]]:
     """Per attention module in ``plan.heads``: (``None`` or why not confirmed, its consumer,
-    the norms over ``head_dim`` on the way to it).
+    the norms over ``head_dim`` on the way to it); and the name patterns of the plainly
+    replicated modules whose parameters a split region reads.
 
     One layer per name pattern is checked (``h.*.attn``); its verdict holds for all.
     Verdicts from a one-layer copy depend only on the model's class, config,
@@ -177,31 +220,32 @@ def _verdicts(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext, example_i
     """
     heads = {a: i for a, i in plan.heads.items() if a not in unfit}
     if not heads:
-        return {}
+        return {}, ()
     key = _cache_key(model, plan, heads, ctx) if example_inputs is None else None
-    found = _CACHE.get(key) if key is not None else None
-    if found is None:
-        found, from_copy = _probe_patterns(model, plan, heads, ctx, example_inputs)
+    entry = _CACHE.get(key) if key is not None else None
+    if entry is None:
+        entry, from_copy = _probe_patterns(model, plan, heads, ctx, example_inputs)
         if key is not None and from_copy:
             if len(_CACHE) >= CACHE_SIZE:
                 del _CACHE[next(iter(_CACHE))]
-            _CACHE[key] = found
+            _CACHE[key] = entry
+    found, regions = entry
     out = {}
     for a in heads:  # the probed layer's names renumbered to this layer's
         why, consumer, probed, norms = found[_stars(a)]
         renamed = (_renumber(n, probed, a) for n in norms)
         out[a] = (why, _renumber(consumer, probed, a), tuple(n for n in renamed if n is not None))
-    return out
+    return out, regions
 
 
 def _probe_patterns(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadInfo],
-                    ctx: ShardContext, example_inputs: object
-                    ) -> tuple[dict[str, Verdict], bool]:
+                    ctx: ShardContext, example_inputs: object) -> tuple[Probed, bool]:
     """Per name pattern: (why not confirmed or ``None``, consumer, attention, norms over
-    ``head_dim`` on the way) as probed, and whether the probe was the one-layer copy."""
+    ``head_dim`` on the way) as probed, the patterns :func:`_region_parameters` finds,
+    and whether the probe was the one-layer copy."""
     with _probe_model(model, example_inputs) as (probe, trace, why):
         if trace is None or probe is None:
-            return {_stars(a): (f"{UNVERIFIABLE}: {why}", None, a, ()) for a in heads}, False
+            return ({_stars(a): (f"{UNVERIFIABLE}: {why}", None, a, ()) for a in heads}, ()), False
         names = _names_by_pattern(probe)
         pairs: dict[str, Pair] = {}
         out: dict[str, Verdict] = {}
@@ -215,15 +259,57 @@ def _probe_patterns(model: nn.Module, plan: ResolvedPlan, heads: dict[str, HeadI
                     pairs[key] = pair
         # Every layer of a checked pattern runs split, as after the wrap: a value one layer
         # hands the next per head (T5's position bias) is then local where it is read.
-        verdicts, _ = _simulate(probe, trace, [*pairs.values(), *_every_layer(probe, trace, pairs)],
-                                ctx)
+        try:
+            verdicts, _ = _simulate(probe, trace,
+                                    [*pairs.values(), *_every_layer(probe, trace, pairs)], ctx)
+        except Exception as err:  # a layer the pattern's split does not fit (Gemma 4's
+            # full-attention layers with another head_dim): no split of it is confirmed
+            failed = f"the split run failed ({type(err).__name__}: {err})"
+            verdicts = {pair.consumer: failed for pair in pairs.values()}
         for key, pair in pairs.items():
             why_not = verdicts[pair.consumer]
             out[key] = (None if why_not is None else (
                 "with its projections split by whole heads, the local probe does not "
                 f"reproduce each rank's slice of its output projection's input ({why_not})"),
                 pair.consumer, names[key], pair.norms)
-        return out, probe is not model
+        return (out, _region_parameters(probe, trace, plan, names)), probe is not model
+
+
+def _region_parameters(probe: nn.Module, trace: Trace, plan: ResolvedPlan,
+                       names: dict[str, str]) -> tuple[str, ...]:
+    """Name patterns of the plainly replicated modules whose parameters are read between a
+    weight-rows split (``colwise``) Linear and the weight-columns split (``rowwise``) one
+    that reads its output, within their common parent module (see
+    :func:`_sum_region_gradients`)."""
+    splits = {names.get(_stars(n)): s for n, s in plan.assignments.items()}
+    owners = {id(p): m for m, mod in probe.named_modules() for p in mod.parameters(recurse=False)}
+    found: set[str] = set()
+    for consumer, style in splits.items():
+        if consumer is None or consumer not in trace.calls or not isinstance(style, Rowwise) \
+                or style.split_input:
+            continue
+        region = trace.region(consumer)
+        producers = {splits.get(p) for p in region.producers}
+        if not region.producers or not all(isinstance(s, Colwise) and not s.gather_output
+                                           for s in producers):
+            continue
+        parent = _common_parent([consumer, *region.producers])
+        for tensor in region.tensors:
+            owner = owners.get(id(tensor))
+            if owner is not None and owner.startswith(parent):
+                found.add(_stars(owner))
+    return tuple(sorted(found))
+
+
+def _common_parent(names: list[str]) -> str:
+    """The longest module-name prefix (ending in a dot, or empty) the ``names`` share."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common) + "." if common else ""
 
 
 def _every_layer(probe: nn.Module, trace: Trace, pairs: dict[str, Pair]) -> list[Pair]:
