@@ -108,6 +108,13 @@ def _more_configs(tf: object) -> dict:
         # replicated, as transformers 5.25's Param2MoE plan does with its own.
         "qwen3-bare-norms": lambda: _without_norm_rules(
             tf.Qwen3Config(**c, num_key_value_heads=4, head_dim=8)),
+        # Llama 4: experts transformers does not decorate, (E, H, 2I) and (E, I, H), called
+        # with every expert's rows already routed; a shared expert; q/k norms; a no-RoPE
+        # layer (the second), layers alternating dense MLP and MoE.
+        "llama4": lambda: tf.Llama4TextConfig(
+            **c, num_key_value_heads=4, head_dim=8, intermediate_size_mlp=128,
+            num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+            no_rope_layers=[1, 0], attention_chunk_size=32),
         # xIELU activation between up_proj and down_proj, with learnable scalars read
         # inside the MLP's split region: their gradients need summing too.
         "apertus": lambda: tf.ApertusConfig(**c, num_key_value_heads=4),
@@ -247,7 +254,7 @@ SEQ2SEQ = {"t5", "bart"}
 MASKED = {"bert", "roberta", "distilbert", "electra"}
 
 
-GENERATES = {"llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "opt",
+GENERATES = {"llama4", "llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "opt",
              "gemma", "gpt_bigcode", "gemma2", "starcoder2", "olmo", "olmo2", "granite", "cohere",
              "phi", "stablelm", "mistral-mqa", "llama-bias", "falcon", "falcon-new", "gptj",
              "codegen", "bloom", "mpt", "t5", "bart", "llama-uneven", "qwen2-uneven",

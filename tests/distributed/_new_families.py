@@ -57,7 +57,8 @@ def check_other_norm_kept_whole(rank: int, world_size: int) -> dict[str, str]:
 
 
 def build_hybrid(arch: str) -> torch.nn.Module:
-    """A tiny float32 Qwen3-Next (gated delta-net + MoE) or Jamba (Mamba + attention + MoE)
+    """A tiny float32 Qwen3-Next (gated delta-net + MoE), Jamba (Mamba + attention + MoE)
+    or Nemotron-H's MoE and attention layers (experts without a gate: ``up_proj`` only)
     with transformers' default experts kernel (grouped_mm) and 32 expert features."""
     import transformers as tf
 
@@ -69,6 +70,11 @@ def build_hybrid(arch: str) -> torch.nn.Module:
             num_experts_per_tok=2, shared_expert_intermediate_size=32, linear_num_value_heads=4,
             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
             layer_types=["linear_attention", "full_attention"])
+    elif arch == "nemotron_h":
+        config = tf.NemotronHConfig(
+            **common, head_dim=8, intermediate_size=48, moe_intermediate_size=32,
+            n_routed_experts=4, num_experts_per_tok=2, moe_shared_expert_intermediate_size=32,
+            layers_block_type=["moe", "full_attention"])
     else:
         config = tf.JambaConfig(**common, intermediate_size=32, num_experts=4,
                                 num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,

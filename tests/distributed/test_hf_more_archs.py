@@ -17,7 +17,7 @@ SOURCES = {
     "falcon": "auto", "falcon-new": "auto", "gptj": "auto", "cohere": "auto", "phi": "auto",
     "roberta": "torchtp built-in", "electra": "torchtp built-in",
     "stablelm": "auto", "codegen": "auto", "bloom": "auto", "mpt": "auto", "distilbert": "auto",
-    "t5": "torchtp built-in", "bart": "auto",
+    "t5": "torchtp built-in", "bart": "auto", "llama4": "HF plan",
 }
 # Parallel-residual layers (x + attention(x) + mlp(x)): the automatic plan sums both
 # branches' partial outputs once per layer (reduce_residual), which no HF or built-in

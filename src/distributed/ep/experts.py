@@ -32,7 +32,11 @@ from torch import nn
 
 from ..comm import ops as _comm
 from ..comm.group_ref import WeakGroup
-from ..comm.regions import copy_pair_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from ..comm.regions import (
+    copy_pair_to_tensor_parallel_region,
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+)
 from ..comm.runtime import ProcessGroup
 from ..core import log as _log
 from ..core.errors import RankMismatchError
@@ -74,12 +78,20 @@ class ParallelExperts(ShardedModule):
     expert_range: tuple[int, int] | None = None  # expert parallel: (first, count) held here
     expert_starts: tuple[int, ...] = ()  # whole experts: every rank's first expert, then E
     dispatch: Dispatch = "all_reduce"  # whole experts: "all_reduce", "all_to_all" or "auto"
+    routed: bool = True  # forward(x, top_k_index, top_k_weights); else forward(x) (Llama 4)
     # Expert parallel: picks, per call, a function to run instead of the class's forward.
     expert_forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None] | None \
         = None
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None, *args: Any,
+                **kwargs: Any) -> torch.Tensor:
+        if not self.routed:  # Llama 4: (E * N, H), every expert's rows routed and scaled
+            x = copy_to_tensor_parallel_region(hidden_states, self.tp_group)
+            # (E * N, H), this rank's partial sum
+            partial = super().forward(x, *args, **kwargs)  # type: ignore[misc]
+            return reduce_from_tensor_parallel_region(partial, self.tp_group)
+        assert top_k_index is not None and top_k_weights is not None
         # Routers return float32 weights; the expert outputs are multiplied by them in
         # the promoted dtype anyway, so promoting first is exact, and the weights'
         # gradient is then summed over the ranks in that dtype and rounded once, as the
@@ -186,7 +198,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
                   expert_range: tuple[int, int] | None = None,
                   forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None]
                   | None = None, name: str = "experts",
-                  dispatch: Dispatch = "all_reduce") -> nn.Module:
+                  dispatch: Dispatch = "all_reduce", routed: bool = True) -> nn.Module:
     """Cut ``module``'s expert parameters to this rank's share, in place, and return it.
 
     Args:
@@ -207,6 +219,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
             to them, one all-reduce), ``"all_to_all"`` (each rank routes a slice
             of the tokens, :mod:`torchtp.ep.dispatch`) or ``"auto"``
             (per call, the one the cost model estimates cheaper).
+        routed: Whether the module's forward takes routes (see :class:`ParallelExperts`).
 
     Returns:
         ``module`` itself, now an instance of ``Parallel<its class>``.
@@ -219,7 +232,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
     cast(ParallelExperts, module).tp_group = group  # through its WeakGroup: held weakly
     module.__dict__.update(tp_layouts=dict(layouts), tp_world_size=world_size, tp_rank=rank,
                            expert_range=expert_range, expert_forward=forward, tp_name=name,
-                           dispatch=dispatch)
+                           dispatch=dispatch, routed=routed)
     if dispatch != "all_reduce":  # every rank's first expert, then E (balanced, like the cut)
         total = int(module.__dict__["num_experts"])  # before it becomes this rank's count
         module.__dict__.update(expert_starts=tuple(shard_offsets(total, world_size)))

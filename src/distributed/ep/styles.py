@@ -52,7 +52,7 @@ from ..plans.styles import LayerPlan, ParallelStyle, ShardContext, split_constra
 from .dispatch import DISPATCH, Dispatch
 from .experts import shard_experts
 
-GATE_UP, DOWN = "gate_up_proj", "down_proj"
+GATE_UP, DOWN, UP = "gate_up_proj", "down_proj", "up_proj"
 
 _ALL_REDUCE = ("every rank sees every token (HF's 'all_reduce' expert parallelism): routes to "
                "other ranks' experts are masked, one all-reduce per MoE layer sums the outputs")
@@ -71,11 +71,11 @@ class ExpertsTP(ParallelStyle):
     """Split every expert's intermediate features over the TP ranks (one all-reduce per layer)."""
 
     name = "moe_tp_experts"
-    covers = (GATE_UP, DOWN)
+    covers = (GATE_UP, DOWN, UP)
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
         experts, inter, layout = _geometry(module, fqn)
-        gate_up = getattr(module, GATE_UP)
+        gate_up = getattr(module, _in_name(layout))
         constraints: tuple[Constraint, ...] = (split_constraint(
             self.name, fqn, "intermediate_size", "features of every expert", inter),)
         full = tuple(gate_up.shape)
@@ -83,17 +83,18 @@ class ExpertsTP(ParallelStyle):
             return LayerPlan(fqn, self.name, constraints, full, collectives=("all_reduce",))
         layouts = _layouts(module, inter, layout, ctx)
         detail = (f"{experts} experts: each keeps its share of intermediate_size={inter} "
-                  f"({layouts[DOWN].segments[0][1]} on this rank): gate/up weight rows, down "
+                  f"({layouts[DOWN].segments[0][1]} on this rank): "
+                  f"{'gate/up' if layout.has_gate else 'up'} weight rows, down "
                   "weight columns; one all-reduce per MoE layer; the router stays replicated "
                   "(every rank routes every token)")
-        return LayerPlan(fqn, self.name, constraints, full, layouts[GATE_UP].local_shape,
+        return LayerPlan(fqn, self.name, constraints, full, layouts[_in_name(layout)].local_shape,
                          layouts, ("all_reduce",), detail)
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size == 1 or not layer.layouts:
             return module
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
-                             name=layer.fqn)
+                             name=layer.fqn, routed=_layout(module, layer.fqn, self.name).routed)
 
 
 def check_expert_parallel(ep: object) -> None:
@@ -122,8 +123,6 @@ def _geometry(module: nn.Module, fqn: str,
     layout = _layout(module, fqn, style)
     for bad, flag, why in ((layout.has_bias, "has_bias=True", "expert biases are added inside "
                             "each expert"),
-                           (not layout.has_gate, "has_gate=False", "experts without a gate are "
-                            "not split yet"),
                            (layout.post_norm, "has_post_expert_norm=True", "a norm after each "
                             "expert is not linear in the partial outputs")):
         if bad:
@@ -131,13 +130,20 @@ def _geometry(module: nn.Module, fqn: str,
                              "partial outputs; use expert_parallel=True (whole experts per "
                              "rank) or keep the experts whole with plan={'<pattern>': "
                              "'replicate'}")
-    gate_up, down = getattr(module, GATE_UP), getattr(module, DOWN)
-    e, two_i = gate_up.shape[0], gate_up.shape[2 if layout.transposed else 1]
+    name = _in_name(layout)
+    gate_up, down = getattr(module, name), getattr(module, DOWN)
+    e, rows = gate_up.shape[0], gate_up.shape[2 if layout.transposed else 1]
     inter = down.shape[1 if layout.transposed else 2]
-    if two_i != 2 * inter or down.shape[0] != e:
-        raise ValueError(f"{who}: '{GATE_UP}' {tuple(gate_up.shape)} and '{DOWN}' "
-                         f"{tuple(down.shape)} do not describe {e} gated experts")
+    if rows != (2 if layout.has_gate else 1) * inter or down.shape[0] != e:
+        raise ValueError(f"{who}: '{name}' {tuple(gate_up.shape)} and '{DOWN}' "
+                         f"{tuple(down.shape)} do not describe {e} "
+                         f"{'gated ' if layout.has_gate else ''}experts")
     return e, inter, layout
+
+
+def _in_name(layout: ExpertsLayout) -> str:
+    """The experts' input projection: ``gate_up_proj``, or ``up_proj`` without a gate."""
+    return GATE_UP if layout.has_gate else UP
 
 
 def feature_block(inter: int, parts: int, itemsize: int) -> int:
@@ -167,12 +173,15 @@ def _layouts(module: nn.Module, inter: int, layout: ExpertsLayout,
     block = feature_block(inter, ctx.world_size, down.element_size())
     start, n = shard_range(inter // block, ctx.world_size, ctx.rank, block)
     transposed = layout.transposed
-    if layout.concatenated:
-        gate_up_rows: tuple[tuple[int, int], ...] = ((start, n), (inter + start, n))
+    if not layout.has_gate:  # up_proj only: feature i is row i
+        gate_up_rows: tuple[tuple[int, int], ...] = ((start, n),)
+    elif layout.concatenated:
+        gate_up_rows = ((start, n), (inter + start, n))
     else:  # gate/up interleaved: feature i is rows 2i and 2i+1
         gate_up_rows = ((2 * start, 2 * n),)
-    gate_up = getattr(module, GATE_UP)
-    return {GATE_UP: ParamLayout(tuple(gate_up.shape), 2 if transposed else 1, gate_up_rows),
+    name = _in_name(layout)
+    gate_up = getattr(module, name)
+    return {name: ParamLayout(tuple(gate_up.shape), 2 if transposed else 1, gate_up_rows),
             DOWN: ParamLayout(tuple(down.shape), 1 if transposed else 2, ((start, n),))}
 
 
@@ -283,7 +292,7 @@ class ExpertsEP(ParallelStyle):
                   f"tp/ep={inner} ranks ({share} here): gate/up weight rows, down weight columns; "
                   "every rank sees every token, routes to other ranks' experts are masked, one "
                   "all-reduce per MoE layer sums the outputs; the router stays replicated")
-        return LayerPlan(fqn, self.name, constraints, full, layouts[GATE_UP].local_shape,
+        return LayerPlan(fqn, self.name, constraints, full, layouts[_in_name(layout)].local_shape,
                          layouts, ("all_reduce",), detail)
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
@@ -302,6 +311,11 @@ class ExpertsEP(ParallelStyle):
 def _expert_count(module: nn.Module, fqn: str) -> int:
     """``E`` of an HF experts module whose forward skips sentinel routes, or why not."""
     layout = _layout(module, fqn, "ep_dispatch_experts")
+    if not layout.routed:
+        raise ValueError(f"plan style 'ep_dispatch_experts' for module '{fqn}' "
+                         f"({type(module).__name__}): its forward takes every expert's rows "
+                         "already routed (Llama 4), not routes a rank could keep to its own "
+                         "experts; split every expert's features instead (expert_parallel=False)")
     if not layout.sentinel:
         raise ValueError(f"plan style 'ep_dispatch_experts' for module '{fqn}' "
                          f"({type(module).__name__}): this transformers release's experts "

@@ -288,18 +288,30 @@ def experts_flags(module: nn.Module) -> dict[str, bool] | None:
     ``num_experts`` when ``_is_expert_parallel`` is set (absent in 5.3.0, whose
     eager forward one-hot encodes ``num_experts`` classes only).
 
-    Checked: transformers 5.3.0, 5.24.0.
+    Experts modules transformers does not decorate carry no flags; the ones in
+    :data:`UNDECORATED_EXPERTS` are described by class.
+
+    Checked: transformers 5.3.0, 5.24.0, 5.25.0.
     """
     weight = getattr(module, "gate_up_proj", getattr(module, "up_proj", None))
     if not (isinstance(weight, torch.Tensor) and weight.dim() == 3
             and isinstance(getattr(module, "num_experts", None), int)):
         return None
+    known = UNDECORATED_EXPERTS.get(type(module).__name__, {})
     return {"concatenated": bool(getattr(module, "is_concatenated", True)),
-            "transposed": bool(getattr(module, "is_transposed", False)),
+            "transposed": bool(getattr(module, "is_transposed", known.get("transposed", False))),
             "has_bias": bool(getattr(module, "has_bias", False)),
             "has_gate": bool(getattr(module, "has_gate", True)),
             "post_norm": bool(getattr(module, "has_post_expert_norm", False)),
-            "sentinel": hasattr(module, "_is_expert_parallel")}
+            "sentinel": hasattr(module, "_is_expert_parallel"),
+            "routed": known.get("routed", True)}
+
+
+# Experts modules without ``use_experts_implementation``'s flags, by class name.
+# Llama 4's: gate_up_proj (E, H, 2I) as [gate | up] and down_proj (E, I, H), its
+# forward(x) takes every expert's rows (E * N, H), routed and scaled by the MoE block.
+# Checked: transformers 5.3.0, 5.24.0, 5.25.0.
+UNDECORATED_EXPERTS = {"Llama4TextExperts": {"transposed": True, "routed": False}}
 
 
 def mark_expert_parallel(module: nn.Module) -> None:

@@ -140,6 +140,9 @@ class ExpertsLayout:
         parallel_forward: ``parallel_forward(module, dtype)`` returns, at every call,
             the function ``f(module, x, index, weights)`` to run the cut module
             with, or ``None`` for its own forward.
+        routed: Its forward takes ``(x, top_k_index, top_k_weights)``; else ``x``
+            alone, every expert's rows already routed and scaled (Llama 4's
+            ``(E * N, H)``).
     """
 
     concatenated: bool
@@ -150,6 +153,7 @@ class ExpertsLayout:
     sentinel: bool
     mark_parallel: Callable[[nn.Module], None]
     parallel_forward: Callable[[nn.Module, Any], Any]
+    routed: bool = True
 
 
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:
