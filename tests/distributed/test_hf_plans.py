@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,32 @@ def test_unknown_and_moe_styles_are_refused_not_replicated():
             r"silently replicate")):
         torchtp.DistributedModelWrapper(tf.MixtralForCausalLM(config), world_size=2, rank=0,
                                         plan={"model.layers.*.mlp.experts": "grouped_gemm"})
+
+
+@pytest.mark.skipif(not hasattr(__import__("transformers"), "GraniteSWAConfig"),
+                    reason="Granite-SWA is new in transformers 5.24 (make test runs it)")
+def test_a_model_plan_with_a_style_torchtp_cannot_honour_gives_way_to_another_candidate():
+    # Granite-SWA's HF plan names 'local_params' (attention sinks as bare sharded
+    # parameters): every wrap used to raise. The next candidate wins, and the note says
+    # why. The same rules passed by the user are still refused (the probe finds that their
+    # head split cannot run with the sinks whole).
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(tf.GraniteSWAConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2))
+    hf_rules = dict(model.tp_plan)
+    wrapped = torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+    assert not wrapped.resolved_plan.source.startswith("HF plan")
+    assert re.search(r"note: HF plan \(.*\) not used: plan style 'local_params' for module "
+                     r"'model\.layers\.0\.self_attn' \(GraniteSWAAttention\) is not supported "
+                     r"by torchtp.*; .* chosen instead", wrapped.describe_plan())
+    with pytest.raises(ValueError, match=r"plan \(argument\): attention 'model\.layers\.0\."
+                       r"self_attn' \(GraniteSWAAttention.* does not reproduce each rank's"):
+        torchtp.DistributedModelWrapper(tf.AutoModelForCausalLM.from_config(model.config),
+                                        world_size=2, rank=0, plan=hf_rules)
 
 
 def test_tied_weights_split_two_ways_are_refused():

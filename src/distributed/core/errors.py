@@ -23,6 +23,11 @@ class InconsistentGroupError(RuntimeError):
     """
 
 
+class UnsupportedStyleError(ValueError):
+    """A plan names a style torchtp knows but cannot honour for a module (it refuses
+    instead of replicating what the plan splits)."""
+
+
 def launch_hint(world_size: int) -> str:
     """Return the one-line fix for a missing process group of ``world_size`` ranks."""
     return (

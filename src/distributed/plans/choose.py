@@ -10,8 +10,12 @@ cannot be planned at this tp (a style that does not fit the module or the tp
 size, a tied parameter split two ways) is discarded with the reason, except
 the first source (the model's own plan, else the built-in one, else the
 automatic plan): its rules then go on unchanged, so the wrapper raises what it
-always raised (more ranks than heads, a style torchtp refuses) instead of
-replicating what the model's authors split. An attention split the probe does
+always raised (more ranks than heads) instead of replicating what the model's
+authors split. A first source with a style torchtp cannot honour for a module
+(``local_params``, ``all_reduce``: Granite-SWA's, MiMo-V2-Flash's, Inkling's
+plans) is discarded like the others when another candidate remains, with a note
+naming the style and the candidate chosen instead; a plan the user passed with
+such a style is refused. An attention split the probe does
 not confirm stays replicated, and the candidate competes without it (the
 reason is shown). The chooser never replicates a pair's block: splitting them
 is what the candidates decide.
@@ -51,6 +55,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..core.errors import UnsupportedStyleError
 from ..costmodel import Hardware
 from .constraints import check
 from .cost import (
@@ -83,6 +88,7 @@ class Candidate:
         verdict: Why it won or lost, for ``describe_plan()``.
         replicated: Lone modules the cost model keeps whole, with why.
         split: Lone modules the cost model keeps split, with why.
+        unsupported: It was discarded for a style torchtp cannot honour.
     """
 
     rules: Rules
@@ -91,6 +97,7 @@ class Candidate:
     cost: PlanCost | None = None
     written: PlanCost | None = None
     verdict: str = ""
+    unsupported: bool = False  # discarded for a style torchtp cannot honour
     replicated: dict[str, str] = field(default_factory=dict)
     split: dict[str, str] = field(default_factory=dict)
 
@@ -160,17 +167,23 @@ def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: R
     candidates = [Candidate(rules, i) for i, rules in enumerate(sources)]
     for c in candidates:
         _cost(model, c, ctx, resolve, shapes, hw, mode, budget)
-        if c.cost is None and c.order == 0:
-            # The model's own (or built-in) plan cannot be planned as written (more
-            # ranks than heads, a style torchtp cannot honour for a module): the
-            # caller's to fix, not a reason to replicate what it splits. Its rules go
-            # on as given, to fail the wrapper's checks (after the options' own, as
-            # for any plan) or to list the blockers (torchtp plan).
-            return c.rules
-    alive = [c for c in candidates if c.cost is not None]  # the first one at least
+    first = candidates[0]
+    alive = [c for c in candidates if c.cost is not None]
+    if first.cost is None and not (first.unsupported and alive):
+        # The model's own (or built-in) plan cannot be planned as written (more ranks
+        # than heads, a tied parameter split two ways, a style torchtp cannot honour
+        # with no other candidate): the caller's to fix, not a reason to replicate what
+        # it splits. Its rules go on as given, to fail the wrapper's checks (after the
+        # options' own, as for any plan) or to list the blockers (torchtp plan).
+        return first.rules
     winner, rule = _select(alive, mode, budget, ctx)
     choice = Choice(hw.name, rule, candidates)
-    return _as_rules(winner, choice)
+    rules = _as_rules(winner, choice)
+    if first.cost is None:  # a style torchtp cannot honour: another candidate, said
+        why = first.verdict.removeprefix("discarded: ")
+        rules.notes.insert(0, f"{first.rules.source} not used: {why}; "
+                           f"{winner.rules.source} chosen instead")
+    return rules
 
 
 def _cost(model: nn.Module, c: Candidate, ctx: ShardContext, resolve: Resolve, shapes: Shapes,
@@ -184,6 +197,7 @@ def _cost(model: nn.Module, c: Candidate, ctx: ShardContext, resolve: Resolve, s
         check_ties(model, plan, ctx)
     except (TypeError, ValueError) as err:
         c.verdict = f"discarded: {err}"
+        c.unsupported = isinstance(err, UnsupportedStyleError)
         return
     c.written = plan_cost(model, plan, ctx.world_size, shapes, hw)
     _decide_lone(model, c, plan, ctx, shapes, hw, mode, budget)

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup
+from ..core.errors import UnsupportedStyleError
 from ..core.layouts import ParamLayout, shard_range
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..layers.grad_sync import GradSync, mark
@@ -268,7 +269,7 @@ class Unsupported(ParallelStyle):
         self.why = why
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
-        raise ValueError(
+        raise UnsupportedStyleError(
             f"plan style {self.name!r} for module '{fqn}' ({type(module).__name__}) is not "
             f"supported by torchtp: {self.why}. torchtp does not silently replicate a module "
             "the plan asks to shard; override it with plan={...: 'replicate'} to keep it whole")
