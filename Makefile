@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchtp-installed
 
-.PHONY: test test-all demo lint bench install clean compat compat-smoke compat-new-venv
+.PHONY: test test-all demo lint bench install clean compat compat-smoke compat-new-venv zoo
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,12 @@ compat: $(COMPAT_OLD) compat-new-venv $(COMPAT_SHIM)/torchtp
 	$(call COMPAT_PYTEST,.venv-compat-old) tests -m "not slow"
 	$(call COMPAT_PYTEST,.venv-compat-new) tests -m "not slow"
 	$(call COMPAT_PYTEST,.venv-compat-new) $(HF_MATRIX) -m slow
+
+# Every causal-LM type of the installed transformers, tiny, at tp 2 against one process
+# (a line per type; about 6 minutes). ZOO_PY=.venv-compat-new/bin/python for the newest.
+ZOO_PY ?= $(PY)
+zoo: $(STAMP) $(COMPAT_SHIM)/torchtp
+	PYTHONPATH=$(CURDIR)/$(COMPAT_SHIM) $(ZOO_PY) tests/distributed/hf_zoo.py
 
 test-all: lint
 	$(PY) -m pytest tests -q -p no:cacheprovider

@@ -1,0 +1,151 @@
+"""Sweep every causal-LM type the installed transformers knows, at tp 2, against one process.
+
+A tool for new releases (``make zoo``, docs/compat.md), not part of ``make test``:
+each model type's config class is built with its defaults shrunk to tiny sizes
+(the fields in :data:`SHRINK` it has), in float64, eval mode, eager attention and
+experts; a type whose tiny
+config cannot be built, is still over :data:`MAX_PARAMETERS` or whose unsharded
+forward fails is skipped (reported as such). Every other one is wrapped
+(``plan=None``) on two Gloo ranks and compared: logits, then every gradient of
+``logits.square().mean()``. Each line of the output is one type's verdict:
+
+* ``ok``: exact (share of parameters on rank 0, layers split);
+* ``MISMATCH``: logits or gradients differ beyond float32 rounding (rtol 1e-5:
+  some models compute norms or routers in float32 whatever their dtype) -- the
+  silent kind of bug this sweep exists to find;
+* ``refused`` / ``fwd-error``: the wrap or the forward raised (read the message);
+* ``skip``: not a verdict on torchtp.
+
+    python tests/distributed/hf_zoo.py                 # every type, 15 per launch
+    python tests/distributed/hf_zoo.py llama4_text     # some types
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.distributed.harness import run_ranks
+
+SHRINK = {"vocab_size": 96, "hidden_size": 32, "d_model": 32, "n_embd": 32,
+          "intermediate_size": 64, "ffn_dim": 64, "n_inner": 64, "num_hidden_layers": 2,
+          "n_layer": 2, "num_layers": 2, "num_attention_heads": 4, "n_head": 4, "num_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4, "num_local_experts": 4,
+          "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+          "shared_expert_intermediate_size": 24, "pad_token_id": 0, "bos_token_id": 1,
+          "eos_token_id": 2, "max_position_embeddings": 128, "n_positions": 128,
+          "layer_types": None, "sliding_window": 16, "first_k_dense_replace": 0,
+          "num_nextn_predict_layers": 0, "decoder_start_token_id": 1}
+MAX_PARAMETERS = 3_000_000  # after shrinking; larger means a size field SHRINK misses
+BATCH = 15  # types per two-rank launch
+
+
+def build(model_type: str) -> torch.nn.Module:
+    """A tiny float64 ``model_type`` causal LM, weights from seed 0, eager attention."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    shrink = {k: v for k, v in SHRINK.items() if k in config_class().to_dict()}
+    try:
+        config = config_class(**shrink)
+    except Exception:  # a model that needs its own layer_types list
+        shrink.pop("layer_types", None)
+        config = config_class(**shrink)
+    config._attn_implementation = "eager"
+    if hasattr(config, "_experts_implementation"):  # grouped_mm has no float64 kernel
+        config._experts_implementation = "eager"
+    with init_empty_weights():
+        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if count > MAX_PARAMETERS:
+        raise ValueError(f"{count} parameters after shrinking")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).double().eval()
+
+
+def verdict(model_type: str) -> tuple[str, str]:
+    """``(kind, detail)`` for one type on this rank (see the module docstring)."""
+    import torchtp
+
+    try:
+        ref = build(model_type)
+        vocab = ref.config.get_text_config().vocab_size
+        ids = torch.randint(3, min(90, vocab - 1), (2, 10), generator=torch.Generator().manual_seed(1))
+        want = ref(input_ids=ids).logits
+    except Exception as err:
+        return "skip", f"{type(err).__name__}: {str(err)[:150]}"
+    try:
+        wrapped = torchtp.DistributedModelWrapper(build(model_type))
+    except Exception as err:
+        return "refused", f"{type(err).__name__}: {str(err)[:300]}"
+    try:
+        got = wrapped(input_ids=ids).logits
+    except Exception as err:
+        return "fwd-error", f"{type(err).__name__}: {str(err)[:300]}"
+    bad = [] if torch.allclose(got, want, rtol=1e-5, atol=1e-7) else ["logits"]
+    want.square().mean().backward()
+    got.square().mean().backward()
+    full = dict(ref.named_parameters())
+    for name, p in wrapped.base_model.named_parameters():
+        grad = full[name].grad
+        if grad is None and p.grad is None:
+            continue
+        if grad is None or p.grad is None:
+            bad.append(f"{name} (a gradient on one side only)")
+            continue
+        module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
+        layout = torchtp.layouts_of(module).get(name.rpartition(".")[2])
+        grad = grad if layout is None else layout.take(grad)
+        if p.grad.shape != grad.shape or not torch.allclose(p.grad, grad, rtol=1e-5, atol=1e-8):
+            bad.append(name)
+    if bad:
+        return "MISMATCH", ", ".join(bad[:5])
+    share = sum(p.numel() for p in wrapped.base_model.parameters()) / sum(
+        p.numel() for p in ref.parameters())
+    return "ok", f"{share:.2f} of the parameters, {len(wrapped.parallelized_layers)} layers split"
+
+
+def verdicts(rank: int, world_size: int, types: list[str]) -> dict[str, Any]:
+    """:func:`verdict` for each type, with the seconds it took."""
+    out = {}
+    for model_type in types:
+        start = time.time()
+        try:
+            out[model_type] = (*verdict(model_type), round(time.time() - start, 1))
+        except Exception as err:  # the backward itself (a model's own in-place update)
+            out[model_type] = ("crash", f"{type(err).__name__}: {str(err)[:200]}", 0.0)
+    return out
+
+
+def main(types: list[str]) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    for i in range(0, len(types), BATCH):
+        part = types[i:i + BATCH]
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                ranks = run_ranks(verdicts, 2, part, tmp_path=Path(tmp), timeout=900,
+                                  gloo_timeout=60)
+                found = ranks[0]
+                for t in part:  # both ranks must reach the same verdict
+                    if ranks[1][t][0] != found[t][0]:
+                        found[t] = ("RANKS-DIFFER", f"{found[t]} / {ranks[1][t]}", 0.0)
+            except Exception as err:
+                found = {t: ("launch-failed", str(err)[-300:], 0.0) for t in part}
+        for t in part:
+            print(json.dumps([t, *found[t]]), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
