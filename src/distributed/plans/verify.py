@@ -130,15 +130,11 @@ def _sum_norm_gradients(plan: ResolvedPlan, attention: str, norms: tuple[str, ..
     for name in norms:
         if isinstance(plan.assignments.get(name), ReplicatedWithGradAllreduce):
             continue
-        plan.assignments[name] = ReplicatedWithGradAllreduce()
-        plan.why[name] = (f"replicated_with_grad_allreduce: a norm over head_dim inside "
-                          f"'{attention}', whose heads are split; each rank's gradient covers "
-                          "only its heads, so it is summed over the group")
-        note = (f"'{_stars(name)}' gets replicated_with_grad_allreduce: the plan ({plan.source}) "
-                "kept this norm over head_dim plainly replicated inside a head split, which "
-                "would leave each rank the gradient of its own heads only")
-        if note not in plan.notes:  # once per layer pattern
-            plan.notes.append(note)
+        _grad_allreduce(plan, name, (
+            f"a norm over head_dim inside '{attention}', whose heads are split; each rank's "
+            "gradient covers only its heads, so it is summed over the group"), (
+            "kept this norm over head_dim plainly replicated inside a head split, which would "
+            "leave each rank the gradient of its own heads only"))
 
 
 def _sum_region_gradients(model: nn.Module, plan: ResolvedPlan, patterns: tuple[str, ...]) -> None:
@@ -159,16 +155,22 @@ def _sum_region_gradients(model: nn.Module, plan: ResolvedPlan, patterns: tuple[
         style = plan.assignments.get(name)
         if style is not None and not isinstance(style, Replicate):
             continue
-        plan.assignments[name] = ReplicatedWithGradAllreduce()
-        plan.why[name] = ("replicated_with_grad_allreduce: its parameters are read inside a "
-                          "split region (between a weight-rows split and a weight-columns split "
-                          "Linear); each rank's gradient covers only its share of the split "
-                          "features, so it is summed over the group")
-        note = (f"'{pattern}' gets replicated_with_grad_allreduce: the plan ({plan.source}) kept "
-                "it plainly replicated, but a split region reads its parameters, which would "
-                "leave each rank the gradient of its own share of the features only")
-        if note not in plan.notes:  # once per layer pattern
-            plan.notes.append(note)
+        _grad_allreduce(plan, name, (
+            "its parameters are read inside a split region (between a weight-rows split and a "
+            "weight-columns split Linear); each rank's gradient covers only its share of the "
+            "split features, so it is summed over the group"), (
+            "kept it plainly replicated, but a split region reads its parameters, which would "
+            "leave each rank the gradient of its own share of the features only"))
+
+
+def _grad_allreduce(plan: ResolvedPlan, name: str, why: str, kept: str) -> None:
+    """``name`` becomes ``replicated_with_grad_allreduce`` with ``why``; the note (once per
+    layer pattern) says what the plan ``kept``."""
+    plan.assignments[name] = ReplicatedWithGradAllreduce()
+    plan.why[name] = f"replicated_with_grad_allreduce: {why}"
+    note = f"'{_stars(name)}' gets replicated_with_grad_allreduce: the plan ({plan.source}) {kept}"
+    if note not in plan.notes:
+        plan.notes.append(note)
 
 
 def _output_projections(model: nn.Module, plan: ResolvedPlan, attention: str) -> list[str]:
