@@ -71,10 +71,13 @@ def build_hybrid(arch: str) -> torch.nn.Module:
             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
             layer_types=["linear_attention", "full_attention"])
     elif arch == "nemotron_h":
-        config = tf.NemotronHConfig(
-            **common, head_dim=8, intermediate_size=48, moe_intermediate_size=32,
-            n_routed_experts=4, num_experts_per_tok=2, moe_shared_expert_intermediate_size=32,
-            layers_block_type=["moe", "full_attention"])
+        sizes = {**common, "head_dim": 8, "intermediate_size": 48, "moe_intermediate_size": 32,
+                 "n_routed_experts": 4, "num_experts_per_tok": 2,
+                 "moe_shared_expert_intermediate_size": 32}
+        try:
+            config = tf.NemotronHConfig(**sizes, layers_block_type=["moe", "full_attention"])
+        except ValueError:  # transformers before 5.24 names it "attention"
+            config = tf.NemotronHConfig(**sizes, layers_block_type=["moe", "attention"])
     else:
         config = tf.JambaConfig(**common, intermediate_size=32, num_experts=4,
                                 num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
