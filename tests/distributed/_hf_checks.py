@@ -51,6 +51,8 @@ def compare_params(wrapped: nn.Module, ref: nn.Module, grads: bool,
     ref_params = dict(ref.named_parameters())
     checked = 0
     for name, p in wrapped.base_model.named_parameters():
+        if grads and not p.requires_grad:  # frozen (Whisper's sinusoidal positions)
+            continue
         module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
         full = ref_params[name].grad if grads else ref_params[name].detach()
         mine = p.grad if grads else p.detach()
@@ -172,3 +174,32 @@ def check_task_heads(rank: int, world_size: int, archs: list[str]) -> dict[str, 
         compare_params(wrapped, ref, grads=True, tol=f64)
         split[arch] = len(wrapped.parallelized_layers)
     return split
+
+
+def _whisper() -> nn.Module:
+    """A tiny float64 Whisper (8 mel bins, 16 encoder positions: 32 frames), eval mode."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.WhisperConfig(
+        vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+        pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2)
+    return tf.WhisperForConditionalGeneration(config).double().eval()
+
+
+def check_speech(rank: int, world_size: int) -> dict[str, object]:
+    """Whisper planned with no plan and no example inputs: logits and every gradient equal
+    one process's in float64 (sharding only reorders additions: ~1e-16 relative)."""
+    gen = torch.Generator().manual_seed(1)
+    batch = {"input_features": torch.randn(3, 8, 32, generator=gen).double(),
+             "decoder_input_ids": torch.randint(3, 90, (3, 6), generator=gen)}
+    ref, wrapped = _whisper(), torchtp.DistributedModelWrapper(_whisper())
+    want, got = ref(**batch).logits, wrapped(**batch).logits  # (3, 6, 96)
+    f64 = {"rtol": 1e-9, "atol": 1e-12}
+    torch.testing.assert_close(got, want, **f64)
+    for out in (want, got):
+        out.square().sum().backward()
+    compare_params(wrapped, ref, grads=True, tol=f64)
+    return {"source": wrapped.resolved_plan.source, "layers": len(wrapped.parallelized_layers)}

@@ -55,6 +55,29 @@ def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
     return dummy if isinstance(dummy, dict) else None
 
 
+def speech_inputs(model: nn.Module) -> dict[str, Any] | None:
+    """Probe inputs for a speech encoder-decoder fed log-mel features (Whisper), or ``None``.
+
+    ``dummy_inputs`` gives such a model token ids only, which its encoder cannot
+    take: one clip of ``num_mel_bins`` x ``2 * max_source_positions`` frames (the
+    length Whisper's encoder requires: its second convolution has stride 2),
+    seeded, in the model's dtype, and two decoder start tokens.
+
+    Checked: transformers 5.3.0, 5.24.0, 5.25.0 (Whisper).
+    """
+    config = getattr(model, "config", None)
+    mels = getattr(config, "num_mel_bins", None)
+    positions = getattr(config, "max_source_positions", None)
+    if getattr(model, "main_input_name", None) != "input_features" \
+            or not isinstance(mels, int) or not isinstance(positions, int):
+        return None
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    start = getattr(config, "decoder_start_token_id", None)
+    features = torch.randn(1, mels, 2 * positions, generator=torch.Generator().manual_seed(0))
+    return {"input_features": features.to(dtype),
+            "decoder_input_ids": torch.full((1, 2), start if isinstance(start, int) else 0)}
+
+
 def transformers_tp_size(model: nn.Module) -> int:
     """Over how many ranks transformers' own tensor parallelism split ``model``
     (``from_pretrained(..., tp_plan=...)``); 1 when it did not.

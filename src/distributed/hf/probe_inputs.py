@@ -3,7 +3,8 @@
 A HuggingFace model without a plan is planned like any other model
 (:mod:`torchtp.plans.auto`): one probe forward records which projection feeds
 which. Its inputs come from the model: ``model.dummy_inputs``, with token ids
-kept below the vocabulary size.
+kept below the vocabulary size, or, for a speech encoder-decoder that reads
+log-mel features (Whisper), one seeded clip and decoder start tokens.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from typing import Any
 
 from torch import nn
 
-from .compat import dummy_inputs
+from .compat import dummy_inputs, speech_inputs
 
 
 def probe_inputs(model: nn.Module) -> dict[str, Any] | None:
     """Keyword inputs for one small forward of ``model``, or ``None`` if it has none."""
+    speech = speech_inputs(model)
+    if speech is not None:
+        return speech
     dummy = dummy_inputs(model)
     if dummy is None:
         return None
