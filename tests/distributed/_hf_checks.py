@@ -45,17 +45,27 @@ def expected_local(module: nn.Module, pname: str, full: torch.Tensor) -> torch.T
 
 
 def compare_params(wrapped: nn.Module, ref: nn.Module, grads: bool,
-                   tol: dict[str, float] | None = None) -> int:
+                   tol: dict[str, float] | None = None, *, named: nn.Module | None = None,
+                   unused_ok: bool = False) -> int:
     """Every parameter (or gradient) of ``wrapped`` equals this rank's part of ``ref``'s
-    (within ``tol``, default GRADS); replicated ones are identical on every rank."""
+    (within ``tol``, default GRADS); replicated ones are identical on every rank.
+
+    ``named``: the module whose parameter names are ``ref``'s (a PEFT model around the
+    wrapped one; default ``wrapped.base_model``). ``unused_ok``: a parameter the batch
+    does not reach (CLIP's unused post-layernorm) may have no gradient, on both sides.
+    """
+    model = wrapped.base_model if named is None else named
     ref_params = dict(ref.named_parameters())
     checked = 0
-    for name, p in wrapped.base_model.named_parameters():
+    for name, p in model.named_parameters():
         if grads and not p.requires_grad:  # frozen (Whisper's sinusoidal positions)
             continue
-        module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
+        module = model.get_submodule(name.rpartition(".")[0])
         full = ref_params[name].grad if grads else ref_params[name].detach()
         mine = p.grad if grads else p.detach()
+        if unused_ok and full is None:
+            assert mine is None, f"{name}: a gradient here only"
+            continue
         assert mine is not None, f"{name} got no gradient"
         torch.testing.assert_close(mine, expected_local(module, name.rpartition(".")[2], full),
                                    **(tol or GRADS), msg=lambda m, n=name: f"{n}: {m}")

@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import torchtp
 
-from ._hf_checks import expected_local
+from ._hf_checks import compare_params
 
 IMAGE = 95  # the image token id of every model here (vocabulary 96)
 # float64: sharding only reorders additions, whose error is ~1e-16 relative; a wrong
@@ -78,29 +77,6 @@ def vlm_batch(arch: str) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _compare(model: nn.Module, ref: nn.Module, grads: bool, tol: dict[str, float]) -> int:
-    """Every parameter (or gradient) of ``model`` (the wrapped one, named as ``ref``'s)
-    equals this rank's part of ``ref``'s; a parameter the batch does not reach (CLIP's
-    unused post-layernorm, a frozen base weight) has no gradient in either. Replicated
-    ones are identical on every rank."""
-    ref_params, checked = dict(ref.named_parameters()), 0
-    for name, p in model.named_parameters():
-        full = ref_params[name].grad if grads else ref_params[name].detach()
-        mine = p.grad if grads else p.detach()
-        if full is None or mine is None:
-            assert full is None and mine is None, f"{name}: gradient on one side only"
-            continue
-        module = model.get_submodule(name.rpartition(".")[0])
-        torch.testing.assert_close(mine, expected_local(module, name.rpartition(".")[2], full),
-                                   **tol, msg=lambda m, n=name: f"{n}: {m}")
-        if not torchtp.layouts_of(module):
-            first = mine.detach().clone()
-            dist.broadcast(first, src=0)
-            assert torch.equal(first, mine), f"replicated {name} differs across ranks"
-        checked += 1
-    return checked
-
-
 def check_vlms(rank: int, world_size: int, archs: list[str],
                lora_arch: str) -> dict[str, dict[str, Any]]:
     """Per architecture: logits, every gradient, the parameters after one SGD step, the
@@ -148,8 +124,8 @@ def _train_step(ref: nn.Module, wrapped: nn.Module, batch: dict[str, torch.Tenso
     for out, opt in zip(logits, opts, strict=True):
         out.square().mean().backward()  # reaches every logit, image positions included
         opt.step()
-    grads = _compare(named, ref, True, tol)
-    _compare(named, ref, False, tol)
+    grads = compare_params(wrapped, ref, True, tol, named=named, unused_ok=True)
+    compare_params(wrapped, ref, False, tol, named=named)
     torch.testing.assert_close(run(**batch).logits, ref(**batch).logits, **tol)
     mine = sum(p.numel() for p in wrapped.base_model.parameters())
     return {"grads": grads, "share": mine / sum(p.numel() for p in ref.parameters()),

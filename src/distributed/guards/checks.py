@@ -15,6 +15,7 @@ fingerprints, rng); nothing that runs per call.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -42,22 +43,12 @@ def refuse_wrapped(model: nn.Module, wrapper_type: type) -> None:
     if isinstance(model, DistributedDataParallel):
         raise ValueError("model is a DistributedDataParallel: wrap the model first, then build "
                          "DDP around the DistributedModelWrapper (see docs/training.md)")
+    tp_size = _transformers_tp_size()
     for name, mod in model.named_modules():
         if isinstance(mod, (RowParallelLinear, ColumnParallelLinear)):
             raise ValueError(f"model is already tensor-parallel: '{name}' is a "
                              f"{type(mod).__name__}; wrap the original model once")
-    _refuse_transformers_tp(model)
-    _refuse_dtensors(model)
-
-
-def _refuse_transformers_tp(model: nn.Module) -> None:
-    """Raise when transformers' own tensor parallelism sharded a module of ``model``."""
-    if "transformers" not in sys.modules:  # no HF model without it; hf stays unloaded
-        return
-    from ..hf.compat import transformers_tp_size
-
-    for name, mod in model.named_modules():
-        size = transformers_tp_size(mod)
+        size = tp_size(mod)
         if size > 1:
             raise ValueError(
                 f"model is already sharded: {name or type(mod).__name__!r} was loaded with "
@@ -66,6 +57,16 @@ def _refuse_transformers_tp(model: nn.Module) -> None:
                 "DistributedModelWrapper cuts the full weights itself: load it without tp_plan "
                 "and wrap it, or load it with DistributedModelWrapper.from_pretrained(path), "
                 "which reads only this rank's shard")
+    _refuse_dtensors(model)
+
+
+def _transformers_tp_size() -> Callable[[nn.Module], int]:
+    """Over how many ranks transformers' own tensor parallelism split a module (1: not)."""
+    if "transformers" not in sys.modules:  # no HF model without it; hf stays unloaded
+        return lambda _module: 1
+    from ..hf.compat import transformers_tp_size
+
+    return transformers_tp_size
 
 
 def _refuse_dtensors(model: nn.Module) -> None:
