@@ -76,8 +76,9 @@ compat: $(COMPAT_OLD) compat-new-venv $(COMPAT_SHIM)/torchtp
 # Every causal-LM type of the installed transformers, tiny, at tp 2 against one process
 # (a line per type; about 6 minutes). ZOO_PY=.venv-compat-new/bin/python for the newest.
 ZOO_PY ?= $(PY)
+ZOO_TP ?= 2
 zoo: $(STAMP) $(COMPAT_SHIM)/torchtp
-	PYTHONPATH=$(CURDIR)/$(COMPAT_SHIM) $(ZOO_PY) tests/distributed/hf_zoo.py
+	PYTHONPATH=$(CURDIR)/$(COMPAT_SHIM) $(ZOO_PY) tests/distributed/hf_zoo.py --tp $(ZOO_TP)
 
 test-all: lint
 	$(PY) -m pytest tests -q -p no:cacheprovider

@@ -228,18 +228,32 @@ def _state_space_configs(tf: object) -> dict:
         "bamba": lambda: tf.BambaConfig(**hybrid, mamba_n_heads=16, mamba_d_head=8,
                                         mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
                                         attn_layer_indices=[1]),
-        "nemotron_h": lambda: tf.NemotronHConfig(
+        # transformers before 5.24 names the layer kinds "mamba" and "attention" (and
+        # NemotronH has no plain MLP layer kind there).
+        "nemotron_h": lambda: _layer_kinds(
+            tf.NemotronHConfig, "layers_block_type",
+            ["linear_attention", "mlp", "full_attention", "mlp"], ["mamba", "attention"] * 2,
             **{**hybrid, "num_hidden_layers": 4}, mamba_num_heads=16, mamba_head_dim=8,
-            n_groups=2, ssm_state_size=8, chunk_size=4,
-            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"]),
-        "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(
-            **hybrid, mamba_n_heads=16, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8,
-            mamba_chunk_size=4, layer_types=["linear_attention", "full_attention"],
-            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64),
+            n_groups=2, ssm_state_size=8, chunk_size=4),
+        "granitemoehybrid": lambda: _layer_kinds(
+            tf.GraniteMoeHybridConfig, "layer_types", ["linear_attention", "full_attention"],
+            ["mamba", "attention"], **hybrid, mamba_n_heads=16, mamba_d_head=8,
+            mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4, num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=64),
         "falcon_h1-uneven": lambda: tf.FalconH1Config(**falcon, vocab_size=97, hidden_size=40,
                                                       intermediate_size=98, mamba_n_heads=10,
                                                       mamba_n_groups=1, mamba_d_ssm=80),
     }
+
+
+def _layer_kinds(config_class: type, field: str, kinds: list[str], older: list[str],
+                 **sizes: object) -> object:
+    """``config_class(**sizes)`` with its layer kinds under today's names, or the names of
+    the transformers releases before 5.24 (``older``) where those are refused."""
+    try:
+        return config_class(**sizes, **{field: kinds})
+    except ValueError:
+        return config_class(**sizes, **{field: older})
 
 
 UNEVEN_VOCAB = 97

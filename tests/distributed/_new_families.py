@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import torchtp
+from torchtp.plans.heads import ssm_geometry
 
 from ._hf_checks import check_arch, compare_params
 from ._hf_models import build
@@ -155,9 +156,9 @@ def check_mixers(rank: int, world_size: int, archs: list[str]) -> dict[str, dict
     for arch in archs:
         wrapped = torchtp.DistributedModelWrapper(build(arch))
         plan = wrapped.resolved_plan
-        mixers = [n for n in plan.checks  # the mixers themselves (their parts have no verdict)
-                  if getattr(plan.assignments.get(n), "name", "") == "ssm_heads"]
         full = dict(build(arch).named_modules())
+        # the mixers themselves (their parts have no verdict), split or kept whole
+        mixers = [n for n in plan.checks if ssm_geometry(full[n]) is not None]
         mine = dict(wrapped.base_model.named_modules())
         held = sum(p.numel() for n in mixers for p in mine[n].parameters())
         out[arch].update(

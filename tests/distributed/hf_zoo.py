@@ -1,4 +1,4 @@
-"""Sweep every causal-LM type the installed transformers knows, at tp 2, against one process.
+"""Sweep every causal-LM type the installed transformers knows, at tp 2 (or 3, 4), against one process.
 
 A tool for new releases (``make zoo``, docs/compat.md), not part of ``make test``:
 each model type's config class is built with its defaults shrunk to tiny sizes
@@ -6,7 +6,7 @@ each model type's config class is built with its defaults shrunk to tiny sizes
 experts; a type whose tiny
 config cannot be built, is still over :data:`MAX_PARAMETERS` or whose unsharded
 forward fails is skipped (reported as such). Every other one is wrapped
-(``plan=None``) on two Gloo ranks and compared: logits, then every gradient of
+(``plan=None``) on two Gloo ranks (``--tp N``: N) and compared: logits, then every gradient of
 ``logits.square().mean()``. Each line of the output is one type's verdict:
 
 * ``ok``: exact (share of parameters on rank 0, layers split);
@@ -18,6 +18,7 @@ forward fails is skipped (reported as such). Every other one is wrapped
 
     python tests/distributed/hf_zoo.py                 # every type, 15 per launch
     python tests/distributed/hf_zoo.py llama4_text     # some types
+    python tests/distributed/hf_zoo.py --tp 3          # at tp 3 (uneven shares)
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ SHRINK = {"vocab_size": 96, "hidden_size": 32, "d_model": 32, "n_embd": 32,
           "layer_types": None, "sliding_window": 16, "first_k_dense_replace": 0,
           "num_nextn_predict_layers": 0, "decoder_start_token_id": 1}
 MAX_PARAMETERS = 3_000_000  # after shrinking; larger means a size field SHRINK misses
-BATCH = 15  # types per two-rank launch
+BATCH = 15  # types per launch
 
 
 def build(model_type: str) -> torch.nn.Module:
@@ -127,7 +128,7 @@ def verdicts(rank: int, world_size: int, types: list[str]) -> dict[str, Any]:
     return out
 
 
-def main(types: list[str]) -> None:
+def main(types: list[str], tp: int = 2) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     types = types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -135,12 +136,13 @@ def main(types: list[str]) -> None:
         part = types[i:i + BATCH]
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                ranks = run_ranks(verdicts, 2, part, tmp_path=Path(tmp), timeout=900,
+                ranks = run_ranks(verdicts, tp, part, tmp_path=Path(tmp), timeout=900,
                                   gloo_timeout=60)
                 found = ranks[0]
-                for t in part:  # both ranks must reach the same verdict
-                    if ranks[1][t][0] != found[t][0]:
-                        found[t] = ("RANKS-DIFFER", f"{found[t]} / {ranks[1][t]}", 0.0)
+                for t in part:  # every rank must reach the same verdict
+                    others = [r[t] for r in ranks[1:] if r[t][0] != found[t][0]]
+                    if others:
+                        found[t] = ("RANKS-DIFFER", f"{found[t]} / {others[0]}", 0.0)
             except Exception as err:
                 found = {t: ("launch-failed", str(err)[-300:], 0.0) for t in part}
         for t in part:
@@ -148,4 +150,8 @@ def main(types: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    tp = 2
+    if args[:1] == ["--tp"]:
+        tp, args = int(args[1]), args[2:]
+    main(args, tp)

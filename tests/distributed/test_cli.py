@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 from torchtp.cli import SUBCOMMANDS, main
+from torchtp.hf.compat import LAZY_STATE_CACHES
 
 from ._hf_models import NEEDS_MAMBA_TORCH_PATH
 
@@ -162,8 +164,10 @@ def test_plan_a_mamba2_config_splits_its_mixers(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "plan", str(tmp_path), "--tp", "2", "--json")
     report = json.loads(out)
     assert code == 0 and report["model_type"] == "mamba2"
-    # out_proj and the gated norm (one group shared by both ranks) in each of 2 layers
-    assert report["collectives_per_forward"] == {"all_reduce": 2 * 2}
+    # out_proj and the gated norm (one group shared by both ranks) in each of 2 layers; the
+    # mixers stay whole before transformers 5.5 (its cache holds their states whole).
+    split = Version(transformers.__version__) >= Version(LAZY_STATE_CACHES)
+    assert report["collectives_per_forward"] == ({"all_reduce": 2 * 2} if split else {})
 
 
 def test_plan_builtin_phi3_avoids_per_layer_all_gathers(capsys, tmp_path):

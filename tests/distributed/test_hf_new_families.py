@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 import torchtp
+from torchtp.hf.compat import LAZY_STATE_CACHES
 
 from ._hf_models import NEEDS_MAMBA_TORCH_PATH, build
 from ._new_families import (
@@ -86,13 +89,17 @@ def test_latent_attention_split_by_heads(ranks, tp):
 def test_hybrid_moe_models_run_at_tp3_under_grouped_mm(ranks):
     # Qwen3-Next and Jamba with 32 expert features: 12/12/8 at tp 3 (16-byte blocks), which
     # transformers' default grouped_mm accepts (11/11/10 raised "strides should be multiple
-    # of 16 bytes"). Their gated delta-net and Mamba mixers are split too
-    # (test_state_space_mixers_split_by_heads). Nemotron-H's experts have no gate (up_proj
+    # of 16 bytes"). Their gated delta-net and Mamba mixers are split too (Mamba's from
+    # transformers 5.5; test_state_space_mixers_split_by_heads). Nemotron-H's experts have no gate (up_proj
     # only, refused as "not split yet" before 2026-12-07): split the same way.
     shapes = ranks(check_hybrid, 3, ["qwen3_next", "jamba", "nemotron_h"], timeout=600,
                    gloo_timeout=120)
+    # transformers 5.3's NemotronH has no tp plan, and torchtp's automatic plan pairs
+    # Linears, not 3-D experts: its experts stay whole there (exact all the same).
+    planned = getattr(transformers.NemotronHConfig, "base_model_tp_plan", None)
     for arch in ("qwen3_next", "jamba", "nemotron_h"):
-        assert [s[arch][-1] for s in shapes] == [12, 12, 8], (arch, shapes)
+        want = [32] * 3 if arch == "nemotron_h" and not planned else [12, 12, 8]
+        assert [s[arch][-1] for s in shapes] == want, (arch, shapes)
 
 
 def test_the_kin_of_olmo2_split_their_norms_too(ranks):
@@ -105,6 +112,7 @@ def test_the_kin_of_olmo2_split_their_norms_too(ranks):
 
 SSM = ["mamba2", "mamba2-uneven", "falcon_h1", "falcon_h1-uneven", "mamba-uneven", "jamba",
        "qwen3_next", "qwen3_next-uneven", "bamba", "nemotron_h", "granitemoehybrid"]
+PREALLOCATED_STATES = Version(transformers.__version__) < Version(LAZY_STATE_CACHES)
 GATED_NORMS = {"mamba2", "mamba2-uneven", "falcon_h1", "bamba", "nemotron_h", "granitemoehybrid"}
 
 
@@ -119,11 +127,21 @@ def test_state_space_mixers_split_by_heads(ranks, tp):
     # delta-net by key heads with their value heads (2 key heads with 3 value heads each: at
     # tp 3 and 4 a key head's q/k is replicated on two ranks, its value heads split). The
     # Mamba-2 mixers of Bamba, NemotronH and GraniteMoeHybrid by the same rule.
+    # On transformers before 5.5, whose cache holds Mamba-style states at the full width,
+    # those mixers stay whole (the delta-net's cache takes what it is given) and the model
+    # is exact all the same, generation included.
     results = ranks(check_mixers, tp, SSM, timeout=900, gloo_timeout=120)
     for arch in SSM:
         got = results[0][arch]
-        assert got["verdicts"] and set(got["verdicts"].values()) == {"confirmed"}, got["verdicts"]
         assert got["generated"] == 6, arch
+        if not arch.startswith("qwen3_next") and PREALLOCATED_STATES:
+            assert got["verdicts"] and all(
+                v.startswith(f"kept replicated: transformers {transformers.__version__} "
+                             "allocates the cache's conv and SSM states at the full width")
+                for v in got["verdicts"].values()), got["verdicts"]
+            assert got["mixer_share"] == 1.0, (arch, got["mixer_share"])
+            continue
+        assert got["verdicts"] and set(got["verdicts"].values()) == {"confirmed"}, got["verdicts"]
         assert ("ssm_gated_norm" in got["describe"]) == (arch in GATED_NORMS), arch
         if tp == 2:
             # The mixers' own parameters: half per rank, plus what every rank keeps whole
@@ -186,6 +204,8 @@ def test_split_mixers_load_and_save_checkpoints(ranks, tmp_path):
 
 
 @NEEDS_MAMBA_TORCH_PATH
+@pytest.mark.skipif(PREALLOCATED_STATES, reason="Mamba mixers stay whole before transformers "
+                    "5.5: no split x_proj to refuse LoRA on")
 def test_lora_on_a_split_mamba_x_proj_is_refused_on_every_rank(ranks):
     for msg in ranks(check_lora_on_x_proj_refused, 2, timeout=300):
         assert "LoRA adapters on a 'partial_grad_output' layer (ColumnParallelLinear, a " \

@@ -46,6 +46,33 @@ def require_supported_transformers(transformers: Any) -> None:
             f"'transformers>={MIN_TRANSFORMERS}'")
 
 
+# The release from which transformers allocates a Mamba-style mixer's conv and SSM
+# states from the first states it stores. Before it (5.3, 5.4) MambaCache,
+# Mamba2Cache, HybridMambaAttentionDynamicCache and their kin allocate them at the
+# full width from the config, and Jamba's and Mamba's forwards read them back: a
+# split mixer's states do not fit. 5.4's modeling files still define these caches and
+# 5.5's no longer do (read in the released wheels); 5.3 is run by make compat.
+LAZY_STATE_CACHES = "5.5.0"
+
+
+def preallocated_state_cache(module: nn.Module) -> str | None:
+    """Why ``module`` (a transformers Mamba-style mixer) cannot run split here, or ``None``.
+
+    Checked: transformers 5.3.0 (preallocated), 5.24.0, 5.25.0 (lazy).
+    """
+    if not type(module).__module__.startswith("transformers."):
+        return None
+    import transformers
+    from packaging.version import Version
+
+    found = str(transformers.__version__)
+    if Version(found) >= Version(LAZY_STATE_CACHES):
+        return None
+    return (f"transformers {found} allocates the cache's conv and SSM states at the full "
+            f"width from the config (before {LAZY_STATE_CACHES}), so a split mixer's states "
+            f"would not fit; pip install 'transformers>={LAZY_STATE_CACHES}' to split it")
+
+
 def dummy_inputs(model: nn.Module) -> dict[str, Any] | None:
     """``PreTrainedModel.dummy_inputs`` (undocumented): tiny inputs the model accepts, or ``None``.
 

@@ -27,7 +27,12 @@ from .builtin import (
     heads_kept_local,
     latent_attention_plan,
 )
-from .compat import expert_parallel_forward, experts_flags, mark_expert_parallel
+from .compat import (
+    expert_parallel_forward,
+    experts_flags,
+    mark_expert_parallel,
+    preallocated_state_cache,
+)
 from .config_view import is_local_config, local_config
 from .detect import is_hf_model, text_config
 from .peft_host import hf_model_inside
@@ -121,3 +126,7 @@ class HuggingFace:
             return None
         return ExpertsLayout(**flags, mark_parallel=mark_expert_parallel,
                              parallel_forward=expert_parallel_forward)
+
+    def mixer_limit(self, module: nn.Module) -> str | None:
+        """Why transformers' cache cannot hold a split Mamba-style mixer's states, if so."""
+        return preallocated_state_cache(module)

@@ -6,8 +6,9 @@ geometry, styles. What only a family of models knows comes from a
 HuggingFace (``torchtp.hf``) the model's own ``tp_plan``, torchtp's built-in
 plans per architecture, the model's dummy inputs for the probe forward, the
 text config that holds head counts, the one-layer copy the plan verification
-probes, the HF model inside a PEFT model, and the per-module config copy of
-an attention module whose heads are split.
+probes, the HF model inside a PEFT model, the per-module config copy of
+an attention module whose heads are split, the layout of its experts modules,
+and whether the installed release can run a state-space mixer split.
 
 Registration does not depend on import order: before answering about a
 model (or module), :func:`_load_for` imports the HuggingFace plug-in by name
@@ -78,6 +79,9 @@ class ModelFamily(Protocol):
 
     def experts_layout(self, module: nn.Module) -> ExpertsLayout | None:
         """How an experts module of this family stores its experts (``None``: not one)."""
+
+    def mixer_limit(self, module: nn.Module) -> str | None:
+        """Why the installed library cannot run this Mamba-style mixer split, or ``None``."""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -160,6 +164,12 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     """The layout of ``module`` if a family knows it as an experts module."""
     _load_for(module)
     return next((lay for f in _FAMILIES.values() if (lay := f.experts_layout(module))), None)
+
+
+def mixer_limit(module: nn.Module) -> str | None:
+    """Why a family's library cannot run the Mamba-style mixer ``module`` split, if it cannot."""
+    _load_for(module)
+    return next((why for f in _FAMILIES.values() if (why := f.mixer_limit(module))), None)
 
 
 def _load_for(obj: nn.Module) -> None:

@@ -19,7 +19,8 @@ by the one head-boundary rule:
 :func:`split_mixers` gives each part its style
 (:mod:`torchtp.plans.styles_state_space`). The cache's conv and recurrent
 states take the local shapes by themselves (transformers allocates them from
-the first tensors it stores). Every split is confirmed by
+the first tensors it stores; before 5.5 it allocated a Mamba-style mixer's from
+the config, and those mixers stay whole there: the family's ``mixer_limit``). Every split is confirmed by
 :func:`~torchtp.plans.state_space_probe.probe_mixer` before anything is cut;
 one that is not stays replicated with the reason in ``describe_plan()`` (a
 user's plan is refused).
@@ -34,7 +35,7 @@ from torch import nn
 
 from .heads import INDEX, ssm_geometry
 from .resolved import ResolvedPlan, is_user_plan
-from .sources import family_of
+from .sources import family_of, mixer_limit
 from .state_space_probe import probe_mixer
 from .styles import ParallelStyle, Replicate, ReplicatedWithGradAllreduce, ShardContext
 from .styles_heads import HeadColumns, HeadSplit
@@ -69,6 +70,9 @@ def _unsupported(module: nn.Module, geometry: Geometry | None) -> str | None:
                 "(mamba_split_conv1d_scan_combined, mamba_inner_fn) would compute the norm and "
                 "out_proj of every rank's heads inside one call, past the all-reduce a split "
                 "needs")
+    limit = mixer_limit(module)
+    if limit is not None:
+        return limit
     if getattr(getattr(module, "config", None), "quantization_config", None) is not None:
         return ("the model is quantized: its mixer then calls dt_proj as a module, which a "
                 "channel split of x_proj's gradient would count twice")
