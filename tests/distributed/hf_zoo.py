@@ -12,7 +12,9 @@ forward fails is skipped (reported as such). Every other one is wrapped
 * ``ok``: exact (share of parameters on rank 0, layers split);
 * ``MISMATCH``: logits or gradients differ beyond float32 rounding (rtol 1e-5:
   some models compute norms or routers in float32 whatever their dtype) -- the
-  silent kind of bug this sweep exists to find;
+  silent kind of bug this sweep exists to find; ``GEN-MISMATCH``: four greedy
+  tokens generated with the cache differ (``gen-error``: the wrapped generate
+  raised where the unwrapped one ran);
 * ``refused`` / ``fwd-error``: the wrap or the forward raised (read the message);
 * ``skip``: not a verdict on torchtp.
 
@@ -111,9 +113,31 @@ def verdict(model_type: str) -> tuple[str, str]:
             bad.append(name)
     if bad:
         return "MISMATCH", ", ".join(bad[:5])
+    kind, generated = generation(ref, wrapped, ids)
+    if kind != "ok":
+        return kind, generated
     share = sum(p.numel() for p in wrapped.base_model.parameters()) / sum(
         p.numel() for p in ref.parameters())
-    return "ok", f"{share:.2f} of the parameters, {len(wrapped.parallelized_layers)} layers split"
+    return "ok", (f"{share:.2f} of the parameters, {len(wrapped.parallelized_layers)} layers "
+                  f"split, {generated}")
+
+
+def generation(ref: torch.nn.Module, wrapped: Any, ids: torch.Tensor) -> tuple[str, str]:
+    """Greedy generation with the cache, 4 tokens, against one process's (float64: no
+    argmax flips): ``("ok", what ran)`` when equal or when the unwrapped model cannot
+    generate, else the verdict."""
+    with torch.no_grad():
+        try:
+            want = ref.generate(input_ids=ids[:1], max_new_tokens=4, do_sample=False)
+        except Exception as err:  # a model (or config) generate does not serve: not torchtp's
+            return "ok", f"no generate ({type(err).__name__} unwrapped)"
+        try:
+            got = wrapped.generate(input_ids=ids[:1], max_new_tokens=4, do_sample=False)
+        except Exception as err:
+            return "gen-error", f"{type(err).__name__}: {str(err)[:300]}"
+    if not torch.equal(got, want):
+        return "GEN-MISMATCH", f"{got.tolist()} != {want.tolist()}"
+    return "ok", "generate equal"
 
 
 def verdicts(rank: int, world_size: int, types: list[str]) -> dict[str, Any]:
