@@ -118,6 +118,9 @@ def _more_configs(tf: object) -> dict:
         # xIELU activation between up_proj and down_proj, with learnable scalars read
         # inside the MLP's split region: their gradients need summing too.
         "apertus": lambda: tf.ApertusConfig(**c, num_key_value_heads=4),
+        # Attention sinks (one learnable value per head) its HF plan cuts with the heads
+        # ('local_params'); new in transformers 5.24.
+        "granite_swa": lambda: tf.GraniteSWAConfig(**c, num_key_value_heads=4),
         "bart": lambda: tf.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2,
                                       decoder_layers=2, encoder_attention_heads=8,
                                       decoder_attention_heads=8, encoder_ffn_dim=128,
@@ -268,7 +271,8 @@ SEQ2SEQ = {"t5", "bart"}
 MASKED = {"bert", "roberta", "distilbert", "electra"}
 
 
-GENERATES = {"llama4", "llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "opt",
+GENERATES = {"granite_swa", "llama4", "llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3",
+             "gpt_neox", "gpt2", "opt",
              "gemma", "gpt_bigcode", "gemma2", "starcoder2", "olmo", "olmo2", "granite", "cohere",
              "phi", "stablelm", "mistral-mqa", "llama-bias", "falcon", "falcon-new", "gptj",
              "codegen", "bloom", "mpt", "t5", "bart", "llama-uneven", "qwen2-uneven",

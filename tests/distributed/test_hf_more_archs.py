@@ -4,6 +4,8 @@ grads, an SGD step, generation."""
 
 from __future__ import annotations
 
+import transformers
+
 from torchtp.hf.builtin import HEAD_NORM_TYPES
 
 from ._hf_checks import check_archs
@@ -19,6 +21,8 @@ SOURCES = {
     "stablelm": "auto", "codegen": "auto", "bloom": "auto", "mpt": "auto", "distilbert": "auto",
     "t5": "torchtp built-in", "bart": "auto", "llama4": "HF plan",
 }
+if hasattr(transformers, "GraniteSWAConfig"):  # new in 5.24 (make compat runs 5.3 too)
+    SOURCES["granite_swa"] = "HF plan"
 # Parallel-residual layers (x + attention(x) + mlp(x)): the automatic plan sums both
 # branches' partial outputs once per layer (reduce_residual), which no HF or built-in
 # plan does, so it wins whatever plan transformers ships. Falcon's fused

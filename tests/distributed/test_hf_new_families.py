@@ -176,11 +176,12 @@ def test_ssm_heads_on_a_module_that_is_no_mixer_is_refused():
         torchtp.DistributedModelWrapper(model, plan={"0": "ssm_heads"})
 
 
-def test_split_mixers_load_and_save_checkpoints(ranks, tmp_path):
+def test_split_mixers_and_sinks_load_and_save_checkpoints(ranks, tmp_path):
     # from_pretrained builds on the meta device (the mixers probed on the family's CPU copy)
     # and loads each rank's cut; save_sharded round-trips; save_pretrained writes the full
     # tensors plain transformers loads. tp 3: a Mamba-2 group and a delta-net key head
-    # replicated on two ranks, Mamba channels 27/27/26.
+    # replicated on two ranks, Mamba channels 27/27/26; Granite-SWA's attention sinks cut
+    # with its heads (local_params: whole KV groups, 4/2/2 of 8 heads).
     import os
 
     import transformers
@@ -189,6 +190,7 @@ def test_split_mixers_load_and_save_checkpoints(ranks, tmp_path):
     from ._hf_models import build
 
     archs = ["mamba2-uneven", "mamba-uneven", "qwen3_next-uneven", "falcon_h1"]
+    archs += ["granite_swa"] if hasattr(transformers, "GraniteSWAConfig") else []
     dirs = {a: str(tmp_path / "hf-in" / a) for a in archs}
     for arch in archs:
         build(arch).save_pretrained(dirs[arch])

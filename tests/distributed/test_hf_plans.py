@@ -180,30 +180,53 @@ def test_unknown_and_moe_styles_are_refused_not_replicated():
                                         plan={"model.layers.*.mlp.experts": "grouped_gemm"})
 
 
-@pytest.mark.skipif(not hasattr(__import__("transformers"), "GraniteSWAConfig"),
-                    reason="Granite-SWA is new in transformers 5.24 (make test runs it)")
-def test_a_model_plan_with_a_style_torchtp_cannot_honour_gives_way_to_another_candidate():
-    # Granite-SWA's HF plan names 'local_params' (attention sinks as bare sharded
-    # parameters): every wrap used to raise. The next candidate wins, and the note says
-    # why. The same rules passed by the user are still refused (the probe finds that their
-    # head split cannot run with the sinks whole).
+def _granite_swa() -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(tf.GraniteSWAConfig(
+    return tf.AutoModelForCausalLM.from_config(tf.GraniteSWAConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         bos_token_id=1, eos_token_id=2))
+
+
+@pytest.mark.skipif(not hasattr(__import__("transformers"), "GraniteSWAConfig"),
+                    reason="Granite-SWA is new in transformers 5.24 (make test runs it)")
+def test_a_model_plan_with_a_style_torchtp_cannot_honour_gives_way_to_another_candidate():
+    # A model plan naming 'all_reduce' (Inkling's): every wrap used to raise. The next
+    # candidate wins, and the note says why. The same rules passed by the user are still
+    # refused.
+    model = _granite_swa()
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp": "all_reduce"}
     hf_rules = dict(model.tp_plan)
     wrapped = torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
     assert not wrapped.resolved_plan.source.startswith("HF plan")
-    assert re.search(r"note: HF plan \(.*\) not used: plan style 'local_params' for module "
-                     r"'model\.layers\.0\.self_attn' \(GraniteSWAAttention\) is not supported "
+    assert re.search(r"note: HF plan \(.*\) not used: plan style 'all_reduce' for module "
+                     r"'model\.layers\.0\.mlp' \(GraniteSWAMLP\) is not supported "
                      r"by torchtp.*; .* chosen instead", wrapped.describe_plan())
-    with pytest.raises(ValueError, match=r"plan \(argument\): attention 'model\.layers\.0\."
-                       r"self_attn' \(GraniteSWAAttention.* does not reproduce each rank's"):
-        torchtp.DistributedModelWrapper(tf.AutoModelForCausalLM.from_config(model.config),
-                                        world_size=2, rank=0, plan=hf_rules)
+    with pytest.raises(ValueError, match=r"plan style 'all_reduce' for module "
+                       r"'model\.layers\.0\.mlp' \(GraniteSWAMLP\) is not supported"):
+        torchtp.DistributedModelWrapper(_granite_swa(), world_size=2, rank=0, plan=hf_rules)
+
+
+@pytest.mark.skipif(not hasattr(__import__("transformers"), "GraniteSWAConfig"),
+                    reason="Granite-SWA is new in transformers 5.24 (make test runs it)")
+def test_attention_sinks_are_cut_with_the_heads():
+    # Granite-SWA's own plan: q/k/v/o by whole heads, 'self_attn.sinks': 'colwise' and
+    # 'self_attn': 'local_params' (HF's bare parameter sharded with the heads). Refused
+    # before 2026-12-07, then given way to the automatic plan, which kept the attention
+    # whole for its sinks. Each rank keeps its heads' sinks: 2 of 4 at tp 2; at tp 3 ranks 0
+    # and 1 share KV head 0 and hold one query head each, rank 2 holds KV head 1's two.
+    for tp, held in ((2, [2, 2]), (3, [1, 1, 2])):
+        plans = [torchtp.DistributedModelWrapper(_granite_swa(), world_size=tp, rank=r)
+                 for r in range(tp)]
+        assert all(p.resolved_plan.source.startswith("HF plan") for p in plans)
+        text = plans[0].describe_plan()
+        assert "rule 'model.layers.*.self_attn.sinks' (colwise) is planned by " \
+               "'model.layers.*.self_attn' (local_params)" in text
+        assert "matched no module" not in text
+        layouts = [torchtp.layouts_of(p.base_model.model.layers[0].self_attn) for p in plans]
+        assert [lay["sinks"].local_shape[0] for lay in layouts] == held, layouts
 
 
 def test_tied_weights_split_two_ways_are_refused():

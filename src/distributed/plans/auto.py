@@ -55,6 +55,7 @@ from .late_reduce import late_reduces
 from .linear_view import linear_view
 from .resolved import Rules
 from .styles import Colwise, ParallelStyle, ReplicatedWithGradAllreduce, Rowwise, ShardContext
+from .styles_head_params import HeadParams, head_parameters, local_head_parameters
 from .styles_heads import HeadColumns, HeadNorm, HeadSplit, norm_epsilon
 
 SOURCE = "auto: dataflow pairs (any model)"
@@ -79,6 +80,8 @@ class Pair:
     info: HeadInfo | None = None
     how: str = "feature-wise ops only"
     norms: tuple[str, ...] = ()  # per-head_dim norms on the way (Qwen3's q_norm/k_norm)
+    # The attention module's own per-head parameters on the way (GPT-OSS's sinks).
+    params: tuple[str, ...] = ()
     # Norms over all heads on the way (OLMo-2's q_norm/k_norm): name -> (style, producer).
     head_norms: Mapping[str, tuple[HeadNorm, str]] = dataclasses.field(default_factory=dict)
 
@@ -172,6 +175,10 @@ def _take(pair: Pair, styles: dict[str, ParallelStyle | str], rules: Rules) -> N
     if pair.attention is not None and pair.info is not None:
         assert rules.heads is not None
         rules.heads[pair.attention] = pair.info
+        if pair.params:
+            styles[pair.attention] = HeadParams(pair.info)
+            rules.why[pair.attention] = (f"local_params: its per-head parameters "
+                                         f"{list(pair.params)} keep this rank's heads")
 
 
 def _probe(model: nn.Module, example_inputs: object, notes: list[str]) -> Trace | None:
@@ -283,14 +290,16 @@ def _candidates(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], t
         if any(n in taken or len(trace.calls[n]) != 1 or id(linears[n]) in tied for n in group):
             continue
         norms = _head_dim_norms(model, region, producers, b, config)
+        params = _head_params(model, region, producers, b, config)
         problem = _region_problem(trace, b, region, producers, norms is not None)
         if problem:
             notes.append(f"'{b}' not paired with {producers}: {problem}")
             _block_attention(model, group, problem, blocked, notes)
             continue
         alts = _alternatives(model, b, producers, linears, ctx, config)
-        if norms:  # only whole heads keep a head_dim norm's input whole
-            alts = [dataclasses.replace(p, norms=norms) for p in alts if p.attention is not None]
+        if norms or params:  # only whole heads keep a head_dim norm's input whole
+            alts = [dataclasses.replace(p, norms=norms or (), params=params) for p in alts
+                    if p.attention is not None]
         if alts:
             out.append(alts)
             taken.update(group)
@@ -333,10 +342,13 @@ def _head_dim_norms(model: nn.Module, region: Region, producers: list[str], b: s
     width = linear_view(model.get_submodule(b)).in_features  # type: ignore[union-attr]
     info = head_info(attention, config if config is not None
                      else SimpleNamespace(hidden_size=width))
+    if info is None or len(region.tensors) != len(region.leaves):
+        return None
     owners = {id(p): name for name, m in attention.named_modules()
               if name and linear_view(m) is None for p in m.parameters(recurse=False)}
-    names = {owners.get(id(t)) for t in region.tensors}
-    if info is None or None in names or len(region.tensors) != len(region.leaves):
+    own = {id(getattr(attention, n)) for n in head_parameters(attention, info)}  # sinks
+    names = {owners.get(id(t)) for t in region.tensors if id(t) not in own}
+    if None in names:
         return None
     for name in names:
         params = list(attention.get_submodule(str(name)).parameters(recurse=False))
@@ -344,6 +356,21 @@ def _head_dim_norms(model: nn.Module, region: Region, producers: list[str], b: s
             return None
     lead = f"{owner}." if owner else ""
     return tuple(sorted(f"{lead}{n}" for n in names))
+
+
+def _head_params(model: nn.Module, region: Region, producers: list[str], b: str,
+                 config: object) -> tuple[str, ...]:
+    """The attention module's own per-head parameters the region reads (GPT-OSS's sinks)."""
+    owner = _attention_owner(model, producers, b) if region.leaves else None
+    if owner is None:
+        return ()
+    attention = model.get_submodule(owner) if owner else model
+    width = linear_view(model.get_submodule(b)).in_features  # type: ignore[union-attr]
+    info = head_info(attention, config if config is not None
+                     else SimpleNamespace(hidden_size=width))
+    read = {id(t) for t in region.tensors}
+    return tuple(n for n in (head_parameters(attention, info) if info else [])
+                 if id(getattr(attention, n)) in read)
 
 
 def _region_problem(trace: Trace, b: str, region: Region, producers: list[str],
@@ -507,6 +534,8 @@ def _local_run(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardCont
                 module = model.get_submodule(pair.attention)
                 for attr, value in local_overrides(module, pair.info, ctx).items():
                     override(module, attr, value)
+                for attr, value in local_head_parameters(module, pair.info, ctx).items():
+                    override(module, attr, value)  # (heads/tp,), shadowing the Parameter
                 hook = narrow_head_biases(module, pair.info, ctx)
                 hooks += [hook] if hook is not None else []
             for name, (norm, source) in pair.head_norms.items():

@@ -14,7 +14,9 @@ the output projection's input columns follow the same query heads
 lives (found by :func:`~torchtp.plans.head_boundaries.output_projection`).
 A norm over all of a projection's heads (OLMo-2's ``q_norm`` over
 ``q_proj``'s whole output) is split with it
-(:class:`~torchtp.plans.styles_heads.HeadNorm`). Every cut follows one rule,
+(:class:`~torchtp.plans.styles_heads.HeadNorm`), and so are the attention
+module's own per-head parameters (GPT-OSS's ``sinks``,
+:class:`~torchtp.plans.styles_head_params.HeadParams`). Every cut follows one rule,
 :func:`torchtp.core.layouts.head_share`. After the swap,
 :func:`torchtp.plans.attention_local.localize_attention` gives each module its
 local head counts.
@@ -31,6 +33,7 @@ from .linear_view import linear_view
 from .resolved import ResolvedPlan
 from .sources import head_config
 from .styles import Colwise, Rowwise
+from .styles_head_params import HeadParams, head_parameters
 from .styles_heads import (
     HeadColumns,
     HeadNorm,
@@ -75,10 +78,22 @@ def split_whole_heads(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInf
                           f"head_dim {info.head_dim})")
         found[parent_name] = info
         _head_norms(plan, modules, name, parts)
-    for parent_name in found:
+    for parent_name, info in found.items():
         _rope_key(plan, modules, parent_name)
+        cut_head_parameters(plan, modules[parent_name], parent_name, info)
     _head_columns(plan, modules, found)
     return found
+
+
+def cut_head_parameters(plan: ResolvedPlan, module: nn.Module, name: str, info: HeadInfo
+                        ) -> None:
+    """Give a head-split attention module with per-head parameters (``sinks``) the style
+    that cuts them with its heads (:class:`~torchtp.plans.styles_head_params.HeadParams`)."""
+    params = head_parameters(module, info)
+    if params:
+        plan.assignments[name] = HeadParams(info)
+        plan.why[name] = (f"local_params: its per-head parameters {params} keep this rank's "
+                          "heads, as its projections do")
 
 
 def _rope_key(plan: ResolvedPlan, modules: dict[str, nn.Module], attention: str) -> None:

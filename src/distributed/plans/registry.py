@@ -17,6 +17,7 @@ from .styles import (
     Unsupported,
 )
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
+from .styles_head_params import HeadParams
 from .styles_heads import HeadSplit, RopeKey
 from .styles_partial import (
     PartialGradOutput,
@@ -60,7 +61,7 @@ STYLES: dict[str, ParallelStyle] = {
     "mla_kv_a_proj": RopeKey(),
     "ssm_heads": SsmHeads(),
     "all_reduce": Unsupported("all_reduce", "partial-output modules are not implemented yet"),
-    "local_params": Unsupported("local_params", "bare sharded parameters are not implemented yet"),
+    "local_params": HeadParams(),
 }
 
 # Names users may pass that only exist for HF's internal bookkeeping are not listed:

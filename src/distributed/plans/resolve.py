@@ -261,4 +261,5 @@ def _covered_by(pattern: str, styles: Mapping[str, ParallelStyle]) -> str | None
     """The rule whose style plans the parameter ``pattern`` names, if one does."""
     parent, _, leaf = pattern.rpartition(".")
     style = styles.get(parent)
-    return parent if style is not None and leaf in style.covers else None
+    return parent if style is not None and any(fnmatch.fnmatchcase(leaf, c)
+                                               for c in style.covers) else None

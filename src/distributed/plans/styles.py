@@ -90,8 +90,8 @@ class ParallelStyle:
     """Base class: plan one module once, then apply the plan (keeps it whole by default)."""
 
     name: str = "style"
-    # Parameters of the module that the style plans itself: a plan's rules for
-    # them (HF names ``...experts.gate_up_proj``) are covered, not unmatched.
+    # Parameters of the module that the style plans itself (name patterns): a plan's
+    # rules for them (HF names ``...experts.gate_up_proj``) are covered, not unmatched.
     covers: tuple[str, ...] = ()
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:

@@ -55,6 +55,7 @@ from .linear_view import linear_view
 from .resolved import ResolvedPlan, is_user_plan
 from .sources import family_of, head_config
 from .styles import Colwise, ParallelStyle, Replicate, ReplicatedWithGradAllreduce, Rowwise, ShardContext
+from .styles_head_params import HeadParams
 from .styles_heads import HeadNorm, RopeKey
 
 CONFIRMED = "whole heads confirmed by the local probe"
@@ -493,6 +494,8 @@ def _consumer(probe: nn.Module, trace: Trace, plan: ResolvedPlan, producers: set
 def _replicate(plan: ResolvedPlan, attention: str, members: list[str], why: str) -> None:
     """Keep ``attention``'s split modules whole (per-head norms too) and say why."""
     plan.heads.pop(attention, None)
+    if isinstance(plan.assignments.get(attention), HeadParams):  # its sinks stay whole too
+        plan.assignments[attention] = HeadParams()
     for name in members:
         plan.assignments[name] = Replicate()
         plan.why[name] = f"kept replicated: attention '{attention}' {why}"
