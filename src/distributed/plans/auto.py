@@ -50,13 +50,28 @@ from ..core.layouts import cut
 from ..layers.shared_by_heads import rms_norm_of_shard
 from .attention_local import local_overrides, narrow_head_biases
 from .dataflow import Inputs, Region, Trace, differs, probe_mode, record
-from .heads import HeadInfo, head_info, head_parts, is_attention, mixer_names, output_part
+from .heads import (
+    HeadInfo,
+    head_info,
+    head_parts,
+    is_attention,
+    mixer_names,
+    output_part,
+    query_part,
+)
 from .late_reduce import late_reduces
 from .linear_view import linear_view
 from .resolved import Rules
 from .styles import Colwise, ParallelStyle, ReplicatedWithGradAllreduce, Rowwise, ShardContext
-from .styles_head_params import HeadParams, head_parameters, local_head_parameters
-from .styles_heads import HeadColumns, HeadNorm, HeadSplit, norm_epsilon
+from .styles_heads import (
+    HeadColumns,
+    HeadNorm,
+    HeadParams,
+    HeadSplit,
+    head_parameters,
+    local_head_parameters,
+    norm_epsilon,
+)
 
 SOURCE = "auto: dataflow pairs (any model)"
 EXAMPLE_TOKENS = (2, 4)  # (batch, sequence) of inputs derived from the model
@@ -176,7 +191,7 @@ def _take(pair: Pair, styles: dict[str, ParallelStyle | str], rules: Rules) -> N
         assert rules.heads is not None
         rules.heads[pair.attention] = pair.info
         if pair.params:
-            styles[pair.attention] = HeadParams(pair.info)
+            styles[pair.attention] = HeadParams(query_part(pair.info))
             rules.why[pair.attention] = (f"local_params: its per-head parameters "
                                          f"{list(pair.params)} keep this rank's heads")
 
@@ -346,7 +361,7 @@ def _head_dim_norms(model: nn.Module, region: Region, producers: list[str], b: s
         return None
     owners = {id(p): name for name, m in attention.named_modules()
               if name and linear_view(m) is None for p in m.parameters(recurse=False)}
-    own = {id(getattr(attention, n)) for n in head_parameters(attention, info)}  # sinks
+    own = {id(getattr(attention, n)) for n in head_parameters(attention, info.heads)}  # sinks
     names = {owners.get(id(t)) for t in region.tensors if id(t) not in own}
     if None in names:
         return None
@@ -369,7 +384,7 @@ def _head_params(model: nn.Module, region: Region, producers: list[str], b: str,
     info = head_info(attention, config if config is not None
                      else SimpleNamespace(hidden_size=width))
     read = {id(t) for t in region.tensors}
-    return tuple(n for n in (head_parameters(attention, info) if info else [])
+    return tuple(n for n in (head_parameters(attention, info.heads) if info else [])
                  if id(getattr(attention, n)) in read)
 
 
@@ -534,7 +549,8 @@ def _local_run(model: nn.Module, trace: Trace, pairs: list[Pair], ctx: ShardCont
                 module = model.get_submodule(pair.attention)
                 for attr, value in local_overrides(module, pair.info, ctx).items():
                     override(module, attr, value)
-                for attr, value in local_head_parameters(module, pair.info, ctx).items():
+                for attr, value in local_head_parameters(module, query_part(pair.info),
+                                                         ctx).items():
                     override(module, attr, value)  # (heads/tp,), shadowing the Parameter
                 hook = narrow_head_biases(module, pair.info, ctx)
                 hooks += [hook] if hook is not None else []

@@ -16,7 +16,7 @@ A norm over all of a projection's heads (OLMo-2's ``q_norm`` over
 ``q_proj``'s whole output) is split with it
 (:class:`~torchtp.plans.styles_heads.HeadNorm`), and so are the attention
 module's own per-head parameters (GPT-OSS's ``sinks``,
-:class:`~torchtp.plans.styles_head_params.HeadParams`). Every cut follows one rule,
+:class:`~torchtp.plans.styles_heads.HeadParams`). Every cut follows one rule,
 :func:`torchtp.core.layouts.head_share`. After the swap,
 :func:`torchtp.plans.attention_local.localize_attention` gives each module its
 local head counts.
@@ -28,18 +28,19 @@ import torch
 from torch import nn
 
 from .head_boundaries import output_projection
-from .heads import HeadInfo, head_info, head_parts, is_attention, output_part
+from .heads import HeadInfo, head_info, head_parts, is_attention, output_part, query_part
 from .linear_view import linear_view
 from .resolved import ResolvedPlan
 from .sources import head_config
 from .styles import Colwise, Rowwise
-from .styles_head_params import HeadParams, head_parameters
 from .styles_heads import (
     HeadColumns,
     HeadNorm,
+    HeadParams,
     HeadSplit,
     Part,
     RopeKey,
+    head_parameters,
     norm_epsilon,
     shared_rope,
 )
@@ -88,10 +89,10 @@ def split_whole_heads(model: nn.Module, plan: ResolvedPlan) -> dict[str, HeadInf
 def cut_head_parameters(plan: ResolvedPlan, module: nn.Module, name: str, info: HeadInfo
                         ) -> None:
     """Give a head-split attention module with per-head parameters (``sinks``) the style
-    that cuts them with its heads (:class:`~torchtp.plans.styles_head_params.HeadParams`)."""
-    params = head_parameters(module, info)
+    that cuts them with its heads (:class:`~torchtp.plans.styles_heads.HeadParams`)."""
+    params = head_parameters(module, info.heads)
     if params:
-        plan.assignments[name] = HeadParams(info)
+        plan.assignments[name] = HeadParams(query_part(info))
         plan.why[name] = (f"local_params: its per-head parameters {params} keep this rank's "
                           "heads, as its projections do")
 

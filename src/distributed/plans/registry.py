@@ -17,8 +17,7 @@ from .styles import (
     Unsupported,
 )
 from .styles_embedding import EmbeddingColwise, EmbeddingRowwise
-from .styles_head_params import HeadParams
-from .styles_heads import HeadSplit, RopeKey
+from .styles_heads import HeadParams, HeadSplit, RopeKey
 from .styles_partial import (
     PartialGradOutput,
     ReduceInput,

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..core.layouts import ParamLayout, group_ranks, head_share, shard_range
 from ..layers.grad_sync import GradSync, mark
+from ..layers.owned import hold_shards
 from ..layers.shared_by_heads import HeadShardedRMSNorm, SharedFeaturesEntry
 from .constraints import Constraint
 from .linear_view import LinearView
@@ -296,3 +297,61 @@ class RopeKey(ParallelStyle):
         if ctx.world_size > 1 and self.rope is not None:
             module.register_forward_hook(SharedFeaturesEntry(self.rope, ctx.group))
         return module
+
+
+def head_parameters(module: nn.Module, heads: int) -> list[str]:
+    """Names of ``module``'s own 1-D parameters with one value per query head (attention
+    sinks: GPT-OSS's ``sinks``, Beam's ``gate_bias``), cut with its heads when they are split."""
+    return [name for name, p in module.named_parameters(recurse=False)
+            if p.dim() == 1 and p.shape[0] == heads]
+
+
+class HeadParams(ParallelStyle):
+    """Cut an attention module's own per-head parameters to this rank's query heads.
+
+    GPT-OSS's, Granite-SWA's and MiMo-V2-Flash's attention ``sinks`` and Beam's
+    ``gate_bias`` hold one value per query head, read by the module's forward
+    beside the projections (:func:`head_parameters`). With the heads split each
+    rank's forward runs its own heads only, so the parameter keeps those heads'
+    values, cut by the one head rule: split, its gradient local, its layout in
+    every checkpoint. HuggingFace names the style ``local_params`` (with
+    ``"<attention>.sinks": "colwise"`` beside it, which it covers); the head split
+    gives it to every head-split attention module holding such a parameter
+    (:func:`torchtp.plans.head_split.cut_head_parameters`, the automatic plan), and
+    without the heads' part (the heads stay whole) it keeps the module as it is.
+
+    Args:
+        heads: The module's query heads as a part (``plans.heads.query_part``), or
+            ``None`` while its heads are not split.
+    """
+
+    name = "local_params"
+    covers = ("*",)  # HF names the per-head parameter beside it ("<attention>.sinks")
+
+    def __init__(self, heads: Part | None = None) -> None:
+        self.heads = heads
+
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        if self.heads is None:
+            return LayerPlan(fqn, self.name)
+        first, count = self.heads.unit_range(ctx)  # this rank's query heads
+        units = self.heads.units
+        layouts = {n: ParamLayout((units,), 0, ((first, count),))
+                   for n in head_parameters(module, units)}
+        return LayerPlan(fqn, self.name, full=(units,), local=(count,),
+                         layouts=layouts if ctx.world_size > 1 else {},
+                         detail=f"{count} of {units} heads")
+
+    def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
+        if ctx.world_size == 1 or not layer.layouts:
+            return module
+        return hold_shards(module, dict(layer.layouts))
+
+
+def local_head_parameters(module: nn.Module, heads: Part, ctx: ShardContext
+                          ) -> dict[str, torch.Tensor]:
+    """This rank's cut of each per-head parameter, for the plan probes (which run the
+    module's forward with its heads local before anything is cut)."""
+    first, count = heads.unit_range(ctx)
+    return {n: getattr(module, n).narrow(0, first, count)
+            for n in head_parameters(module, heads.units)}

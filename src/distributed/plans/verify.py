@@ -55,8 +55,7 @@ from .linear_view import linear_view
 from .resolved import ResolvedPlan, is_user_plan
 from .sources import family_of, head_config
 from .styles import Colwise, ParallelStyle, Replicate, ReplicatedWithGradAllreduce, Rowwise, ShardContext
-from .styles_head_params import HeadParams
-from .styles_heads import HeadNorm, RopeKey
+from .styles_heads import HeadNorm, HeadParams, RopeKey
 
 CONFIRMED = "whole heads confirmed by the local probe"
 OPT_OUT = "verify_plan=False"
