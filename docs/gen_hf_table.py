@@ -103,6 +103,7 @@ def _state_space() -> list[str]:
     import torchtp
     from tests.distributed._hf_models import build
     from tests.distributed.test_hf_new_families import SSM
+    from torchtp.plans.heads import ssm_geometry
 
     rows = ["", "State-space and linear-attention mixers, split by heads (or channels) and "
             "checked at tp 2, 3 and 4 by the same test (each split confirmed by the mixer "
@@ -113,12 +114,13 @@ def _state_space() -> list[str]:
         model = build(arch)
         full = sum(p.numel() for p in model.parameters())
         kinds = {n: type(m).__name__ for n, m in model.named_modules()}  # before the swap
+        mixers = {n for n, m in model.named_modules() if ssm_geometry(m) is not None}
         wrapped = torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
         plan = wrapped.resolved_plan
-        first = next(n for n in plan.checks
-                     if getattr(plan.assignments.get(n), "name", "") == "ssm_heads")
+        first = next(n for n in plan.checks if n in mixers)  # split or kept whole
         parts = sorted({n.removeprefix(f"{first}.") for n in plan.assignments
                         if n.startswith(f"{first}.") and plan.assignments[n].name != "replicate"})
+        parts = parts or ["none (kept whole)"]
         share = sum(p.numel() for p in wrapped.parameters()) / full
         rows.append(f"| {arch} | {type(wrapped.base_model).__name__} | {plan.source} | "
                     f"{kinds[first]} | {', '.join(parts)} | "

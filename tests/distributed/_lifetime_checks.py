@@ -110,8 +110,12 @@ def _moe(workdir: str) -> list[Any]:
     import torchtp
 
     from ._moe_checks import _batch, build_moe
+    from .test_moe import _sentinel
 
-    model = torchtp.DistributedModelWrapper(build_moe("qwen3_moe").train(), expert_parallel=True)
+    # Whole experts where transformers has the expert-parallel sentinel (5.24), else split
+    # inside (older releases refuse expert_parallel; test_moe pins that).
+    model = torchtp.DistributedModelWrapper(build_moe("qwen3_moe").train(),
+                                            expert_parallel=_sentinel())
     out = model(**_batch())
     out.loss.backward()
     return [model, out]

