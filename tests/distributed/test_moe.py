@@ -85,6 +85,10 @@ def test_whole_experts_on_each_rank_match_one_process(ranks):
         assert res["local"][0] == experts and len(res["router_grads"]) == 2, arch
         assert "HF's 'all_reduce' expert parallelism" in res["describe"], arch
     assert results[1]["mixtral-e3"]["local"][0] == 1  # rank 1 holds the third expert
+    # GPT-OSS's attention split by heads, its sinks cut with them (decision 169; its own
+    # plan splits only the embedding and LM head): every gradient above compared.
+    assert re.search(r"model\.layers\.\*\.self_attn \(x2\) +local_params +4 -> 2",
+                     results[0]["gpt_oss"]["describe"]), results[0]["gpt_oss"]["describe"]
 
 
 @pytest.mark.skipif(not hasattr(transformers, "Param2MoeConfig"),

@@ -304,16 +304,16 @@ def _candidates(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], t
         group = [*producers, b]
         if any(n in taken or len(trace.calls[n]) != 1 or id(linears[n]) in tied for n in group):
             continue
-        norms = _head_dim_norms(model, region, producers, b, config)
-        params = _head_params(model, region, producers, b, config)
-        problem = _region_problem(trace, b, region, producers, norms is not None)
+        leaves = _head_leaves(model, region, producers, b, config)
+        norms, params = leaves if leaves is not None else ((), ())
+        problem = _region_problem(trace, b, region, producers, leaves is not None)
         if problem:
             notes.append(f"'{b}' not paired with {producers}: {problem}")
             _block_attention(model, group, problem, blocked, notes)
             continue
         alts = _alternatives(model, b, producers, linears, ctx, config)
         if norms or params:  # only whole heads keep a head_dim norm's input whole
-            alts = [dataclasses.replace(p, norms=norms or (), params=params) for p in alts
+            alts = [dataclasses.replace(p, norms=norms, params=params) for p in alts
                     if p.attention is not None]
         if alts:
             out.append(alts)
@@ -342,14 +342,24 @@ def _block_attention(model: nn.Module, group: list[str], problem: str,
 
 def _head_dim_norms(model: nn.Module, region: Region, producers: list[str], b: str,
                     config: object) -> tuple[str, ...] | None:
-    """The norms over ``head_dim`` whose parameters are the region's only leaves, if so.
+    """The norms over ``head_dim`` among the region's leaves, if every leaf is one of those
+    or a per-head parameter of the attention module (:func:`_head_leaves`)."""
+    leaves = _head_leaves(model, region, producers, b, config)
+    return None if leaves is None else leaves[0]
+
+
+def _head_leaves(model: nn.Module, region: Region, producers: list[str], b: str,
+                 config: object) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The region's leaves as (norms over ``head_dim``, the attention module's own per-head
+    parameters), or ``None`` when a leaf is neither.
 
     Such a norm (Qwen3's or timm's ``q_norm``/``k_norm``: one weight of
-    ``head_dim`` applied to every head) works on any number of heads; a
-    parameter of any other shape (per-head-grouped, full width) is not one.
+    ``head_dim`` applied to every head) works on any number of heads; a per-head
+    parameter (GPT-OSS's ``sinks``) is cut with the heads; a parameter of any other
+    shape (per-head-grouped, full width) is neither.
     """
     if not region.leaves:
-        return ()
+        return (), ()
     owner = _attention_owner(model, producers, b)
     if owner is None:
         return None
@@ -361,7 +371,7 @@ def _head_dim_norms(model: nn.Module, region: Region, producers: list[str], b: s
         return None
     owners = {id(p): name for name, m in attention.named_modules()
               if name and linear_view(m) is None for p in m.parameters(recurse=False)}
-    own = {id(getattr(attention, n)) for n in head_parameters(attention, info.heads)}  # sinks
+    own = {id(getattr(attention, n)): n for n in head_parameters(attention, info.heads)}
     names = {owners.get(id(t)) for t in region.tensors if id(t) not in own}
     if None in names:
         return None
@@ -370,29 +380,16 @@ def _head_dim_norms(model: nn.Module, region: Region, producers: list[str], b: s
         if any(p.dim() != 1 or p.numel() != info.head_dim for p in params):
             return None
     lead = f"{owner}." if owner else ""
-    return tuple(sorted(f"{lead}{n}" for n in names))
-
-
-def _head_params(model: nn.Module, region: Region, producers: list[str], b: str,
-                 config: object) -> tuple[str, ...]:
-    """The attention module's own per-head parameters the region reads (GPT-OSS's sinks)."""
-    owner = _attention_owner(model, producers, b) if region.leaves else None
-    if owner is None:
-        return ()
-    attention = model.get_submodule(owner) if owner else model
-    width = linear_view(model.get_submodule(b)).in_features  # type: ignore[union-attr]
-    info = head_info(attention, config if config is not None
-                     else SimpleNamespace(hidden_size=width))
-    read = {id(t) for t in region.tensors}
-    return tuple(n for n in (head_parameters(attention, info.heads) if info else [])
-                 if id(getattr(attention, n)) in read)
+    return (tuple(sorted(f"{lead}{n}" for n in names)),
+            tuple(sorted({own[id(t)] for t in region.tensors if id(t) in own})))
 
 
 def _region_problem(trace: Trace, b: str, region: Region, producers: list[str],
                     norms_ok: bool = False) -> str | None:
     """Why the ops between the producers and ``b`` cannot run on split features, if they cannot.
 
-    ``norms_ok``: the region's leaves are head_dim norms (:func:`_head_dim_norms`).
+    ``norms_ok``: the region's leaves are head_dim norms or per-head parameters
+    (:func:`_head_leaves`).
     """
     if region.leaves and not norms_ok:
         return ("it also reads a parameter or an input on the way (e.g. a norm's weight), "

@@ -246,11 +246,13 @@ def match_rules(model: nn.Module, rules: Rules) -> ResolvedPlan:
             resolved.matches.setdefault(matched, []).append(name)
             resolved.why[name] = rules.why.get(matched, f"rule {matched!r}")
     for pattern in styles:
+        if pattern in resolved.matches:
+            continue
         owner = _covered_by(pattern, styles)
         if owner is not None:  # a parameter its module's style plans (moe_tp_experts)
             resolved.notes.append(f"rule {pattern!r} ({styles[pattern].name}) is planned by "
                                   f"{owner!r} ({styles[owner].name})")
-        elif pattern not in resolved.matches:
+        else:
             logger.warning("torchtp plan rule %r (style %s) matches no module", pattern,
                            styles[pattern].name)
             resolved.notes.append(f"rule {pattern!r} matched no module")

@@ -20,7 +20,8 @@ by the one head-boundary rule:
 (:mod:`torchtp.plans.styles_state_space`). The cache's conv and recurrent
 states take the local shapes by themselves (transformers allocates them from
 the first tensors it stores; before 5.5 it allocated a Mamba-style mixer's from
-the config, and those mixers stay whole there: the family's ``mixer_limit``). Every split is confirmed by
+the config, and those mixers stay whole there: the family's ``mixer_limit``).
+Every split is confirmed by
 :func:`~torchtp.plans.state_space_probe.probe_mixer` before anything is cut;
 one that is not stays replicated with the reason in ``describe_plan()`` (a
 user's plan is refused).
