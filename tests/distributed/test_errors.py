@@ -69,7 +69,7 @@ def test_unknown_style_lists_valid_ones():
     with pytest.raises(ValueError, match=(
             r"unknown plan style 'columnwise' for '0'; valid styles: colwise, "
             r"colwise_gather_output, colwise_rep, embedding_colwise, embedding_rowwise, "
-            r"ep_dispatch_experts, keep_full_weight, mla_kv_a_proj, moe_tp_experts, "
+            r"ep_dispatch_experts, keep_full_weight, local_params, mla_kv_a_proj, moe_tp_experts, "
             r"packed_colwise, "
             r"partial_grad_output, reduce_input, reduce_output, reduce_residual, replicate, "
             r"replicated_with_grad_allreduce, "
