@@ -69,6 +69,7 @@ from .styles_heads import (
     HeadParams,
     HeadSplit,
     head_parameters,
+    head_params_reason,
     local_head_parameters,
     norm_epsilon,
 )
@@ -192,8 +193,7 @@ def _take(pair: Pair, styles: dict[str, ParallelStyle | str], rules: Rules) -> N
         rules.heads[pair.attention] = pair.info
         if pair.params:
             styles[pair.attention] = HeadParams(query_part(pair.info))
-            rules.why[pair.attention] = (f"local_params: its per-head parameters "
-                                         f"{list(pair.params)} keep this rank's heads")
+            rules.why[pair.attention] = head_params_reason(pair.params)
 
 
 def _probe(model: nn.Module, example_inputs: object, notes: list[str]) -> Trace | None:

@@ -12,8 +12,7 @@ the first source (the model's own plan, else the built-in one, else the
 automatic plan): its rules then go on unchanged, so the wrapper raises what it
 always raised (more ranks than heads) instead of replicating what the model's
 authors split. A first source with a style torchtp cannot honour for a module
-(``local_params``, ``all_reduce``: Granite-SWA's, MiMo-V2-Flash's, Inkling's
-plans) is discarded like the others when another candidate remains, with a note
+(``all_reduce``: Inkling's plan) is discarded like the others when another candidate remains, with a note
 naming the style and the candidate chosen instead; a plan the user passed with
 such a style is refused. An attention split the probe does
 not confirm stays replicated, and the candidate competes without it (the

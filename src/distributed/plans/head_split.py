@@ -41,6 +41,7 @@ from .styles_heads import (
     Part,
     RopeKey,
     head_parameters,
+    head_params_reason,
     norm_epsilon,
     shared_rope,
 )
@@ -93,8 +94,7 @@ def cut_head_parameters(plan: ResolvedPlan, module: nn.Module, name: str, info: 
     params = head_parameters(module, info.heads)
     if params:
         plan.assignments[name] = HeadParams(query_part(info))
-        plan.why[name] = (f"local_params: its per-head parameters {params} keep this rank's "
-                          "heads, as its projections do")
+        plan.why[name] = head_params_reason(params)
 
 
 def _rope_key(plan: ResolvedPlan, modules: dict[str, nn.Module], attention: str) -> None:

@@ -348,6 +348,11 @@ class HeadParams(ParallelStyle):
         return hold_shards(module, dict(layer.layouts))
 
 
+def head_params_reason(params: list[str] | tuple[str, ...]) -> str:
+    """Why an attention module gets :class:`HeadParams`, for ``describe_plan()``."""
+    return f"local_params: its per-head parameters {list(params)} keep this rank's heads"
+
+
 def local_head_parameters(module: nn.Module, heads: Part, ctx: ShardContext
                           ) -> dict[str, torch.Tensor]:
     """This rank's cut of each per-head parameter, for the plan probes (which run the
