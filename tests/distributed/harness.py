@@ -127,7 +127,11 @@ def _context(method: str) -> mp.context.BaseContext:
     ctx = mp.get_context(method)
     if method == "forkserver":
         # Children fork from a server that imported torch once: starts take ms, not s.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torchtp"])
+        # transformers' modeling_utils too (about 1.5 s per rank when imported there):
+        # most ranks build an HF model. Nothing of peft, accelerate or lightning, whose
+        # late import some tests watch.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torchtp",
+                                    "transformers.modeling_utils"])
     return ctx
 
 
