@@ -299,22 +299,24 @@ def _reload(path: str, expert_parallel: bool | int, full: dict[str, torch.Tensor
     return again, diff
 
 
-def check_checkpoints(rank: int, world_size: int, out: str, whole: bool) -> float:
-    """tp 2 saves (sharded and consolidated HF); the sharded one reloads at tp 2 equal, and,
-    with ``whole``, into whole experts per rank (and their save back into split experts).
+def check_checkpoints(rank: int, world_size: int, out: str, whole: bool,
+                      arch: str = "mixtral") -> float:
+    """tp 2 saves (sharded and consolidated HF); both reload at tp 2 equal, and the sharded
+    one, with ``whole``, into whole experts per rank (and their save back into split experts).
 
     Returns the largest logit difference after reloading: the reloaded config runs
     transformers' default experts implementation, which may sum in another order.
     """
     import os
 
-    model = build_moe("mixtral").float()  # float32: transformers' default grouped_mm
+    model = build_moe(arch).float()  # float32: transformers' default grouped_mm
     wrapped = torchtp.DistributedModelWrapper(model)
     wrapped.save_sharded(os.path.join(out, "sharded"))
     wrapped.save_pretrained(os.path.join(out, "hf"))
-    full = {n: p.detach() for n, p in build_moe("mixtral").float().named_parameters()}
+    full = {n: p.detach() for n, p in build_moe(arch).float().named_parameters()}
     ids = _batch()["input_ids"]
-    loads = [(os.path.join(out, "sharded"), False)]
+    # The consolidated HF directory too: from_pretrained reads this rank's cut of it
+    loads = [(os.path.join(out, "sharded"), False), (os.path.join(out, "hf"), False)]
     if whole:  # split -> whole experts, saved again, -> split
         loads += [(os.path.join(out, "sharded"), True), (os.path.join(out, "whole"), False)]
     worst = 0.0

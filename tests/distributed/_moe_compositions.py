@@ -44,17 +44,18 @@ def _grads_match(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module) -> in
 
 
 def moe_compile(rank: int, world_size: int, splits: int) -> list[int]:
-    """``torch.compile`` (aot_eager: traced forward and backward) of each split: loss,
-    logits and every gradient equal the unwrapped model run eagerly, twice (the second
-    call runs the cached graphs)."""
+    """``torch.compile`` (aot_eager: traced forward and backward) of each split, and of
+    GPT-OSS's features split (its down bias read as zeros off rank 0): loss, logits and
+    every gradient equal the unwrapped model run eagerly, twice (the second call runs the
+    cached graphs)."""
     torch._dynamo.reset()
     batch = _batch()
     checked = []
     router = _router_logits_compile(batch)
-    for split in SPLITS[:splits]:
-        ref = build_moe("mixtral", output_router_logits=router).train()
+    for arch, split in [*(("mixtral", s) for s in SPLITS[:splits]), ("gpt_oss", {})]:
+        ref = build_moe(arch, output_router_logits=router).train()
         wrapped = torchtp.DistributedModelWrapper(
-            build_moe("mixtral", output_router_logits=router).train(), **split)
+            build_moe(arch, output_router_logits=router).train(), **split)
         compiled = torch.compile(wrapped, backend="aot_eager")
         for _ in range(2):
             ref.zero_grad(set_to_none=True)

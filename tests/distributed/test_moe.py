@@ -52,7 +52,17 @@ def _sentinel() -> bool:
 
 
 def test_experts_split_inside_match_one_process(ranks):
-    results = ranks(check_moe, 2, ARCHS, timeout=300)
+    # GPT-OSS: (E, H, 2I) weights, gate/up interleaved, a bias inside every expert: the
+    # gate/up bias keeps its weight's features, the down bias is added by rank 0 only (its
+    # gradient, compared on every rank, is then whole everywhere). Its own plan names no
+    # experts: torchtp splits them (hf/compat.EXPERTS_SPLIT) and its attention by heads.
+    results = ranks(check_moe, 2, [*ARCHS, "gpt_oss"], timeout=300)
+    for rank, res in enumerate(results):
+        gpt = res.pop("gpt_oss")
+        assert gpt["local"] == (4, 32, 24), (rank, gpt["local"])  # (E, H, 2I/2)
+        assert re.search(r"model\.layers\.\*\.mlp\.experts +moe_tp_experts", gpt["describe"])
+        assert re.search(r"self_attn \(x2\) +local_params +4 -> 2", gpt["describe"])
+        assert "the down_proj bias stays whole and is added by the first rank" in gpt["describe"]
     for arch, res in results[0].items():
         assert res["experts"].startswith("Parallel") == _planned(arch), arch
         if not _planned(arch):  # kept whole by the model's own plan: exact all the same
@@ -133,12 +143,17 @@ def test_generate_matches_one_process(ranks):
 
 def test_three_ranks_split_unevenly_and_match_one_process(ranks):
     # tp 3: Qwen3-MoE's 24 expert features as 8/8/8 (gate_up (E, 2I/3, H) = (4, 16, 32)), its
-    # 4 whole experts as 2/1/1. Gradients to float32 level: see ROUTER_TOL.
+    # 4 whole experts as 2/1/1. GPT-OSS's 24 features, interleaved gate/up pairs with their
+    # biases, as 8/8/8 too ((E, H, 2I/3) = (4, 32, 16)), its down bias added by rank 0 only.
+    # Gradients to float32 level: see ROUTER_TOL.
     for whole in [False, True] if _sentinel() else [False]:
-        results = ranks(check_moe, 3, ["qwen3_moe"], whole, ROUTER_TOL, timeout=300)
+        archs = ["qwen3_moe"] if whole else ["qwen3_moe", "gpt_oss"]
+        results = ranks(check_moe, 3, archs, whole, ROUTER_TOL, timeout=300)
         local = [r["qwen3_moe"]["local"] for r in results]
         assert local == ([(2, 48, 32), (1, 48, 32), (1, 48, 32)] if whole
                          else [(4, 16, 32)] * 3), (whole, local)
+        if not whole:
+            assert [r["gpt_oss"]["local"] for r in results] == [(4, 32, 16)] * 3
 
 
 def test_grouped_mm_experts_match_one_process(ranks):
@@ -154,12 +169,15 @@ def test_grouped_mm_runs_uneven_feature_shares_at_tp3(ranks):
                       [(4, 32, 8), (4, 32, 8)]], shapes
 
 
-def test_expert_shards_save_reload_and_consolidate(ranks, tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_expert_shards_save_reload_and_consolidate(ranks, tmp_path, arch):
     # Reloaded at tp 2 from the sharded save: every shard bit for bit; float32 logits.
     # With the sentinel, also split experts -> whole experts per rank -> split experts.
-    assert max(ranks(check_checkpoints, 2, str(tmp_path), _sentinel(), timeout=180)) < 1e-5
+    # GPT-OSS: the gate/up bias saved and reloaded with its features, the down bias whole.
+    assert max(ranks(check_checkpoints, 2, str(tmp_path), _sentinel(), arch,
+                     timeout=180)) < 1e-5
     ids = _moe_batch()["input_ids"]
-    want = build_moe("mixtral").float()(input_ids=ids).logits
+    want = build_moe(arch).float()(input_ids=ids).logits
     one = torchtp.DistributedModelWrapper.from_pretrained(tmp_path / "sharded", progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for got in (one(input_ids=ids).logits, hf(input_ids=ids).logits):  # tp 2 -> 1, HF
@@ -190,12 +208,17 @@ def test_one_all_reduce_per_moe_layer():
 
 def test_experts_that_are_not_a_sum_of_partial_outputs_are_refused():
     model = build_moe("mixtral")
-    experts = model.model.layers[0].mlp.experts
-    experts.has_bias = True  # as GPT-OSS: a bias added inside every expert
+    model.model.layers[0].mlp.experts.has_post_expert_norm = True  # a norm after each expert
     with pytest.raises(ValueError, match=(
             r"plan style 'moe_tp_experts' for module 'model.layers.0.mlp.experts' "
-            r"\(MixtralExperts\): has_bias=True: expert biases are added inside each expert.*"
-            r"'replicate'")):
+            r"\(MixtralExperts\): has_post_expert_norm=True: a norm after each expert is not "
+            r"linear in the partial outputs.*expert_parallel=True.*'replicate'")):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+    model = build_moe("mixtral")
+    model.model.layers[0].mlp.experts.has_bias = True  # flags that do not match the module
+    with pytest.raises(ValueError, match=(
+            r"\(MixtralExperts\): has_bias=True, but 'gate_up_proj_bias' is None, not a tensor "
+            r"of shape \(4, 96\).*set has_bias to match")):
         torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
 
 
@@ -256,8 +279,9 @@ def test_experts_named_only_in_the_ep_plan_are_split_as_5_24_splits_them():
     assert hf_plan(model)["model.layers.*.mlp.experts"] == "moe_tp_experts"
     wrapped = torchtp.DistributedModelWrapper(model)
     assert wrapped.resolved_plan.layers["model.layers.0.mlp.experts"].style == "moe_tp_experts"
-    # GPT-OSS (biases inside every expert): 5.24 keeps its experts whole, and so does torchtp
-    assert "moe_tp_experts" not in (hf_plan(build_moe("gpt_oss")) or {}).values()
+    # GPT-OSS (biases inside every expert): no transformers release splits its experts;
+    # torchtp does (ep/styles.py)
+    assert hf_plan(build_moe("gpt_oss"))["model.layers.*.mlp.experts"] == "moe_tp_experts"
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])

@@ -52,7 +52,11 @@ def test_ep2_tp2_matches_one_process(ranks):
     # Every planned architecture, and the starved case: every token goes to experts 0 and 1,
     # held by ranks 0 and 1, so ranks 2 and 3 hold experts that receive no token.
     # Gradients to float32 level: four partial sums reach the float32 routers (ROUTER_TOL).
-    results = ranks(check_moe, 4, [*ARCHS, "mixtral-starved"], 2, ROUTER_TOL, timeout=420)
+    # GPT-OSS: each block's down bias added by the block's first rank (ranks 0 and 2).
+    results = ranks(check_moe, 4, [*ARCHS, "gpt_oss", "mixtral-starved"], 2, ROUTER_TOL,
+                    timeout=420)
+    for rank, res in enumerate(results):
+        assert res.pop("gpt_oss")["local"] == (2, 32, 24), rank  # (E/2, H, 2I/2)
     for arch, res in results[0].items():
         config = build_moe(arch.removesuffix("-starved")).config
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -64,7 +68,7 @@ def test_ep2_tp2_matches_one_process(ranks):
 
 
 def test_ep4_whole_experts_match_one_process(ranks):
-    # GPT-OSS: biases inside every expert (whole experts only). Starved: ranks 2 and 3's
+    # GPT-OSS: biases inside every expert, cut with them. Starved: ranks 2 and 3's
     # experts receive no token, and their optimizer states still match after two steps.
     results = ranks(check_moe, 4, ["mixtral", "gpt_oss", "mixtral-starved"], True, ROUTER_TOL,
                     timeout=300)
@@ -196,6 +200,15 @@ def test_ep2_tp2_plans_blocks_of_the_experts():
     assert gate_up.local_shape == (2, 48, 32) and down.local_shape == (2, 32, 24)
     assert "expert_parallel=2: experts over 2 ranks, features over tp/2" in \
         wrapped.describe_plan()
+    # GPT-OSS's biases (decision 170), rank 1: experts 0..1, their second 12 of 24 features
+    # (interleaved gate/up: rows 24..47 of the (E, 2I) bias); the down bias of experts 0..1
+    # whole, added by rank 0, the first of the block, not here.
+    gpt = torchtp.DistributedModelWrapper(build_moe("gpt_oss"), world_size=4, rank=1,
+                                          expert_parallel=2)
+    layouts = gpt.resolved_plan.layers["model.layers.0.mlp.experts"].layouts
+    assert layouts["gate_up_proj_bias"].record() == (1, [[24, 24]], [0, 0, 2])
+    assert layouts["down_proj_bias"].record() == (0, [[0, 2]], None)
+    assert gpt.base_model.model.layers[0].mlp.experts.bias_first is False
     assert repr(ExpertsEP(2)) == "ExpertsEP(ep=2, dispatch='auto')"
     # Multiples of 2 only (ep 2 must divide tp), up to the other layers' limits.
     assert 3 not in wrapped.valid_world_sizes and {2, 4} <= set(wrapped.valid_world_sizes)
@@ -216,12 +229,6 @@ def test_expert_parallel_sizes_that_do_not_fit_name_the_valid_values():
                        r"num_experts=3 over 4 ranks .* valid expert_parallel values: \[1, 2\]"):
         torchtp.DistributedModelWrapper(build_moe("mixtral", num_local_experts=3),
                                         world_size=8, rank=0, expert_parallel=4)
-    # GPT-OSS adds a bias inside every expert: its features cannot be split, whole experts can.
-    with pytest.raises(ValueError, match=r"plan style 'ep_dispatch_experts' for module "
-                       r"'model.layers.0.mlp.experts' \(GptOssExperts\): has_bias=True.*"
-                       r"expert_parallel=True"):
-        torchtp.DistributedModelWrapper(build_moe("gpt_oss"), world_size=4, rank=0,
-                                        expert_parallel=2)
     for bad in (0, "2", 2.0):
         with pytest.raises(ValueError, match=rf"expert_parallel={bad!r}: give True"):
             torchtp.DistributedModelWrapper(build_moe("mixtral"), world_size=4, rank=0,

@@ -24,7 +24,8 @@ a subclass of it that adds the region operators around that forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -82,6 +83,9 @@ class ParallelExperts(ShardedModule):
     # Expert parallel: picks, per call, a function to run instead of the class's forward.
     expert_forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None] | None \
         = None
+    # Experts with biases, features split: whether this rank adds down_proj_bias (None: no
+    # bias to add once; whole experts add their own)
+    bias_first: bool | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None, *args: Any,
@@ -102,10 +106,11 @@ class ParallelExperts(ShardedModule):
         def run(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             pick = self.expert_forward
             fn = None if pick is None else pick(self, x.dtype)  # type: ignore[arg-type]
-            if fn is not None:
-                return fn(self, x, index, weights, *args, **kwargs)
-            return super(ParallelExperts, self).forward(  # type: ignore[misc]
-                x, index, weights, *args, **kwargs)
+            with self._down_bias_once():
+                if fn is not None:
+                    return fn(self, x, index, weights, *args, **kwargs)
+                return super(ParallelExperts, self).forward(  # type: ignore[misc]
+                    x, index, weights, *args, **kwargs)
 
         if self._all_to_all(hidden_states, top_k_index):
             return dispatch_combine(self, hidden_states, top_k_index, top_k_weights, run)
@@ -122,6 +127,27 @@ class ParallelExperts(ShardedModule):
         if ride is not None:
             self._check_routes(ride)
         return out
+
+    @contextmanager
+    def _down_bias_once(self) -> Iterator[None]:
+        """While the class's forward runs, ``down_proj_bias`` reads as itself on the rank
+        that adds it and as zeros on the other ranks of the features' split, so the
+        all-reduce of the partial outputs adds it once (:class:`_OnOneRank`).
+
+        The zeros shadow the Parameter as an instance attribute (the forward reads
+        ``self.down_proj_bias``); the Parameter itself, its name and its checkpoint
+        entry stay as they are.
+        """
+        if self.bias_first is None or self.bias_first:
+            yield
+            return
+        # (E, H), the Parameter itself, the same on every rank
+        bias = nn.Module.__getattr__(self, "down_proj_bias")  # type: ignore[arg-type]
+        self.__dict__["down_proj_bias"] = _OnOneRank.apply(bias)  # (E, H) zeros
+        try:
+            yield
+        finally:
+            del self.__dict__["down_proj_bias"]
 
     def _all_to_all(self, x: torch.Tensor, index: torch.Tensor) -> bool:
         """Whether this call dispatches by all-to-all (same answer on every rank: shapes only)."""
@@ -193,12 +219,32 @@ class ParallelExperts(ShardedModule):
         return local.masked_fill(outside, count), weights.masked_fill(outside, 0)
 
 
+class _OnOneRank(torch.autograd.Function):
+    """A replicated bias as the ranks that do not add it see it.
+
+    forward: zeros of the bias's shape (``bias * 0`` would turn an inf into NaN);
+    backward: the gradient unchanged, so every rank's bias gets the whole
+    gradient (every rank routes every token alike, so the gradients are equal and
+    equal to one process's), as :class:`~torchtp.layers.ColumnParallelLinear`'s
+    bias-once add gives it. No collective.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, bias: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
                   group: ProcessGroup | None, world_size: int, rank: int,
                   expert_range: tuple[int, int] | None = None,
                   forward: Callable[[nn.Module, torch.dtype], Callable[..., torch.Tensor] | None]
                   | None = None, name: str = "experts",
-                  dispatch: Dispatch = "all_reduce", routed: bool = True) -> nn.Module:
+                  dispatch: Dispatch = "all_reduce", routed: bool = True,
+                  bias_first: bool | None = None) -> nn.Module:
     """Cut ``module``'s expert parameters to this rank's share, in place, and return it.
 
     Args:
@@ -220,6 +266,9 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
             of the tokens, :mod:`torchtp.ep.dispatch`) or ``"auto"``
             (per call, the one the cost model estimates cheaper).
         routed: Whether the module's forward takes routes (see :class:`ParallelExperts`).
+        bias_first: Experts with biases whose features are split: whether this rank
+            adds the (whole, replicated) ``down_proj_bias``, which exactly one rank of
+            the ranks sharing an expert's features does; ``None`` otherwise.
 
     Returns:
         ``module`` itself, now an instance of ``Parallel<its class>``.
@@ -232,7 +281,7 @@ def shard_experts(module: nn.Module, layouts: dict[str, ParamLayout],
     cast(ParallelExperts, module).tp_group = group  # through its WeakGroup: held weakly
     module.__dict__.update(tp_layouts=dict(layouts), tp_world_size=world_size, tp_rank=rank,
                            expert_range=expert_range, expert_forward=forward, tp_name=name,
-                           dispatch=dispatch, routed=routed)
+                           dispatch=dispatch, routed=routed, bias_first=bias_first)
     if dispatch != "all_reduce":  # every rank's first expert, then E (balanced, like the cut)
         total = int(module.__dict__["num_experts"])  # before it becomes this rank's count
         module.__dict__.update(expert_starts=tuple(shard_offsets(total, world_size)))

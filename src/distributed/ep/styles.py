@@ -20,9 +20,15 @@ where ``[s, s+n)`` is this rank's balanced share of the ``I`` intermediate
 features (:func:`torchtp.core.layouts.shard_range`), cut in blocks of
 :func:`feature_block` features: ``grouped_mm`` (transformers' default experts
 kernel) needs every row of ``down_proj`` to start on a 16-byte boundary, so at
-tp 3 an ``I = 32`` in float32 is kept as 12/12/8 features, never 11/11/10. Experts with biases
-(GPT-OSS), without a gate or with a norm after each expert are refused: their
-output is not a sum of per-rank partial outputs.
+tp 3 an ``I = 32`` in float32 is kept as 12/12/8 features, never 11/11/10.
+
+Experts with biases (GPT-OSS): ``gate_up_proj_bias`` ``(E, 2I)`` keeps the same
+features as ``gate_up_proj`` (along dim 1), and ``down_proj_bias`` ``(E, H)``
+stays whole on every rank and is added by one rank of the features' ranks
+(:class:`~torchtp.ep.experts.ParallelExperts`), so the all-reduce adds it once,
+as :class:`~torchtp.layers.ColumnParallelLinear` adds its bias. Experts with a
+norm after each expert are refused: their output is not a sum of per-rank
+partial outputs.
 
 ``ep_dispatch_experts`` (:class:`ExpertsEP`, HF's expert-parallel plan, or
 ``DistributedModelWrapper(..., expert_parallel=True)``) keeps whole experts
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from ..core.layouts import ParamLayout, shard_range
@@ -53,6 +60,8 @@ from .dispatch import DISPATCH, Dispatch
 from .experts import shard_experts
 
 GATE_UP, DOWN, UP = "gate_up_proj", "down_proj", "up_proj"
+# The experts' parameters an experts style plans itself (HF plans may name them too)
+COVERS = (GATE_UP, DOWN, UP, f"{GATE_UP}_bias", f"{DOWN}_bias", f"{UP}_bias")
 
 _ALL_REDUCE = ("every rank sees every token (HF's 'all_reduce' expert parallelism): routes to "
                "other ranks' experts are masked, one all-reduce per MoE layer sums the outputs")
@@ -71,7 +80,7 @@ class ExpertsTP(ParallelStyle):
     """Split every expert's intermediate features over the TP ranks (one all-reduce per layer)."""
 
     name = "moe_tp_experts"
-    covers = (GATE_UP, DOWN, UP)
+    covers = COVERS
 
     def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
         experts, inter, layout = _geometry(module, fqn)
@@ -86,15 +95,17 @@ class ExpertsTP(ParallelStyle):
                   f"({layouts[DOWN].segments[0][1]} on this rank): "
                   f"{'gate/up' if layout.has_gate else 'up'} weight rows, down "
                   "weight columns; one all-reduce per MoE layer; the router stays replicated "
-                  "(every rank routes every token)")
+                  f"(every rank routes every token){_bias_detail(layout)}")
         return LayerPlan(fqn, self.name, constraints, full, layouts[_in_name(layout)].local_shape,
                          layouts, ("all_reduce",), detail)
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size == 1 or not layer.layouts:
             return module
+        layout = _layout(module, layer.fqn, self.name)
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
-                             name=layer.fqn, routed=_layout(module, layer.fqn, self.name).routed)
+                             name=layer.fqn, routed=layout.routed,
+                             bias_first=_bias_first(layout, ctx.rank))
 
 
 def check_expert_parallel(ep: object) -> None:
@@ -121,24 +132,47 @@ def _geometry(module: nn.Module, fqn: str,
     saying why its experts' features cannot be split."""
     who = f"plan style {style!r} for module '{fqn}' ({type(module).__name__})"
     layout = _layout(module, fqn, style)
-    for bad, flag, why in ((layout.has_bias, "has_bias=True", "expert biases are added inside "
-                            "each expert"),
-                           (layout.post_norm, "has_post_expert_norm=True", "a norm after each "
-                            "expert is not linear in the partial outputs")):
-        if bad:
-            raise ValueError(f"{who}: {flag}: {why}, so its output is not the sum of the ranks' "
-                             "partial outputs; use expert_parallel=True (whole experts per "
-                             "rank) or keep the experts whole with plan={'<pattern>': "
-                             "'replicate'}")
+    if layout.post_norm:
+        raise ValueError(f"{who}: has_post_expert_norm=True: a norm after each expert is not "
+                         "linear in the partial outputs, so its output is not the sum of the "
+                         "ranks' partial outputs; use expert_parallel=True (whole experts per "
+                         "rank) or keep the experts whole with plan={'<pattern>': 'replicate'}")
     name = _in_name(layout)
     gate_up, down = getattr(module, name), getattr(module, DOWN)
     e, rows = gate_up.shape[0], gate_up.shape[2 if layout.transposed else 1]
     inter = down.shape[1 if layout.transposed else 2]
+    hidden = down.shape[2 if layout.transposed else 1]
     if rows != (2 if layout.has_gate else 1) * inter or down.shape[0] != e:
         raise ValueError(f"{who}: '{name}' {tuple(gate_up.shape)} and '{DOWN}' "
                          f"{tuple(down.shape)} do not describe {e} "
                          f"{'gated ' if layout.has_gate else ''}experts")
+    if layout.has_bias:
+        for bias, shape in ((f"{name}_bias", (e, rows)), (f"{DOWN}_bias", (e, hidden))):
+            held = getattr(module, bias, None)
+            if not isinstance(held, torch.Tensor) or tuple(held.shape) != shape:
+                raise ValueError(f"{who}: has_bias=True, but '{bias}' is "
+                                 f"{_shape_text(held)}, not a tensor of shape {shape} (one "
+                                 f"bias per expert and feature); set has_bias to match the "
+                                 "module's parameters")
     return e, inter, layout
+
+
+def _shape_text(value: object) -> str:
+    return f"of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _bias_detail(layout: ExpertsLayout) -> str:
+    """For ``describe_plan()``: where the experts' biases go when their features are split."""
+    if not layout.has_bias:
+        return ""
+    return (f"; the {_in_name(layout)} bias keeps the rows its weight keeps, the {DOWN} bias "
+            "stays whole and is added by the first rank sharing each expert's features")
+
+
+def _bias_first(layout: ExpertsLayout, feature_rank: int) -> bool | None:
+    """Whether this rank adds the experts' ``down_proj_bias`` (the first of the ranks that
+    share every expert's features: rank ``feature_rank == 0``), ``None`` without biases."""
+    return (feature_rank == 0) if layout.has_bias else None
 
 
 def _in_name(layout: ExpertsLayout) -> str:
@@ -181,8 +215,12 @@ def _layouts(module: nn.Module, inter: int, layout: ExpertsLayout,
         gate_up_rows = ((2 * start, 2 * n),)
     name = _in_name(layout)
     gate_up = getattr(module, name)
-    return {name: ParamLayout(tuple(gate_up.shape), 2 if transposed else 1, gate_up_rows),
-            DOWN: ParamLayout(tuple(down.shape), 1 if transposed else 2, ((start, n),))}
+    layouts = {name: ParamLayout(tuple(gate_up.shape), 2 if transposed else 1, gate_up_rows),
+               DOWN: ParamLayout(tuple(down.shape), 1 if transposed else 2, ((start, n),))}
+    if layout.has_bias:  # (E, 2I): the features gate_up_proj keeps; down_proj_bias stays whole
+        bias = getattr(module, f"{name}_bias")
+        layouts[f"{name}_bias"] = ParamLayout(tuple(bias.shape), 1, gate_up_rows)
+    return layouts
 
 
 class ExpertsEP(ParallelStyle):
@@ -203,7 +241,7 @@ class ExpertsEP(ParallelStyle):
     """
 
     name = "ep_dispatch_experts"
-    covers = (GATE_UP, DOWN, f"{GATE_UP}_bias", f"{DOWN}_bias", "up_proj", "up_proj_bias")
+    covers = COVERS
 
     def __init__(self, ep: int | None = None, dispatch: Dispatch = "auto") -> None:
         if ep is not None:
@@ -286,12 +324,16 @@ class ExpertsEP(ParallelStyle):
         feature = ShardContext(inner, inner_rank, ctx.group, ctx.model_name)
         layouts = {name: replace(lay, second=(0, first, count))
                    for name, lay in _layouts(module, inter, layout, feature).items()}
+        if layout.has_bias:  # (E, H): this rank's experts, added by one rank of each block
+            bias = getattr(module, f"{DOWN}_bias")
+            layouts[f"{DOWN}_bias"] = ParamLayout(tuple(bias.shape), 0, ((first, count),))
         share = layouts[DOWN].segments[0][1]
         detail = (f"{experts} experts over ep={ep} ranks, {count} on this rank ({first}..."
                   f"{first + count - 1}), each expert's intermediate_size={inter} over "
                   f"tp/ep={inner} ranks ({share} here): gate/up weight rows, down weight columns; "
                   "every rank sees every token, routes to other ranks' experts are masked, one "
-                  "all-reduce per MoE layer sums the outputs; the router stays replicated")
+                  "all-reduce per MoE layer sums the outputs; the router stays replicated"
+                  f"{_bias_detail(layout)}")
         return LayerPlan(fqn, self.name, constraints, full, layouts[_in_name(layout)].local_shape,
                          layouts, ("all_reduce",), detail)
 
@@ -303,9 +345,13 @@ class ExpertsEP(ParallelStyle):
         layout = _layout(module, layer.fqn, self.name)
         layout.mark_parallel(module)
         dispatch = self._dispatch(ctx.world_size) if lay.second is None else "all_reduce"
+        # Blocks: the ranks sharing an expert's features each hold its whole down_proj_bias
+        inner = ctx.world_size // self._ep(ctx.world_size, layer.fqn)
+        bias_first = _bias_first(layout, ctx.rank % inner) if lay.second is not None else None
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
                              expert_range=(first, count),
-                             forward=layout.parallel_forward, name=layer.fqn, dispatch=dispatch)
+                             forward=layout.parallel_forward, name=layer.fqn, dispatch=dispatch,
+                             bias_first=bias_first)
 
 
 def _expert_count(module: nn.Module, fqn: str) -> int:

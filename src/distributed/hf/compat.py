@@ -127,7 +127,8 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     the base model's ``embed_tokens`` as ``"embedding_rowwise"`` when it is an
     ``nn.Embedding`` the plan does not name (added by transformers from 5.21),
     the entries of :data:`ADDED_IN_5_24`, and the experts entries 5.25 moved to the
-    EP plan (:data:`EXPERTS_SPLIT`, which also names three types new in 5.25).
+    EP plan (:data:`EXPERTS_SPLIT`, which also names three types new in 5.25, and
+    GPT-OSS, whose experts no transformers release splits by features).
     Checked: transformers 5.3.0, 5.23.0, 5.24.0, 5.25.0.
     """
     plan = getattr(model, "tp_plan", None)
@@ -154,17 +155,17 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
 # Base-model plan entries transformers 5.24 ships and older releases lack.
 ADDED_IN_5_24 = {"gpt_neox": {"embed_in": "embedding_rowwise"}}
 # Model types whose experts are split by features ("<experts>": "moe_tp_experts"):
-# those transformers 5.24's TP plan splits, and three types new in 5.25. 5.25 dropped
-# those entries (the experts are named in ``base_model_ep_plan`` only, as
-# "ep_dispatch_experts"), which would leave every expert whole on every rank; the
-# entry comes back from the EP plan. GPT-OSS and the other types 5.24 kept whole are
-# not listed, so they stay whole, as do types no test has split.
+# those transformers 5.24's TP plan splits, three types new in 5.25, and GPT-OSS (its
+# biases: ep/styles.py). 5.25 dropped those entries (the experts are named in
+# ``base_model_ep_plan`` only, as "ep_dispatch_experts"), which would leave every expert
+# whole on every rank; the entry comes back from the EP plan. Types no test has split
+# are not listed, so they stay whole.
 EXPERTS_SPLIT = frozenset({
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe",
     "deepseek_ocr2_text", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4",
     "diffusion_gemma_text", "dots1", "dots3_note_text", "dots3_note_vision_encoder",
     "ernie4_5_moe", "ernie4_5_vl_moe_text", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
-    "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa",
+    "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "gpt_oss",
     "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe",
     "hy_v3", "hy_v4", "hy_v4_vl_text", "inkling2_loop_text", "inkling2_text", "inkling_text",
     "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text",
@@ -348,7 +349,8 @@ def experts_flags(module: nn.Module) -> dict[str, bool] | None:
             and isinstance(getattr(module, "num_experts", None), int)):
         return None
     known = UNDECORATED_EXPERTS.get(type(module).__name__, {})
-    return {"concatenated": bool(getattr(module, "is_concatenated", True)),
+    return {"concatenated": bool(getattr(module, "is_concatenated",
+                                         known.get("concatenated", True))),
             "transposed": bool(getattr(module, "is_transposed", known.get("transposed", False))),
             "has_bias": bool(getattr(module, "has_bias", False)),
             "has_gate": bool(getattr(module, "has_gate", True)),
@@ -357,11 +359,14 @@ def experts_flags(module: nn.Module) -> dict[str, bool] | None:
             "routed": known.get("routed", True)}
 
 
-# Experts modules without ``use_experts_implementation``'s flags, by class name.
+# Experts modules without (some of) ``use_experts_implementation``'s flags, by class name.
 # Llama 4's: gate_up_proj (E, H, 2I) as [gate | up] and down_proj (E, I, H), its
 # forward(x) takes every expert's rows (E * N, H), routed and scaled by the MoE block.
+# GPT-OSS's interleaves gate/up pairs (its own _apply_gate reads [..., ::2]); 5.3.0
+# decorates it without is_concatenated, whose default would say [gate; up].
 # Checked: transformers 5.3.0, 5.24.0, 5.25.0.
-UNDECORATED_EXPERTS = {"Llama4TextExperts": {"transposed": True, "routed": False}}
+UNDECORATED_EXPERTS = {"Llama4TextExperts": {"transposed": True, "routed": False},
+                       "GptOssExperts": {"concatenated": False}}
 
 
 def mark_expert_parallel(module: nn.Module) -> None:

@@ -3,9 +3,10 @@
 Without an explicit plan (``plan=None``, ``"auto"`` or ``"auto-memory"``) the
 candidates are the model's own HF plan and torchtp's built-in plan for its
 architecture (models of a registered family, :mod:`torchtp.plans.sources`), and
-the automatic plan (every model). Each is resolved as the wrapper would
-resolve it (rules matched, attention split by whole heads, every attention
-split confirmed by the probe of :mod:`torchtp.plans.verify`). A candidate that
+the automatic plan (every model; with the experts rules of the first two). Each
+is resolved as the wrapper would resolve it (rules matched, attention split by
+whole heads, every attention split confirmed by the probe of
+:mod:`torchtp.plans.verify`). A candidate that
 cannot be planned at this tp (a style that does not fit the module or the tp
 size, a tied parameter split two ways) is discarded with the reason, except
 the first source (the model's own plan, else the built-in one, else the

@@ -27,6 +27,8 @@ from .styles_partial import (
 )
 from .styles_state_space import SsmHeads
 
+# The experts modules' styles (registered by ep): only a plan naming them splits experts
+EXPERT_STYLES = ("moe_tp_experts", "ep_dispatch_experts")
 _EP = ("a bare expert parameter is planned by its experts module's style "
        "('ep_dispatch_experts' or 'moe_tp_experts'), not on its own")
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -40,7 +41,7 @@ from .cost import hardware_for, memory_per_rank, size_text
 from .files import load_plan_file
 from .head_boundaries import check_head_boundaries
 from .head_split import split_whole_heads
-from .registry import get_style
+from .registry import EXPERT_STYLES, get_style
 from .resolved import Plan, ResolvedPlan, Rules
 from .sources import family_of, inner_model
 from .state_space import split_mixers
@@ -172,7 +173,8 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
         probe = family.probe_inputs(model) if example_inputs is None else example_inputs
         sources = [r for r in (family.own_rules(model), family.builtin_rules(model)) if r]
         try:
-            sources.append(auto_plan(model, ctx, probe, memory, family.head_config(model)))
+            sources.append(_with_experts(
+                auto_plan(model, ctx, probe, memory, family.head_config(model)), sources))
         except Exception as err:  # a model the automatic plan cannot handle: not a candidate
             if not sources:
                 raise
@@ -186,6 +188,23 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
 
     return choose(model, sources, ctx, resolve, hardware_for(model, ctx.group),
                   probe_tokens(probe), MEMORY if memory else FASTEST, max_memory)
+
+
+def _with_experts(auto: Rules, sources: list[Rules]) -> Rules:
+    """The automatic plan with the experts rules of the model's own or built-in plan.
+
+    The automatic plan splits Linears and attention by tracing them; an experts
+    module's 3-D parameters are split only by the experts styles a plan names. Without
+    the rules it would keep every expert whole on every rank, and lose by memory to a
+    plan that splits the experts but keeps, say, the attention whole (GPT-OSS's).
+    """
+    experts: dict[str, str | ParallelStyle] = {}
+    for rules in sources:
+        for pattern, style in rules.rules.items():
+            if style in EXPERT_STYLES and pattern not in auto.rules:
+                experts.setdefault(pattern, style)
+                auto.why.setdefault(pattern, f"experts rule of the {rules.source}")
+    return replace(auto, rules={**auto.rules, **experts}) if experts else auto
 
 
 def _inside(prefix: str, inner: nn.Module, ctx: ShardContext, memory: bool, verify: bool,
