@@ -128,13 +128,15 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     ``nn.Embedding`` the plan does not name (added by transformers from 5.21),
     the entries of :data:`ADDED_IN_5_24`, and the experts entries 5.25 moved to the
     EP plan (:data:`EXPERTS_SPLIT`, which also names three types new in 5.25, and
-    GPT-OSS, whose experts no transformers release splits by features).
+    GPT-OSS, whose experts no transformers release splits by features). A model
+    whose TP plan is empty has a plan only when its experts entries complete it
+    (GPT-OSS on 5.3, whose EP plan names its experts ``"moe_tp_experts"``).
     Checked: transformers 5.3.0, 5.23.0, 5.24.0, 5.25.0.
     """
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, dict):
         plan = getattr(model, "_tp_plan", None)
-    if not isinstance(plan, dict) or not plan:
+    if not isinstance(plan, dict):
         return None
     base = getattr(model, "base_model", model)
     lead = "" if base is model else f"{model.base_model_prefix}."
@@ -145,11 +147,13 @@ def instance_tp_plan(model: nn.Module) -> dict[str, str] | None:
     model_type = str(getattr(config, "model_type", None))
     for name, style in ADDED_IN_5_24.get(model_type, {}).items():
         extra[lead + name] = style
-    if model_type in EXPERTS_SPLIT:
-        for name, style in (getattr(config, "base_model_ep_plan", None) or {}).items():
-            if style == "ep_dispatch_experts":  # 5.24's entry for the same module
-                extra[lead + name] = "moe_tp_experts"
-    return {**class_tp_plan(type(model)), **extra, **plan}
+    experts = {lead + name: "moe_tp_experts"  # 5.24's entry for the same module
+               for name, style in (getattr(config, "base_model_ep_plan", None) or {}).items()
+               if model_type in EXPERTS_SPLIT and style in ("ep_dispatch_experts",
+                                                            "moe_tp_experts")}
+    if not plan and not experts:
+        return None
+    return {**class_tp_plan(type(model)), **extra, **experts, **plan}
 
 
 # Base-model plan entries transformers 5.24 ships and older releases lack.
