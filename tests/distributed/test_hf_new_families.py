@@ -7,6 +7,8 @@ norms with them, one all-reduce of the ``(B, T, 1)`` sums of squares per norm.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -166,6 +168,25 @@ def test_a_fused_mamba_kernel_keeps_the_mixers_whole(ranks, tmp_path):
         assert all(v.startswith("kept replicated: mamba_ssm is installed")
                    for n, v in got["checks"].items() if n.endswith("mixer")), got["checks"]
         assert "past the all-reduce a split needs" in got["describe"]
+
+
+@NEEDS_MAMBA_TORCH_PATH
+def test_a_user_plan_splitting_mixers_follows_the_release():
+    # Planning only (rank 0 of 2, no group; the probe runs each rank's slice). Before 5.5 a
+    # plan that asks for the split is refused, naming the release that allows it (the
+    # automatic plan keeps the mixers whole instead: test_state_space_mixers_split_by_heads).
+    plan = {"backbone.layers.*.mixer": "ssm_heads"}
+    if PREALLOCATED_STATES:
+        with pytest.raises(ValueError, match=(
+                r"plan style 'ssm_heads' for module 'backbone.layers.0.mixer' \(Mamba2Mixer\) "
+                rf"at world_size=2: transformers {re.escape(transformers.__version__)} allocates "
+                r"the cache's conv and SSM states at the full width .*pip install "
+                rf"'transformers>={re.escape(LAZY_STATE_CACHES)}' to split it; keep it whole")):
+            torchtp.DistributedModelWrapper(build("mamba2"), world_size=2, rank=0, plan=plan)
+        return
+    wrapped = torchtp.DistributedModelWrapper(build("mamba2"), world_size=2, rank=0, plan=plan)
+    assert wrapped.resolved_plan.layers["backbone.layers.0.mixer"].style == "ssm_heads"
+    assert wrapped.resolved_plan.checks["backbone.layers.1.mixer"] == "confirmed"
 
 
 def test_ssm_heads_on_a_module_that_is_no_mixer_is_refused():
