@@ -406,6 +406,58 @@ def check_route_mismatch(rank: int, world_size: int, expert_parallel: bool,
     raise AssertionError("different routes were not detected")
 
 
+def mark_hub_kernel(model: nn.Module) -> list[nn.Module]:
+    """Give GPT-OSS's MoE blocks the class attribute transformers' hub-kernel decorator
+    sets where the kernels package is installed (``use_kernel_forward_from_hub(
+    "MegaBlocksMoeMLP")``, transformers 5.24); returns the blocks."""
+    blocks = [layer.mlp for layer in model.model.layers]
+    marked = type("KernelGptOssMLP", (type(blocks[0]),), {"kernel_layer_name": "MegaBlocksMoeMLP"})
+    for block in blocks:
+        block.__class__ = marked
+    return blocks
+
+
+def kernelize(blocks: list[nn.Module]) -> None:
+    """What ``kernels.kernelize`` does to each block on CUDA: bind the kernel layer's forward
+    to the instance (here a stand-in that reads the experts' parameters itself, as
+    MegaBlocks does, and sums nothing across ranks)."""
+    from types import MethodType
+
+    def kernel_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states @ self.experts.gate_up_proj[0][:, :hidden_states.shape[-1]]
+
+    for block in blocks:
+        block.forward = MethodType(kernel_forward, block)
+
+
+def check_hub_kernel_after_wrap(rank: int, world_size: int) -> tuple[str, float]:
+    """GPT-OSS wrapped at tp 2 (its MoE blocks marked for a hub kernel, not kernelized):
+    exact; then kernelized, as ``model.train()`` does under ``use_kernels=True``: the next
+    forward raises on every rank before any collective; the kernel's fallback (its forward
+    removed again) runs exact again."""
+    import time
+
+    ref = build_moe("gpt_oss")
+    model = build_moe("gpt_oss")
+    blocks = mark_hub_kernel(model)
+    wrapped = torchtp.DistributedModelWrapper(model)
+    batch = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **TOL)
+        kernelize(blocks)
+        start = time.monotonic()
+        try:
+            wrapped(**batch)
+        except RuntimeError as err:
+            message, seconds = str(err), time.monotonic() - start
+        else:
+            raise AssertionError("a hub kernel bound after the wrap ran unnoticed")
+        for block in blocks:  # kernels' fallback: the class's own forward again
+            del block.__dict__["forward"]
+        torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **TOL)
+    return message, seconds
+
+
 def _adamw_steps(model: nn.Module, opt: torch.optim.Optimizer,
                  batch: dict[str, torch.Tensor], n: int = 2) -> list[float]:
     """``n`` training steps on ``batch`` (loss from its labels); the losses."""

@@ -10,6 +10,8 @@ optimizer-step check) and puts three hooks on the wrapped model
 
 * before the forward: refuse a DDP built before the model was sharded (only
   while a DDP runs a forward: :func:`torchtp.layers.ddp_guard.check_active_ddp`),
+  refuse a hub kernel bound since the wrap to a module the plan splits (only for
+  models that have such modules: :func:`torchtp.guards.checks.hub_kernel_modules`),
   report a backward through an earlier output that raised on this rank, mark
   the forward running, hash the inputs to ride the step's first collective
   (:class:`torchtp.guards.input_check.InputCheck`);
@@ -44,7 +46,7 @@ from ..core import torch_compat as _torch_compat
 from ..layers import ddp_guard
 from ..plans import ShardContext
 from ..training import clip
-from . import forward_guard, step_check
+from . import checks, forward_guard, step_check
 from .input_check import InputCheck, first_layer_shard_width
 
 
@@ -62,6 +64,8 @@ class ForwardDoor:
         self.st = state(ctx.group)
         self.inputs = InputCheck(model, self.st, first_layer_shard_width(model, layer_names))
         self.running = False  # a forward began and has not returned (for the fault report)
+        # Modules a hub kernel could replace later (train()/eval() re-kernelizes): usually none
+        self.kernels = checks.hub_kernel_modules(model, layer_names)
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook."""
@@ -69,6 +73,8 @@ class ForwardDoor:
             return
         if _torch_compat.active_ddp() is not None:  # a DDP runs its forward into us
             ddp_guard.check_active_ddp(module)
+        if self.kernels:
+            checks.refuse_hub_kernels(self.kernels, RuntimeError)
         if not dist.is_initialized():
             return
         self.running = False
