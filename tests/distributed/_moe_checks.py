@@ -79,7 +79,14 @@ def build_moe(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    return tf.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    model = tf.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    # GPT-OSS initialises its experts' biases to zeros: drawn here, so that a bias cut
+    # with the wrong features, or added on more than one rank, changes the results.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name and name.endswith("_bias"):
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed + 1))
+    return model
 
 
 def _batch() -> dict[str, torch.Tensor]:
