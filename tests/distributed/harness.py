@@ -128,8 +128,10 @@ def _context(method: str) -> mp.context.BaseContext:
     if method == "forkserver":
         # Children fork from a server that imported torch once: starts take ms, not s.
         # transformers' modeling_utils too (about 1.5 s per rank when imported there):
-        # most ranks build an HF model. Nothing of peft, accelerate or lightning, whose
-        # late import some tests watch.
+        # most ranks build an HF model. It imports accelerate and torch._dynamo with it, so
+        # ranks start with them loaded; the late import of a framework (torchtp's import
+        # watch) is tested in fresh subprocesses (test_no_import_patches), and peft and
+        # lightning, whose late import some ranks watch, are not preloaded.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torchtp",
                                     "transformers.modeling_utils"])
     return ctx

@@ -244,6 +244,12 @@ def test_experts_that_are_not_a_sum_of_partial_outputs_are_refused():
             r"\(MixtralExperts\): has_bias=True, but 'gate_up_proj_bias' is None, not a tensor "
             r"of shape \(4, 96\).*set has_bias to match")):
         torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+    model = build_moe("gpt_oss")
+    model.model.layers[0].mlp.experts.has_bias = False  # biases its forward would still add
+    with pytest.raises(ValueError, match=(
+            r"\(GptOssExperts\): has_bias=False, but the module holds 'gate_up_proj_bias' of "
+            r"shape \(4, 48\).*set has_bias to match")):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
 
 
 def test_bare_expert_parameters_and_pointless_expert_parallel_are_refused():

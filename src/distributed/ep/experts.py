@@ -141,7 +141,7 @@ class ParallelExperts(ShardedModule):
         if self.bias_first is None or self.bias_first:
             yield
             return
-        # (E, H), the Parameter itself, the same on every rank
+        # (E, H), (E/ep, H) in blocks: the Parameter, the same on every rank sharing it
         bias = nn.Module.__getattr__(self, "down_proj_bias")  # type: ignore[arg-type]
         self.__dict__["down_proj_bias"] = _OnOneRank.apply(bias)  # (E, H) zeros
         try:

@@ -47,6 +47,7 @@ partial output.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -105,7 +106,7 @@ class ExpertsTP(ParallelStyle):
         layout = _layout(module, layer.fqn, self.name)
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
                              name=layer.fqn, routed=layout.routed,
-                             bias_first=_bias_first(layout, ctx.rank))
+                             bias_first=_bias_first(layout, layer.layouts))
 
 
 def check_expert_parallel(ep: object) -> None:
@@ -146,14 +147,18 @@ def _geometry(module: nn.Module, fqn: str,
         raise ValueError(f"{who}: '{name}' {tuple(gate_up.shape)} and '{DOWN}' "
                          f"{tuple(down.shape)} do not describe {e} "
                          f"{'gated ' if layout.has_gate else ''}experts")
-    if layout.has_bias:
-        for bias, shape in ((f"{name}_bias", (e, rows)), (f"{DOWN}_bias", (e, hidden))):
-            held = getattr(module, bias, None)
-            if not isinstance(held, torch.Tensor) or tuple(held.shape) != shape:
-                raise ValueError(f"{who}: has_bias=True, but '{bias}' is "
-                                 f"{_shape_text(held)}, not a tensor of shape {shape} (one "
-                                 f"bias per expert and feature); set has_bias to match the "
-                                 "module's parameters")
+    for bias, shape in ((f"{name}_bias", (e, rows)), (f"{DOWN}_bias", (e, hidden))):
+        held = getattr(module, bias, None)
+        if layout.has_bias and (not isinstance(held, torch.Tensor)
+                                or tuple(held.shape) != shape):
+            raise ValueError(f"{who}: has_bias=True, but '{bias}' is {_shape_text(held)}, not "
+                             f"a tensor of shape {shape} (one bias per expert and feature); "
+                             "set has_bias to match the module's parameters")
+        if not layout.has_bias and held is not None:
+            raise ValueError(f"{who}: has_bias=False, but the module holds '{bias}' "
+                             f"{_shape_text(held)}: its forward may add it, which the split "
+                             "would not cut or add once; set has_bias to match the module's "
+                             "parameters")
     return e, inter, layout
 
 
@@ -169,10 +174,11 @@ def _bias_detail(layout: ExpertsLayout) -> str:
             "stays whole and is added by the first rank sharing each expert's features")
 
 
-def _bias_first(layout: ExpertsLayout, feature_rank: int) -> bool | None:
-    """Whether this rank adds the experts' ``down_proj_bias`` (the first of the ranks that
-    share every expert's features: rank ``feature_rank == 0``), ``None`` without biases."""
-    return (feature_rank == 0) if layout.has_bias else None
+def _bias_first(layout: ExpertsLayout, layouts: Mapping[str, ParamLayout]) -> bool | None:
+    """Whether this rank adds the experts' ``down_proj_bias``: the rank whose share of the
+    features starts at feature 0, one of the ranks sharing each expert's features (``None``
+    without biases)."""
+    return layouts[DOWN].segments[0][0] == 0 if layout.has_bias else None
 
 
 def _in_name(layout: ExpertsLayout) -> str:
@@ -202,7 +208,8 @@ def feature_block(inter: int, parts: int, itemsize: int) -> int:
 
 def _layouts(module: nn.Module, inter: int, layout: ExpertsLayout,
              ctx: ShardContext) -> dict[str, ParamLayout]:
-    """This rank's layout of ``gate_up_proj`` and ``down_proj`` (see the module docstring)."""
+    """This rank's layout of ``gate_up_proj`` and ``down_proj``, and of ``gate_up_proj_bias``
+    with biases (see the module docstring)."""
     down = getattr(module, DOWN)
     block = feature_block(inter, ctx.world_size, down.element_size())
     start, n = shard_range(inter // block, ctx.world_size, ctx.rank, block)
@@ -345,9 +352,9 @@ class ExpertsEP(ParallelStyle):
         layout = _layout(module, layer.fqn, self.name)
         layout.mark_parallel(module)
         dispatch = self._dispatch(ctx.world_size) if lay.second is None else "all_reduce"
-        # Blocks: the ranks sharing an expert's features each hold its whole down_proj_bias
-        inner = ctx.world_size // self._ep(ctx.world_size, layer.fqn)
-        bias_first = _bias_first(layout, ctx.rank % inner) if lay.second is not None else None
+        # Blocks: the ranks sharing an expert's features each hold its whole down_proj_bias;
+        # whole experts hold their own
+        bias_first = _bias_first(layout, layer.layouts) if lay.second is not None else None
         return shard_experts(module, dict(layer.layouts), ctx.group, ctx.world_size, ctx.rank,
                              expert_range=(first, count),
                              forward=layout.parallel_forward, name=layer.fqn, dispatch=dispatch,

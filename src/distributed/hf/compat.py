@@ -338,7 +338,9 @@ def experts_flags(module: nn.Module) -> dict[str, bool] | None:
 
     ``use_experts_implementation`` sets them on the instance; releases before
     a flag existed stored what its default says (checked: 5.3.0 has no
-    ``is_concatenated`` or ``has_post_expert_norm`` and concatenates [gate; up]).
+    ``is_concatenated`` or ``has_post_expert_norm`` and concatenates [gate; up]),
+    except for the classes :data:`UNDECORATED_EXPERTS` describes (GPT-OSS's
+    interleaved gate/up on 5.3.0).
     ``sentinel``: the experts implementations skip routes numbered
     ``num_experts`` when ``_is_expert_parallel`` is set (absent in 5.3.0, whose
     eager forward one-hot encodes ``num_experts`` classes only).
