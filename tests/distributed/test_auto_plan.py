@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,6 +142,47 @@ def test_ops_that_mix_features_or_leak_the_hidden_state_are_never_paired():
     leaky = DistributedModelWrapper(_Leaky(), world_size=2, rank=0)
     assert leaky.resolved_plan.rules["fc2"] != "rowwise"
     assert "a tensor between them is also read elsewhere" in leaky.describe_plan()
+
+
+class _Scaled(nn.Linear):
+    """A Linear subclass with a forward of its own (as quantized or grouped Linears have)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0
+
+
+class _WithScaledHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(16, 64), nn.Linear(64, 16), _Scaled(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(F.gelu(self.fc1(x))))
+
+
+def _check_scaled_head(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    ref = _WithScaledHead().double()
+    torch.manual_seed(0)
+    wrapped = DistributedModelWrapper(_WithScaledHead().double(), plan="auto-memory")
+    x = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want, got = ref(x), wrapped(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # float64, one reordered sum
+    want.square().sum().backward()
+    got.square().sum().backward()
+    compare_params(wrapped, ref, grads=True)
+    return wrapped.describe_plan()
+
+
+def test_a_linear_subclass_with_its_own_forward_stays_whole_and_the_rest_splits(ranks):
+    # Before 2026-12-07 the automatic plan gave such a module a split style, which the wrap
+    # then refused ("overrides forward and does not compute a plain linear map"): no plan at
+    # all for the model (or the whole candidate discarded for an HF model: DeepSeek-V4).
+    for described in ranks(_check_scaled_head, 2, timeout=120):
+        assert re.search(r"fc1 +colwise +64x16 -> 32x16", described), described
+        assert re.search(r"fc2 +rowwise +16x64 -> 16x32", described), described
+        assert re.search(r"head +replicate +16x16 -> whole +kept whole: module 'head' "
+                         r"\(_Scaled\) overrides forward", described), described
 
 
 def test_cost_guard_keeps_pairs_whole_unless_memory_is_asked_for():

@@ -30,7 +30,10 @@ forward (on the probe's inputs) are at most the weight bytes each rank saves
 by not running it replicated; ``plan="auto-memory"`` splits regardless, to
 save memory. A Linear without a partner is proposed split (its output
 gathered, or its input split); whether it stays split is decided by cost
-with every other candidate plan (:mod:`torchtp.plans.choose`).
+with every other candidate plan (:mod:`torchtp.plans.choose`). A Linear
+subclass whose forward is not the plain linear map (a quantized or grouped
+Linear: :func:`torchtp.plans.fidelity.custom_forward`) is neither: it stays
+whole, with the reason.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ..core.layouts import cut
 from ..layers.shared_by_heads import rms_norm_of_shard
 from .attention_local import local_overrides, narrow_head_biases
 from .dataflow import Inputs, Region, Trace, differs, probe_mode, record
+from .fidelity import custom_forward
 from .heads import (
     HeadInfo,
     head_info,
@@ -124,6 +128,9 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
     """
     rules = Rules(SOURCE, {}, heads={})
     linears = {n: m for n, m in model.named_modules() if linear_view(m) is not None}
+    # A Linear subclass with a forward of its own is not a split candidate (nor a pair's part)
+    custom = {n: why for n, m in linears.items() if (why := custom_forward(m, n)) is not None}
+    linears = {n: m for n, m in linears.items() if n not in custom}
     tied = _shared_weights(model)
     trace = _probe(model, example_inputs, rules.notes)
     styles: dict[str, ParallelStyle | str] = {}
@@ -134,6 +141,8 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
             if _pair_pays(pair, trace, linears, memory, rules):
                 _take(pair, styles, rules)
                 consumers.append(pair.consumer)
+    for name, why in custom.items():
+        styles[name], rules.why[name] = "replicate", why
     for name, module in linears.items():
         if name in rules.why:  # in a pair that was refused: kept whole, no collective at all
             styles.setdefault(name, "replicate")
@@ -302,7 +311,8 @@ def _candidates(model: nn.Module, trace: Trace, linears: dict[str, nn.Module], t
         if not producers or b in taken:
             continue
         group = [*producers, b]
-        if any(n in taken or len(trace.calls[n]) != 1 or id(linears[n]) in tied for n in group):
+        if any(n not in linears or n in taken or len(trace.calls[n]) != 1
+               or id(linears[n]) in tied for n in group):
             continue
         leaves = _head_leaves(model, region, producers, b, config)
         norms, params = leaves if leaves is not None else ((), ())

@@ -62,6 +62,17 @@ def check_linear_forward(module: nn.Module, fqn: str, style: str) -> None:
         raise ValueError(_custom(fqn, module, style))
 
 
+def custom_forward(module: nn.Module, fqn: str) -> str | None:
+    """Why a Linear-like ``module`` stays whole in the automatic plan (its forward is not
+    the plain linear map: :func:`check_linear_forward`), or ``None`` when it may be split."""
+    try:
+        check_linear_forward(module, fqn, "colwise")
+    except ValueError:
+        return (f"kept whole: module '{fqn}' ({type(module).__name__}) overrides forward and "
+                "does not compute a plain linear map; a split would drop what its forward adds")
+    return None
+
+
 def _custom(fqn: str, module: nn.Module, style: str, detail: str = "") -> str:
     return (f"module '{fqn}' ({type(module).__name__}) overrides forward and does not compute a "
             f"plain linear map{detail}, so style {style!r} would drop its extra behaviour (LoRA, "
