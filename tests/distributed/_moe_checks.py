@@ -437,32 +437,37 @@ def kernelize(blocks: list[nn.Module]) -> None:
         block.forward = MethodType(kernel_forward, block)
 
 
-def check_hub_kernel_after_wrap(rank: int, world_size: int) -> tuple[str, float]:
-    """GPT-OSS wrapped at tp 2 (its MoE blocks marked for a hub kernel, not kernelized):
+def check_hub_kernels(rank: int, world_size: int) -> list[tuple[str, float]]:
+    """GPT-OSS at tp 2 with its MoE blocks marked for a hub kernel. Kernelized before the
+    wrap: the first forward raises on every rank before any collective. Not kernelized:
     exact; then kernelized, as ``model.train()`` does under ``use_kernels=True``: the next
-    forward raises on every rank before any collective; the kernel's fallback (its forward
-    removed again) runs exact again."""
+    forward raises the same way; with the kernel removed again (its fallback) it runs
+    exact. Returns each refusal's message and seconds."""
     import time
 
-    ref = build_moe("gpt_oss")
-    model = build_moe("gpt_oss")
-    blocks = mark_hub_kernel(model)
-    wrapped = torchtp.DistributedModelWrapper(model)
-    batch = _batch()
-    with torch.no_grad():
-        torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **TOL)
-        kernelize(blocks)
+    def refused(wrapped: nn.Module) -> tuple[str, float]:
         start = time.monotonic()
         try:
             wrapped(**batch)
         except RuntimeError as err:
-            message, seconds = str(err), time.monotonic() - start
-        else:
-            raise AssertionError("a hub kernel bound after the wrap ran unnoticed")
+            return str(err), time.monotonic() - start
+        raise AssertionError("a hub kernel in place of the split experts ran unnoticed")
+
+    ref, batch = build_moe("gpt_oss"), _batch()
+    model = build_moe("gpt_oss")
+    kernelize(mark_hub_kernel(model))
+    with torch.no_grad():
+        got = [refused(torchtp.DistributedModelWrapper(model))]
+        model = build_moe("gpt_oss")
+        blocks = mark_hub_kernel(model)
+        wrapped = torchtp.DistributedModelWrapper(model)
+        torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **TOL)
+        kernelize(blocks)
+        got.append(refused(wrapped))
         for block in blocks:  # kernels' fallback: the class's own forward again
             del block.__dict__["forward"]
         torch.testing.assert_close(wrapped(**batch).logits, ref(**batch).logits, **TOL)
-    return message, seconds
+    return got
 
 
 def _adamw_steps(model: nn.Module, opt: torch.optim.Optimizer,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from types import MethodType
 from typing import Any
 
 from torch import nn
@@ -29,8 +28,6 @@ from .agreement import agree as agree_across
 from .fingerprints import tensor_digest
 
 WHO = "DistributedModelWrapper"
-# (module name, module, its hub kernel layer, the split module at or under it)
-HubKernelSite = tuple[str, nn.Module, str, str]
 
 
 def refuse_wrapped(model: nn.Module, wrapper_type: type) -> None:
@@ -108,15 +105,12 @@ def before_slicing(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
         copies would otherwise each keep a slice of a different model).
 
     Raises:
-        ValueError: the parameters sit where the group's backend cannot communicate,
-            or a hub kernel runs in place of a module the plan splits.
+        ValueError: the parameters sit where the group's backend cannot communicate.
     """
     if ctx.world_size > 1:
         wrong_device = device_mismatch(model, ctx.group)
         if wrong_device is not None:
             raise wrong_device
-        refuse_hub_kernels(hub_kernel_modules(
-            model, [n for n, layer in plan.layers.items() if layer.layouts]), ValueError)
     prints: dict[str, Any] = {"world_size": ctx.world_size, "plan": plan.rules,
                               "attention checks": plan.checks, "options": options, **extra}
     for name, layer in plan.layers.items():
@@ -125,48 +119,6 @@ def before_slicing(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext,
         prints[f"weights of '{name}' (sampled digest; ranks built with different seeds or "
                "from different checkpoint copies?)"] = tensor_digest(t)
     return prints
-
-
-def hub_kernel_modules(model: nn.Module, split: list[str]) -> list[HubKernelSite]:
-    """``(name, module, kernel layer, split module)`` for every module a hub kernel may run in place of
-    torchtp's split: the modules named in ``split`` and their ancestors whose class the
-    ``kernels`` library marked (``kernel_layer_name``, set by transformers'
-    ``use_kernel_forward_from_hub``: GPT-OSS's MoE block, Qwen3.5's gated delta-net).
-
-    ``kernelize`` (transformers' ``use_kernels=True``, its default from 5.25 where
-    ``kernels`` is installed, and again at every ``train()``/``eval()`` that changes
-    the mode) binds the kernel's forward to such a module on CUDA. That forward computes
-    from the parameters itself, without the collectives or the local head counts of the
-    split, so torchtp checks for it at the wrap and before every forward.
-    """
-    found: dict[str, HubKernelSite] = {}
-    for name in split:
-        parts = name.split(".")
-        for i in range(len(parts), -1, -1):
-            owner = ".".join(parts[:i])
-            module = model.get_submodule(owner)
-            layer = getattr(type(module), "kernel_layer_name", None)
-            if owner not in found and isinstance(layer, str):
-                found[owner] = (owner, module, layer, name)
-    return list(found.values())
-
-
-def refuse_hub_kernels(watched: list[HubKernelSite], error: type[Exception]) -> None:
-    """Raise ``error`` if a hub kernel's forward replaced one of ``watched`` (see
-    :func:`hub_kernel_modules`): ``kernels`` binds it to the instance (``MethodType``);
-    its fallback and ``reset_kernels`` remove it again. The same verdict on every rank:
-    every rank kernelizes its model alike."""
-    for name, module, layer, split in watched:
-        if isinstance(vars(module).get("forward"), MethodType):
-            raise error(
-                f"'{name or type(module).__name__}' ({type(module).__name__}) runs the hub "
-                f"kernel '{layer}' (kernelized: transformers' use_kernels=True, the default "
-                "from 5.25 when the kernels package is installed): the kernel's forward "
-                f"replaces the module's own and computes from the parameters of '{split}' "
-                "itself, without the collectives and local sizes of torchtp's split, so its "
-                "results would be wrong; load the model with use_kernels=False or call "
-                "model.set_use_kernels(False) (before wrapping, and not again after), or keep "
-                f"'{split}' whole with plan={{'{split}': 'replicate'}}")
 
 
 def agree(error: BaseException | None, fingerprint: dict[str, Any],

@@ -10,8 +10,8 @@ optimizer-step check) and puts three hooks on the wrapped model
 
 * before the forward: refuse a DDP built before the model was sharded (only
   while a DDP runs a forward: :func:`torchtp.layers.ddp_guard.check_active_ddp`),
-  refuse a hub kernel bound since the wrap to a module the plan splits (only for
-  models that have such modules: :func:`torchtp.guards.checks.hub_kernel_modules`),
+  refuse a hub kernel bound to a module the plan splits (only for models that
+  have such modules: :func:`hub_kernel_modules`),
   report a backward through an earlier output that raised on this rank, mark
   the forward running, hash the inputs to ride the step's first collective
   (:class:`torchtp.guards.input_check.InputCheck`);
@@ -34,6 +34,7 @@ measures the door's per-call cost.
 from __future__ import annotations
 
 import sys
+from types import MethodType
 from typing import Any
 
 import torch
@@ -46,8 +47,11 @@ from ..core import torch_compat as _torch_compat
 from ..layers import ddp_guard
 from ..plans import ShardContext
 from ..training import clip
-from . import checks, forward_guard, step_check
+from . import forward_guard, step_check
 from .input_check import InputCheck, first_layer_shard_width
+
+# (module name, module, its hub kernel layer, the split module at or under it)
+HubKernelSite = tuple[str, nn.Module, str, str]
 
 
 class ForwardDoor:
@@ -64,8 +68,9 @@ class ForwardDoor:
         self.st = state(ctx.group)
         self.inputs = InputCheck(model, self.st, first_layer_shard_width(model, layer_names))
         self.running = False  # a forward began and has not returned (for the fault report)
-        # Modules a hub kernel could replace later (train()/eval() re-kernelizes): usually none
-        self.kernels = checks.hub_kernel_modules(model, layer_names)
+        # Modules a hub kernel could run in place of the split (kernelized before the wrap,
+        # or later: train()/eval() re-kernelizes): usually none
+        self.kernels = hub_kernel_modules(model, layer_names)
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook."""
@@ -74,7 +79,7 @@ class ForwardDoor:
         if _torch_compat.active_ddp() is not None:  # a DDP runs its forward into us
             ddp_guard.check_active_ddp(module)
         if self.kernels:
-            checks.refuse_hub_kernels(self.kernels, RuntimeError)
+            refuse_hub_kernels(self.kernels)
         if not dist.is_initialized():
             return
         self.running = False
@@ -106,6 +111,50 @@ class ForwardDoor:
         self.inputs.cleanup()
         if tensor_memo.KEPT:  # region entries would keep the forward's graph alive
             regions.forget_shared_inputs()
+
+
+def hub_kernel_modules(model: nn.Module, split: list[str]) -> list[HubKernelSite]:
+    """``(name, module, kernel layer, split module)`` for every module of the sliced
+    ``model`` a hub kernel may run in place of torchtp's split: the modules named in
+    ``split`` (swapped or cut in place) and their ancestors whose class the ``kernels``
+    library marked (``kernel_layer_name``, set by transformers'
+    ``use_kernel_forward_from_hub``: GPT-OSS's MoE block, Qwen3.5's gated delta-net).
+    A module torchtp replaced by a layer of its own carries no kernel.
+
+    ``kernelize`` (transformers' ``use_kernels=True``, its default from 5.25 where
+    ``kernels`` is installed, and again at every ``train()``/``eval()`` that changes
+    the mode) binds the kernel's forward to such a module on CUDA, before the wrap or
+    after it. That forward computes from the parameters itself, without the collectives
+    or the local head counts of the split, so the door checks for it before every forward.
+    """
+    found: dict[str, HubKernelSite] = {}
+    for name in split:
+        parts = name.split(".")
+        for i in range(len(parts), -1, -1):
+            owner = ".".join(parts[:i])
+            module = model.get_submodule(owner)
+            layer = getattr(type(module), "kernel_layer_name", None)
+            if owner not in found and isinstance(layer, str):
+                found[owner] = (owner, module, layer, name)
+    return list(found.values())
+
+
+def refuse_hub_kernels(watched: list[HubKernelSite]) -> None:
+    """Raise :class:`RuntimeError` if a hub kernel's forward replaced one of ``watched`` (see
+    :func:`hub_kernel_modules`): ``kernels`` binds it to the instance (``MethodType``);
+    its fallback and ``reset_kernels`` remove it again. The same verdict on every rank:
+    every rank kernelizes its model alike."""
+    for name, module, layer, split in watched:
+        if isinstance(vars(module).get("forward"), MethodType):
+            raise RuntimeError(
+                f"'{name or type(module).__name__}' ({type(module).__name__}) runs the hub "
+                f"kernel '{layer}' (kernelized: transformers' use_kernels=True, the default "
+                "from 5.25 when the kernels package is installed): the kernel's forward "
+                f"replaces the module's own and computes from the parameters of '{split}' "
+                "itself, without the collectives and local sizes of torchtp's split, so its "
+                "results would be wrong; load the model with use_kernels=False or call "
+                "model.set_use_kernels(False) (and do not turn it on again), or keep "
+                f"'{split}' whole with plan={{'{split}': 'replicate'}}")
 
 
 def install(model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None:
