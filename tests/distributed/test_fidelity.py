@@ -50,13 +50,19 @@ class ScaledEmbedding(nn.Embedding):
 
 
 def test_linear_subclass_with_extra_forward_is_refused():
-    # The automatic plan cannot pair it (its local slice does not compute the
-    # slice of its output), so it is planned alone; either way it is refused.
+    # A plan that splits it is refused; the automatic plan keeps it whole, saying why, and
+    # plans the rest (decision 172).
     model = nn.Sequential(LoraLinear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     with pytest.raises(ValueError, match=(
             r"module '0' \(LoraLinear\) overrides forward and does not compute a plain linear "
-            r"map, so style 'colwise(_gather_output)?' would drop its extra behaviour")):
-        torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+            r"map, so style 'colwise' would drop its extra behaviour")):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0,
+                                        plan={"0": "colwise", "2": "rowwise"})
+    auto = torchtp.DistributedModelWrapper(
+        nn.Sequential(LoraLinear(8, 16), nn.ReLU(), nn.Linear(16, 8)), world_size=2, rank=0)
+    assert auto.resolved_plan.rules["0"] == "replicate"
+    assert "kept whole: module '0' (LoraLinear) overrides forward and does not compute a " \
+           "plain linear map" in auto.describe_plan()
 
 
 def test_linear_subclass_with_another_output_dtype_is_refused():
@@ -65,8 +71,9 @@ def test_linear_subclass_with_another_output_dtype_is_refused():
     with pytest.raises(ValueError, match=(
             r"module '2' \(Float32OutLinear\) overrides forward and does not compute a plain "
             r"linear map \(its output is torch.float32 where the plain map's is torch.float64\), "
-            r"so style '\w+' would drop its extra behaviour")):
-        torchtp.DistributedModelWrapper(model, world_size=2, rank=0)
+            r"so style 'rowwise' would drop its extra behaviour")):
+        torchtp.DistributedModelWrapper(model, world_size=2, rank=0,
+                                        plan={"0": "colwise", "2": "rowwise"})
 
 
 def test_linear_subclass_with_plain_math_is_swapped():
