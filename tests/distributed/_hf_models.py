@@ -125,6 +125,12 @@ def _more_configs(tf: object) -> dict:
                                       decoder_layers=2, encoder_attention_heads=8,
                                       decoder_attention_heads=8, encoder_ffn_dim=128,
                                       decoder_ffn_dim=128, max_position_embeddings=64),
+        # An encoder-decoder whose dummy inputs hold no decoder ids and which does not
+        # shift input_ids itself: the probe must supply decoder_input_ids.
+        "pegasus": lambda: tf.PegasusConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2,
+                                            decoder_layers=2, encoder_attention_heads=8,
+                                            decoder_attention_heads=8, encoder_ffn_dim=128,
+                                            decoder_ffn_dim=128, max_position_embeddings=64),
     }
 
 
@@ -267,7 +273,7 @@ def vocab_of(arch: str) -> int:
     return UNEVEN_VOCAB if arch.endswith("-uneven") else VOCAB
 
 
-SEQ2SEQ = {"t5", "bart"}
+SEQ2SEQ = {"t5", "bart", "pegasus"}
 MASKED = {"bert", "roberta", "distilbert", "electra"}
 
 
@@ -275,7 +281,7 @@ GENERATES = {"granite_swa", "llama4", "llama", "llama-tied", "mistral", "qwen2",
              "gpt_neox", "gpt2", "opt",
              "gemma", "gpt_bigcode", "gemma2", "starcoder2", "olmo", "olmo2", "granite", "cohere",
              "phi", "stablelm", "mistral-mqa", "llama-bias", "falcon", "falcon-new", "gptj",
-             "codegen", "bloom", "mpt", "t5", "bart", "llama-uneven", "qwen2-uneven",
+             "codegen", "bloom", "mpt", "t5", "bart", "pegasus", "llama-uneven", "qwen2-uneven",
              "llama-tied-uneven", "gpt2-uneven", "olmo2-gqa", "olmo2-uneven",
              "deepseek_v3-uneven", "deepseek_v2-uneven", "mamba2", "mamba2-uneven", "falcon_h1",
              "falcon_h1-uneven", "mamba-uneven", "jamba", "qwen3_next", "qwen3_next-uneven", "bamba",

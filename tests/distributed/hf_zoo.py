@@ -1,13 +1,17 @@
-"""Sweep every causal-LM type the installed transformers knows, at tp 2 (or 3, 4), against one process.
+"""Sweep every model type the installed transformers knows for one head (the causal-LM
+head by default), at tp 2 (or 3, 4), against one process.
 
 A tool for new releases (``make zoo``, docs/compat.md), not part of ``make test``:
-each model type's config class is built with its defaults shrunk to tiny sizes
+each model type of the head's auto mapping (:data:`HEADS`: causal LM, masked LM,
+sequence-to-sequence LM, sequence or token classification) has its config class
+built with its defaults shrunk to tiny sizes
 (the fields in :data:`SHRINK` it has), in float64, eval mode, eager attention and
 experts; a type whose tiny
 config cannot be built, is still over :data:`MAX_PARAMETERS` or whose unsharded
 forward fails is skipped (reported as such). Every other one is wrapped
 (``plan=None``) on two Gloo ranks (``--tp N``: N) and compared: logits, then every gradient of
-``logits.square().mean()``. Each line of the output is one type's verdict:
+``logits.square().mean()`` (a sequence-to-sequence model is given ``decoder_input_ids``
+too). Each line of the output is one type's verdict:
 
 * ``ok``: exact (share of parameters on rank 0, layers split);
 * ``MISMATCH``: logits or gradients differ beyond float32 rounding (rtol 1e-5:
@@ -21,6 +25,7 @@ forward fails is skipped (reported as such). Every other one is wrapped
     python tests/distributed/hf_zoo.py                 # every type, 15 per launch
     python tests/distributed/hf_zoo.py llama4_text     # some types
     python tests/distributed/hf_zoo.py --tp 3          # at tp 3 (uneven shares)
+    python tests/distributed/hf_zoo.py --head masked-lm   # every masked-LM type
 """
 
 from __future__ import annotations
@@ -47,16 +52,35 @@ SHRINK = {"vocab_size": 96, "hidden_size": 32, "d_model": 32, "n_embd": 32,
           "shared_expert_intermediate_size": 24, "pad_token_id": 0, "bos_token_id": 1,
           "eos_token_id": 2, "max_position_embeddings": 128, "n_positions": 128,
           "layer_types": None, "sliding_window": 16, "first_k_dense_replace": 0,
-          "num_nextn_predict_layers": 0, "decoder_start_token_id": 1}
+          "num_nextn_predict_layers": 0, "decoder_start_token_id": 1,
+          "encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2,
+          "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64,
+          "decoder_ffn_dim": 64, "d_ff": 64, "d_kv": 8, "embedding_size": 32}
 MAX_PARAMETERS = 3_000_000  # after shrinking; larger means a size field SHRINK misses
 BATCH = 15  # types per launch
+# --head: (auto class, its mapping of model types, whether greedy generation is compared)
+HEADS = {"causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", True),
+         "masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", False),
+         "seq2seq": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", True),
+         "seq-cls": ("AutoModelForSequenceClassification",
+                     "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", False),
+         "token-cls": ("AutoModelForTokenClassification",
+                       "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", False)}
 
 
-def build(model_type: str) -> torch.nn.Module:
-    """A tiny float64 ``model_type`` causal LM, weights from seed 0, eager attention."""
+def auto_class(head: str) -> Any:
+    """The transformers auto class of ``head``."""
+    import transformers
+
+    return getattr(transformers, HEADS[head][0])
+
+
+def build(model_type: str, head: str = "causal-lm") -> torch.nn.Module:
+    """A tiny float64 ``model_type`` model with ``head``, weights from seed 0, eager attention."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    auto = auto_class(head)
 
     config_class = CONFIG_MAPPING[model_type]
     shrink = {k: v for k, v in SHRINK.items() if k in config_class().to_dict()}
@@ -69,33 +93,41 @@ def build(model_type: str) -> torch.nn.Module:
     if hasattr(config, "_experts_implementation"):  # grouped_mm has no float64 kernel
         config._experts_implementation = "eager"
     with init_empty_weights():
-        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        count = sum(p.numel() for p in auto.from_config(config).parameters())
     if count > MAX_PARAMETERS:
         raise ValueError(f"{count} parameters after shrinking")
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).double().eval()
+    return auto.from_config(config).double().eval()
 
 
-def verdict(model_type: str) -> tuple[str, str]:
+def inputs(model: torch.nn.Module, head: str) -> dict[str, torch.Tensor]:
+    """Token ids the same on every rank (pad, bos and eos ids avoided); a
+    sequence-to-sequence model also gets the first six as ``decoder_input_ids``."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, min(90, vocab - 1), (2, 10), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "decoder_input_ids": ids[:, :6]} if head == "seq2seq" \
+        else {"input_ids": ids}
+
+
+def verdict(model_type: str, head: str = "causal-lm") -> tuple[str, str]:
     """``(kind, detail)`` for one type on this rank (see the module docstring)."""
     import torchtp
 
     try:
-        ref = build(model_type)
-        vocab = ref.config.get_text_config().vocab_size
-        ids = torch.randint(3, min(90, vocab - 1), (2, 10), generator=torch.Generator().manual_seed(1))
-        want = ref(input_ids=ids).logits
+        ref = build(model_type, head)
+        kwargs = inputs(ref, head)
+        want = ref(**kwargs).logits
     except Exception as err:
         return "skip", f"{type(err).__name__}: {str(err)[:150]}"
     try:
-        wrapped = torchtp.DistributedModelWrapper(build(model_type))
+        wrapped = torchtp.DistributedModelWrapper(build(model_type, head))
     except Exception as err:
         return "refused", f"{type(err).__name__}: {str(err)[:300]}"
     try:
-        got = wrapped(input_ids=ids).logits
+        got = wrapped(**kwargs).logits
     except Exception as err:
         return "fwd-error", f"{type(err).__name__}: {str(err)[:300]}"
-    bad = [] if torch.allclose(got, want, rtol=1e-5, atol=1e-7) else ["logits"]
+    bad = [] if torch.allclose(got, want, rtol=1e-5, atol=1e-7, equal_nan=True) else ["logits"]
     want.square().mean().backward()
     got.square().mean().backward()
     full = dict(ref.named_parameters())
@@ -109,11 +141,13 @@ def verdict(model_type: str) -> tuple[str, str]:
         module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
         layout = torchtp.layouts_of(module).get(name.rpartition(".")[2])
         grad = grad if layout is None else layout.take(grad)
-        if p.grad.shape != grad.shape or not torch.allclose(p.grad, grad, rtol=1e-5, atol=1e-8):
+        if p.grad.shape != grad.shape or not torch.allclose(p.grad, grad, rtol=1e-5, atol=1e-8,
+                                                                 equal_nan=True):
             bad.append(name)
     if bad:
         return "MISMATCH", ", ".join(bad[:5])
-    kind, generated = generation(ref, wrapped, ids)
+    kind, generated = generation(ref, wrapped, kwargs["input_ids"]) if HEADS[head][2] \
+        else ("ok", "no generation compared")
     if kind != "ok":
         return kind, generated
     share = sum(p.numel() for p in wrapped.base_model.parameters()) / sum(
@@ -140,27 +174,27 @@ def generation(ref: torch.nn.Module, wrapped: Any, ids: torch.Tensor) -> tuple[s
     return "ok", "generate equal"
 
 
-def verdicts(rank: int, world_size: int, types: list[str]) -> dict[str, Any]:
+def verdicts(rank: int, world_size: int, types: list[str], head: str) -> dict[str, Any]:
     """:func:`verdict` for each type, with the seconds it took."""
     out = {}
     for model_type in types:
         start = time.time()
         try:
-            out[model_type] = (*verdict(model_type), round(time.time() - start, 1))
+            out[model_type] = (*verdict(model_type, head), round(time.time() - start, 1))
         except Exception as err:  # the backward itself (a model's own in-place update)
             out[model_type] = ("crash", f"{type(err).__name__}: {str(err)[:200]}", 0.0)
     return out
 
 
-def main(types: list[str], tp: int = 2) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def main(types: list[str], tp: int = 2, head: str = "causal-lm") -> None:
+    from transformers.models.auto import modeling_auto
 
-    types = types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    types = types or sorted(getattr(modeling_auto, HEADS[head][1]))
     for i in range(0, len(types), BATCH):
         part = types[i:i + BATCH]
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                ranks = run_ranks(verdicts, tp, part, tmp_path=Path(tmp), timeout=900,
+                ranks = run_ranks(verdicts, tp, part, head, tmp_path=Path(tmp), timeout=900,
                                   gloo_timeout=60)
                 found = ranks[0]
                 for t in part:  # every rank must reach the same verdict
@@ -174,8 +208,12 @@ def main(types: list[str], tp: int = 2) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    tp = 2
-    if args[:1] == ["--tp"]:
-        tp, args = int(args[1]), args[2:]
-    main(args, tp)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("types", nargs="*", help="model types (default: every one of the head)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--head", choices=sorted(HEADS), default="causal-lm")
+    opts = parser.parse_args()
+    main(opts.types, opts.tp, opts.head)

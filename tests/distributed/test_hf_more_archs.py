@@ -19,7 +19,7 @@ SOURCES = {
     "falcon": "auto", "falcon-new": "auto", "gptj": "auto", "cohere": "auto", "phi": "auto",
     "roberta": "torchtp built-in", "electra": "torchtp built-in",
     "stablelm": "auto", "codegen": "auto", "bloom": "auto", "mpt": "auto", "distilbert": "auto",
-    "t5": "torchtp built-in", "bart": "auto", "llama4": "HF plan",
+    "t5": "torchtp built-in", "bart": "auto", "pegasus": "auto", "llama4": "HF plan",
 }
 if hasattr(transformers, "GraniteSWAConfig"):  # new in 5.24 (make compat runs 5.3 too)
     SOURCES["granite_swa"] = "HF plan"

@@ -5,6 +5,13 @@ A HuggingFace model without a plan is planned like any other model
 which. Its inputs come from the model: ``model.dummy_inputs``, with token ids
 kept below the vocabulary size, or, for a speech encoder-decoder that reads
 log-mel features (Whisper), one seeded clip and decoder start tokens.
+
+An encoder-decoder whose dummy inputs hold no decoder inputs and that does not
+make them from ``input_ids`` itself (Pegasus, M2M-100, ProphetNet, Switch
+Transformers, NLLB-MoE, SeamlessM4T: only BART-style models shift ``input_ids``
+right when neither ``labels`` nor ``decoder_input_ids`` is given) gets the same
+ids as ``decoder_input_ids``: without them its probe forward raises and every
+Linear would stay replicated.
 """
 
 from __future__ import annotations
@@ -24,7 +31,12 @@ def probe_inputs(model: nn.Module) -> dict[str, Any] | None:
     dummy = dummy_inputs(model)
     if dummy is None:
         return None
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
     # transformers' dummy ids go up to 7; a tiny vocabulary may be smaller.
-    return {k: (v.clamp(0, vocab - 1) if k == "input_ids" and vocab else v)
-            for k, v in dummy.items()}
+    out = {k: (v.clamp(0, vocab - 1) if k == "input_ids" and vocab else v)
+           for k, v in dummy.items()}
+    if getattr(config, "is_encoder_decoder", False) and "input_ids" in out \
+            and not any(k.startswith("decoder_") for k in out):
+        out["decoder_input_ids"] = out["input_ids"]  # (B, T): decoder positions like the encoder's
+    return out
