@@ -121,6 +121,48 @@ def moe_peft(rank: int, world_size: int, splits: int) -> list[list[float]]:
     return losses
 
 
+ATTENTION_ONLY = {f"model.layers.*.self_attn.{n}": "colwise" for n in ("q_proj", "k_proj", "v_proj")
+                  } | {"model.layers.*.self_attn.o_proj": "rowwise"}
+
+
+def moe_peft_all_linear(rank: int, world_size: int, splits: int) -> list[str]:
+    """``target_modules="all-linear"`` on an MoE model: PEFT resolves it for transformers
+    v5's fused experts in its own module, adding their parameters as targets. With the
+    experts split, each split is refused at ``get_peft_model`` (the messages, per split);
+    with them whole (only the attention split), the adapters of the attention (torchtp's
+    layers), the router and the experts equal one process's, logits and gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora() -> LoraConfig:
+        torch.manual_seed(5)  # the same adapters' initial values on both sides
+        return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                          init_lora_weights=False)
+
+    refusals = []
+    for split in SPLITS[:splits]:
+        wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), **split)
+        try:
+            get_peft_model(wrapped.base_model, lora())
+        except ValueError as err:
+            refusals.append(str(err))
+    batch = _batch()
+    ref = get_peft_model(build_moe("mixtral"), lora())
+    whole = torchtp.DistributedModelWrapper(build_moe("mixtral"), plan=ATTENTION_ONLY)
+    tp = get_peft_model(whole.base_model, lora())
+    adapted = [n for n, p in tp.named_parameters() if p.requires_grad]
+    assert adapted == [n for n, p in ref.named_parameters() if p.requires_grad]
+    assert any(".self_attn.o_proj.lora_A." in n for n in adapted), adapted
+    torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
+    ref(**batch).loss.backward()
+    tp(**batch).loss.backward()
+    full = dict(ref.named_parameters())
+    for name in adapted:
+        module = tp.get_submodule(name.rpartition(".")[0])
+        torch.testing.assert_close(tp.get_parameter(name).grad, expected_local(
+            module, name.rpartition(".")[2], full[name].grad), **TOL, msg=name)
+    return refusals
+
+
 def moe_data(seed: int) -> list[dict[str, torch.Tensor]]:
     """16 samples of 8 token ids in the MoE models' vocabulary, labels = inputs."""
     ids = torch.randint(3, 96, (16, 8), generator=torch.Generator().manual_seed(seed))

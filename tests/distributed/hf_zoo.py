@@ -11,7 +11,8 @@ config cannot be built, is still over :data:`MAX_PARAMETERS` or whose unsharded
 forward fails is skipped (reported as such). Every other one is wrapped
 (``plan=None``) on two Gloo ranks (``--tp N``: N) and compared: logits, then every gradient of
 ``logits.square().mean()`` (a sequence-to-sequence model is given ``decoder_input_ids``
-too). Each line of the output is one type's verdict:
+too; ``--lora``: PEFT LoRA on every Linear of both, the adapters' gradients compared).
+Each line of the output is one type's verdict:
 
 * ``ok``: exact (share of parameters on rank 0, layers split);
 * ``MISMATCH``: logits or gradients differ beyond float32 rounding (rtol 1e-5:
@@ -26,6 +27,7 @@ too). Each line of the output is one type's verdict:
     python tests/distributed/hf_zoo.py llama4_text     # some types
     python tests/distributed/hf_zoo.py --tp 3          # at tp 3 (uneven shares)
     python tests/distributed/hf_zoo.py --head masked-lm   # every masked-LM type
+    python tests/distributed/hf_zoo.py --lora          # with LoRA adapters on every Linear
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ SHRINK = {"vocab_size": 96, "hidden_size": 32, "d_model": 32, "n_embd": 32,
           "num_nextn_predict_layers": 0, "decoder_start_token_id": 1,
           "encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2,
           "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64,
-          "decoder_ffn_dim": 64, "d_ff": 64, "d_kv": 8, "embedding_size": 32}
+          "decoder_ffn_dim": 64, "d_ff": 64, "d_kv": 8, "embedding_size": 32,
+          "dim": 32, "hidden_dim": 64, "n_layers": 2, "n_heads": 4, "emb_dim": 32,
+          "d_inner": 64, "entity_vocab_size": 96, "entity_emb_size": 32,
+          "shape_vocab_size": 96, "pronunciation_vocab_size": 96}
 MAX_PARAMETERS = 3_000_000  # after shrinking; larger means a size field SHRINK misses
 BATCH = 15  # types per launch
 # --head: (auto class, its mapping of model types, whether greedy generation is compared)
@@ -109,51 +114,74 @@ def inputs(model: torch.nn.Module, head: str) -> dict[str, torch.Tensor]:
         else {"input_ids": ids}
 
 
-def verdict(model_type: str, head: str = "causal-lm") -> tuple[str, str]:
-    """``(kind, detail)`` for one type on this rank (see the module docstring)."""
+def adapted(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with PEFT LoRA on every Linear (``"all-linear"``), A and B both random
+    (``init_lora_weights=False``: every adapter changes the logits), drawn from seed 5."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                            init_lora_weights=False))
+
+
+def verdict(model_type: str, head: str = "causal-lm", lora: bool = False) -> tuple[str, str]:
+    """``(kind, detail)`` for one type on this rank (see the module docstring); ``lora``:
+    with :func:`adapted` on both sides, the adapters' gradients compared."""
     import torchtp
 
     try:
-        ref = build(model_type, head)
+        ref = adapted(build(model_type, head)) if lora else build(model_type, head)
         kwargs = inputs(ref, head)
         want = ref(**kwargs).logits
     except Exception as err:
         return "skip", f"{type(err).__name__}: {str(err)[:150]}"
     try:
         wrapped = torchtp.DistributedModelWrapper(build(model_type, head))
+        mine = adapted(wrapped.base_model) if lora else wrapped.base_model
     except Exception as err:
         return "refused", f"{type(err).__name__}: {str(err)[:300]}"
     try:
-        got = wrapped(**kwargs).logits
+        got = (mine if lora else wrapped)(**kwargs).logits
     except Exception as err:
         return "fwd-error", f"{type(err).__name__}: {str(err)[:300]}"
     bad = [] if torch.allclose(got, want, rtol=1e-5, atol=1e-7, equal_nan=True) else ["logits"]
     want.square().mean().backward()
     got.square().mean().backward()
+    bad += different_gradients(ref, mine)
+    if bad:
+        return "MISMATCH", ", ".join(bad[:5])
+    kind, generated = generation(ref, wrapped, kwargs["input_ids"]) \
+        if HEADS[head][2] and not lora else ("ok", "no generation compared")
+    if kind != "ok":
+        return kind, generated
+    share = sum(p.numel() for p in mine.parameters()) / sum(p.numel() for p in ref.parameters())
+    return "ok", (f"{share:.2f} of the parameters, {len(wrapped.parallelized_layers)} layers "
+                  f"split, {generated}")
+
+
+def different_gradients(ref: torch.nn.Module, mine: torch.nn.Module) -> list[str]:
+    """Parameters of ``mine`` whose gradient is not this rank's part of ``ref``'s."""
+    import torchtp
+
     full = dict(ref.named_parameters())
-    for name, p in wrapped.base_model.named_parameters():
+    bad = []
+    for name, p in mine.named_parameters():
+        if name not in full:
+            bad.append(f"{name} (on this side only)")
+            continue
         grad = full[name].grad
         if grad is None and p.grad is None:
             continue
         if grad is None or p.grad is None:
             bad.append(f"{name} (a gradient on one side only)")
             continue
-        module = wrapped.base_model.get_submodule(name.rpartition(".")[0])
+        module = mine.get_submodule(name.rpartition(".")[0])
         layout = torchtp.layouts_of(module).get(name.rpartition(".")[2])
         grad = grad if layout is None else layout.take(grad)
         if p.grad.shape != grad.shape or not torch.allclose(p.grad, grad, rtol=1e-5, atol=1e-8,
                                                                  equal_nan=True):
             bad.append(name)
-    if bad:
-        return "MISMATCH", ", ".join(bad[:5])
-    kind, generated = generation(ref, wrapped, kwargs["input_ids"]) if HEADS[head][2] \
-        else ("ok", "no generation compared")
-    if kind != "ok":
-        return kind, generated
-    share = sum(p.numel() for p in wrapped.base_model.parameters()) / sum(
-        p.numel() for p in ref.parameters())
-    return "ok", (f"{share:.2f} of the parameters, {len(wrapped.parallelized_layers)} layers "
-                  f"split, {generated}")
+    return bad
 
 
 def generation(ref: torch.nn.Module, wrapped: Any, ids: torch.Tensor) -> tuple[str, str]:
@@ -174,19 +202,20 @@ def generation(ref: torch.nn.Module, wrapped: Any, ids: torch.Tensor) -> tuple[s
     return "ok", "generate equal"
 
 
-def verdicts(rank: int, world_size: int, types: list[str], head: str) -> dict[str, Any]:
+def verdicts(rank: int, world_size: int, types: list[str], head: str, lora: bool
+             ) -> dict[str, Any]:
     """:func:`verdict` for each type, with the seconds it took."""
     out = {}
     for model_type in types:
         start = time.time()
         try:
-            out[model_type] = (*verdict(model_type, head), round(time.time() - start, 1))
+            out[model_type] = (*verdict(model_type, head, lora), round(time.time() - start, 1))
         except Exception as err:  # the backward itself (a model's own in-place update)
             out[model_type] = ("crash", f"{type(err).__name__}: {str(err)[:200]}", 0.0)
     return out
 
 
-def main(types: list[str], tp: int = 2, head: str = "causal-lm") -> None:
+def main(types: list[str], tp: int = 2, head: str = "causal-lm", lora: bool = False) -> None:
     from transformers.models.auto import modeling_auto
 
     types = types or sorted(getattr(modeling_auto, HEADS[head][1]))
@@ -194,7 +223,7 @@ def main(types: list[str], tp: int = 2, head: str = "causal-lm") -> None:
         part = types[i:i + BATCH]
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                ranks = run_ranks(verdicts, tp, part, head, tmp_path=Path(tmp), timeout=900,
+                ranks = run_ranks(verdicts, tp, part, head, lora, tmp_path=Path(tmp), timeout=900,
                                   gloo_timeout=60)
                 found = ranks[0]
                 for t in part:  # every rank must reach the same verdict
@@ -215,5 +244,7 @@ if __name__ == "__main__":
     parser.add_argument("types", nargs="*", help="model types (default: every one of the head)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--head", choices=sorted(HEADS), default="causal-lm")
+    parser.add_argument("--lora", action="store_true",
+                        help="PEFT LoRA on every Linear, on both sides (no generation)")
     opts = parser.parse_args()
-    main(opts.types, opts.tp, opts.head)
+    main(opts.types, opts.tp, opts.head, opts.lora)

@@ -295,6 +295,18 @@ def test_overridden_private_methods_of_other_libraries_are_declared_in_the_fence
     assert hf_compat.missing_lora_layer_hooks(__import__("peft").tuners.lora.Linear) == []
 
 
+def test_every_peft_module_that_expands_all_linear_is_hooked() -> None:
+    # A module calling PEFT's "all-linear" expansion through its own name for it escapes a
+    # hook on the defining module: there "all-linear" would leave torchtp's layers out, as
+    # PEFT's MoE conversion for transformers v5 once did. A release adding one fails here.
+    import peft
+
+    root = Path(peft.__file__).parent
+    holders = {".".join(("peft", *p.relative_to(root).with_suffix("").parts))
+               for p in root.rglob("*.py") if hf_compat.PEFT_ALL_LINEAR in p.read_text()}
+    assert holders == set(hf_compat.PEFT_ALL_LINEAR_MODULES), holders
+
+
 def _line_of(source: str, text: str) -> int:
     return next(i for i, line in enumerate(source.splitlines(), 1) if text in line)
 

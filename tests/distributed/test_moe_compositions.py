@@ -9,6 +9,8 @@ default split runs.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from ._moe_compositions import (
     moe_fabric,
     moe_one_process,
     moe_peft,
+    moe_peft_all_linear,
     moe_trainer,
     moe_trainer_reference,
 )
@@ -39,6 +42,18 @@ def test_compiled_moe_matches_eager_one_process(ranks):
 def test_lora_on_an_moe_model_matches_one_process(ranks):
     losses = ranks(moe_peft, 2, _splits(), timeout=300)
     assert losses[0] == losses[1]
+
+
+def test_all_linear_lora_on_an_moe_model_is_exact_or_refused(ranks):
+    # PEFT resolves "all-linear" for transformers v5's MoE models in its own module: it
+    # once saw no torchtp layer there, so the attention got no adapter, silently.
+    refusals = ranks(moe_peft_all_linear, 2, _splits(), timeout=300)
+    assert refusals[0] == refusals[1] and len(refusals[0]) == _splits()
+    for message in refusals[0]:
+        assert re.match(r"PEFT LoRA on the parameter 'gate_up_proj' of Parallel\w*Experts "
+                        r"\(split over the TP group along dim [01]: \[4, \d+, \d+\] -> \[\d+, "
+                        r"\d+, \d+\] on this rank\) is not supported: .* list target_modules "
+                        r"instead", message), message
 
 
 def test_tensor_parallel_trainer_on_an_moe_model_matches_one_process(ranks, tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, TrainableTokensConfig, get_peft_model
+from peft import LoraConfig, PeftModel, TrainableTokensConfig, VeraConfig, get_peft_model
 
 import torchtp
 from torchtp.integrations.peft import TensorParallelLoraLinear
@@ -103,6 +103,13 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
     with pytest.raises(ValueError, match=r"LoRA variants .* not supported under tensor"):
         get_peft_model(torchtp.DistributedModelWrapper(build("llama")).base_model,
                        LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    # Other adapter methods refuse torchtp's layers as targets: "all-linear" would adapt
+    # the replicated Linears only (none here), unlike the unsharded model.
+    with pytest.raises(ValueError, match=r"target_modules='all-linear' with VERA on a "
+                       r"tensor-parallel model: torchtp adapts LoRA only, so its 14 split "
+                       r"layers \(e.g. 'model.layers.0.mlp.down_proj', weight rows or columns"):
+        get_peft_model(torchtp.DistributedModelWrapper(build("llama")).base_model,
+                       VeraConfig(r=4, target_modules="all-linear"))
     # Trainable tokens on a vocabulary-split embedding: PEFT looks the ids up in the local
     # shard (out of range, or silently other rows: init_weights=False gave logits off by
     # 0.68 with no error). On the whole embedding (kept by cost here) they are exact.

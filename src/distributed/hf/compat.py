@@ -12,6 +12,7 @@ compat`` runs them); ``CHECKED_TRANSFORMERS`` is that list.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -242,14 +243,26 @@ def peft_lora_dispatch_owner() -> tuple[Any, str]:
     return LoraModel, "_create_new_module"
 
 
-def peft_all_linear_owner() -> tuple[Any, str]:
-    """``(module, name)`` of the function that expands ``target_modules="all-linear"``.
+# PEFT modules that call the function expanding target_modules="all-linear" through their
+# own name for it (``from ..tuners_utils import _maybe_include_all_linear_layers``): every one
+# must see torchtp's layers, or "all-linear" leaves them out without a word. The MoE config
+# conversion for transformers v5 (Mixtral, Qwen2/3-MoE, OLMoE, ...) resolves LoRA's
+# "all-linear" there; the other tuners are the adapter methods torchtp refuses.
+PEFT_ALL_LINEAR_MODULES = ("peft.tuners.tuners_utils", "peft.utils.transformers_weight_conversion",
+                           "peft.tuners.vera.model", "peft.tuners.randlora.model",
+                           "peft.tuners.tinylora.model", "peft.tuners.frod.model",
+                           "peft.tuners.pvera.model")
+PEFT_ALL_LINEAR = "_maybe_include_all_linear_layers"
 
-    Checked: peft 0.21.2.
+
+def peft_all_linear_owners() -> list[Any]:
+    """Every module of :data:`PEFT_ALL_LINEAR_MODULES` (imported here: the MoE conversion
+    is imported lazily by PEFT), each holding :data:`PEFT_ALL_LINEAR`.
+
+    Checked: peft 0.21.2 (``tests/distributed/test_compat_fence.py`` scans the installed
+    PEFT for modules holding the name that this list lacks).
     """
-    from peft.tuners import tuners_utils
-
-    return tuners_utils, "_maybe_include_all_linear_layers"
+    return [importlib.import_module(name) for name in PEFT_ALL_LINEAR_MODULES]
 
 
 def peft_trainable_tokens_owner() -> tuple[Any, str]:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from peft import PeftModel
+from peft import PeftModel, PeftType
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
@@ -364,12 +364,30 @@ def _create_new_module(original: Any) -> Any:
                              "output meets partial sums) are not supported; leave it out of "
                              "target_modules (\"all-linear\" includes it: list the modules "
                              "instead)")
+        _refuse_split_parameter(base, kwargs.get("parameter_name"))
         if isinstance(base, PARALLEL_LINEARS):
             compat.peft_register_custom_module(
                 lora_config, dict.fromkeys(PARALLEL_LINEARS, TensorParallelLoraLinear))
         return original(lora_config, adapter_name, target, **kwargs)
     create._torchtp = True  # type: ignore[attr-defined]
     return staticmethod(create)
+
+
+def _refuse_split_parameter(base: nn.Module, name: str | None) -> None:
+    """LoRA on a parameter (``target_parameters``, PEFT's ``ParamWrapper``) that torchtp
+    split: PEFT would size and draw the adapter from this rank's shard, so the ranks'
+    adapters would be neither the unsharded one's slices nor one another's."""
+    layout = layouts_of(base).get(name) if name is not None else None
+    if layout is None or layout.dim is None:
+        return
+    raise ValueError(
+        f"PEFT LoRA on the parameter '{name}' of {type(base).__name__} (split over the TP "
+        f"group along dim {layout.dim}: {list(layout.full_shape)} -> "
+        f"{list(layout.local_shape)} on this rank) is not supported: PEFT would build the "
+        "adapter from this rank's shard, not from the whole parameter. transformers' MoE "
+        "models get such targets from target_modules='all-linear' (PEFT converts it to the "
+        "experts' parameters): list target_modules instead (e.g. ['q_proj', 'k_proj', "
+        "'v_proj', 'o_proj']), and give target_parameters only parameters torchtp keeps whole")
 
 
 def _refuse_split_tokens(original: Any) -> Any:
@@ -402,7 +420,17 @@ def _include_all_linear(original: Any) -> Any:
         wanted = isinstance(target, str) and target.lower() == "all-linear"
         out = original(peft_config, model)
         if wanted:
-            out.target_modules = set(out.target_modules) | parallel_linear_names(model)
+            names = parallel_linear_names(model)
+            if names and peft_config.peft_type != PeftType.LORA:
+                # PEFT refuses torchtp's layers as targets of these methods: "all-linear"
+                # would adapt the replicated Linears only, unlike the unsharded model.
+                raise ValueError(
+                    f"target_modules='all-linear' with {peft_config.peft_type.value} on a "
+                    f"tensor-parallel model: torchtp adapts LoRA only, so its {len(names)} "
+                    f"split layers (e.g. '{min(names)}', weight rows or columns split over "
+                    "the TP group) would be left out; use LoraConfig, or list replicated "
+                    "modules in target_modules")
+            out.target_modules = set(out.target_modules) | names
         return out
     include._torchtp = True  # type: ignore[attr-defined]
     return include
@@ -417,9 +445,12 @@ def install() -> None:
 
     Four hooks: LoRA targets whose base is a torchtp layer register
     :class:`TensorParallelLoraLinear` on their ``LoraConfig`` (PEFT's
-    custom-module mechanism); ``target_modules="all-linear"`` includes torchtp
-    layers; trainable tokens on a split layer are refused;
-    ``PeftModel.save_pretrained`` gathers sharded adapters first.
+    custom-module mechanism), and LoRA on a parameter torchtp split is refused;
+    ``target_modules="all-linear"`` includes torchtp layers for LoRA, wherever
+    PEFT expands it (the MoE config conversion too), and is refused for the
+    other adapter methods on a model that has them; trainable tokens on a split
+    layer are refused; ``PeftModel.save_pretrained`` gathers sharded adapters
+    first.
     """
     missing = compat.missing_lora_layer_hooks(LoraLinear)
     if missing:
@@ -430,9 +461,10 @@ def install() -> None:
     owner, name = compat.peft_lora_dispatch_owner()
     if not getattr(getattr(owner, name), "_torchtp", False):
         setattr(owner, name, _create_new_module(getattr(owner, name)))
-    module, fname = compat.peft_all_linear_owner()
-    if not getattr(getattr(module, fname), "_torchtp", False):
-        setattr(module, fname, _include_all_linear(getattr(module, fname)))
+    for module in compat.peft_all_linear_owners():
+        original = getattr(module, compat.PEFT_ALL_LINEAR)
+        if not getattr(original, "_torchtp", False):
+            setattr(module, compat.PEFT_ALL_LINEAR, _include_all_linear(original))
     owner, name = compat.peft_trainable_tokens_owner()
     if not getattr(getattr(owner, name), "_torchtp", False):
         setattr(owner, name, _refuse_split_tokens(getattr(owner, name)))
