@@ -77,14 +77,16 @@ compat: $(COMPAT_OLD) compat-new-venv $(COMPAT_SHIM)/torchtp
 # Every causal-LM type of the installed transformers, tiny, at tp 2 against one process
 # (a line per type; about 6 minutes). ZOO_PY=.venv-compat-new/bin/python for the newest;
 # ZOO_HEAD=masked-lm, seq2seq, seq-cls or token-cls for the types of another head;
-# ZOO_LORA=1 with PEFT LoRA on every Linear of both sides.
+# ZOO_LORA=1 with PEFT LoRA on every Linear of both sides; ZOO_OPTIONS="loss_parallel
+# sequence_parallel" wraps with those flags.
 ZOO_PY ?= $(PY)
 ZOO_TP ?= 2
 ZOO_HEAD ?= causal-lm
 ZOO_LORA ?=
+ZOO_OPTIONS ?=
 zoo: $(STAMP) $(COMPAT_SHIM)/torchtp
 	PYTHONPATH=$(CURDIR)/$(COMPAT_SHIM) $(ZOO_PY) tests/distributed/hf_zoo.py --tp $(ZOO_TP) \
-		--head $(ZOO_HEAD) $(if $(ZOO_LORA),--lora)
+		--head $(ZOO_HEAD) $(if $(ZOO_LORA),--lora) $(foreach o,$(ZOO_OPTIONS),--option $(o))
 
 test-all: lint
 	$(PY) -m pytest tests -q -p no:cacheprovider

@@ -11,15 +11,18 @@ config cannot be built, is still over :data:`MAX_PARAMETERS` or whose unsharded
 forward fails is skipped (reported as such). Every other one is wrapped
 (``plan=None``) on two Gloo ranks (``--tp N``: N) and compared: logits, then every gradient of
 ``logits.square().mean()`` (a sequence-to-sequence model is given ``decoder_input_ids``
-too; ``--lora``: PEFT LoRA on every Linear of both, the adapters' gradients compared).
+too; ``--lora``: PEFT LoRA on every Linear of both, the adapters' gradients compared;
+``--option sequence_parallel`` / ``loss_parallel``: wrapped with that flag, the latter
+comparing the loss of ``labels=``).
 Each line of the output is one type's verdict:
 
 * ``ok``: exact (share of parameters on rank 0, layers split);
-* ``MISMATCH``: logits or gradients differ beyond float32 rounding (rtol 1e-5:
-  some models compute norms or routers in float32 whatever their dtype) -- the
-  silent kind of bug this sweep exists to find; ``GEN-MISMATCH``: four greedy
-  tokens generated with the cache differ (``gen-error``: the wrapped generate
-  raised where the unwrapped one ran);
+* ``MISMATCH``: logits or gradients differ beyond float32 rounding (by more than
+  1e-5 of the tensor's largest value, :func:`agree`: some models compute norms,
+  routers or logits in float32 whatever their dtype) -- the silent kind of bug
+  this sweep exists to find; ``GEN-MISMATCH``: four greedy tokens generated
+  with the cache differ (``gen-error``: the wrapped generate raised where the
+  unwrapped one ran);
 * ``refused`` / ``fwd-error``: the wrap or the forward raised (read the message);
 * ``skip``: not a verdict on torchtp.
 
@@ -28,6 +31,7 @@ Each line of the output is one type's verdict:
     python tests/distributed/hf_zoo.py --tp 3          # at tp 3 (uneven shares)
     python tests/distributed/hf_zoo.py --head masked-lm   # every masked-LM type
     python tests/distributed/hf_zoo.py --lora          # with LoRA adapters on every Linear
+    python tests/distributed/hf_zoo.py --option sequence_parallel
 """
 
 from __future__ import annotations
@@ -105,13 +109,27 @@ def build(model_type: str, head: str = "causal-lm") -> torch.nn.Module:
     return auto.from_config(config).double().eval()
 
 
-def inputs(model: torch.nn.Module, head: str) -> dict[str, torch.Tensor]:
+def inputs(model: torch.nn.Module, head: str, labels: bool = False) -> dict[str, torch.Tensor]:
     """Token ids the same on every rank (pad, bos and eos ids avoided); a
-    sequence-to-sequence model also gets the first six as ``decoder_input_ids``."""
+    sequence-to-sequence model also gets the first six as ``decoder_input_ids``;
+    ``labels``: the ids as ``labels`` too."""
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(3, min(90, vocab - 1), (2, 10), generator=torch.Generator().manual_seed(1))
-    return {"input_ids": ids, "decoder_input_ids": ids[:, :6]} if head == "seq2seq" \
+    out = {"input_ids": ids, "decoder_input_ids": ids[:, :6]} if head == "seq2seq" \
         else {"input_ids": ids}
+    return {**out, "labels": ids} if labels else out
+
+
+def compared(out: Any, loss: bool) -> torch.Tensor:
+    """What the sweep compares of a model's output: its loss, or its logits."""
+    return out.loss if loss else out.logits
+
+
+def causal_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss (tokens < n predict n, the mean) in the logits' dtype:
+    transformers computes it in float32, which would hide float64 differences."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                             labels[:, 1:].flatten())
 
 
 def adapted(model: torch.nn.Module) -> torch.nn.Module:
@@ -124,39 +142,62 @@ def adapted(model: torch.nn.Module) -> torch.nn.Module:
                                             init_lora_weights=False))
 
 
-def verdict(model_type: str, head: str = "causal-lm", lora: bool = False) -> tuple[str, str]:
+def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
+            options: tuple[str, ...] = ()) -> tuple[str, str]:
     """``(kind, detail)`` for one type on this rank (see the module docstring); ``lora``:
-    with :func:`adapted` on both sides, the adapters' gradients compared."""
+    with :func:`adapted` on both sides, the adapters' gradients compared; ``options``:
+    wrapper flags set to ``True`` (``loss_parallel``: the loss of ``labels=`` compared,
+    and its gradients)."""
     import torchtp
 
+    loss = "loss_parallel" in options
     try:
         ref = adapted(build(model_type, head)) if lora else build(model_type, head)
-        kwargs = inputs(ref, head)
-        want = ref(**kwargs).logits
+        kwargs = inputs(ref, head, labels=loss)
+        out = ref(**{k: v for k, v in kwargs.items() if k != "labels"})
+        want = causal_loss(out.logits, kwargs["input_ids"]) if loss else out.logits
     except Exception as err:
         return "skip", f"{type(err).__name__}: {str(err)[:150]}"
     try:
-        wrapped = torchtp.DistributedModelWrapper(build(model_type, head))
+        wrapped = torchtp.DistributedModelWrapper(build(model_type, head),
+                                                  **dict.fromkeys(options, True))
         mine = adapted(wrapped.base_model) if lora else wrapped.base_model
     except Exception as err:
         return "refused", f"{type(err).__name__}: {str(err)[:300]}"
     try:
-        got = (mine if lora else wrapped)(**kwargs).logits
+        got = compared((mine if lora else wrapped)(**kwargs), loss)
     except Exception as err:
         return "fwd-error", f"{type(err).__name__}: {str(err)[:300]}"
-    bad = [] if torch.allclose(got, want, rtol=1e-5, atol=1e-7, equal_nan=True) else ["logits"]
-    want.square().mean().backward()
-    got.square().mean().backward()
+    same = agree(got, want)
+    bad = [] if same else ["loss" if loss else "logits"]
+    (want if loss else want.square().mean()).backward()
+    (got if loss else got.square().mean()).backward()
     bad += different_gradients(ref, mine)
     if bad:
         return "MISMATCH", ", ".join(bad[:5])
     kind, generated = generation(ref, wrapped, kwargs["input_ids"]) \
-        if HEADS[head][2] and not lora else ("ok", "no generation compared")
+        if HEADS[head][2] and not lora and not options else ("ok", "no generation compared")
     if kind != "ok":
         return kind, generated
     share = sum(p.numel() for p in mine.parameters()) / sum(p.numel() for p in ref.parameters())
     return "ok", (f"{share:.2f} of the parameters, {len(wrapped.parallelized_layers)} layers "
                   f"split, {generated}")
+
+
+def agree(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal within float32 rounding of the tensor's scale: every element within 1e-5 of
+    ``want``'s largest magnitude (a wrong slice or a missing sum is off by the scale
+    itself) plus 1e-8 (a gradient that is zero in exact arithmetic, as a key bias's,
+    is rounding noise on both sides), NaN in the same places. Element-wise tolerances
+    flag float32 rounding in small elements of models that compute in float32 (Beam's
+    logits, FlexOlmo's norms)."""
+    if got.shape != want.shape or not torch.equal(got.isnan(), want.isnan()):
+        return False
+    real = ~want.isnan()
+    if not real.any():
+        return True
+    scale = want[real].abs().max()
+    return bool((got[real] - want[real]).abs().max() <= 1e-5 * scale + 1e-8)
 
 
 def different_gradients(ref: torch.nn.Module, mine: torch.nn.Module) -> list[str]:
@@ -178,8 +219,7 @@ def different_gradients(ref: torch.nn.Module, mine: torch.nn.Module) -> list[str
         module = mine.get_submodule(name.rpartition(".")[0])
         layout = torchtp.layouts_of(module).get(name.rpartition(".")[2])
         grad = grad if layout is None else layout.take(grad)
-        if p.grad.shape != grad.shape or not torch.allclose(p.grad, grad, rtol=1e-5, atol=1e-8,
-                                                                 equal_nan=True):
+        if p.grad.shape != grad.shape or not agree(p.grad, grad):
             bad.append(name)
     return bad
 
@@ -202,20 +242,22 @@ def generation(ref: torch.nn.Module, wrapped: Any, ids: torch.Tensor) -> tuple[s
     return "ok", "generate equal"
 
 
-def verdicts(rank: int, world_size: int, types: list[str], head: str, lora: bool
-             ) -> dict[str, Any]:
+def verdicts(rank: int, world_size: int, types: list[str], head: str, lora: bool,
+             options: tuple[str, ...]) -> dict[str, Any]:
     """:func:`verdict` for each type, with the seconds it took."""
     out = {}
     for model_type in types:
         start = time.time()
         try:
-            out[model_type] = (*verdict(model_type, head, lora), round(time.time() - start, 1))
+            out[model_type] = (*verdict(model_type, head, lora, options),
+                               round(time.time() - start, 1))
         except Exception as err:  # the backward itself (a model's own in-place update)
             out[model_type] = ("crash", f"{type(err).__name__}: {str(err)[:200]}", 0.0)
     return out
 
 
-def main(types: list[str], tp: int = 2, head: str = "causal-lm", lora: bool = False) -> None:
+def main(types: list[str], tp: int = 2, head: str = "causal-lm", lora: bool = False,
+         options: tuple[str, ...] = ()) -> None:
     from transformers.models.auto import modeling_auto
 
     types = types or sorted(getattr(modeling_auto, HEADS[head][1]))
@@ -223,7 +265,7 @@ def main(types: list[str], tp: int = 2, head: str = "causal-lm", lora: bool = Fa
         part = types[i:i + BATCH]
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                ranks = run_ranks(verdicts, tp, part, head, lora, tmp_path=Path(tmp), timeout=900,
+                ranks = run_ranks(verdicts, tp, part, head, lora, options, tmp_path=Path(tmp), timeout=900,
                                   gloo_timeout=60)
                 found = ranks[0]
                 for t in part:  # every rank must reach the same verdict
@@ -246,5 +288,8 @@ if __name__ == "__main__":
     parser.add_argument("--head", choices=sorted(HEADS), default="causal-lm")
     parser.add_argument("--lora", action="store_true",
                         help="PEFT LoRA on every Linear, on both sides (no generation)")
+    parser.add_argument("--option", action="append", default=[],
+                        choices=["sequence_parallel", "loss_parallel"],
+                        help="a wrapper flag set to True (repeatable; no generation)")
     opts = parser.parse_args()
-    main(opts.types, opts.tp, opts.head, opts.lora)
+    main(opts.types, opts.tp, opts.head, opts.lora, tuple(opts.option))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,4 +77,6 @@ def test_wrapper_loss_parallel_matches_unsharded_model(ranks):
     assert got["gpt2"]["forward"] == {"all_reduce": 7}  # wte + lm_head vocab-split (tied)
     assert got["generated"] == 5
     assert "loss is not transformers' ForCausalLMLoss" in got["bert error"]
+    assert re.search(r"BartForConditionalGeneration.forward computes its loss itself .* not "
+                     r"through self.loss_function", got["bart error"]), got["bart error"]
     assert "needs a HuggingFace causal LM (got Sequential)" in got["plain error"]

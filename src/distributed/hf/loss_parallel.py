@@ -90,7 +90,32 @@ def _require_causal_lm(model: nn.Module) -> nn.Linear:
             f"{WHO}: {type(model).__name__}'s loss is not transformers' ForCausalLMLoss "
             f"(loss_type={getattr(model, 'loss_type', None)!r}); only causal-LM losses are "
             "computed vocab-parallel. Wrap it without loss_parallel")
+    if not _forward_calls_loss_function(type(model)):
+        raise ValueError(
+            f"{WHO}: {type(model).__name__}.forward computes its loss itself (a "
+            "CrossEntropyLoss over the whole vocabulary), not through self.loss_function, so "
+            "with the LM head's vocabulary split it would see this rank's slice only. Wrap it "
+            "without loss_parallel, or compute the loss with "
+            "torchtp.vocab_parallel_cross_entropy on the split logits")
     return head
+
+
+def _forward_calls_loss_function(cls: type) -> bool:
+    """Whether a ``forward`` of ``cls`` or of a class it derives from names
+    ``loss_function`` (BART's, Marian's, Pegasus's, XLM's, XLNet's, Whisper's and
+    TrOCR's causal-LM classes compute a ``CrossEntropyLoss`` inline instead, in
+    transformers 5.3-5.25). Without source to read, ``True``: the check after the
+    forward still refuses a loss computed elsewhere."""
+    for klass in cls.__mro__:
+        forward = klass.__dict__.get("forward")
+        if forward is None:
+            continue
+        try:
+            if "loss_function" in inspect.getsource(forward):
+                return True
+        except (OSError, TypeError):
+            return True
+    return False
 
 
 def _check_rank_order(head: nn.Module, name: str, style: Any, ctx: ShardContext) -> None:
