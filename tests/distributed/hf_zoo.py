@@ -13,7 +13,8 @@ forward fails is skipped (reported as such). Every other one is wrapped
 ``logits.square().mean()`` (a sequence-to-sequence model is given ``decoder_input_ids``
 too; ``--lora``: PEFT LoRA on every Linear of both, the adapters' gradients compared;
 ``--option sequence_parallel`` / ``loss_parallel``: wrapped with that flag, the latter
-comparing the loss of ``labels=``).
+comparing the loss of ``labels=``; ``--option train``: both in training mode, every
+dropout probability at 0).
 Each line of the output is one type's verdict:
 
 * ``ok``: exact (share of parameters on rank 0, layers split);
@@ -84,8 +85,9 @@ def auto_class(head: str) -> Any:
     return getattr(transformers, HEADS[head][0])
 
 
-def build(model_type: str, head: str = "causal-lm") -> torch.nn.Module:
-    """A tiny float64 ``model_type`` model with ``head``, weights from seed 0, eager attention."""
+def build(model_type: str, head: str = "causal-lm", train: bool = False) -> torch.nn.Module:
+    """A tiny float64 ``model_type`` model with ``head``, weights from seed 0, eager
+    attention; in eval mode, or ``train``: in training mode with every dropout at 0."""
     from accelerate import init_empty_weights
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -99,6 +101,9 @@ def build(model_type: str, head: str = "causal-lm") -> torch.nn.Module:
         shrink.pop("layer_types", None)
         config = config_class(**shrink)
     config._attn_implementation = "eager"
+    if train:
+        for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+            _no_dropout(cfg, cfg.to_dict())
     if hasattr(config, "_experts_implementation"):  # grouped_mm has no float64 kernel
         config._experts_implementation = "eager"
     with init_empty_weights():
@@ -106,7 +111,22 @@ def build(model_type: str, head: str = "causal-lm") -> torch.nn.Module:
     if count > MAX_PARAMETERS:
         raise ValueError(f"{count} parameters after shrinking")
     torch.manual_seed(0)
-    return auto.from_config(config).double().eval()
+    model = auto.from_config(config).double()
+    if not train:
+        return model.eval()
+    for module in model.modules():
+        _no_dropout(module, vars(module))
+    return model.train()
+
+
+def _no_dropout(owner: object, fields: dict[str, Any]) -> None:
+    """Every dropout probability of ``owner`` (a config or a module) set to 0: a float
+    field named like one, or an ``nn.Dropout``'s ``p``, so that training mode is exact."""
+    for key, value in fields.items():
+        if isinstance(value, float) and value > 0 and ("dropout" in key or "pdrop" in key
+                                                       or (key == "p" and "Dropout" in
+                                                           type(owner).__name__)):
+            setattr(owner, key, 0.0)
 
 
 def inputs(model: torch.nn.Module, head: str, labels: bool = False) -> dict[str, torch.Tensor]:
@@ -147,20 +167,21 @@ def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
     """``(kind, detail)`` for one type on this rank (see the module docstring); ``lora``:
     with :func:`adapted` on both sides, the adapters' gradients compared; ``options``:
     wrapper flags set to ``True`` (``loss_parallel``: the loss of ``labels=`` compared,
-    and its gradients)."""
+    and its gradients), or ``train``: both models in training mode, dropout at 0."""
     import torchtp
 
-    loss = "loss_parallel" in options
+    loss, train = "loss_parallel" in options, "train" in options
+    flags = dict.fromkeys((o for o in options if o != "train"), True)
     try:
-        ref = adapted(build(model_type, head)) if lora else build(model_type, head)
+        ref = build(model_type, head, train)
+        ref = adapted(ref) if lora else ref
         kwargs = inputs(ref, head, labels=loss)
         out = ref(**{k: v for k, v in kwargs.items() if k != "labels"})
         want = causal_loss(out.logits, kwargs["input_ids"]) if loss else out.logits
     except Exception as err:
         return "skip", f"{type(err).__name__}: {str(err)[:150]}"
     try:
-        wrapped = torchtp.DistributedModelWrapper(build(model_type, head),
-                                                  **dict.fromkeys(options, True))
+        wrapped = torchtp.DistributedModelWrapper(build(model_type, head, train), **flags)
         mine = adapted(wrapped.base_model) if lora else wrapped.base_model
     except Exception as err:
         return "refused", f"{type(err).__name__}: {str(err)[:300]}"
@@ -289,7 +310,8 @@ if __name__ == "__main__":
     parser.add_argument("--lora", action="store_true",
                         help="PEFT LoRA on every Linear, on both sides (no generation)")
     parser.add_argument("--option", action="append", default=[],
-                        choices=["sequence_parallel", "loss_parallel"],
-                        help="a wrapper flag set to True (repeatable; no generation)")
+                        choices=["sequence_parallel", "loss_parallel", "train"],
+                        help="a wrapper flag set to True, or train: both in training mode "
+                             "with dropout at 0 (repeatable; no generation)")
     opts = parser.parse_args()
     main(opts.types, opts.tp, opts.head, opts.lora, tuple(opts.option))
