@@ -130,7 +130,8 @@ def moe_peft_all_linear(rank: int, world_size: int, splits: int) -> list[str]:
     v5's fused experts in its own module, adding their parameters as targets. With the
     experts split, each split is refused at ``get_peft_model`` (the messages, per split);
     with them whole (only the attention split), the adapters of the attention (torchtp's
-    layers), the router and the experts equal one process's, logits and gradients."""
+    layers), the router and the experts equal one process's, logits and gradients. The
+    same adapters made before the wrap are refused by it (the last message)."""
     from peft import LoraConfig, get_peft_model
 
     def lora() -> LoraConfig:
@@ -145,6 +146,11 @@ def moe_peft_all_linear(rank: int, world_size: int, splits: int) -> list[str]:
             get_peft_model(wrapped.base_model, lora())
         except ValueError as err:
             refusals.append(str(err))
+    # Such adapters made before the wrap: refused at the wrap, on every rank.
+    try:
+        torchtp.DistributedModelWrapper(get_peft_model(build_moe("mixtral"), lora()))
+    except ValueError as err:
+        refusals.append(str(err))
     batch = _batch()
     ref = get_peft_model(build_moe("mixtral"), lora())
     whole = torchtp.DistributedModelWrapper(build_moe("mixtral"), plan=ATTENTION_ONLY)

@@ -209,12 +209,14 @@ def agree(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Equal within float32 rounding of the tensor's scale: every element within 1e-5 of
     ``want``'s largest magnitude (a wrong slice or a missing sum is off by the scale
     itself) plus 1e-8 (a gradient that is zero in exact arithmetic, as a key bias's,
-    is rounding noise on both sides), NaN in the same places. Element-wise tolerances
+    is rounding noise on both sides), NaN and infinities in the same places. Element-wise tolerances
     flag float32 rounding in small elements of models that compute in float32 (Beam's
     logits, FlexOlmo's norms)."""
-    if got.shape != want.shape or not torch.equal(got.isnan(), want.isnan()):
+    finite = want.isfinite()  # NaN and infinities must sit in the same places
+    if got.shape != want.shape or not torch.equal(finite, got.isfinite()) \
+            or not torch.equal(got[~finite].nan_to_num(), want[~finite].nan_to_num()):
         return False
-    real = ~want.isnan()
+    real = finite
     if not real.any():
         return True
     scale = want[real].abs().max()

@@ -80,3 +80,16 @@ def test_wrapper_loss_parallel_matches_unsharded_model(ranks):
     assert re.search(r"BartForConditionalGeneration.forward computes its loss itself .* not "
                      r"through self.loss_function", got["bart error"]), got["bart error"]
     assert "needs a HuggingFace causal LM (got Sequential)" in got["plain error"]
+
+
+def test_a_subclass_whose_forward_calls_the_parent_keeps_loss_parallelism():
+    from transformers import BartForCausalLM, LlamaForCausalLM
+
+    from torchtp.hf.loss_parallel import _forward_calls_loss_function
+
+    class Mine(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):  # the parent computes the loss
+            return super().forward(*args, **kwargs)
+
+    assert _forward_calls_loss_function(Mine)
+    assert not _forward_calls_loss_function(BartForCausalLM)  # a CrossEntropyLoss inline

@@ -11,12 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchtp.hf import compat as hf_compat
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Every attribute torchtp's integrations replace when the user calls them
-# (integrations/peft.py, integrations/ddp_refusal.py, integrations/lightning.py).
-_PATCHED = """
-import peft.tuners.tuners_utils as tu, peft.tuners.lora as lora
+# (integrations/peft.py, integrations/ddp_refusal.py, integrations/lightning.py). The PEFT
+# modules holding the "all-linear" expansion go in as data: the probe process must not
+# import torchtp before it records them.
+_PATCHED = f"MODULES = {hf_compat.PEFT_ALL_LINEAR_MODULES!r}\nNAME = {hf_compat.PEFT_ALL_LINEAR!r}\n" \
+    + """
+import importlib
+import peft.tuners.lora as lora
 from peft import PeftModel
 from accelerate import Accelerator
 from lightning.fabric.strategies import ModelParallelStrategy
@@ -27,7 +33,7 @@ def patched():
     return {
         "PeftModel.save_pretrained": PeftModel.save_pretrained,
         "LoraModel._create_new_module": lora.LoraModel.__dict__["_create_new_module"],
-        "tuners_utils._maybe_include_all_linear_layers": tu._maybe_include_all_linear_layers,
+        **{f"{m}.{NAME}": getattr(importlib.import_module(m), NAME) for m in MODULES},
         "Accelerator.prepare_model": Accelerator.prepare_model,
         "ModelParallelStrategy.clip_gradients_norm": ModelParallelStrategy.clip_gradients_norm,
         "FabricDDP.setup_module": FabricDDP.setup_module,
@@ -77,10 +83,10 @@ print(sorted(k for k in before if before[k] is not once[k]))
 print(sorted(k for k in once if once[k] is not patched()[k]))
 """
     changed, changed_again = _run(code)[-2:]
+    all_linear = [f"{m}.{hf_compat.PEFT_ALL_LINEAR}" for m in hf_compat.PEFT_ALL_LINEAR_MODULES]
     assert changed == str(sorted(["PeftModel.save_pretrained", "LoraModel._create_new_module",
-                                  "tuners_utils._maybe_include_all_linear_layers",
-                                  "Accelerator.prepare_model", "FabricDDP.setup_module",
-                                  "TrainerDDP._setup_model"])), changed
+                                  *all_linear, "Accelerator.prepare_model",
+                                  "FabricDDP.setup_module", "TrainerDDP._setup_model"])), changed
     assert changed_again == "[]", f"a second install patched again: {changed_again}"
 
 

@@ -256,13 +256,22 @@ PEFT_ALL_LINEAR = "_maybe_include_all_linear_layers"
 
 
 def peft_all_linear_owners() -> list[Any]:
-    """Every module of :data:`PEFT_ALL_LINEAR_MODULES` (imported here: the MoE conversion
-    is imported lazily by PEFT), each holding :data:`PEFT_ALL_LINEAR`.
+    """Every module of :data:`PEFT_ALL_LINEAR_MODULES` that can be imported here (the MoE
+    conversion is imported lazily by PEFT, and only with transformers v5: it imports
+    transformers v5 modules, so with an older transformers PEFT never calls it), each
+    holding :data:`PEFT_ALL_LINEAR`.
 
     Checked: peft 0.21.2 (``tests/distributed/test_compat_fence.py`` scans the installed
     PEFT for modules holding the name that this list lacks).
     """
-    return [importlib.import_module(name) for name in PEFT_ALL_LINEAR_MODULES]
+    owners = []
+    for name in PEFT_ALL_LINEAR_MODULES:
+        try:
+            owners.append(importlib.import_module(name))
+        except ImportError:
+            if name != "peft.utils.transformers_weight_conversion":
+                raise
+    return owners
 
 
 def peft_trainable_tokens_owner() -> tuple[Any, str]:

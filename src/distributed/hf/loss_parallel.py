@@ -92,9 +92,9 @@ def _require_causal_lm(model: nn.Module) -> nn.Linear:
             "computed vocab-parallel. Wrap it without loss_parallel")
     if not _forward_calls_loss_function(type(model)):
         raise ValueError(
-            f"{WHO}: {type(model).__name__}.forward computes its loss itself (a "
-            "CrossEntropyLoss over the whole vocabulary), not through self.loss_function, so "
-            "with the LM head's vocabulary split it would see this rank's slice only. Wrap it "
+            f"{WHO}: {type(model).__name__}.forward computes its loss itself (inline or in a "
+            "submodule), not through self.loss_function, so with the LM head's vocabulary "
+            "split it would see this rank's slice only. Wrap it "
             "without loss_parallel, or compute the loss with "
             "torchtp.vocab_parallel_cross_entropy on the split logits")
     return head

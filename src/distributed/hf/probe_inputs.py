@@ -6,16 +6,17 @@ which. Its inputs come from the model: ``model.dummy_inputs``, with token ids
 kept below the vocabulary size, or, for a speech encoder-decoder that reads
 log-mel features (Whisper), one seeded clip and decoder start tokens.
 
-An encoder-decoder whose dummy inputs hold no decoder inputs and that does not
-make them from ``input_ids`` itself (Pegasus, M2M-100, ProphetNet, Switch
-Transformers, NLLB-MoE, SeamlessM4T: only BART-style models shift ``input_ids``
-right when neither ``labels`` nor ``decoder_input_ids`` is given) gets the same
-ids as ``decoder_input_ids``: without them its probe forward raises and every
-Linear would stay replicated.
+An encoder-decoder whose dummy inputs hold no ``decoder_*`` input and whose
+forward takes ``decoder_input_ids`` gets the same ids as ``decoder_input_ids``.
+Pegasus, M2M-100, ProphetNet, Switch Transformers, NLLB-MoE and SeamlessM4T do
+not make them from ``input_ids`` themselves (only BART-style models shift
+``input_ids`` right when neither ``labels`` nor ``decoder_input_ids`` is given):
+without them their probe forward raises and every Linear would stay replicated.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -37,6 +38,7 @@ def probe_inputs(model: nn.Module) -> dict[str, Any] | None:
     out = {k: (v.clamp(0, vocab - 1) if k == "input_ids" and vocab else v)
            for k, v in dummy.items()}
     if getattr(config, "is_encoder_decoder", False) and "input_ids" in out \
-            and not any(k.startswith("decoder_") for k in out):
+            and not any(k.startswith("decoder_") for k in out) \
+            and "decoder_input_ids" in inspect.signature(model.forward).parameters:
         out["decoder_input_ids"] = out["input_ids"]  # (B, T): decoder positions like the encoder's
     return out

@@ -54,9 +54,18 @@ def detach_adapters(model: nn.Module) -> list[Detached]:
     """Put each LoRA layer's base layer in its place; return what was taken out."""
     if not peft_loaded():  # never imports PEFT (see watch_for_peft for PEFT imported later)
         return []
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, ParamWrapper
 
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    on_parameters = [name for name, m in found if isinstance(m, ParamWrapper)]
+    if on_parameters:  # before anything is taken out: the model stays as it was
+        raise ValueError(
+            f"wrapping a model that carries PEFT LoRA on parameters ('{on_parameters[0]}': "
+            "target_parameters, PEFT's ParamWrapper, e.g. transformers v5 MoE experts under "
+            "target_modules='all-linear') is not supported: torchtp would split the "
+            "parameter under full-size adapters. Wrap the model without adapters, then "
+            "get_peft_model(wrapped.base_model, LoraConfig(target_modules=[...])) listing "
+            "the projections")
     out = []
     for name, layer in found:
         parent_name, _, leaf = name.rpartition(".")

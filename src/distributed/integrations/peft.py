@@ -364,7 +364,7 @@ def _create_new_module(original: Any) -> Any:
                              "output meets partial sums) are not supported; leave it out of "
                              "target_modules (\"all-linear\" includes it: list the modules "
                              "instead)")
-        _refuse_split_parameter(base, kwargs.get("parameter_name"))
+        _refuse_split_parameter(base, kwargs.get("parameter_name"), kwargs.get("target_name"))
         if isinstance(base, PARALLEL_LINEARS):
             compat.peft_register_custom_module(
                 lora_config, dict.fromkeys(PARALLEL_LINEARS, TensorParallelLoraLinear))
@@ -373,16 +373,18 @@ def _create_new_module(original: Any) -> Any:
     return staticmethod(create)
 
 
-def _refuse_split_parameter(base: nn.Module, name: str | None) -> None:
+def _refuse_split_parameter(base: nn.Module, name: str | None, where: str | None) -> None:
     """LoRA on a parameter (``target_parameters``, PEFT's ``ParamWrapper``) that torchtp
     split: PEFT would size and draw the adapter from this rank's shard, so the ranks'
     adapters would be neither the unsharded one's slices nor one another's."""
     layout = layouts_of(base).get(name) if name is not None else None
     if layout is None or layout.dim is None:
         return
+    group = getattr(base, "tp_group", None) or getattr(base, "group", None)
+    size = f" of {dist.get_world_size(group)} ranks" if dist.is_initialized() else ""
     raise ValueError(
-        f"PEFT LoRA on the parameter '{name}' of {type(base).__name__} (split over the TP "
-        f"group along dim {layout.dim}: {list(layout.full_shape)} -> "
+        f"PEFT LoRA on the parameter '{where or name}' of {type(base).__name__} (split over "
+        f"the TP group{size} along dim {layout.dim}: {list(layout.full_shape)} -> "
         f"{list(layout.local_shape)} on this rank) is not supported: PEFT would build the "
         "adapter from this rank's shard, not from the whole parameter. transformers' MoE "
         "models get such targets from target_modules='all-linear' (PEFT converts it to the "
@@ -424,8 +426,9 @@ def _include_all_linear(original: Any) -> Any:
             if names and peft_config.peft_type != PeftType.LORA:
                 # PEFT refuses torchtp's layers as targets of these methods: "all-linear"
                 # would adapt the replicated Linears only, unlike the unsharded model.
+                kind = getattr(peft_config.peft_type, "value", peft_config.peft_type)
                 raise ValueError(
-                    f"target_modules='all-linear' with {peft_config.peft_type.value} on a "
+                    f"target_modules='all-linear' with {kind} on a "
                     f"tensor-parallel model: torchtp adapts LoRA only, so its {len(names)} "
                     f"split layers (e.g. '{min(names)}', weight rows or columns split over "
                     "the TP group) would be left out; use LoraConfig, or list replicated "
