@@ -130,7 +130,8 @@ def _more_configs(tf: object) -> dict:
         "pegasus": lambda: tf.PegasusConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2,
                                             decoder_layers=2, encoder_attention_heads=8,
                                             decoder_attention_heads=8, encoder_ffn_dim=128,
-                                            decoder_ffn_dim=128, max_position_embeddings=64),
+                                            decoder_ffn_dim=128, max_position_embeddings=64,
+                                            bos_token_id=1),  # 5.3's padding check reads it
     }
 
 

@@ -253,3 +253,14 @@ def test_the_probe_tells_interleaved_from_stacked_fused_qkv():
     assert model.resolved_plan.rules == {"qkv": "colwise", "proj": "rowwise"}
     assert torchtp.layouts_of(model.base_model.qkv)["weight"].segments == ((24, 24),)  # heads 2 and 3
     assert model.base_model.num_heads == 2
+
+
+def test_the_probe_comparison_takes_nan_in_the_same_places():
+    # A probe row whose every key is masked yields NaN on both sides (ProphetNet with an
+    # attention mask); NaN once made the tolerance itself NaN, a bare error at the wrap.
+    from torchtp.plans.dataflow import differs
+
+    want = torch.tensor([1.0, float("nan"), 3.0])
+    assert differs(want.clone(), want, 0) is None
+    assert differs(torch.tensor([1.0, 2.0, 3.0]), want, 0) is not None
+    assert differs(want + 1, want, 0) == "rank 0: differs by up to 1"
