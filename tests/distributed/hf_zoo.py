@@ -129,20 +129,13 @@ def _no_dropout(owner: object, fields: dict[str, Any]) -> None:
             setattr(owner, key, 0.0)
 
 
-def inputs(model: torch.nn.Module, head: str, labels: bool = False) -> dict[str, torch.Tensor]:
+def inputs(model: torch.nn.Module, head: str) -> dict[str, torch.Tensor]:
     """Token ids the same on every rank (pad, bos and eos ids avoided); a
-    sequence-to-sequence model also gets the first six as ``decoder_input_ids``;
-    ``labels``: the ids as ``labels`` too."""
+    sequence-to-sequence model also gets the first six as ``decoder_input_ids``."""
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(3, min(90, vocab - 1), (2, 10), generator=torch.Generator().manual_seed(1))
-    out = {"input_ids": ids, "decoder_input_ids": ids[:, :6]} if head == "seq2seq" \
+    return {"input_ids": ids, "decoder_input_ids": ids[:, :6]} if head == "seq2seq" \
         else {"input_ids": ids}
-    return {**out, "labels": ids} if labels else out
-
-
-def compared(out: Any, loss: bool) -> torch.Tensor:
-    """What the sweep compares of a model's output: its loss, or its logits."""
-    return out.loss if loss else out.logits
 
 
 def causal_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -175,9 +168,9 @@ def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
     try:
         ref = build(model_type, head, train)
         ref = adapted(ref) if lora else ref
-        kwargs = inputs(ref, head, labels=loss)
-        out = ref(**{k: v for k, v in kwargs.items() if k != "labels"})
-        want = causal_loss(out.logits, kwargs["input_ids"]) if loss else out.logits
+        kwargs = inputs(ref, head)
+        logits = ref(**kwargs).logits
+        want = causal_loss(logits, kwargs["input_ids"]) if loss else logits
     except Exception as err:
         return "skip", f"{type(err).__name__}: {str(err)[:150]}"
     try:
@@ -186,7 +179,9 @@ def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
     except Exception as err:
         return "refused", f"{type(err).__name__}: {str(err)[:300]}"
     try:
-        got = compared((mine if lora else wrapped)(**kwargs), loss)
+        model = mine if lora else wrapped
+        got = model(**kwargs, labels=kwargs["input_ids"]).loss if loss else \
+            model(**kwargs).logits
     except Exception as err:
         return "fwd-error", f"{type(err).__name__}: {str(err)[:300]}"
     same = agree(got, want)

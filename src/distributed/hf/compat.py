@@ -248,10 +248,10 @@ def peft_lora_dispatch_owner() -> tuple[Any, str]:
 # must see torchtp's layers, or "all-linear" leaves them out without a word. The MoE config
 # conversion for transformers v5 (Mixtral, Qwen2/3-MoE, OLMoE, ...) resolves LoRA's
 # "all-linear" there; the other tuners are the adapter methods torchtp refuses.
-PEFT_ALL_LINEAR_MODULES = ("peft.tuners.tuners_utils", "peft.utils.transformers_weight_conversion",
-                           "peft.tuners.vera.model", "peft.tuners.randlora.model",
-                           "peft.tuners.tinylora.model", "peft.tuners.frod.model",
-                           "peft.tuners.pvera.model")
+_V5_ONLY = "peft.utils.transformers_weight_conversion"  # imports transformers v5 modules
+PEFT_ALL_LINEAR_MODULES = ("peft.tuners.tuners_utils", _V5_ONLY, "peft.tuners.vera.model",
+                           "peft.tuners.randlora.model", "peft.tuners.tinylora.model",
+                           "peft.tuners.frod.model", "peft.tuners.pvera.model")
 PEFT_ALL_LINEAR = "_maybe_include_all_linear_layers"
 
 
@@ -269,7 +269,7 @@ def peft_all_linear_owners() -> list[Any]:
         try:
             owners.append(importlib.import_module(name))
         except ImportError:
-            if name != "peft.utils.transformers_weight_conversion":
+            if name != _V5_ONLY:
                 raise
     return owners
 
