@@ -125,48 +125,56 @@ ATTENTION_ONLY = {f"model.layers.*.self_attn.{n}": "colwise" for n in ("q_proj",
                   } | {"model.layers.*.self_attn.o_proj": "rowwise"}
 
 
-def moe_peft_all_linear(rank: int, world_size: int, splits: int) -> list[str]:
+def moe_peft_all_linear(rank: int, world_size: int, splits: int, out: str) -> list[str]:
     """``target_modules="all-linear"`` on an MoE model: PEFT resolves it for transformers
-    v5's fused experts in its own module, adding their parameters as targets. With the
-    experts split, each split is refused at ``get_peft_model`` (the messages, per split);
-    with them whole (only the attention split), the adapters of the attention (torchtp's
-    layers), the router and the experts equal one process's, logits and gradients. The
-    same adapters made before the wrap are refused by it (the last message)."""
+    v5's fused experts in its own module, adding their 3-D parameters as targets. With the
+    experts split each way (``splits`` of :data:`SPLITS`) and with them whole (only the
+    attention split), the adapters of the attention (torchtp's layers), the router and the
+    experts equal one process's: logits, every adapter gradient, and the adapter
+    ``save_pretrained`` writes (gathered whole). The same adapters made before the wrap are
+    refused by it: returns the messages."""
     from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from torchtp.integrations.adapter_slices import AdapterSlice
 
     def lora() -> LoraConfig:
         torch.manual_seed(5)  # the same adapters' initial values on both sides
         return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                           init_lora_weights=False)
 
-    refusals = []
-    for split in SPLITS[:splits]:
-        wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), **split)
-        try:
-            get_peft_model(wrapped.base_model, lora())
-        except ValueError as err:
-            refusals.append(str(err))
-    # Such adapters made before the wrap: refused at the wrap, on every rank.
-    try:
-        torchtp.DistributedModelWrapper(get_peft_model(build_moe("mixtral"), lora()))
-    except ValueError as err:
-        refusals.append(str(err))
     batch = _batch()
     ref = get_peft_model(build_moe("mixtral"), lora())
-    whole = torchtp.DistributedModelWrapper(build_moe("mixtral"), plan=ATTENTION_ONLY)
-    tp = get_peft_model(whole.base_model, lora())
-    adapted = [n for n, p in tp.named_parameters() if p.requires_grad]
-    assert adapted == [n for n, p in ref.named_parameters() if p.requires_grad]
-    assert any(".self_attn.o_proj.lora_A." in n for n in adapted), adapted
-    torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
     ref(**batch).loss.backward()
-    tp(**batch).loss.backward()
     full = dict(ref.named_parameters())
-    for name in adapted:
-        module = tp.get_submodule(name.rpartition(".")[0])
-        torch.testing.assert_close(tp.get_parameter(name).grad, expected_local(
-            module, name.rpartition(".")[2], full[name].grad), **TOL, msg=name)
-    return refusals
+    trained = [n for n, p in full.items() if p.requires_grad]
+    assert any(".experts.lora_A." in n for n in trained), trained
+    ref.save_pretrained(f"{out}/ref{rank}")
+    want = load_file(f"{out}/ref{rank}/adapter_model.safetensors")
+    for i, kwargs in enumerate([*SPLITS[:splits], {"plan": ATTENTION_ONLY}]):
+        wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), **kwargs)
+        tp = get_peft_model(wrapped.base_model, lora())
+        sliced = any(".experts." in n and isinstance(m, AdapterSlice)
+                     for n, m in tp.named_modules())
+        assert sliced == ("plan" not in kwargs), kwargs  # the experts' adapters are sliced
+        assert [n for n, p in tp.named_parameters() if p.requires_grad] == trained
+        torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
+        tp(**batch).loss.backward()
+        for name in trained:
+            module = tp.get_submodule(name.rpartition(".")[0])
+            torch.testing.assert_close(tp.get_parameter(name).grad, expected_local(
+                module, name.rpartition(".")[2], full[name].grad), **TOL, msg=name)
+        tp.save_pretrained(f"{out}/{i}")  # every rank: gathered whole, written by rank 0
+        if rank == 0:
+            got = load_file(f"{out}/{i}/adapter_model.safetensors")
+            assert sorted(got) == sorted(want)
+            for key, value in want.items():
+                torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+    try:  # such adapters made before the wrap: refused at the wrap, on every rank
+        torchtp.DistributedModelWrapper(get_peft_model(build_moe("mixtral"), lora()))
+    except ValueError as err:
+        return [str(err)]
+    return []
 
 
 def moe_data(seed: int) -> list[dict[str, torch.Tensor]]:

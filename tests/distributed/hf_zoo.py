@@ -14,7 +14,11 @@ forward fails is skipped (reported as such). Every other one is wrapped
 too; ``--lora``: PEFT LoRA on every Linear of both, the adapters' gradients compared;
 ``--option sequence_parallel`` / ``loss_parallel``: wrapped with that flag, the latter
 comparing the loss of ``labels=``; ``--option train``: both in training mode, every
-dropout probability at 0).
+dropout probability at 0; ``--option checkpointing``: the same with HF activation
+checkpointing on both, enabled on the wrapped side through the wrapper after the wrap,
+as HF Trainer does; ``--option compile``: the wrapped model under ``torch.compile``
+with the ``aot_eager`` backend, which traces forward and backward as inductor does
+but runs eager kernels, against the eager unsharded model).
 Each line of the output is one type's verdict:
 
 * ``ok``: exact (share of parameters on rank 0, layers split);
@@ -33,6 +37,8 @@ Each line of the output is one type's verdict:
     python tests/distributed/hf_zoo.py --head masked-lm   # every masked-LM type
     python tests/distributed/hf_zoo.py --lora          # with LoRA adapters on every Linear
     python tests/distributed/hf_zoo.py --option sequence_parallel
+    python tests/distributed/hf_zoo.py --option checkpointing   # training, recomputed layers
+    python tests/distributed/hf_zoo.py --option compile llama gpt2   # compiled (slow)
 """
 
 from __future__ import annotations
@@ -155,19 +161,35 @@ def adapted(model: torch.nn.Module) -> torch.nn.Module:
                                             init_lora_weights=False))
 
 
+MODES = ("train", "checkpointing", "compile")  # options that are not wrapper flags
+
+
+def checkpointed(model: Any) -> None:
+    """HF activation checkpointing on ``model``'s layers, transformers' default
+    (``activation_checkpointing_enable``, ``gradient_checkpointing_enable`` before 5.24)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) \
+        or model.gradient_checkpointing_enable
+    enable()
+
+
 def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
             options: tuple[str, ...] = ()) -> tuple[str, str]:
     """``(kind, detail)`` for one type on this rank (see the module docstring); ``lora``:
     with :func:`adapted` on both sides, the adapters' gradients compared; ``options``:
     wrapper flags set to ``True`` (``loss_parallel``: the loss of ``labels=`` compared,
-    and its gradients), or ``train``: both models in training mode, dropout at 0."""
+    and its gradients), ``train``: both models in training mode, dropout at 0, or
+    ``checkpointing``: the same with :func:`checkpointed` layers, or ``compile``: the
+    wrapped side compiled (``aot_eager``)."""
     import torchtp
 
-    loss, train = "loss_parallel" in options, "train" in options
-    flags = dict.fromkeys((o for o in options if o != "train"), True)
+    loss, recompute = "loss_parallel" in options, "checkpointing" in options
+    train = recompute or "train" in options
+    flags = dict.fromkeys((o for o in options if o not in MODES), True)
     try:
         ref = build(model_type, head, train)
         ref = adapted(ref) if lora else ref
+        if recompute:
+            checkpointed(ref)
         kwargs = inputs(ref, head)
         logits = ref(**kwargs).logits
         want = causal_loss(logits, kwargs["input_ids"]) if loss else logits
@@ -176,10 +198,13 @@ def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
     try:
         wrapped = torchtp.DistributedModelWrapper(build(model_type, head, train), **flags)
         mine = adapted(wrapped.base_model) if lora else wrapped.base_model
+        if recompute:
+            checkpointed(wrapped)
     except Exception as err:
         return "refused", f"{type(err).__name__}: {str(err)[:300]}"
     try:
         model = mine if lora else wrapped
+        model = torch.compile(model, backend="aot_eager") if "compile" in options else model
         got = model(**kwargs, labels=kwargs["input_ids"]).loss if loss else \
             model(**kwargs).logits
     except Exception as err:
@@ -307,8 +332,10 @@ if __name__ == "__main__":
     parser.add_argument("--lora", action="store_true",
                         help="PEFT LoRA on every Linear, on both sides (no generation)")
     parser.add_argument("--option", action="append", default=[],
-                        choices=["sequence_parallel", "loss_parallel", "train"],
-                        help="a wrapper flag set to True, or train: both in training mode "
-                             "with dropout at 0 (repeatable; no generation)")
+                        choices=["sequence_parallel", "loss_parallel", *MODES],
+                        help="a wrapper flag set to True, train: both in training mode "
+                             "with dropout at 0, checkpointing: also with HF activation "
+                             "checkpointing, or compile: the wrapped side compiled "
+                             "(repeatable; no generation)")
     opts = parser.parse_args()
     main(opts.types, opts.tp, opts.head, opts.lora, tuple(opts.option))

@@ -16,7 +16,7 @@ from torchtp.hf import compat as hf_compat
 ROOT = Path(__file__).resolve().parents[2]
 
 # Every attribute torchtp's integrations replace when the user calls them
-# (integrations/peft.py, integrations/ddp_refusal.py, integrations/lightning.py). The PEFT
+# (integrations/peft.py and peft_experts.py, integrations/ddp_refusal.py, integrations/lightning.py). The PEFT
 # modules holding the "all-linear" expansion go in as data: the probe process must not
 # import torchtp before it records them.
 _PATCHED = f"MODULES = {hf_compat.PEFT_ALL_LINEAR_MODULES!r}\nNAME = {hf_compat.PEFT_ALL_LINEAR!r}\n" \
@@ -33,6 +33,8 @@ def patched():
     return {
         "PeftModel.save_pretrained": PeftModel.save_pretrained,
         "LoraModel._create_new_module": lora.LoraModel.__dict__["_create_new_module"],
+        "ParamWrapper._get_in_out_features": lora.ParamWrapper.__dict__["_get_in_out_features"],
+        "ParamWrapper.update_layer": lora.ParamWrapper.__dict__["update_layer"],
         **{f"{m}.{NAME}": getattr(importlib.import_module(m), NAME) for m in MODULES},
         "Accelerator.prepare_model": Accelerator.prepare_model,
         "ModelParallelStrategy.clip_gradients_norm": ModelParallelStrategy.clip_gradients_norm,
@@ -85,7 +87,8 @@ print(sorted(k for k in once if once[k] is not patched()[k]))
     changed, changed_again = _run(code)[-2:]
     all_linear = [f"{m}.{hf_compat.PEFT_ALL_LINEAR}" for m in hf_compat.PEFT_ALL_LINEAR_MODULES]
     assert changed == str(sorted(["PeftModel.save_pretrained", "LoraModel._create_new_module",
-                                  *all_linear, "Accelerator.prepare_model",
+                                  "ParamWrapper._get_in_out_features",
+                                  "ParamWrapper.update_layer", *all_linear, "Accelerator.prepare_model",
                                   "FabricDDP.setup_module", "TrainerDDP._setup_model"])), changed
     assert changed_again == "[]", f"a second install patched again: {changed_again}"
 

@@ -64,8 +64,8 @@ def detach_adapters(model: nn.Module) -> list[Detached]:
             "target_parameters, PEFT's ParamWrapper, e.g. transformers v5 MoE experts under "
             "target_modules='all-linear') is not supported: torchtp would split the "
             "parameter under full-size adapters. Wrap the model without adapters, then "
-            "get_peft_model(wrapped.base_model, LoraConfig(target_modules=[...])) listing "
-            "the projections")
+            "call get_peft_model(wrapped.base_model, <the same LoraConfig>): each rank then "
+            "keeps its slices of the full-size adapters")
     out = []
     for name, layer in found:
         parent_name, _, leaf = name.rpartition(".")

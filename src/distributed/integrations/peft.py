@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from peft import PeftModel, PeftType
 from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import ParamWrapper
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
@@ -49,13 +50,14 @@ from ..comm.regions import (
     scatter_to_tensor_parallel_region,
 )
 from ..core.layouts import ParamLayout
+from ..ep.experts import ParallelExperts
 from ..guards.agreement import agree
 from ..hf import compat
 from ..layers import ColumnParallelLinear, RowParallelLinear, grad_sync
 from ..layers._base import require_group
 from ..layers._shape import input_mismatch
 from ..layers.grad_sync import GradSync
-from ..layers.owned import ShardedModule, layouts_of
+from ..layers.owned import layouts_of
 from ..layers.rng import (
     TRACKER,
     in_split_region,
@@ -63,11 +65,10 @@ from ..layers.rng import (
     split_region_ends,
     streams_switch,
 )
+from . import peft_experts
+from .adapter_slices import check_supported, keep_slice
 
 PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
-# Initialisations PEFT draws without reading the base weight (PiSSA, OLoRA,
-# LoftQ, EVA... decompose the full base weight, which no rank holds).
-_PLAIN_INITS = (True, False, "gaussian")
 
 
 class TensorParallelLoraLinear(LoraLinear):
@@ -195,22 +196,6 @@ class TensorParallelLoraLinear(LoraLinear):
         return "torchtp." + super().__repr__()
 
 
-def check_supported(layer: Any, config: Any) -> None:
-    """Refuse LoRA options whose sharding torchtp does not implement."""
-    who = f"LoRA on {type(layer.get_base_layer()).__name__}"
-    if getattr(config, "lora_bias", False):
-        raise ValueError(f"{who}: lora_bias=True is not supported under tensor parallelism; "
-                         "set lora_bias=False")
-    if layer.resolve_lora_variant(config=config) is not None:
-        raise ValueError(f"{who}: LoRA variants (DoRA, aLoRA, VeLoRA, ...) are not supported "
-                         "under tensor parallelism; use plain LoRA")
-    init = getattr(config, "init_lora_weights", True)
-    if init not in _PLAIN_INITS:
-        raise ValueError(f"{who}: init_lora_weights={init!r} reads the full base weight, which "
-                         f"no rank holds; use one of {list(_PLAIN_INITS)}, or create the "
-                         "adapter on the unsharded model and wrap the PeftModel afterwards")
-
-
 def _segments(base: Any, dim: int) -> tuple[tuple[int, int], ...]:
     """The ranges of the base's split dimension (0: out rows, 1: in columns) this rank holds."""
     layout = layouts_of(base).get("weight")
@@ -226,43 +211,14 @@ def shard_adapter(layer: TensorParallelLoraLinear, adapter: str) -> None:
     a: Any = layer.lora_A[adapter]
     b: Any = layer.lora_B[adapter]
     if isinstance(base, RowParallelLinear):
-        _keep_slice(b, ParamLayout(tuple(b.weight.shape), 0, _segments(base, 0)))
+        keep_slice(b, ParamLayout(tuple(b.weight.shape), 0, _segments(base, 0)))
         syncs = getattr(base, "tp_grad_sync", {}).get("weight")
         if syncs:  # replicated KV-head rows: their gradient is summed like the base's
             grad_sync.mark(b, "weight", syncs)
     else:
-        _keep_slice(a, ParamLayout(tuple(a.weight.shape), 1, _segments(base, 1)))
+        keep_slice(a, ParamLayout(tuple(a.weight.shape), 1, _segments(base, 1)))
         grad_sync.mark(b, "weight", (GradSync(base.group),))
     grad_sync.install(layer)
-
-
-class AdapterSlice(nn.Linear, ShardedModule):
-    """A LoRA ``A`` or ``B`` matrix that holds this rank's slice; its layout says which.
-
-    Same forward and state-dict names as the ``nn.Linear`` PEFT made; owning a
-    layout makes savers, clipping and checkpoints treat it as split.
-    """
-
-
-def _keep_slice(linear: nn.Linear, layout: ParamLayout) -> None:
-    weight = linear.weight
-    linear.weight = nn.Parameter(layout.take(weight.detach()), requires_grad=weight.requires_grad)
-    linear.out_features, linear.in_features = linear.weight.shape
-    linear.__class__ = AdapterSlice  # no new state: the layout below is all it adds
-    assert isinstance(linear, AdapterSlice)
-    linear.tp_layouts = {"weight": layout}
-    linear.register_load_state_dict_pre_hook(_accept_full_size)
-
-
-def _accept_full_size(module: Any, state_dict: dict[str, Any], prefix: str,
-                      *args: Any) -> None:
-    """Loading a full-size adapter tensor keeps this rank's slice of it."""
-    key = prefix + "weight"
-    layout = layouts_of(module)["weight"]
-    full = state_dict.get(key)
-    if isinstance(full, torch.Tensor) and tuple(full.shape) == layout.full_shape \
-            and tuple(full.shape) != tuple(module.weight.shape):
-        state_dict[key] = layout.take(full)
 
 
 def convert(layer: Any) -> TensorParallelLoraLinear:
@@ -315,8 +271,7 @@ def consolidated_adapter_state(model: nn.Module) -> tuple[dict[str, Any], Any]:
         ``(state_dict, group)``.
     """
     state = model.state_dict()
-    layers: list[Any] = [m for m in model.modules() if isinstance(m, TensorParallelLoraLinear)]
-    group = layers[0].get_base_layer().group if layers else None
+    group = next((_lora_group(m) for m in model.modules() if _lora_group(m) is not None), None)
     items = [p for p in placements(model) if p.layout.dim is not None
              and (".lora_A." in p.name or ".lora_B." in p.name)]
     layouts = gather_layouts(items, group)
@@ -327,11 +282,20 @@ def consolidated_adapter_state(model: nn.Module) -> tuple[dict[str, Any], Any]:
     return state, group
 
 
+def _lora_group(module: nn.Module) -> Any:
+    """The TP group a torchtp LoRA layer's adapters are split over; None for other modules."""
+    if isinstance(module, TensorParallelLoraLinear):
+        return module.get_base_layer().group
+    if isinstance(module, ParamWrapper) and peft_experts.split_layout(module) is not None:
+        return module.get_base_layer().tp_group
+    return None
+
+
 def _save_pretrained(original: Any) -> Any:
     @functools.wraps(original)
     def save_pretrained(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("state_dict") is not None or not any(
-                isinstance(m, TensorParallelLoraLinear) for m in self.modules()):
+                _lora_group(m) is not None for m in self.modules()):
             return original(self, save_directory, *args, **kwargs)
         # Over the world, like the agreement below: a save on some ranks only
         # raises on them within min(60 s, TP_TIMEOUT) instead of a Gloo timeout.
@@ -364,7 +328,8 @@ def _create_new_module(original: Any) -> Any:
                              "output meets partial sums) are not supported; leave it out of "
                              "target_modules (\"all-linear\" includes it: list the modules "
                              "instead)")
-        _refuse_split_parameter(base, kwargs.get("parameter_name"), kwargs.get("target_name"))
+        if not isinstance(base, ParallelExperts):  # split experts: peft_experts.py's hooks
+            _refuse_split_parameter(base, kwargs.get("parameter_name"), kwargs.get("target_name"))
         if isinstance(base, PARALLEL_LINEARS):
             compat.peft_register_custom_module(
                 lora_config, dict.fromkeys(PARALLEL_LINEARS, TensorParallelLoraLinear))
@@ -375,8 +340,9 @@ def _create_new_module(original: Any) -> Any:
 
 def _refuse_split_parameter(base: nn.Module, name: str | None, where: str | None) -> None:
     """LoRA on a parameter (``target_parameters``, PEFT's ``ParamWrapper``) that torchtp
-    split: PEFT would size and draw the adapter from this rank's shard, so the ranks'
-    adapters would be neither the unsharded one's slices nor one another's."""
+    split, other than split experts' (``integrations/peft_experts.py``): PEFT would size
+    and draw the adapter from this rank's shard, so the ranks' adapters would be neither
+    the unsharded one's slices nor one another's."""
     layout = layouts_of(base).get(name) if name is not None else None
     if layout is None or layout.dim is None:
         return
@@ -386,10 +352,10 @@ def _refuse_split_parameter(base: nn.Module, name: str | None, where: str | None
         f"PEFT LoRA on the parameter '{where or name}' of {type(base).__name__} (split over "
         f"the TP group{size} along dim {layout.dim}: {list(layout.full_shape)} -> "
         f"{list(layout.local_shape)} on this rank) is not supported: PEFT would build the "
-        "adapter from this rank's shard, not from the whole parameter. transformers' MoE "
-        "models get such targets from target_modules='all-linear' (PEFT converts it to the "
-        "experts' parameters): list target_modules instead (e.g. ['q_proj', 'k_proj', "
-        "'v_proj', 'o_proj']), and give target_parameters only parameters torchtp keeps whole")
+        "adapter from this rank's shard, not from the whole parameter. Target the module "
+        "through target_modules instead (torchtp shards LoRA on its Linears), and give "
+        "target_parameters only parameters torchtp keeps whole or split experts' 3-D "
+        "parameters")
 
 
 def _refuse_split_tokens(original: Any) -> Any:
@@ -448,14 +414,17 @@ def install() -> None:
 
     Four hooks: LoRA targets whose base is a torchtp layer register
     :class:`TensorParallelLoraLinear` on their ``LoraConfig`` (PEFT's
-    custom-module mechanism), and LoRA on a parameter torchtp split is refused;
+    custom-module mechanism), LoRA on split experts' parameters keeps each
+    rank's slices (``peft_experts.install``: two more hooks, on PEFT's
+    ``ParamWrapper``), and LoRA on another parameter torchtp split is refused;
     ``target_modules="all-linear"`` includes torchtp layers for LoRA, wherever
     PEFT expands it (the MoE config conversion too), and is refused for the
     other adapter methods on a model that has them; trainable tokens on a split
     layer are refused; ``PeftModel.save_pretrained`` gathers sharded adapters
     first.
     """
-    missing = compat.missing_lora_layer_hooks(LoraLinear)
+    missing = compat.missing_lora_layer_hooks(LoraLinear) + compat.missing_lora_layer_hooks(
+        ParamWrapper)
     if missing:
         raise RuntimeError(
             f"torchtp's LoRA layer overrides {missing} of peft's LoRA Linear, which this peft "
@@ -471,5 +440,6 @@ def install() -> None:
     owner, name = compat.peft_trainable_tokens_owner()
     if not getattr(getattr(owner, name), "_torchtp", False):
         setattr(owner, name, _refuse_split_tokens(getattr(owner, name)))
+    peft_experts.install()
     if not getattr(PeftModel.save_pretrained, "_torchtp", False):
         PeftModel.save_pretrained = _save_pretrained(PeftModel.save_pretrained)  # type: ignore[method-assign]
