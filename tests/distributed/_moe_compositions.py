@@ -130,10 +130,11 @@ def moe_peft_all_linear(rank: int, world_size: int, splits: int, out: str) -> li
     v5's fused experts in its own module, adding their 3-D parameters as targets. With the
     experts split each way (``splits`` of :data:`SPLITS`) and with them whole (only the
     attention split), the adapters of the attention (torchtp's layers), the router and the
-    experts equal one process's: logits, every adapter gradient, and the adapter
-    ``save_pretrained`` writes (gathered whole). The same adapters made before the wrap are
-    refused by it: returns the messages."""
-    from peft import LoraConfig, get_peft_model
+    experts equal one process's: logits, every adapter gradient, the adapter
+    ``save_pretrained`` writes (gathered whole), and the logits once it is loaded
+    again (``PeftModel.from_pretrained``: each rank keeps its slices). The same adapters
+    made before the wrap are refused by it: returns the messages."""
+    from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
 
     from torchtp.integrations.adapter_slices import AdapterSlice
@@ -170,11 +171,58 @@ def moe_peft_all_linear(rank: int, world_size: int, splits: int, out: str) -> li
             assert sorted(got) == sorted(want)
             for key, value in want.items():
                 torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+        torch.distributed.barrier()  # rank 0 has written it
+        loaded = PeftModel.from_pretrained(torchtp.DistributedModelWrapper(
+            build_moe("mixtral"), **kwargs).base_model, f"{out}/{i}")  # each rank: its slices
+        torch.testing.assert_close(loaded(**batch).logits, ref(**batch).logits, **TOL)
     try:  # such adapters made before the wrap: refused at the wrap, on every rank
         torchtp.DistributedModelWrapper(get_peft_model(build_moe("mixtral"), lora()))
     except ValueError as err:
         return [str(err)]
     return []
+
+
+def moe_peft_expert_parameters(rank: int, world_size: int, splits: int) -> list[str]:
+    """PEFT's documented GPT-OSS LoRA (``target_parameters``: the experts' 3-D
+    parameters, stored ``(E, in, out)``, with biases) on each split of the experts, and
+    Mixtral's ``(E, out, in)`` ones with a single expert per rank: logits and every
+    adapter gradient equal one process's. GPT-OSS with a single expert per rank is
+    refused (PEFT would build its delta transposed): returns the messages."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora() -> LoraConfig:
+        torch.manual_seed(5)
+        return LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False,
+                          target_parameters=["mlp.experts.gate_up_proj",
+                                             "mlp.experts.down_proj"])
+
+    batch = _batch()
+    whole = [dict(split) for split in SPLITS[1:splits]]  # whole experts, one per rank
+    cases = [("gpt_oss", {}, split) for split in SPLITS[:splits]] \
+        + [("mixtral", {"num_local_experts": 2}, split) for split in whole]
+    for arch, config, split in cases:
+        ref = get_peft_model(build_moe(arch, **config), lora())
+        ref(**batch).loss.backward()
+        wrapped = torchtp.DistributedModelWrapper(build_moe(arch, **config), **split)
+        tp = get_peft_model(wrapped.base_model, lora())
+        torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
+        tp(**batch).loss.backward()
+        full = dict(ref.named_parameters())
+        trained = [n for n, p in full.items() if p.requires_grad]
+        assert [n for n, p in tp.named_parameters() if p.requires_grad] == trained
+        for name in trained:
+            module = tp.get_submodule(name.rpartition(".")[0])
+            torch.testing.assert_close(tp.get_parameter(name).grad, expected_local(
+                module, name.rpartition(".")[2], full[name].grad), **TOL, msg=(arch, name))
+    refusals = []
+    for split in whole:
+        wrapped = torchtp.DistributedModelWrapper(build_moe("gpt_oss", num_local_experts=2),
+                                                  **split)
+        try:
+            get_peft_model(wrapped.base_model, lora())
+        except ValueError as err:
+            refusals.append(str(err))
+    return refusals
 
 
 def moe_data(seed: int) -> list[dict[str, torch.Tensor]]:

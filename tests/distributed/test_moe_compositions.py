@@ -22,6 +22,7 @@ from ._moe_compositions import (
     moe_one_process,
     moe_peft,
     moe_peft_all_linear,
+    moe_peft_expert_parameters,
     moe_trainer,
     moe_trainer_reference,
 )
@@ -54,6 +55,15 @@ def test_all_linear_lora_on_split_experts_matches_one_process(ranks, tmp_path):
                     r"\.model\.layers\.0\.mlp\.(gate|experts)': target_parameters, .* call "
                     r"get_peft_model\(wrapped\.base_model, <the same LoraConfig>\)",
                     refusals[0][0]), refusals[0][0]
+
+
+def test_lora_on_transposed_experts_parameters_matches_one_process(ranks):
+    refusals = ranks(moe_peft_expert_parameters, 2, _splits(), timeout=300)
+    assert refusals[0] == refusals[1] and len(refusals[0]) == _splits() - 1
+    for message in refusals[0]:
+        assert re.match(r"PEFT LoRA on 'gate_up_proj' of ParallelGptOssExperts with whole "
+                        r"experts \(2 experts over 2 ranks: \[1, 1\]\) is not supported .* "
+                        r"give every rank two or more experts", message), message
 
 
 def test_tensor_parallel_trainer_on_an_moe_model_matches_one_process(ranks, tmp_path):

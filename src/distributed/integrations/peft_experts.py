@@ -38,7 +38,7 @@ from typing import Any
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
-from ..core.layouts import ParamLayout, Segments
+from ..core.layouts import ParamLayout, Segments, shard_sizes
 from ..ep.experts import ParallelExperts
 from ..layers import grad_sync
 from ..layers.grad_sync import GradSync
@@ -85,6 +85,7 @@ def _sliced(original: Any) -> Any:
                 f"{list(layout.local_shape)} on this rank) is not supported; split the "
                 "experts one way only (expert_parallel over all the TP ranks, or features "
                 "only)")
+        _refuse_single_transposed(self, layout)
         check_supported(self, config)
         self.num_experts = layout.full_shape[0]  # full-size factors: the unsharded draws
         original(self, adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
@@ -92,6 +93,24 @@ def _sliced(original: Any) -> Any:
         return None
     update_layer._torchtp = True  # type: ignore[attr-defined]
     return update_layer
+
+
+def _refuse_single_transposed(layer: Any, layout: ParamLayout) -> None:
+    """Whole experts stored ``(E, in, out)`` with one expert on some rank: PEFT takes such
+    a parameter for a plain ``(out, in)`` weight (its ``num_experts == 1`` path) and
+    builds the delta transposed. Decided from every rank's expert count (whole experts
+    are split over the TP group, ``ep/styles.py``), so every rank raises alike."""
+    base: Any = layer.get_base_layer()
+    counts = shard_sizes(layout.full_shape[0], base.tp_world_size)  # whole experts: over TP
+    if layout.dim == 0 and getattr(base, "is_transposed", False) and 1 in counts \
+            and layout.full_shape[0] > 1:
+        raise ValueError(
+            f"PEFT LoRA on '{layer.parameter_name}' of {type(base).__name__} with whole "
+            f"experts ({layout.full_shape[0]} experts over {len(counts)} ranks: {counts}) is not "
+            "supported while a rank holds a single expert of this (experts, in, out) "
+            "parameter: PEFT would build that rank's delta transposed; give every rank two "
+            "or more experts (at most half as many ranks as experts), or split the "
+            "experts' features (expert_parallel=False)")
 
 
 def _shard(layer: Any, adapter: str, layout: ParamLayout) -> None:
