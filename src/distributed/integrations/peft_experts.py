@@ -155,6 +155,6 @@ def install() -> None:
     other parameter both do what PEFT does.
     """
     for name, hook in (("_get_in_out_features", _full_sizes), ("update_layer", _sliced)):
-        original = ParamWrapper.__dict__[name]
+        original = getattr(ParamWrapper, name)
         if not getattr(original, "_torchtp", False):
             setattr(ParamWrapper, name, hook(original))
