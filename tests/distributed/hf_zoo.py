@@ -8,7 +8,7 @@ built with its defaults shrunk to tiny sizes
 (the fields in :data:`SHRINK` it has), in float64, eval mode, eager attention and
 experts; a type whose tiny
 config cannot be built, is still over :data:`MAX_PARAMETERS` or whose unsharded
-forward fails is skipped (reported as such). Every other one is wrapped
+forward or backward fails is skipped (reported as such). Every other one is wrapped
 (``plan=None``) on two Gloo ranks (``--tp N``: N) and compared: logits, then every gradient of
 ``logits.square().mean()`` (a sequence-to-sequence model is given ``decoder_input_ids``
 too; ``--lora``: PEFT LoRA on every Linear of both, the adapters' gradients compared;
@@ -16,9 +16,9 @@ too; ``--lora``: PEFT LoRA on every Linear of both, the adapters' gradients comp
 comparing the loss of ``labels=``; ``--option train``: both in training mode, every
 dropout probability at 0; ``--option checkpointing``: the same with HF activation
 checkpointing on both, enabled on the wrapped side through the wrapper after the wrap,
-as HF Trainer does; ``--option compile``: the wrapped model under ``torch.compile``
-with the ``aot_eager`` backend, which traces forward and backward as inductor does
-but runs eager kernels, against the eager unsharded model).
+as HF Trainer does; ``--option compile``: both models under ``torch.compile`` with
+the ``aot_eager`` backend, which traces forward and backward as inductor does but
+runs eager kernels).
 Each line of the output is one type's verdict:
 
 * ``ok``: exact (share of parameters on rank 0, layers split);
@@ -28,7 +28,8 @@ Each line of the output is one type's verdict:
   this sweep exists to find; ``GEN-MISMATCH``: four greedy tokens generated
   with the cache differ (``gen-error``: the wrapped generate raised where the
   unwrapped one ran);
-* ``refused`` / ``fwd-error``: the wrap or the forward raised (read the message);
+* ``refused`` / ``fwd-error`` / ``crash``: the wrap, the forward or the backward raised
+  (read the message);
 * ``skip``: not a verdict on torchtp.
 
     python tests/distributed/hf_zoo.py                 # every type, 15 per launch
@@ -172,14 +173,22 @@ def checkpointed(model: Any) -> None:
     enable()
 
 
+def compiled(model: Any) -> Any:
+    """``model`` under ``torch.compile`` with the ``aot_eager`` backend (traces forward and
+    backward as inductor does, runs eager kernels). Both sides are compiled, so a model
+    torch.compile itself computes differently (DeepSeek-V4's compressor gets no gradient,
+    compiled, unwrapped too) is not reported as torchtp's."""
+    return torch.compile(model, backend="aot_eager")
+
+
 def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
             options: tuple[str, ...] = ()) -> tuple[str, str]:
     """``(kind, detail)`` for one type on this rank (see the module docstring); ``lora``:
     with :func:`adapted` on both sides, the adapters' gradients compared; ``options``:
     wrapper flags set to ``True`` (``loss_parallel``: the loss of ``labels=`` compared,
     and its gradients), ``train``: both models in training mode, dropout at 0, or
-    ``checkpointing``: the same with :func:`checkpointed` layers, or ``compile``: the
-    wrapped side compiled (``aot_eager``)."""
+    ``checkpointing``: the same with :func:`checkpointed` layers, or ``compile``: both
+    sides :func:`compiled`."""
     import torchtp
 
     loss, recompute = "loss_parallel" in options, "checkpointing" in options
@@ -191,8 +200,12 @@ def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
         if recompute:
             checkpointed(ref)
         kwargs = inputs(ref, head)
-        logits = ref(**kwargs).logits
+        run = compiled(ref) if "compile" in options else ref
+        logits = run(**kwargs).logits
         want = causal_loss(logits, kwargs["input_ids"]) if loss else logits
+        # The unsharded backward here: where it fails (RWKV's in-place update), the model
+        # or torch.compile fails unwrapped too, which is no verdict on torchtp.
+        (want if loss else want.square().mean()).backward()
     except Exception as err:
         return "skip", f"{type(err).__name__}: {str(err)[:150]}"
     try:
@@ -204,14 +217,13 @@ def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
         return "refused", f"{type(err).__name__}: {str(err)[:300]}"
     try:
         model = mine if lora else wrapped
-        model = torch.compile(model, backend="aot_eager") if "compile" in options else model
+        model = compiled(model) if "compile" in options else model
         got = model(**kwargs, labels=kwargs["input_ids"]).loss if loss else \
             model(**kwargs).logits
     except Exception as err:
         return "fwd-error", f"{type(err).__name__}: {str(err)[:300]}"
     same = agree(got, want)
     bad = [] if same else ["loss" if loss else "logits"]
-    (want if loss else want.square().mean()).backward()
     (got if loss else got.square().mean()).backward()
     bad += different_gradients(ref, mine)
     if bad:
@@ -294,7 +306,7 @@ def verdicts(rank: int, world_size: int, types: list[str], head: str, lora: bool
         try:
             out[model_type] = (*verdict(model_type, head, lora, options),
                                round(time.time() - start, 1))
-        except Exception as err:  # the backward itself (a model's own in-place update)
+        except Exception as err:  # the wrapped side's backward (outside verdict's checks)
             out[model_type] = ("crash", f"{type(err).__name__}: {str(err)[:200]}", 0.0)
     return out
 
@@ -335,7 +347,7 @@ if __name__ == "__main__":
                         choices=["sequence_parallel", "loss_parallel", *MODES],
                         help="a wrapper flag set to True, train: both in training mode "
                              "with dropout at 0, checkpointing: also with HF activation "
-                             "checkpointing, or compile: the wrapped side compiled "
+                             "checkpointing, or compile: both sides compiled "
                              "(repeatable; no generation)")
     opts = parser.parse_args()
     main(opts.types, opts.tp, opts.head, opts.lora, tuple(opts.option))
