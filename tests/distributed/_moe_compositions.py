@@ -225,6 +225,45 @@ def moe_peft_expert_parameters(rank: int, world_size: int, splits: int) -> list[
     return refusals
 
 
+def moe_peft_two_adapters(rank: int, world_size: int, splits: int) -> int:
+    """Two ``"all-linear"`` LoRA adapters (experts' parameters included) on each split:
+    each alone, both active, and merged into the weights (``merge_and_unload``, then
+    the wrapper's own forward) give one process's logits. Returns the cases checked."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora(seed: int) -> LoraConfig:
+        torch.manual_seed(seed)  # the same adapters' initial values on both sides
+        return LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                          init_lora_weights=False)
+
+    batch = _batch()
+
+    def logits(model: nn.Module) -> dict[str, torch.Tensor]:
+        peft = get_peft_model(model, lora(5))
+        peft.add_adapter("second", lora(6))
+        out = {"default": peft(**batch).logits}
+        peft.set_adapter("second")
+        out["second"] = peft(**batch).logits
+        peft.base_model.set_adapter(["default", "second"])
+        out["both"] = peft(**batch).logits
+        out["merged"] = peft.merge_and_unload(adapter_names=["default", "second"])(
+            **batch).logits
+        return out
+
+    checked = 0
+    with torch.no_grad():
+        want = logits(build_moe("mixtral"))
+        for split in SPLITS[:splits]:
+            wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral"), **split)
+            got = logits(wrapped.base_model)
+            got["wrapper after merging"] = wrapped(**batch).logits
+            for key, value in got.items():
+                torch.testing.assert_close(value, want.get(key, want["merged"]), **TOL,
+                                           msg=(split, key))
+                checked += 1
+    return checked
+
+
 def moe_data(seed: int) -> list[dict[str, torch.Tensor]]:
     """16 samples of 8 token ids in the MoE models' vocabulary, labels = inputs."""
     ids = torch.randint(3, 96, (16, 8), generator=torch.Generator().manual_seed(seed))

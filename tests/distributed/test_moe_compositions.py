@@ -23,6 +23,7 @@ from ._moe_compositions import (
     moe_peft,
     moe_peft_all_linear,
     moe_peft_expert_parameters,
+    moe_peft_two_adapters,
     moe_trainer,
     moe_trainer_reference,
 )
@@ -64,6 +65,11 @@ def test_lora_on_transposed_experts_parameters_matches_one_process(ranks):
         assert re.match(r"PEFT LoRA on 'gate_up_proj' of ParallelGptOssExperts with whole "
                         r"experts \(2 experts over 2 ranks: \[1, 1\]\) is not supported .* "
                         r"give every rank two or more experts", message), message
+
+
+def test_two_lora_adapters_on_split_experts_switch_and_merge_as_one_process(ranks):
+    checked = ranks(moe_peft_two_adapters, 2, _splits(), timeout=300)
+    assert checked[0] == checked[1] == 5 * _splits()
 
 
 def test_tensor_parallel_trainer_on_an_moe_model_matches_one_process(ranks, tmp_path):
