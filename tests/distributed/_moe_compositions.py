@@ -187,7 +187,8 @@ def moe_peft_expert_parameters(rank: int, world_size: int, splits: int) -> list[
     parameters, stored ``(E, in, out)``, with biases) on each split of the experts, and
     Mixtral's ``(E, out, in)`` ones with a single expert per rank: logits and every
     adapter gradient equal one process's. GPT-OSS with a single expert per rank is
-    refused (PEFT would build its delta transposed): returns the messages."""
+    refused (PEFT would build its delta transposed), and so is LoRA on its split
+    2-D ``gate_up_proj_bias``: returns the messages."""
     from peft import LoraConfig, get_peft_model
 
     def lora() -> LoraConfig:
@@ -222,6 +223,12 @@ def moe_peft_expert_parameters(rank: int, world_size: int, splits: int) -> list[
             get_peft_model(wrapped.base_model, lora())
         except ValueError as err:
             refusals.append(str(err))
+    wrapped = torchtp.DistributedModelWrapper(build_moe("gpt_oss"))
+    try:  # a split 2-D parameter of the experts: PEFT takes it for an (out, in) weight
+        get_peft_model(wrapped.base_model, LoraConfig(
+            r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj_bias"]))
+    except ValueError as err:
+        refusals.append(str(err))
     return refusals
 
 

@@ -60,8 +60,12 @@ def test_all_linear_lora_on_split_experts_matches_one_process(ranks, tmp_path):
 
 def test_lora_on_transposed_experts_parameters_matches_one_process(ranks):
     refusals = ranks(moe_peft_expert_parameters, 2, _splits(), timeout=300)
-    assert refusals[0] == refusals[1] and len(refusals[0]) == _splits() - 1
-    for message in refusals[0]:
+    assert refusals[0] == refusals[1] and len(refusals[0]) == _splits()
+    assert re.match(r"PEFT LoRA on the parameter 'model\.layers\.0\.mlp\.experts\."
+                    r"gate_up_proj_bias' of ParallelGptOssExperts \(split over the TP group of "
+                    r"2 ranks along dim 1: \[4, 48\] -> \[4, 24\] on this rank\) is not "
+                    r"supported", refusals[0][-1]), refusals[0][-1]
+    for message in refusals[0][:-1]:
         assert re.match(r"PEFT LoRA on 'gate_up_proj' of ParallelGptOssExperts with whole "
                         r"experts \(2 experts over 2 ranks: \[1, 1\]\) is not supported .* "
                         r"give every rank two or more experts", message), message

@@ -12,6 +12,9 @@ usual calls work on a wrapped model:
   adapter that plain PEFT loads onto the unsharded model.
 - ``PeftModel.from_pretrained(wrapped.base_model, dir)`` loads a full-size
   adapter: each rank keeps its slices.
+- LoRA on split experts' 3-D parameters (``target_parameters``, which
+  ``"all-linear"`` adds on transformers v5's MoE models) keeps each rank's
+  slices too: ``peft_experts.py``.
 
 The sharding (``tp`` ranks, scale ``s``):
 
@@ -50,7 +53,6 @@ from ..comm.regions import (
     scatter_to_tensor_parallel_region,
 )
 from ..core.layouts import ParamLayout
-from ..ep.experts import ParallelExperts
 from ..guards.agreement import agree
 from ..hf import compat
 from ..layers import ColumnParallelLinear, RowParallelLinear, grad_sync
@@ -271,7 +273,7 @@ def consolidated_adapter_state(model: nn.Module) -> tuple[dict[str, Any], Any]:
         ``(state_dict, group)``.
     """
     state = model.state_dict()
-    group = next((_lora_group(m) for m in model.modules() if _lora_group(m) is not None), None)
+    group = next((g for g in map(_lora_group, model.modules()) if g is not None), None)
     items = [p for p in placements(model) if p.layout.dim is not None
              and (".lora_A." in p.name or ".lora_B." in p.name)]
     layouts = gather_layouts(items, group)
@@ -328,8 +330,9 @@ def _create_new_module(original: Any) -> Any:
                              "output meets partial sums) are not supported; leave it out of "
                              "target_modules (\"all-linear\" includes it: list the modules "
                              "instead)")
-        if not isinstance(base, ParallelExperts):  # split experts: peft_experts.py's hooks
-            _refuse_split_parameter(base, kwargs.get("parameter_name"), kwargs.get("target_name"))
+        name = kwargs.get("parameter_name")
+        if peft_experts.expert_layout(base, name) is None:  # else: peft_experts.py's hooks
+            _refuse_split_parameter(base, name, kwargs.get("target_name"))
         if isinstance(base, PARALLEL_LINEARS):
             compat.peft_register_custom_module(
                 lora_config, dict.fromkeys(PARALLEL_LINEARS, TensorParallelLoraLinear))
@@ -427,9 +430,9 @@ def install() -> None:
         ParamWrapper)
     if missing:
         raise RuntimeError(
-            f"torchtp's LoRA layer overrides {missing} of peft's LoRA Linear, which this peft "
-            f"does not define: install a checked peft ({', '.join(compat.CHECKED_PEFT)}), e.g. "
-            f"pip install 'peft=={compat.CHECKED_PEFT[-1]}'")
+            f"torchtp's LoRA layers override {missing} of peft's LoRA Linear and "
+            "ParamWrapper, which this peft does not define: install a checked peft "
+            f"({', '.join(compat.CHECKED_PEFT)}), e.g. pip install 'peft=={compat.CHECKED_PEFT[-1]}'")
     owner, name = compat.peft_lora_dispatch_owner()
     if not getattr(getattr(owner, name), "_torchtp", False):
         setattr(owner, name, _create_new_module(getattr(owner, name)))

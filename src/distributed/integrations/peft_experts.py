@@ -49,11 +49,18 @@ from .adapter_slices import check_supported, keep_slice
 def split_layout(layer: Any) -> ParamLayout | None:
     """The layout of the split experts' parameter a PEFT ``ParamWrapper`` adapts; None when
     its base is not torchtp's experts module or the parameter is whole there."""
-    base = layer.get_base_layer()
-    if not isinstance(base, ParallelExperts):
+    return expert_layout(layer.get_base_layer(), layer.parameter_name)
+
+
+def expert_layout(base: nn.Module, name: str | None) -> ParamLayout | None:
+    """The layout of ``base.<name>`` when ``base`` is torchtp's experts module and that
+    3-D parameter is split there (what the hooks below shard); None otherwise."""
+    if not isinstance(base, ParallelExperts) or name is None:
         return None
-    layout = layouts_of(base).get(layer.parameter_name)
-    return None if layout is None or layout.dim is None else layout
+    layout = layouts_of(base).get(name)
+    if layout is None or layout.dim is None or len(layout.full_shape) != 3:
+        return None
+    return layout
 
 
 def _full_sizes(original: Any) -> Any:
