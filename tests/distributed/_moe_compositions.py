@@ -271,6 +271,46 @@ def moe_peft_two_adapters(rank: int, world_size: int, splits: int) -> int:
     return checked
 
 
+def moe_peft_latent_attention(rank: int, world_size: int) -> int:
+    """LoRA on DeepSeek-V3 (multi-head latent attention, heads split; its whole
+    ``kv_a_proj_with_mqa`` ends in a rope key every head reads): ``"all-linear"`` after
+    the wrap with a second adapter, both active, and the attention's projections adapted
+    before the wrap (``DistributedModelWrapper(peft_model)``). Logits and every adapter
+    gradient equal one process's; returns the gradients checked."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora(seed: int, targets: Any = "all-linear") -> LoraConfig:
+        torch.manual_seed(seed)  # the same adapters' initial values on both sides
+        return LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False)
+
+    def after(model: nn.Module) -> nn.Module:
+        peft = get_peft_model(model, lora(5))
+        peft.add_adapter("second", lora(6))
+        peft.base_model.set_adapter(["default", "second"])
+        return peft
+
+    attention = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    batch = _batch()
+    checked = 0
+    for make, wrap in ((after, lambda m: after(torchtp.DistributedModelWrapper(m).base_model)),
+                       (lambda m: get_peft_model(m, lora(5, attention)),
+                        lambda m: torchtp.DistributedModelWrapper(
+                            get_peft_model(m, lora(5, attention))).base_model)):
+        ref, tp = make(build_moe("deepseek_v3")), wrap(build_moe("deepseek_v3"))
+        torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
+        ref(**batch).loss.backward()
+        tp(**batch).loss.backward()
+        full = {n.removeprefix("base_model.model."): p for n, p in ref.named_parameters()}
+        for name, p in tp.named_parameters():
+            if p.requires_grad:
+                module = tp.get_submodule(name.rpartition(".")[0])
+                want = full[name.removeprefix("base_model.model.")].grad
+                torch.testing.assert_close(p.grad, expected_local(
+                    module, name.rpartition(".")[2], want), **TOL, msg=name)
+                checked += ".kv_a_proj_with_mqa.lora_" in name
+    return checked
+
+
 def moe_data(seed: int) -> list[dict[str, torch.Tensor]]:
     """16 samples of 8 token ids in the MoE models' vocabulary, labels = inputs."""
     ids = torch.randint(3, 96, (16, 8), generator=torch.Generator().manual_seed(seed))

@@ -23,6 +23,7 @@ from ._moe_compositions import (
     moe_peft,
     moe_peft_all_linear,
     moe_peft_expert_parameters,
+    moe_peft_latent_attention,
     moe_peft_two_adapters,
     moe_trainer,
     moe_trainer_reference,
@@ -74,6 +75,14 @@ def test_lora_on_transposed_experts_parameters_matches_one_process(ranks):
 def test_two_lora_adapters_on_split_experts_switch_and_merge_as_one_process(ranks):
     checked = ranks(moe_peft_two_adapters, 2, _splits(), timeout=300)
     assert checked[0] == checked[1] == 5 * _splits()
+
+
+def test_lora_beside_a_latent_attentions_shared_rope_key_matches_one_process(ranks):
+    # The rope features of kv_a_proj_with_mqa's output are read by every split head: a
+    # LoRA branch there got each rank's part of their gradient (logits equal), silently.
+    checked = ranks(moe_peft_latent_attention, 2, timeout=300)
+    # layers x (A, B) x adapters: two after the wrap, one before it
+    assert checked[0] == checked[1] == 2 * 2 * 2 + 2 * 2 * 1
 
 
 def test_tensor_parallel_trainer_on_an_moe_model_matches_one_process(ranks, tmp_path):

@@ -295,7 +295,11 @@ class RopeKey(ParallelStyle):
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size > 1 and self.rope is not None:
-            module.register_forward_hook(SharedFeaturesEntry(self.rope, ctx.group))
+            entry = SharedFeaturesEntry(self.rope, ctx.group)
+            module.register_forward_hook(entry)
+            # A LoRA branch beside it adds to the same features: its B takes the same
+            # hook (integrations/peft.py), or its gradient would be this rank's part.
+            module.tp_shared_output = entry  # type: ignore[assignment]
         return module
 
 
