@@ -274,9 +274,10 @@ def moe_peft_two_adapters(rank: int, world_size: int, splits: int) -> int:
 def moe_peft_latent_attention(rank: int, world_size: int) -> int:
     """LoRA on DeepSeek-V3 (multi-head latent attention, heads split; its whole
     ``kv_a_proj_with_mqa`` ends in a rope key every head reads): ``"all-linear"`` after
-    the wrap with a second adapter, both active, and the attention's projections adapted
-    before the wrap (``DistributedModelWrapper(peft_model)``). Logits and every adapter
-    gradient equal one process's; returns the gradients checked."""
+    the wrap with a second adapter, both active, the attention's projections adapted
+    before the wrap (``DistributedModelWrapper(peft_model)``), and a ``q_lora_rank`` as
+    wide as that key (``q_a_proj``, ``q_b_proj``). Logits and every adapter gradient
+    equal one process's; returns the rope key's adapter gradients checked."""
     from peft import LoraConfig, get_peft_model
 
     def lora(seed: int, targets: Any = "all-linear") -> LoraConfig:
@@ -289,14 +290,23 @@ def moe_peft_latent_attention(rank: int, world_size: int) -> int:
         peft.base_model.set_adapter(["default", "second"])
         return peft
 
+    def memory(model: nn.Module) -> nn.Module:  # every split: the q_a_proj path's heads too
+        wrapped = torchtp.DistributedModelWrapper(model, plan="auto-memory")
+        assert "mla_kv_a_proj" in wrapped.describe_plan()  # the rope key, not q_a_proj
+        return after(wrapped.base_model)
+
     attention = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     batch = _batch()
     checked = 0
-    for make, wrap in ((after, lambda m: after(torchtp.DistributedModelWrapper(m).base_model)),
-                       (lambda m: get_peft_model(m, lora(5, attention)),
-                        lambda m: torchtp.DistributedModelWrapper(
-                            get_peft_model(m, lora(5, attention))).base_model)):
-        ref, tp = make(build_moe("deepseek_v3")), wrap(build_moe("deepseek_v3"))
+    # q_lora_rank = kv_lora_rank + qk_rope_head_dim: q_a_proj has the rope key's width
+    for config, make, wrap in (
+            ({}, after, lambda m: after(torchtp.DistributedModelWrapper(m).base_model)),
+            ({}, lambda m: get_peft_model(m, lora(5, attention)),
+             lambda m: torchtp.DistributedModelWrapper(
+                 get_peft_model(m, lora(5, attention))).base_model),
+            ({"q_lora_rank": 24}, after, memory)):
+        ref, tp = make(build_moe("deepseek_v3", **config)), wrap(build_moe("deepseek_v3",
+                                                                           **config))
         torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
         ref(**batch).loss.backward()
         tp(**batch).loss.backward()

@@ -18,7 +18,10 @@ dropout probability at 0; ``--option checkpointing``: the same with HF activatio
 checkpointing on both, enabled on the wrapped side through the wrapper after the wrap,
 as HF Trainer does; ``--option compile``: both models under ``torch.compile`` with
 the ``aot_eager`` backend, which traces forward and backward as inductor does but
-runs eager kernels).
+runs eager kernels); ``--option memory``: wrapped with ``plan="auto-memory"``, the
+leanest candidate with every layer it can split split: at these tiny sizes the default
+cost choice keeps many splits whole (a latent attention's heads, lone layers) that a
+real model's size would take).
 Each line of the output is one type's verdict:
 
 * ``ok``: exact (share of parameters on rank 0, layers split);
@@ -72,7 +75,10 @@ SHRINK = {"vocab_size": 96, "hidden_size": 32, "d_model": 32, "n_embd": 32,
           "decoder_ffn_dim": 64, "d_ff": 64, "d_kv": 8, "embedding_size": 32,
           "dim": 32, "hidden_dim": 64, "n_layers": 2, "n_heads": 4, "emb_dim": 32,
           "d_inner": 64, "entity_vocab_size": 96, "entity_emb_size": 32,
-          "shape_vocab_size": 96, "pronunciation_vocab_size": 96}
+          "shape_vocab_size": 96, "pronunciation_vocab_size": 96,
+          # multi-head latent attention (DeepSeek-V2/V3 and kin) and its group-limited routing
+          "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+          "v_head_dim": 8, "n_group": 1, "topk_group": 1}
 MAX_PARAMETERS = 3_000_000  # after shrinking; larger means a size field SHRINK misses
 BATCH = 15  # types per launch
 # --head: (auto class, its mapping of model types, whether greedy generation is compared)
@@ -102,10 +108,14 @@ def build(model_type: str, head: str = "causal-lm", train: bool = False) -> torc
 
     config_class = CONFIG_MAPPING[model_type]
     shrink = {k: v for k, v in SHRINK.items() if k in config_class().to_dict()}
+    if "kv_lora_rank" in shrink:  # a latent attention has a KV head per query head
+        shrink["num_key_value_heads"] = SHRINK["num_attention_heads"]
     try:
         config = config_class(**shrink)
-    except Exception:  # a model that needs its own layer_types list
+    except Exception as err:  # a model that needs its own layer_types list, or MHA
         shrink.pop("layer_types", None)
+        if "num_key_value_heads" in str(err):
+            shrink["num_key_value_heads"] = SHRINK["num_attention_heads"]
         config = config_class(**shrink)
     config._attn_implementation = "eager"
     if train:
@@ -162,7 +172,7 @@ def adapted(model: torch.nn.Module) -> torch.nn.Module:
                                             init_lora_weights=False))
 
 
-MODES = ("train", "checkpointing", "compile")  # options that are not wrapper flags
+MODES = ("train", "checkpointing", "compile", "memory")  # options that are not wrapper flags
 
 
 def checkpointed(model: Any) -> None:
@@ -187,13 +197,15 @@ def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
     with :func:`adapted` on both sides, the adapters' gradients compared; ``options``:
     wrapper flags set to ``True`` (``loss_parallel``: the loss of ``labels=`` compared,
     and its gradients), ``train``: both models in training mode, dropout at 0, or
-    ``checkpointing``: the same with :func:`checkpointed` layers, or ``compile``: both
-    sides :func:`compiled`."""
+    ``checkpointing``: the same with :func:`checkpointed` layers, ``compile``: both
+    sides :func:`compiled`, or ``memory``: wrapped with ``plan="auto-memory"``."""
     import torchtp
 
     loss, recompute = "loss_parallel" in options, "checkpointing" in options
     train = recompute or "train" in options
-    flags = dict.fromkeys((o for o in options if o not in MODES), True)
+    flags: dict[str, Any] = dict.fromkeys((o for o in options if o not in MODES), True)
+    if "memory" in options:  # every split the candidates allow, not the tiny model's fastest
+        flags["plan"] = "auto-memory"
     try:
         ref = build(model_type, head, train)
         ref = adapted(ref) if lora else ref
@@ -347,7 +359,8 @@ if __name__ == "__main__":
                         choices=["sequence_parallel", "loss_parallel", *MODES],
                         help="a wrapper flag set to True, train: both in training mode "
                              "with dropout at 0, checkpointing: also with HF activation "
-                             "checkpointing, or compile: both sides compiled "
+                             "checkpointing, compile: both sides compiled, or memory: "
+                             "plan='auto-memory' "
                              "(repeatable; no generation)")
     opts = parser.parse_args()
     main(opts.types, opts.tp, opts.head, opts.lora, tuple(opts.option))

@@ -81,8 +81,8 @@ def test_lora_beside_a_latent_attentions_shared_rope_key_matches_one_process(ran
     # The rope features of kv_a_proj_with_mqa's output are read by every split head: a
     # LoRA branch there got each rank's part of their gradient (logits equal), silently.
     checked = ranks(moe_peft_latent_attention, 2, timeout=300)
-    # layers x (A, B) x adapters: two after the wrap, one before it
-    assert checked[0] == checked[1] == 2 * 2 * 2 + 2 * 2 * 1
+    # layers x (A, B) x adapters: two after the wrap, one before it, two with q_lora_rank
+    assert checked[0] == checked[1] == 2 * 2 * 2 + 2 * 2 * 1 + 2 * 2 * 2
 
 
 def test_tensor_parallel_trainer_on_an_moe_model_matches_one_process(ranks, tmp_path):

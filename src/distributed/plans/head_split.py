@@ -112,16 +112,20 @@ def _rope_key(plan: ResolvedPlan, modules: dict[str, nn.Module], attention: str)
     if latent is None:
         return
     width = sum(latent)
-    for name, module in modules.items():
-        view = linear_view(module)
-        if name.rpartition(".")[0] == attention and view is not None \
-                and view.out_features == width and not isinstance(plan.assignments.get(name),
-                                                                   Colwise):
-            plan.assignments[name] = RopeKey(latent[1])
-            plan.why[name] = (f"mla_kv_a_proj: whole on every rank; the gradient of its last "
-                              f"{latent[1]} features (the rope key every head of '{attention}' "
-                              "reads) summed over the ranks")
-            return
+    found = [name for name, module in modules.items()
+             if name.rpartition(".")[0] == attention and linear_view(module) is not None
+             and linear_view(module).out_features == width  # type: ignore[union-attr]
+             and not isinstance(plan.assignments.get(name), Colwise)]
+    # q_a_proj has that width too when q_lora_rank == kv_lora_rank + qk_rope_head_dim: HF's
+    # name comes first (the head-split probe refuses a wrong pick: o_proj then reads a
+    # projection that is neither split nor the rope key)
+    found.sort(key=lambda name: not name.endswith(".kv_a_proj_with_mqa"))
+    for name in found[:1]:
+        plan.assignments[name] = RopeKey(latent[1])
+        plan.why[name] = (f"mla_kv_a_proj: whole on every rank; the gradient of its last "
+                          f"{latent[1]} features (the rope key every head of '{attention}' "
+                          "reads) summed over the ranks")
+        return
     raise ValueError(
         f"attention '{attention}' ({type(modules[attention]).__name__}) is a multi-head latent "
         f"attention (kv_lora_rank={latent[0]}, qk_rope_head_dim={latent[1]}) split by whole "
