@@ -79,7 +79,8 @@ compat: $(COMPAT_OLD) compat-new-venv $(COMPAT_SHIM)/torchtp
 # ZOO_HEAD=masked-lm, seq2seq, seq-cls or token-cls for the types of another head;
 # ZOO_LORA=1 with PEFT LoRA on every Linear of both sides; ZOO_OPTIONS="loss_parallel
 # sequence_parallel" wraps with those flags, "train" runs both in training mode,
-# "checkpointing" also with HF activation checkpointing, "compile" under torch.compile.
+# "checkpointing" also with HF activation checkpointing, "compile" under torch.compile,
+# "memory" with plan="auto-memory" (every split; the default keeps tiny layers whole).
 ZOO_PY ?= $(PY)
 ZOO_TP ?= 2
 ZOO_HEAD ?= causal-lm
