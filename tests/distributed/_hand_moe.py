@@ -14,6 +14,8 @@ Three ways people write the combine:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -317,14 +319,29 @@ def check_router_called_on_one_rank(rank: int, world_size: int) -> bool:
     return True
 
 
-def check_lora_on_router_refused(rank: int, world_size: int) -> str:
-    """LoRA on the router (its output's gradient is summed over the group): refused."""
+def check_lora_on_router_refused(rank: int, world_size: int) -> list[str]:
+    """LoRA beside a hook torchtp put on the base, which the LoRA branch would not pass:
+    on the router (its output's gradient is summed over the group) and on the Linear that
+    reads the inline MoE's partial sums (its input is all-reduced), each added after the
+    wrap and carried by a wrapped ``PeftModel``. Every one refused; returns the messages
+    (both silently wrong before: the branch's gradient, or its output, was this rank's)."""
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(0)
-    wrapped = torchtp.DistributedModelWrapper(HandMoEBlock().double())
+    out = []
+    for model, target in ((HandMoEBlock, "router"), (HandMoE, "out")):
+        torch.manual_seed(0)
+        wrapped = torchtp.DistributedModelWrapper(model().double())
+        out.append(_refusal(get_peft_model, wrapped.base_model,
+                            LoraConfig(r=2, target_modules=[target])))
+        out.append(_refusal(torchtp.DistributedModelWrapper, get_peft_model(
+            model().double(), LoraConfig(r=2, target_modules=[target]))))
+    return out
+
+
+def _refusal(call: Any, *args: Any) -> str:
+    """The message of the ValueError ``call(*args)`` raises (it must raise one)."""
     try:
-        get_peft_model(wrapped.base_model, LoraConfig(r=2, target_modules=["router"]))
+        call(*args)
     except ValueError as err:
         return str(err)
-    raise AssertionError("LoRA on a partial_grad_output router was built")
+    raise AssertionError("LoRA beside a reduction hook was built")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ._hand_moe import check_hand_moe, check_hand_moe_ep
@@ -162,12 +164,21 @@ def test_a_router_called_on_one_rank_only_changes_nothing(ranks):
     assert ranks(check_router_called_on_one_rank, 2) == [True, True]
 
 
-def test_lora_on_the_router_is_refused_on_every_rank(ranks):
+def test_lora_beside_a_reduction_hook_is_refused_on_every_rank(ranks):
     from ._hand_moe import check_lora_on_router_refused
 
-    for msg in ranks(check_lora_on_router_refused, 2):
-        assert "LoRA adapters on a 'partial_grad_output' layer (Linear, a hand-written MoE's " \
-               "router or a Mamba mixer's x_proj" in msg
+    messages = ranks(check_lora_on_router_refused, 2)
+    assert messages[0] == messages[1] and len(messages[0]) == 4
+    router, wrapped_router, out, wrapped_out = messages[0]
+    # Named as PEFT names them (under base_model.model. in the PeftModel)
+    for msg in (router, wrapped_router):
+        assert re.match(r"LoRA adapters on a 'partial_grad_output' layer '(base_model\.model\.)?"
+                        r"moe\.router' \(Linear\), a hand-written MoE's router or a Mamba "
+                        r"mixer's x_proj, .* leave it out of target_modules", msg), msg
+    for msg in (out, wrapped_out):
+        assert re.match(r"LoRA adapters on a 'reduce_input' layer '(base_model\.model\.)?out' "
+                        r"\(Linear\), whose input is a partial sum .* the branch would read "
+                        r"this rank's part", msg), msg
 
 
 def test_a_layout_holding_nothing_reads_an_empty_tensor(tmp_path):

@@ -25,6 +25,7 @@ class Detached:
     parent: nn.Module
     leaf: str
     layer: Any  # a PEFT LoraLayer (an nn.Module)
+    name: str = ""  # its path in the wrapped model, for errors
 
 
 def peft_loaded() -> bool:
@@ -71,7 +72,7 @@ def detach_adapters(model: nn.Module) -> list[Detached]:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, leaf, layer.get_base_layer())
-        out.append(Detached(parent, leaf, layer))
+        out.append(Detached(parent, leaf, layer, name))
     return out
 
 
@@ -85,11 +86,12 @@ def attach_adapters(detached: list[Detached]) -> None:
     """
     if not detached:
         return
-    from .peft import PARALLEL_LINEARS, convert
+    from .peft import PARALLEL_LINEARS, convert, refuse_unseen_hooks
     from .peft_shared import convert_shared
 
     for item in detached:
         base = getattr(item.parent, item.leaf)
+        refuse_unseen_hooks(base, item.name)  # the same plan, so the same verdict, everywhere
         item.layer.base_layer = base
         setattr(item.parent, item.leaf, item.layer)
         if isinstance(base, PARALLEL_LINEARS):

@@ -326,15 +326,9 @@ def _create_new_module(original: Any) -> Any:
     @functools.wraps(original)
     def create(lora_config: Any, adapter_name: str, target: nn.Module, **kwargs: Any) -> Any:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        if getattr(base, "tp_partial_grad_output", False):
-            # Its output's gradient is summed over the group by a hook on the base
-            # layer; a LoRA branch beside it would get only this rank's part.
-            raise ValueError(f"LoRA adapters on a 'partial_grad_output' layer ({type(base).__name__}"
-                             ", a hand-written MoE's router or a Mamba mixer's x_proj, whose "
-                             "output meets partial sums) are not supported; leave it out of "
-                             "target_modules (\"all-linear\" includes it: list the modules "
-                             "instead)")
         name = kwargs.get("parameter_name")
+        if name is None:
+            refuse_unseen_hooks(base, kwargs.get("target_name"))
         if peft_experts.expert_layout(base, name) is None:  # else: peft_experts.py's hooks
             _refuse_split_parameter(base, name, kwargs.get("target_name"))
         if isinstance(base, PARALLEL_LINEARS):
@@ -346,6 +340,36 @@ def _create_new_module(original: Any) -> Any:
         return new
     create._torchtp = True  # type: ignore[attr-defined]
     return staticmethod(create)
+
+
+def refuse_unseen_hooks(base: nn.Module, where: str | None) -> None:
+    """Refuse a LoRA layer around ``base`` when a hook torchtp put on ``base`` would not
+    see the LoRA branch PEFT adds beside it, on every rank alike (the plan is).
+
+    ``partial_grad_output`` (a hand-written MoE's router, a Mamba mixer's ``x_proj``):
+    the base's output gradient is summed over the group by a hook on its output, so
+    the branch's would be this rank's part. ``reduce_input`` (the Linear that reads a
+    hand-written MoE's partial sums): the base's input is all-reduced by a pre-hook,
+    so the branch would read this rank's partial input.
+
+    Raises:
+        ValueError: naming the module, its style and the fix.
+    """
+    who = f"'{where}' ({type(base).__name__})" if where else type(base).__name__
+    if getattr(base, "tp_partial_grad_output", False):
+        raise ValueError(f"LoRA adapters on a 'partial_grad_output' layer {who}, a hand-written "
+                         "MoE's router or a Mamba mixer's x_proj, whose output meets partial "
+                         "sums, are not supported: its output's gradient is summed over the TP "
+                         "group by a hook the LoRA branch does not pass; leave it out of "
+                         "target_modules (\"all-linear\" includes it: list the modules "
+                         "instead)")
+    if getattr(base, "tp_reduced_input", False):
+        raise ValueError(f"LoRA adapters on a 'reduce_input' layer {who}, whose input is a "
+                         "partial sum (a hand-written MoE's combined experts), are not "
+                         "supported: torchtp all-reduces that input in a hook the LoRA branch "
+                         "does not pass, so the branch would read this rank's part; leave it "
+                         "out of target_modules (\"all-linear\" includes it: list the modules "
+                         "instead)")
 
 
 def _refuse_split_parameter(base: nn.Module, name: str | None, where: str | None) -> None:

@@ -118,12 +118,17 @@ class ReduceOutput(ParallelStyle):
 
 
 class ReduceInput(ReduceOutput):
-    """The module's first input is a partial sum: all-reduce it before the forward."""
+    """The module's first input is a partial sum: all-reduce it before the forward.
+
+    The module is marked ``tp_reduced_input``: a LoRA adapter around it would read
+    the input before the hook, so torchtp's PEFT support refuses one.
+    """
 
     name = "reduce_input"
 
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size > 1:
+            module.tp_reduced_input = True  # type: ignore[assignment]
             module.register_forward_pre_hook(_reduce_input(layer.fqn, ctx.group, self.routers))
         return module
 
