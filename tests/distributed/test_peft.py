@@ -165,3 +165,62 @@ def test_peft_imported_after_the_wrap_adapts_torchtp_layers(ranks):
         # explicit targets and "all-linear": every adapter's base is torchtp's layer
         assert seen[2] == ["ColumnParallelLinear", "RowParallelLinear"]
         assert seen[3] == ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+class _PerHeadMix(torch.nn.Module):
+    """One Linear applied to every head of a split projection's output: with the heads
+    split, each rank applies it to its own heads, so its gradient is summed over the ranks
+    (``replicated_with_grad_allreduce``); a LoRA adapter on it must be summed too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.mix, self.down = (torch.nn.Linear(16, 32), torch.nn.Linear(8, 8),
+                                        torch.nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.up(x).unflatten(-1, (-1, 8))  # (B, 4 heads (2 per rank), 8)
+        return self.down(torch.relu(self.mix(heads).flatten(-2)))
+
+
+def _per_head_mix_lora(rank: int, world_size: int) -> int:
+    """LoRA on ``_PerHeadMix.mix`` added after the wrap (two adapters, both active) and
+    carried by a wrapped ``PeftModel``: outputs and adapter gradients equal one process's."""
+    plan = {"up": "colwise", "down": "rowwise", "mix": "replicated_with_grad_allreduce"}
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return _PerHeadMix().double()
+
+    def lora(seed: int) -> LoraConfig:
+        torch.manual_seed(seed)
+        return LoraConfig(r=2, target_modules=["mix"], init_lora_weights=False)
+
+    def two(m: torch.nn.Module) -> torch.nn.Module:
+        peft = get_peft_model(m, lora(5))
+        peft.add_adapter("second", lora(6))
+        peft.base_model.set_adapter(["default", "second"])
+        return peft
+
+    x = torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    checked = 0
+    for ref, tp in ((two(model()), two(torchtp.DistributedModelWrapper(model(), plan=plan)
+                                       .base_model)),
+                    (get_peft_model(model(), lora(5)), torchtp.DistributedModelWrapper(
+                        get_peft_model(model(), lora(5)), plan=plan))):
+        want, got = ref(x), tp(x)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # float64
+        want.square().sum().backward()
+        got.square().sum().backward()
+        full = dict(ref.named_parameters())
+        for name, p in tp.named_parameters():
+            if ".lora_" in name:
+                key = name if name in full else name.removeprefix("base_model.")  # wrapper's
+                torch.testing.assert_close(p.grad, full[key].grad, rtol=1e-10, atol=1e-12,
+                                           msg=name)
+                checked += 1
+    return checked
+
+
+def test_lora_on_a_module_whose_gradient_is_summed_matches_one_process(ranks):
+    # Its adapters' gradients were this rank's heads' part only, silently.
+    assert ranks(_per_head_mix_lora, 2, timeout=120) == [2 * 2 + 2] * 2

@@ -79,15 +79,15 @@ def detach_adapters(model: nn.Module) -> list[Detached]:
 def attach_adapters(detached: list[Detached]) -> None:
     """Put the LoRA layers back around whatever base layer now sits in their place.
 
-    A base that became a torchtp layer gets its adapters sharded like it, a
-    latent attention's ``kv_a_proj_with_mqa`` its adapters entered like its output
-    (``peft_shared.py``); a base kept whole otherwise (or a failed wrap) gets its
-    LoRA layer back unchanged.
+    A base that became a torchtp layer gets its adapters sharded like it, a whole
+    base torchtp treats per rank (a latent attention's ``kv_a_proj_with_mqa``) its
+    adapters treated alike (``peft_shared.py``); a base kept whole otherwise (or a
+    failed wrap) gets its LoRA layer back unchanged.
     """
     if not detached:
         return
     from .peft import PARALLEL_LINEARS, convert, refuse_unseen_hooks
-    from .peft_shared import convert_shared
+    from .peft_shared import convert_shared, treated_per_rank
 
     for item in detached:
         base = getattr(item.parent, item.leaf)
@@ -96,5 +96,5 @@ def attach_adapters(detached: list[Detached]) -> None:
         setattr(item.parent, item.leaf, item.layer)
         if isinstance(base, PARALLEL_LINEARS):
             convert(item.layer)
-        elif getattr(base, "tp_shared_output", None) is not None:
+        elif treated_per_rank(base):
             convert_shared(item.layer)

@@ -15,9 +15,9 @@ usual calls work on a wrapped model:
 - LoRA on split experts' 3-D parameters (``target_parameters``, which
   ``"all-linear"`` adds on transformers v5's MoE models) keeps each rank's
   slices too: ``peft_experts.py``.
-- LoRA beside a latent attention's ``kv_a_proj_with_mqa`` (whole, its rope
-  features read by every split head) enters its output like the base's:
-  ``peft_shared.py``.
+- LoRA beside a whole projection torchtp treats per rank (a latent attention's
+  ``kv_a_proj_with_mqa``, a ``replicated_with_grad_allreduce`` Linear) is
+  treated like its base: ``peft_shared.py``.
 
 The sharding (``tp`` ranks, scale ``s``):
 
@@ -72,7 +72,7 @@ from ..layers.rng import (
 )
 from . import peft_experts
 from .adapter_slices import check_supported, keep_slice
-from .peft_shared import convert_shared
+from .peft_shared import convert_shared, treated_per_rank
 
 PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
 
@@ -335,8 +335,8 @@ def _create_new_module(original: Any) -> Any:
             compat.peft_register_custom_module(
                 lora_config, dict.fromkeys(PARALLEL_LINEARS, TensorParallelLoraLinear))
         new = original(lora_config, adapter_name, target, **kwargs)
-        if name is None and getattr(base, "tp_shared_output", None) is not None:
-            return convert_shared(new)  # a latent attention's kv_a_proj_with_mqa
+        if name is None and not isinstance(base, PARALLEL_LINEARS) and treated_per_rank(base):
+            return convert_shared(new)  # a latent attention's kv_a_proj_with_mqa...
         return new
     create._torchtp = True  # type: ignore[attr-defined]
     return staticmethod(create)
