@@ -16,9 +16,9 @@ from torchtp.hf import compat as hf_compat
 ROOT = Path(__file__).resolve().parents[2]
 
 # Every attribute torchtp's integrations replace when the user calls them
-# (integrations/peft.py and peft_experts.py, integrations/ddp_refusal.py, integrations/lightning.py). The PEFT
-# modules holding the "all-linear" expansion go in as data: the probe process must not
-# import torchtp before it records them.
+# (integrations/peft.py and peft_params.py, integrations/ddp_refusal.py,
+# integrations/lightning.py). The PEFT modules holding the "all-linear" expansion go in
+# as data: the probe process must not import torchtp before it records them.
 _PATCHED = f"MODULES = {hf_compat.PEFT_ALL_LINEAR_MODULES!r}\nNAME = {hf_compat.PEFT_ALL_LINEAR!r}\n" \
     + """
 import importlib

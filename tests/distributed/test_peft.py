@@ -224,3 +224,35 @@ def _per_head_mix_lora(rank: int, world_size: int) -> int:
 def test_lora_on_a_module_whose_gradient_is_summed_matches_one_process(ranks):
     # Its adapters' gradients were this rank's heads' part only, silently.
     assert ranks(_per_head_mix_lora, 2, timeout=120) == [2 * 2 + 2] * 2
+
+
+def _lora_on_split_weights(rank: int, world_size: int) -> int:
+    """LoRA on split Linears' weights as parameters (``target_parameters``, PEFT's
+    ``ParamWrapper``): q_proj's rows and o_proj's columns split; logits and adapter
+    gradients equal one process's (float64). Returns the gradients checked."""
+    def lora() -> LoraConfig:
+        torch.manual_seed(5)
+        return LoraConfig(r=2, target_modules=[], init_lora_weights=False,
+                          target_parameters=["self_attn.q_proj.weight", "self_attn.o_proj.weight"])
+
+    ref = get_peft_model(build("llama").double(), lora())
+    tp = get_peft_model(torchtp.DistributedModelWrapper(build("llama").double()).base_model, lora())
+    batch = inputs("llama")
+    torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, rtol=1e-10, atol=1e-12)
+    loss_of(ref, batch).backward()
+    loss_of(tp, batch).backward()
+    full = dict(ref.named_parameters())
+    checked = 0
+    for name, p in tp.named_parameters():
+        if ".lora_" in name:
+            layout = torchtp.layouts_of(tp.get_submodule(name.rpartition(".")[0])).get("weight")
+            want = full[name].grad if layout is None else layout.take(full[name].grad)
+            torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12, msg=name)
+            checked += layout is not None  # this rank's slice of a split factor
+    return checked
+
+
+def test_lora_on_split_linear_weights_as_parameters_matches_one_process(ranks):
+    # Refused before (PEFT sized the adapter from the shard); "all-linear" makes such
+    # targets for some MoE types' routers (AFMoE under plan="auto-memory").
+    assert ranks(_lora_on_split_weights, 2, timeout=120) == [2 * 2] * 2  # layers x (q, o)

@@ -287,7 +287,7 @@ def peft_trainable_tokens_owner() -> tuple[Any, str]:
 
 
 # PEFT LoRA layer methods TensorParallelLoraLinear overrides and torchtp hooks on
-# ParamWrapper (integrations/peft_experts.py): the full (unsplit) sizes PEFT sizes A and B
+# ParamWrapper (integrations/peft_params.py): the full (unsplit) sizes PEFT sizes A and B
 # from. The latter also relies on ParamWrapper's factor layout (expert e: A's rows
 # e*r..e*r+r, B's columns k*E + e; its num_experts reshapes them). Checked: peft 0.21.2.
 LORA_LAYER_HOOKS = ("_get_in_out_features",)

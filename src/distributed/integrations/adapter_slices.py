@@ -1,7 +1,7 @@
 """This rank's slices of PEFT adapter factors, and the LoRA options torchtp can shard.
 
 Shared by the LoRA layers around torchtp's Linears (``integrations/peft.py``)
-and around split experts' parameters (``integrations/peft_experts.py``): an
+and around split parameters (``integrations/peft_params.py``): an
 adapter factor PEFT built at full size keeps this rank's slice
 (:func:`keep_slice`) and records its layout, so savers, clipping and
 checkpoints treat it as split, and a full-size tensor loaded into it keeps

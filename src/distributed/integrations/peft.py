@@ -14,7 +14,7 @@ usual calls work on a wrapped model:
   adapter: each rank keeps its slices.
 - LoRA on split experts' 3-D parameters (``target_parameters``, which
   ``"all-linear"`` adds on transformers v5's MoE models) keeps each rank's
-  slices too: ``peft_experts.py``.
+  slices too: ``peft_params.py`` (and a torchtp Linear's split ``weight``).
 - LoRA beside a whole projection torchtp treats per rank (a latent attention's
   ``kv_a_proj_with_mqa``, a ``replicated_with_grad_allreduce`` Linear) is
   treated like its base: ``peft_shared.py``.
@@ -58,7 +58,7 @@ from ..comm.regions import (
 from ..core.layouts import ParamLayout
 from ..guards.agreement import agree
 from ..hf import compat
-from ..layers import ColumnParallelLinear, RowParallelLinear, grad_sync
+from ..layers import RowParallelLinear, grad_sync
 from ..layers._base import require_group
 from ..layers._shape import input_mismatch
 from ..layers.grad_sync import GradSync
@@ -70,11 +70,10 @@ from ..layers.rng import (
     split_region_ends,
     streams_switch,
 )
-from . import peft_experts
+from . import peft_params
 from .adapter_slices import check_supported, keep_slice
+from .peft_params import PARALLEL_LINEARS
 from .peft_shared import convert_shared, treated_per_rank
-
-PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
 
 
 class TensorParallelLoraLinear(LoraLinear):
@@ -292,7 +291,7 @@ def _lora_group(module: nn.Module) -> Any:
     """The TP group a torchtp LoRA layer's adapters are split over; None for other modules."""
     if isinstance(module, TensorParallelLoraLinear):
         return module.get_base_layer().group
-    if isinstance(module, ParamWrapper) and peft_experts.split_layout(module) is not None:
+    if isinstance(module, ParamWrapper) and peft_params.split_layout(module) is not None:
         return module.get_base_layer().tp_group
     return None
 
@@ -329,7 +328,7 @@ def _create_new_module(original: Any) -> Any:
         name = kwargs.get("parameter_name")
         if name is None:
             refuse_unseen_hooks(base, kwargs.get("target_name"))
-        if peft_experts.expert_layout(base, name) is None:  # else: peft_experts.py's hooks
+        if peft_params.param_layout(base, name) is None:  # else: peft_params.py's hooks
             _refuse_split_parameter(base, name, kwargs.get("target_name"))
         if isinstance(base, PARALLEL_LINEARS):
             compat.peft_register_custom_module(
@@ -374,7 +373,7 @@ def refuse_unseen_hooks(base: nn.Module, where: str | None) -> None:
 
 def _refuse_split_parameter(base: nn.Module, name: str | None, where: str | None) -> None:
     """LoRA on a parameter (``target_parameters``, PEFT's ``ParamWrapper``) that torchtp
-    split, other than split experts' (``integrations/peft_experts.py``): PEFT would size
+    split, other than those ``integrations/peft_params.py`` shards: PEFT would size
     and draw the adapter from this rank's shard, so the ranks' adapters would be neither
     the unsharded one's slices nor one another's."""
     layout = layouts_of(base).get(name) if name is not None else None
@@ -449,7 +448,7 @@ def install() -> None:
     Four hooks: LoRA targets whose base is a torchtp layer register
     :class:`TensorParallelLoraLinear` on their ``LoraConfig`` (PEFT's
     custom-module mechanism), LoRA on split experts' parameters keeps each
-    rank's slices (``peft_experts.install``: two more hooks, on PEFT's
+    rank's slices (``peft_params.install``: two more hooks, on PEFT's
     ``ParamWrapper``), and LoRA on another parameter torchtp split is refused;
     ``target_modules="all-linear"`` includes torchtp layers for LoRA, wherever
     PEFT expands it (the MoE config conversion too), and is refused for the
@@ -474,6 +473,6 @@ def install() -> None:
     owner, name = compat.peft_trainable_tokens_owner()
     if not getattr(getattr(owner, name), "_torchtp", False):
         setattr(owner, name, _refuse_split_tokens(getattr(owner, name)))
-    peft_experts.install()
+    peft_params.install()
     if not getattr(PeftModel.save_pretrained, "_torchtp", False):
         PeftModel.save_pretrained = _save_pretrained(PeftModel.save_pretrained)  # type: ignore[method-assign]

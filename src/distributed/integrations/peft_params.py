@@ -1,4 +1,4 @@
-"""PEFT LoRA on split experts' parameters (``target_parameters``, PEFT's ``ParamWrapper``).
+"""PEFT LoRA on split parameters (``target_parameters``, PEFT's ``ParamWrapper``).
 
 transformers v5 keeps a layer's experts in 3-D parameters (``gate_up_proj``
 ``(E, 2I, H)``, ``down_proj`` ``(E, H, I)``; ``(E, in, out)`` when the
@@ -6,16 +6,18 @@ module ``is_transposed``), and PEFT adapts them as parameters: one ``A``
 ``(r*E, in)`` and one ``B`` ``(out, r*E)`` per parameter (expert ``e`` owns
 ``A``'s rows ``e*r .. e*r+r`` and ``B``'s columns ``k*E + e``), the delta
 ``B_e A_e`` added to the weight for the forward. ``"all-linear"`` on an MoE
-model makes these targets. On experts torchtp split (``ep/experts.py``), each
+model makes these targets (and, for some types, a router Linear's ``weight``:
+the 2-D case, ``E = 1``, ``A`` ``(r, in)``, ``B`` ``(out, r)``). On experts
+torchtp split (``ep/experts.py``) and on the weight of a torchtp Linear, each
 rank keeps the adapter slices that match its part of the weight:
 
 =========================================  ========================  ========================
 weight split                               A ``(r*E, in)``           B ``(out, r*E)``
 =========================================  ========================  ========================
-features, the weight's ``out`` rows        replicated, gradient      the weight's ``out``
-(``gate_up_proj``)                         summed over the group     segments (dim 0)
-features, the weight's ``in`` columns      the weight's ``in``       replicated, gradient
-(``down_proj``)                            segments (dim 1)          summed over the group
+the weight's ``out`` rows (``gate_up_proj``, replicated, gradient      the weight's ``out``
+a ``colwise`` Linear)                      summed over the group     segments (dim 0)
+the weight's ``in`` columns               the weight's ``in``       replicated, gradient
+(``down_proj``, a ``rowwise`` Linear)      segments (dim 1)          summed over the group
 whole experts (expert parallelism)         the rank's experts' rows  their columns
 =========================================  ========================  ========================
 
@@ -40,27 +42,39 @@ from torch import nn
 
 from ..core.layouts import ParamLayout, Segments, shard_sizes
 from ..ep.experts import ParallelExperts
-from ..layers import grad_sync
+from ..layers import ColumnParallelLinear, RowParallelLinear, grad_sync
 from ..layers.grad_sync import GradSync
 from ..layers.owned import layouts_of
 from .adapter_slices import check_supported, keep_slice
 
+PARALLEL_LINEARS = (RowParallelLinear, ColumnParallelLinear)
+
 
 def split_layout(layer: Any) -> ParamLayout | None:
-    """The layout of the split experts' parameter a PEFT ``ParamWrapper`` adapts; None when
-    its base is not torchtp's experts module or the parameter is whole there."""
-    return expert_layout(layer.get_base_layer(), layer.parameter_name)
+    """The layout of the split parameter a PEFT ``ParamWrapper`` adapts; None when torchtp
+    did not split it (see :func:`param_layout`)."""
+    return param_layout(layer.get_base_layer(), layer.parameter_name)
 
 
-def expert_layout(base: nn.Module, name: str | None) -> ParamLayout | None:
-    """The layout of ``base.<name>`` when ``base`` is torchtp's experts module and that
-    3-D parameter is split there (what the hooks below shard); None otherwise."""
-    if not isinstance(base, ParallelExperts) or name is None:
+def param_layout(base: nn.Module, name: str | None) -> ParamLayout | None:
+    """The layout of ``base.<name>`` when the hooks below shard LoRA on it: a split 3-D
+    parameter of torchtp's experts module, or a torchtp Linear's split ``weight`` (kept
+    ``(out, in)``, not a transposed Conv1D's); None otherwise."""
+    if name is None:
         return None
     layout = layouts_of(base).get(name)
-    if layout is None or layout.dim is None or len(layout.full_shape) != 3:
+    if layout is None or layout.dim is None:
         return None
-    return layout
+    if isinstance(base, ParallelExperts) and len(layout.full_shape) == 3:
+        return layout
+    if isinstance(base, PARALLEL_LINEARS) and name == "weight" and not layout.transposed:
+        return layout
+    return None
+
+
+def _group(base: Any) -> Any:
+    """The TP group ``base``'s parameters are split over."""
+    return base.tp_group if isinstance(base, ParallelExperts) else base.group
 
 
 def _full_sizes(original: Any) -> Any:
@@ -70,6 +84,8 @@ def _full_sizes(original: Any) -> Any:
         layout = split_layout(self)
         if layout is None:
             return found
+        if len(layout.full_shape) == 2:  # a Linear's (out, in): PEFT's (in, out)
+            return layout.full_shape[1], layout.full_shape[0]
         experts, first, second = layout.full_shape  # PEFT's order (E, in, out), swapped later
         self.num_experts = experts
         return first, second
@@ -94,7 +110,8 @@ def _sliced(original: Any) -> Any:
                 "only)")
         _refuse_single_transposed(self, layout)
         check_supported(self, config)
-        self.num_experts = layout.full_shape[0]  # full-size factors: the unsharded draws
+        if len(layout.full_shape) == 3:
+            self.num_experts = layout.full_shape[0]  # full-size factors: the unsharded draws
         original(self, adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         _shard(self, adapter_name, layout)
         return None
@@ -108,9 +125,11 @@ def _refuse_single_transposed(layer: Any, layout: ParamLayout) -> None:
     builds the delta transposed. Decided from every rank's expert count (whole experts
     are split over the TP group, ``ep/styles.py``), so every rank raises alike."""
     base: Any = layer.get_base_layer()
+    if len(layout.full_shape) != 3 or layout.dim != 0 or not getattr(base, "is_transposed",
+                                                                      False):
+        return
     counts = shard_sizes(layout.full_shape[0], base.tp_world_size)  # whole experts: over TP
-    if layout.dim == 0 and getattr(base, "is_transposed", False) and 1 in counts \
-            and layout.full_shape[0] > 1:
+    if 1 in counts and layout.full_shape[0] > 1:
         raise ValueError(
             f"PEFT LoRA on '{layer.parameter_name}' of {type(base).__name__} with whole "
             f"experts ({layout.full_shape[0]} experts over {len(counts)} ranks: {counts}) is not "
@@ -124,20 +143,27 @@ def _shard(layer: Any, adapter: str, layout: ParamLayout) -> None:
     """Replace ``adapter``'s full ``A`` and ``B`` by this rank's slices."""
     a: Any = layer.lora_A[adapter]  # (r*E, in)
     b: Any = layer.lora_B[adapter]  # (out, r*E)
-    r, experts = layer.r[adapter], layout.full_shape[0]
     base: Any = layer.get_base_layer()
-    out_dim = 2 if getattr(base, "is_transposed", False) else 1
-    if layout.dim == 0:  # whole experts: their rows of A, their columns of B
+    group = _group(base)
+    if len(layout.full_shape) == 2:  # a Linear's (out, in): out is dim 0, in dim 1
+        out_dim, experts = 0, 1
+    else:
+        out_dim, experts = 2 if getattr(base, "is_transposed", False) else 1, layout.full_shape[0]
+    r = layer.r[adapter]
+    if layout.dim == 0 and out_dim != 0:  # whole experts: their rows of A, their columns of B
         keep_slice(a, ParamLayout(tuple(a.weight.shape), 0, _scaled(layout.segments, r)))
         keep_slice(b, ParamLayout(tuple(b.weight.shape), 1,
                                   _strided(layout.segments, r, experts)))
         layer.num_experts = sum(n for _, n in layout.segments)  # PEFT reshapes by it
     elif layout.dim == out_dim:  # B: the weight's out segments; A read by every row
         keep_slice(b, ParamLayout(tuple(b.weight.shape), 0, layout.segments))
-        grad_sync.mark(a, "weight", (GradSync(base.tp_group),))
+        grad_sync.mark(a, "weight", (GradSync(group),))
+        syncs = getattr(base, "tp_grad_sync", {}).get(layer.parameter_name)
+        if syncs:  # replicated KV-head rows: their gradient is summed like the weight's
+            grad_sync.mark(b, "weight", syncs)
     else:  # A: the weight's in segments; B reads every rank's partial A x
         keep_slice(a, ParamLayout(tuple(a.weight.shape), 1, layout.segments))
-        grad_sync.mark(b, "weight", (GradSync(base.tp_group),))
+        grad_sync.mark(b, "weight", (GradSync(group),))
     grad_sync.install(layer)
 
 
@@ -153,7 +179,7 @@ def _strided(segments: Segments, r: int, experts: int) -> Segments:
 
 
 def install() -> None:
-    """Teach PEFT's ``ParamWrapper`` split experts (idempotent; called by
+    """Teach PEFT's ``ParamWrapper`` torchtp's split parameters (idempotent; called by
     ``integrations/peft.py``'s ``install``).
 
     Two hooks on the class, not a subclass (PEFT finds its parameter wrappers by
