@@ -615,3 +615,36 @@ def pipeline_with_cp(rank: int, world: int) -> dict[str, Any]:
     return {"worst": max(errs), "checked": len(errs), "refused": refused,
             "last": loss is not None, "counts": dict(counted.counts), "ignored": same_ignored,
             "attention": stage.model.config._attn_implementation}
+
+
+def lora_after_wrap(rank: int, world: int) -> int:
+    """PEFT LoRA added after ``ContextParallel(model)`` (its adapters are parameters the
+    wrap did not see): loss and every adapter gradient equal one process's over the whole
+    batch. Returns the adapter gradients checked."""
+    from peft import LoraConfig, get_peft_model
+
+    import torchtp
+    from torchtp.cp import ContextParallel
+
+    def lora() -> LoraConfig:
+        torch.manual_seed(5)  # the same adapters on both sides
+        return LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+    torchtp.init_parallel(cp=world)
+    ref = get_peft_model(build_cp_model("llama"), lora())
+    ref.base_model.model.set_attn_implementation("sdpa")
+    wrapped = ContextParallel(build_cp_model("llama"))
+    mine = get_peft_model(wrapped.module, lora())
+    batch = _hf_batch("plain")
+    _, want = reference_step(ref, batch)
+    want.backward()
+    got = wrapped(**batch).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    full = dict(ref.named_parameters())
+    checked = 0
+    for name, p in mine.named_parameters():
+        if ".lora_" in name:  # before: this rank's tokens' part only
+            torch.testing.assert_close(p.grad, full[name].grad, rtol=1e-7, atol=HF_TOL, msg=name)
+            checked += 1
+    return checked

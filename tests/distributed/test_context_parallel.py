@@ -67,6 +67,11 @@ REFUSALS = {
 }
 
 
+def test_lora_added_after_the_wrap_is_summed_over_cp(ranks):
+    # Its adapters' gradients covered each rank's tokens only (equal loss), silently.
+    assert ranks(checks.lora_after_wrap, 2, timeout=300) == [2 * 2 * 2] * 2  # layers x q,v x A,B
+
+
 @pytest.mark.parametrize("cp", [3])
 def test_bad_input_raises_the_same_error_on_every_rank(ranks, cp):
     import re
