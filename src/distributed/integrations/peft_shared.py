@@ -11,10 +11,10 @@ Two kinds of whole (replicated) projection feed split heads, and a LoRA branch
   (``plans/styles_heads.py``: forward identity, backward all-reduce of those
   features' gradient). The hook runs before PEFT adds the branch, so each
   adapter's ``B`` gets the same hook on its output.
-* **A weight gradient summed over ranks** (``tp_grad_sync`` on its weight:
+* **A weight gradient summed over ranks** (``tp_summed_gradient``:
   ``replicated_with_grad_allreduce``, a module applied to this rank's heads
   only): each adapter's ``A`` and ``B`` gradients are partial the same way, so
-  they get the same sums.
+  they get the base weight's sums (``tp_grad_sync``).
 
 Merged adapters go through the base's own hook; after ``merge_and_unload`` the
 base keeps it.
@@ -34,7 +34,7 @@ def treated_per_rank(base: nn.Module) -> bool:
     """Whether ``base`` is a whole projection whose output entry or weight gradient
     torchtp treats per rank (module docstring), so LoRA beside it must follow."""
     return getattr(base, "tp_shared_output", None) is not None \
-        or bool(getattr(base, "tp_grad_sync", {}).get("weight"))
+        or getattr(base, "tp_summed_gradient", False)
 
 
 class SharedEntryLoraLinear(LoraLinear):

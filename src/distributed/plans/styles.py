@@ -258,6 +258,8 @@ class ReplicatedWithGradAllreduce(ParallelStyle):
         if ctx.world_size > 1:
             for name, _ in module.named_parameters(recurse=False):
                 mark(module, name, (GradSync(ctx.group),))
+            # A LoRA branch beside it is partial the same way (integrations/peft_shared.py)
+            module.tp_summed_gradient = True  # type: ignore[assignment]
         return module
 
 
