@@ -273,16 +273,20 @@ def moe_peft_two_adapters(rank: int, world_size: int, splits: int) -> int:
 
 def moe_peft_latent_attention(rank: int, world_size: int) -> int:
     """LoRA on DeepSeek-V3 (multi-head latent attention, heads split; its whole
-    ``kv_a_proj_with_mqa`` ends in a rope key every head reads): ``"all-linear"`` after
-    the wrap with a second adapter, both active, the attention's projections adapted
-    before the wrap (``DistributedModelWrapper(peft_model)``), and a ``q_lora_rank`` as
-    wide as that key (``q_a_proj``, ``q_b_proj``). Logits and every adapter gradient
+    ``kv_a_proj_with_mqa`` ends in a rope key every head reads), every projection of its
+    attention adapted: after the wrap with a second adapter, both active; before the wrap
+    (``DistributedModelWrapper(peft_model)``); and with a ``q_lora_rank`` as wide as that
+    key (``q_a_proj``, ``q_b_proj``). Logits and every adapter gradient
     equal one process's; returns the rope key's adapter gradients checked."""
     from peft import LoraConfig, get_peft_model
 
-    def lora(seed: int, targets: Any = "all-linear") -> LoraConfig:
+    # Every projection of the attention (not "all-linear": on transformers 5.3 PEFT then
+    # wraps DeepSeek-V3's router, whose forward reads e_score_correction_bias through it)
+    attention = ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+    def lora(seed: int) -> LoraConfig:
         torch.manual_seed(seed)  # the same adapters' initial values on both sides
-        return LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False)
+        return LoraConfig(r=2, lora_alpha=4, target_modules=attention, init_lora_weights=False)
 
     def after(model: nn.Module) -> nn.Module:
         peft = get_peft_model(model, lora(5))
@@ -295,15 +299,14 @@ def moe_peft_latent_attention(rank: int, world_size: int) -> int:
         assert "mla_kv_a_proj" in wrapped.describe_plan()  # the rope key, not q_a_proj
         return after(wrapped.base_model)
 
-    attention = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     batch = _batch()
     checked = 0
     # q_lora_rank = kv_lora_rank + qk_rope_head_dim: q_a_proj has the rope key's width
     for config, make, wrap in (
             ({}, after, lambda m: after(torchtp.DistributedModelWrapper(m).base_model)),
-            ({}, lambda m: get_peft_model(m, lora(5, attention)),
+            ({}, lambda m: get_peft_model(m, lora(5)),
              lambda m: torchtp.DistributedModelWrapper(
-                 get_peft_model(m, lora(5, attention))).base_model),
+                 get_peft_model(m, lora(5))).base_model),
             ({"q_lora_rank": 24}, after, memory)):
         ref, tp = make(build_moe("deepseek_v3", **config)), wrap(build_moe("deepseek_v3",
                                                                            **config))
