@@ -11,15 +11,15 @@ the 2-D case, ``E = 1``, ``A`` ``(r, in)``, ``B`` ``(out, r)``). On experts
 torchtp split (``ep/experts.py``) and on the weight of a torchtp Linear, each
 rank keeps the adapter slices that match its part of the weight:
 
-=========================================  ========================  ========================
-weight split                               A ``(r*E, in)``           B ``(out, r*E)``
-=========================================  ========================  ========================
-the weight's ``out`` rows (``gate_up_proj``, replicated, gradient      the weight's ``out``
-a ``colwise`` Linear)                      summed over the group     segments (dim 0)
-the weight's ``in`` columns               the weight's ``in``       replicated, gradient
-(``down_proj``, a ``rowwise`` Linear)      segments (dim 1)          summed over the group
-whole experts (expert parallelism)         the rank's experts' rows  their columns
-=========================================  ========================  ========================
+=============================================  ========================  ========================
+weight split                                   A ``(r*E, in)``           B ``(out, r*E)``
+=============================================  ========================  ========================
+its ``out`` rows (``gate_up_proj``, colwise)   replicated, gradient      the weight's ``out``
+                                               summed over the group     segments (dim 0)
+its ``in`` columns (``down_proj``, rowwise)    the weight's ``in``       replicated, gradient
+                                               segments (dim 1)          summed over the group
+whole experts (expert parallelism)             the rank's experts' rows  their columns
+=============================================  ========================  ========================
 
 A replicated factor's gradient is a partial sum on each rank (each rank's delta
 rows or columns read all of it), so it is summed after backward; the delta of
