@@ -226,10 +226,13 @@ def test_lora_on_a_module_whose_gradient_is_summed_matches_one_process(ranks):
     assert ranks(_per_head_mix_lora, 2, timeout=120) == [2 * 2 + 2] * 2
 
 
-def _lora_on_split_weights(rank: int, world_size: int) -> int:
+def _lora_on_split_weights(rank: int, world_size: int, out: str) -> int:
     """LoRA on split Linears' weights as parameters (``target_parameters``, PEFT's
-    ``ParamWrapper``): q_proj's rows and o_proj's columns split; logits and adapter
-    gradients equal one process's (float64). Returns the gradients checked."""
+    ``ParamWrapper``): q_proj's rows and o_proj's columns split; logits, adapter
+    gradients and the saved adapter (gathered whole) equal one process's (float64).
+    Returns the gradients checked."""
+    from safetensors.torch import load_file
+
     def lora() -> LoraConfig:
         torch.manual_seed(5)
         return LoraConfig(r=2, target_modules=[], init_lora_weights=False,
@@ -249,10 +252,18 @@ def _lora_on_split_weights(rank: int, world_size: int) -> int:
             want = full[name].grad if layout is None else layout.take(full[name].grad)
             torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12, msg=name)
             checked += layout is not None  # this rank's slice of a split factor
+    ref.save_pretrained(f"{out}/ref{rank}")
+    tp.save_pretrained(f"{out}/tp")  # every rank: gathered whole, written by rank 0
+    if rank == 0:
+        want = load_file(f"{out}/ref0/adapter_model.safetensors")
+        got = load_file(f"{out}/tp/adapter_model.safetensors")
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
     return checked
 
 
-def test_lora_on_split_linear_weights_as_parameters_matches_one_process(ranks):
+def test_lora_on_split_linear_weights_as_parameters_matches_one_process(ranks, tmp_path):
     # Refused before (PEFT sized the adapter from the shard); "all-linear" makes such
     # targets for some MoE types' routers (AFMoE under plan="auto-memory").
-    assert ranks(_lora_on_split_weights, 2, timeout=120) == [2 * 2] * 2  # layers x (q, o)
+    assert ranks(_lora_on_split_weights, 2, str(tmp_path), timeout=120) == [2 * 2] * 2

@@ -292,7 +292,7 @@ def _lora_group(module: nn.Module) -> Any:
     if isinstance(module, TensorParallelLoraLinear):
         return module.get_base_layer().group
     if isinstance(module, ParamWrapper) and peft_params.split_layout(module) is not None:
-        return module.get_base_layer().tp_group
+        return peft_params.split_group(module.get_base_layer())
     return None
 
 
@@ -387,8 +387,8 @@ def _refuse_split_parameter(base: nn.Module, name: str | None, where: str | None
         f"{list(layout.local_shape)} on this rank) is not supported: PEFT would build the "
         "adapter from this rank's shard, not from the whole parameter. Target the module "
         "through target_modules instead (torchtp shards LoRA on its Linears), and give "
-        "target_parameters only parameters torchtp keeps whole or split experts' 3-D "
-        "parameters")
+        "target_parameters only parameters torchtp keeps whole, split experts' 3-D "
+        "parameters or split Linear weights")
 
 
 def _refuse_split_tokens(original: Any) -> Any:
@@ -447,8 +447,8 @@ def install() -> None:
 
     Four hooks: LoRA targets whose base is a torchtp layer register
     :class:`TensorParallelLoraLinear` on their ``LoraConfig`` (PEFT's
-    custom-module mechanism), LoRA on split experts' parameters keeps each
-    rank's slices (``peft_params.install``: two more hooks, on PEFT's
+    custom-module mechanism), LoRA on split experts' parameters and split Linear
+    weights keeps each rank's slices (``peft_params.install``: two more hooks, on PEFT's
     ``ParamWrapper``), and LoRA on another parameter torchtp split is refused;
     ``target_modules="all-linear"`` includes torchtp layers for LoRA, wherever
     PEFT expands it (the MoE config conversion too), and is refused for the

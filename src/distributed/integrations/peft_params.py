@@ -72,7 +72,7 @@ def param_layout(base: nn.Module, name: str | None) -> ParamLayout | None:
     return None
 
 
-def _group(base: Any) -> Any:
+def split_group(base: Any) -> Any:
     """The TP group ``base``'s parameters are split over."""
     return base.tp_group if isinstance(base, ParallelExperts) else base.group
 
@@ -144,7 +144,7 @@ def _shard(layer: Any, adapter: str, layout: ParamLayout) -> None:
     a: Any = layer.lora_A[adapter]  # (r*E, in)
     b: Any = layer.lora_B[adapter]  # (out, r*E)
     base: Any = layer.get_base_layer()
-    group = _group(base)
+    group = split_group(base)
     if len(layout.full_shape) == 2:  # a Linear's (out, in): out is dim 0, in dim 1
         out_dim, experts = 0, 1
     else:
