@@ -120,11 +120,11 @@ def _rope_key(plan: ResolvedPlan, modules: dict[str, nn.Module], attention: str)
     # name comes first (the head-split probe refuses a wrong pick: o_proj then reads a
     # projection that is neither split nor the rope key)
     found.sort(key=lambda name: not name.endswith(".kv_a_proj_with_mqa"))
-    for name in found[:1]:
-        plan.assignments[name] = RopeKey(latent[1])
-        plan.why[name] = (f"mla_kv_a_proj: whole on every rank; the gradient of its last "
-                          f"{latent[1]} features (the rope key every head of '{attention}' "
-                          "reads) summed over the ranks")
+    if found:
+        plan.assignments[found[0]] = RopeKey(latent[1])
+        plan.why[found[0]] = (f"mla_kv_a_proj: whole on every rank; the gradient of its last "
+                              f"{latent[1]} features (the rope key every head of "
+                              f"'{attention}' reads) summed over the ranks")
         return
     raise ValueError(
         f"attention '{attention}' ({type(modules[attention]).__name__}) is a multi-head latent "

@@ -298,7 +298,7 @@ class RopeKey(ParallelStyle):
             entry = SharedFeaturesEntry(self.rope, ctx.group)
             module.register_forward_hook(entry)
             # A LoRA branch beside it adds to the same features: its B takes the same
-            # hook (integrations/peft.py), or its gradient would be this rank's part.
+            # hook (integrations/peft_shared.py), or its gradient would be this rank's part.
             module.tp_shared_output = entry  # type: ignore[assignment]
         return module
 
