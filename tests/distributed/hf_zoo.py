@@ -18,7 +18,7 @@ dropout probability at 0; ``--option checkpointing``: the same with HF activatio
 checkpointing on both, enabled on the wrapped side through the wrapper after the wrap,
 as HF Trainer does; ``--option compile``: both models under ``torch.compile`` with
 the ``aot_eager`` backend, which traces forward and backward as inductor does but
-runs eager kernels); ``--option memory``: wrapped with ``plan="auto-memory"``, the
+runs eager kernels; ``--option memory``: wrapped with ``plan="auto-memory"``, the
 leanest candidate with every layer it can split split: at these tiny sizes the default
 cost choice keeps many splits whole (a latent attention's heads, lone layers) that a
 real model's size would take).
