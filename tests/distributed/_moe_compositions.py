@@ -19,7 +19,7 @@ from torch import nn
 
 import torchtp
 
-from ._hf_checks import expected_local
+from ._hf_checks import compare_params, expected_local
 from ._moe_checks import TOL, _batch, build_moe
 
 SPLITS: list[dict[str, Any]] = [
@@ -161,10 +161,7 @@ def moe_peft_all_linear(rank: int, world_size: int, splits: int, out: str) -> li
         assert [n for n, p in tp.named_parameters() if p.requires_grad] == trained
         torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
         tp(**batch).loss.backward()
-        for name in trained:
-            module = tp.get_submodule(name.rpartition(".")[0])
-            torch.testing.assert_close(tp.get_parameter(name).grad, expected_local(
-                module, name.rpartition(".")[2], full[name].grad), **TOL, msg=name)
+        compare_params(wrapped, ref, True, TOL, named=tp)  # every adapter's gradient
         tp.save_pretrained(f"{out}/{i}")  # every rank: gathered whole, written by rank 0
         if rank == 0:
             got = load_file(f"{out}/{i}/adapter_model.safetensors")
@@ -208,13 +205,9 @@ def moe_peft_expert_parameters(rank: int, world_size: int, splits: int) -> list[
         tp = get_peft_model(wrapped.base_model, lora())
         torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
         tp(**batch).loss.backward()
-        full = dict(ref.named_parameters())
-        trained = [n for n, p in full.items() if p.requires_grad]
+        trained = [n for n, p in ref.named_parameters() if p.requires_grad]
         assert [n for n, p in tp.named_parameters() if p.requires_grad] == trained
-        for name in trained:
-            module = tp.get_submodule(name.rpartition(".")[0])
-            torch.testing.assert_close(tp.get_parameter(name).grad, expected_local(
-                module, name.rpartition(".")[2], full[name].grad), **TOL, msg=(arch, name))
+        compare_params(wrapped, ref, True, TOL, named=tp)  # every adapter's gradient
     refusals = []
     for split in whole:
         wrapped = torchtp.DistributedModelWrapper(build_moe("gpt_oss", num_local_experts=2),
@@ -313,14 +306,9 @@ def moe_peft_latent_attention(rank: int, world_size: int) -> int:
         torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **TOL)
         ref(**batch).loss.backward()
         tp(**batch).loss.backward()
-        full = {n.removeprefix("base_model.model."): p for n, p in ref.named_parameters()}
-        for name, p in tp.named_parameters():
-            if p.requires_grad:
-                module = tp.get_submodule(name.rpartition(".")[0])
-                want = full[name.removeprefix("base_model.model.")].grad
-                torch.testing.assert_close(p.grad, expected_local(
-                    module, name.rpartition(".")[2], want), **TOL, msg=name)
-                checked += ".kv_a_proj_with_mqa.lora_" in name
+        compare_params(tp, ref, True, TOL, named=tp)  # every adapter's gradient
+        checked += sum(".kv_a_proj_with_mqa.lora_" in n for n, p in tp.named_parameters()
+                       if p.requires_grad)
     return checked
 
 

@@ -16,7 +16,7 @@ from peft import LoraConfig, PeftModel, TrainableTokensConfig, VeraConfig, get_p
 import torchtp
 from torchtp.integrations.peft import TensorParallelLoraLinear
 
-from ._hf_checks import inputs, loss_of
+from ._hf_checks import compare_params, inputs, loss_of
 from ._hf_models import build
 
 # fp32; AdamW normalises each update, so reassociation differences in the
@@ -211,13 +211,8 @@ def _per_head_mix_lora(rank: int, world_size: int) -> int:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # float64
         want.square().sum().backward()
         got.square().sum().backward()
-        full = dict(ref.named_parameters())
-        for name, p in tp.named_parameters():
-            if ".lora_" in name:
-                key = name if name in full else name.removeprefix("base_model.")  # wrapper's
-                torch.testing.assert_close(p.grad, full[key].grad, rtol=1e-10, atol=1e-12,
-                                           msg=name)
-                checked += 1
+        peft = tp.base_model if isinstance(tp, torchtp.DistributedModelWrapper) else tp
+        checked += compare_params(peft, ref, True, {"rtol": 1e-10, "atol": 1e-12}, named=peft)
     return checked
 
 
@@ -244,14 +239,9 @@ def _lora_on_split_weights(rank: int, world_size: int, out: str) -> int:
     torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, rtol=1e-10, atol=1e-12)
     loss_of(ref, batch).backward()
     loss_of(tp, batch).backward()
-    full = dict(ref.named_parameters())
-    checked = 0
-    for name, p in tp.named_parameters():
-        if ".lora_" in name:
-            layout = torchtp.layouts_of(tp.get_submodule(name.rpartition(".")[0])).get("weight")
-            want = full[name].grad if layout is None else layout.take(full[name].grad)
-            torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12, msg=name)
-            checked += layout is not None  # this rank's slice of a split factor
+    compare_params(tp, ref, True, {"rtol": 1e-9, "atol": 1e-12}, named=tp)  # every adapter
+    checked = sum(bool(torchtp.layouts_of(m)) for n, m in tp.named_modules()
+                  if ".lora_" in n)  # this rank's slices of split factors
     ref.save_pretrained(f"{out}/ref{rank}")
     tp.save_pretrained(f"{out}/tp")  # every rank: gathered whole, written by rank 0
     if rank == 0:

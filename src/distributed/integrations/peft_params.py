@@ -145,15 +145,15 @@ def _shard(layer: Any, adapter: str, layout: ParamLayout) -> None:
     b: Any = layer.lora_B[adapter]  # (out, r*E)
     base: Any = layer.get_base_layer()
     group = split_group(base)
-    if len(layout.full_shape) == 2:  # a Linear's (out, in): out is dim 0, in dim 1
-        out_dim, experts = 0, 1
-    else:
-        out_dim, experts = 2 if getattr(base, "is_transposed", False) else 1, layout.full_shape[0]
+    # The weight's out dimension: a Linear's (out, in) dim 0, experts' (E, out, in) dim 1
+    # or (E, in, out) dim 2
+    out_dim = 0 if len(layout.full_shape) == 2 else \
+        2 if getattr(base, "is_transposed", False) else 1
     r = layer.r[adapter]
     if layout.dim == 0 and out_dim != 0:  # whole experts: their rows of A, their columns of B
         keep_slice(a, ParamLayout(tuple(a.weight.shape), 0, _scaled(layout.segments, r)))
         keep_slice(b, ParamLayout(tuple(b.weight.shape), 1,
-                                  _strided(layout.segments, r, experts)))
+                                  _strided(layout.segments, r, layout.full_shape[0])))
         layer.num_experts = sum(n for _, n in layout.segments)  # PEFT reshapes by it
     elif layout.dim == out_dim:  # B: the weight's out segments; A read by every row
         keep_slice(b, ParamLayout(tuple(b.weight.shape), 0, layout.segments))
