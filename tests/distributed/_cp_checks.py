@@ -641,10 +641,7 @@ def lora_after_wrap(rank: int, world: int) -> int:
     got = wrapped(**batch).loss
     got.backward()
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
-    full = dict(ref.named_parameters())
-    checked = 0
-    for name, p in mine.named_parameters():
-        if ".lora_" in name:  # before: this rank's tokens' part only
-            torch.testing.assert_close(p.grad, full[name].grad, rtol=1e-7, atol=HF_TOL, msg=name)
-            checked += 1
-    return checked
+    from ._hf_checks import compare_params
+
+    # every adapter's gradient; before, this rank's tokens' part only
+    return compare_params(mine, ref, True, {"rtol": 1e-7, "atol": HF_TOL}, named=mine)
