@@ -614,7 +614,33 @@ def pipeline_with_cp(rank: int, world: int) -> dict[str, Any]:
     refused = _raises(lambda: PipelineSchedule(wrapped_stage, 2, "gpipe"))
     return {"worst": max(errs), "checked": len(errs), "refused": refused,
             "last": loss is not None, "counts": dict(counted.counts), "ignored": same_ignored,
-            "attention": stage.model.config._attn_implementation}
+            "attention": stage.model.config._attn_implementation,
+            "lora": _lora_after_schedule(pipe, stage.model, ref, batch)}
+
+
+def _lora_after_schedule(pipe: Any, mine: torch.nn.Module, ref: torch.nn.Module,
+                         batch: dict[str, torch.Tensor]) -> float:
+    """LoRA injected into a stage after its ``PipelineSchedule`` was built (parameters the
+    schedule did not see): every adapter gradient against one process's. Before, they
+    covered this cp rank's tokens only, silently. Returns the worst difference."""
+    import zlib
+
+    from peft import LoraConfig, inject_adapter_in_model
+
+    for model in (mine, ref):
+        inject_adapter_in_model(LoraConfig(r=2, target_modules=["q_proj", "v_proj"]), model)
+        for name, p in model.named_parameters():
+            if "lora_" in name:  # the same values for the same name on both sides
+                gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                p.data = 0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+    _, ref_loss = reference_step(ref, batch)
+    ref_loss.backward()
+    pipe.step(batch["input_ids"], batch["labels"])
+    ref_params = dict(ref.named_parameters())
+    diffs = [float((p.grad - ref_params[n].grad).abs().max())
+             for n, p in mine.named_parameters() if "lora_" in n]
+    assert len(diffs) == 4, diffs  # this stage's layer: q, v x A, B
+    return max(diffs)
 
 
 def lora_after_wrap(rank: int, world: int) -> int:

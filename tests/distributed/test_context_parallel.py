@@ -165,6 +165,7 @@ def test_pipeline_with_cp_matches_one_process(ranks):
     for g in got:  # each stage holds one layer: per microbatch one all-gather of its K/V
         # forward, one again in the backward (recomputed) and one reduce-scatter
         assert g["attention"] == "torchtp_cp" and g["ignored"]
+        assert g["lora"] < checks.HF_TOL, g  # LoRA injected after the schedule, summed over cp
         assert g["counts"]["all_gather"] == 4 and g["counts"]["reduce_scatter"] == 2, g
     for g in got:
         kind, message, seconds = g["refused"]

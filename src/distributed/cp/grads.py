@@ -29,3 +29,21 @@ def install(model: nn.Module, group: ProcessGroup | None) -> int:
         return 0
     _grad_sync.extend_all(model, _grad_sync.GradSync(group=group))
     return _grad_sync.install(model)
+
+
+def refresh(model: nn.Module, group: ProcessGroup | None, known: int) -> int:
+    """:func:`install` again if ``model``'s parameter count is no longer ``known``.
+
+    Parameters added after the wrap (PEFT adapters) compute this rank's tokens'
+    part of their gradient like every other; without their own sum it stays a
+    part, with the loss still equal (silently wrong). Called by every forward
+    or step of a context-parallel model (a count: no collective); ``known=-1``
+    installs.
+
+    Returns:
+        The parameter count, the next call's ``known``.
+    """
+    count = sum(1 for _ in model.parameters())
+    if count != known:
+        install(model, group)
+    return count

@@ -97,8 +97,7 @@ class ContextParallel(nn.Module):
             error = exc
         agree(WHO, error, {"algorithm": algorithm, "balanced": balanced, "recompute": recompute,
                            "weights": _weights_digest(model)}, group)
-        _grads.install(model, group)
-        self.__dict__["_summed"] = _count(model)
+        self.__dict__["_summed"] = _grads.refresh(model, group, -1)
         self.family = getattr(getattr(self.hf, "config", None), "model_type", None)
         self.train(model.training)
 
@@ -148,11 +147,8 @@ class ContextParallel(nn.Module):
                                              ("labels", labels)) if t is not None}
         agree(f"{WHO} forward (every cp rank must get the same full batch)", error, prints, group)
         assert batch is not None
-        if _count(self.module) != self.__dict__["_summed"]:
-            # Parameters added since the wrap (PEFT adapters): their gradients cover this
-            # rank's tokens only, like every other's; sum them over cp too (idempotent).
-            _grads.install(self.module, group)
-            self.__dict__["_summed"] = _count(self.module)
+        # Parameters added since the wrap (PEFT adapters) are summed over cp too
+        self.__dict__["_summed"] = _grads.refresh(self.module, group, self.__dict__["_summed"])
         # Dropout on this rank's tokens draws masks of their own (layers/rng.py)
         site = self.__dict__["_dropout_site"]
         with rng.own_tokens(_TOKENS_KEY, group_rank(group) + 1, site) if self.training \
@@ -233,8 +229,3 @@ def _weights_digest(model: nn.Module) -> str:
     # ranks built from different seeds or checkpoints.
     params = list(model.parameters())
     return "" if not params else tensor_digest(params[0]) + tensor_digest(params[-1])
-
-
-def _count(model: nn.Module) -> int:
-    """How many parameters ``model`` holds (a change means some were added or removed)."""
-    return sum(1 for _ in model.parameters())

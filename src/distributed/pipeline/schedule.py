@@ -133,9 +133,9 @@ class PipelineSchedule:
                "stages": self.stages[0].stages if self.stages else None}, self.group)
         self._cp = None if group_size(self.cp_group) == 1 else \
             _cp_pipeline.prepare_stages(given, self.cp_group)
-        if self._cp is not None:
-            for module in given:
-                _cp_grads.install(module, self.cp_group)
+        self._given = given
+        self._summed = [-1] * len(given)  # each stage's parameters summed over cp (counts)
+        self._sum_over_cp()
         kind = schedule_kind(schedule)
         device = next(self.stages[0].parameters()).device
         self._pipes = [_Stage(m, s.stage, s.stages, device, group=self.group)
@@ -236,11 +236,19 @@ class PipelineSchedule:
                                      self.ignore_index)
             input_ids, labels = local.input_ids, local.labels  # type: ignore[assignment]
             own = torch.tensor(local.tokens)
+            self._sum_over_cp()
         try:
             return self._schedule_run(input_ids, labels, own, counted, train)
         finally:
             if self._cp is not None:
                 self._cp.batch = None
+
+    def _sum_over_cp(self) -> None:
+        """Sum every stage parameter's gradient over cp, those added since (PEFT adapters)
+        included: each rank's backward covers its own tokens only."""
+        if self._cp is not None:
+            self._summed = [_cp_grads.refresh(m, self.cp_group, known)
+                            for m, known in zip(self._given, self._summed, strict=True)]
 
     def _schedule_run(self, input_ids: torch.Tensor, labels: torch.Tensor, own: torch.Tensor,
                       counted: int | None, train: bool) -> torch.Tensor | None:
