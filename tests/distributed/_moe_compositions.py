@@ -132,8 +132,8 @@ def moe_peft_all_linear(rank: int, world_size: int, splits: int, out: str) -> li
     attention split), the adapters of the attention (torchtp's layers), the router and the
     experts equal one process's: logits, every adapter gradient, the adapter
     ``save_pretrained`` writes (gathered whole), and the logits once it is loaded
-    again (``PeftModel.from_pretrained``: each rank keeps its slices). The same adapters
-    made before the wrap are refused by it: returns the messages."""
+    again (``PeftModel.from_pretrained``: each rank keeps its slices), and three AdamW
+    steps. The same adapters made before the wrap are refused by it: returns the messages."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
 
@@ -172,11 +172,32 @@ def moe_peft_all_linear(rank: int, world_size: int, splits: int, out: str) -> li
         loaded = PeftModel.from_pretrained(torchtp.DistributedModelWrapper(
             build_moe("mixtral"), **kwargs).base_model, f"{out}/{i}")  # each rank: its slices
         torch.testing.assert_close(loaded(**batch).logits, ref(**batch).logits, **TOL)
+        _adamw_steps_match(wrapped, tp, get_peft_model(build_moe("mixtral"), lora()), batch)
     try:  # such adapters made before the wrap: refused at the wrap, on every rank
         torchtp.DistributedModelWrapper(get_peft_model(build_moe("mixtral"), lora()))
     except ValueError as err:
         return [str(err)]
     return []
+
+
+def _adamw_steps_match(wrapped: torchtp.DistributedModelWrapper, tp: nn.Module,
+                       ref: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    """Three AdamW steps on the adapters of ``tp`` (around ``wrapped``) and of ``ref`` (one
+    process, the same adapters): the same losses, and every parameter after them this
+    rank's cut of the reference's (the sliced factors, the replicated ones summed)."""
+    losses: list[list[float]] = [[], []]
+    for model, seen in zip((ref, tp), losses, strict=True):
+        model.zero_grad(set_to_none=True)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(3):
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append(float(loss))
+    # AdamW normalises each update: float64 reassociation stays ~1e-12 after 3 steps.
+    torch.testing.assert_close(losses[1], losses[0], **TOL)
+    compare_params(wrapped, ref, False, TOL, named=tp)
 
 
 def moe_peft_expert_parameters(rank: int, world_size: int, splits: int) -> list[str]:
