@@ -229,6 +229,21 @@ def sequence_parallel_errors(rank: int, world_size: int) -> dict:
             attempt()
         except (TypeError, ValueError) as err:
             out[name] = f"{type(err).__name__}: {err}"
+    extra = build("llama")
+    extra.model.layers[1].adapter = nn.Linear(64, 64)  # a module the layout does not name
+    try:
+        torchtp.DistributedModelWrapper(extra, sequence_parallel=True)
+    except ValueError as err:
+        out["extra module"] = str(err)
+    bypass = torchtp.DistributedModelWrapper(build("llama"), sequence_parallel=True)
+    # A block output of full length T = 2 broadcasts into the (B, S = 1, d) residual: the
+    # final norm gets 2 positions where this rank's shard has 1.
+    bypass.base_model.model.layers[1].mlp.register_forward_hook(
+        lambda _m, _a, y: y.expand(-1, 2, -1))
+    try:
+        bypass(input_ids=batch(9)["input_ids"][:, :2])
+    except RuntimeError as err:
+        out["bypassed reduce-scatter"] = str(err)
     plan = {**build("llama").tp_plan, "model.norm": "sequence_parallel"}
     wrapped = torchtp.DistributedModelWrapper(build("llama"), plan=plan)  # the style turns SP on
     out["style turns it on"] = wrapped.sequence_parallel

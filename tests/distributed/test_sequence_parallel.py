@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -55,6 +57,23 @@ def test_sequence_parallel_tp2_and_errors(ranks):
             errors["replicated projection"]
         assert errors["style turns it on"] is True
         assert "output_hidden_states=True is not supported" in errors["hidden states"]
+        assert re.search(r"decoder layer 1 of LlamaForCausalLM does not match torchtp's "
+                         r"sequence-parallel layout for model_type='llama': it holds \['adapter', "
+                         r"'input_layernorm', 'mlp', 'post_attention_layernorm', 'self_attn'\]",
+                         errors["extra module"]), errors["extra module"]
+        assert re.search(r"the final norm got 2 positions where this rank's sequence shard has "
+                         r"1 \(2 tokens over tp=2\)", errors["bypassed reduce-scatter"])
+
+
+def test_sequence_parallel_on_more_decoder_layouts(ranks):
+    # Norms before and after each block (Gemma 2), after only (OLMo 2), one norm feeding
+    # attention and MLP side by side (Cohere, with checkpointing), fused q/k/v and
+    # gate/up projections (Phi-3): loss, logits, every gradient and SGD steps.
+    cases = [("gemma2", 9, False, False), ("olmo2", 9, True, False), ("cohere", 9, False, True),
+             ("phi3", 9, False, False)]
+    got = ranks(check_sequence_parallel_suite, 2, cases, timeout=300, gloo_timeout=60)[0]
+    assert all(got[f"{a} seq={n} lp={lp} ckpt={c}"]["grads_checked"] > 0
+               for a, n, lp, c in cases)
 
 
 def test_sequence_parallel_tp4(ranks):

@@ -148,7 +148,8 @@ def choose(model: nn.Module, sources: list[Rules], ctx: ShardContext, resolve: R
         model: The model being planned.
         sources: The candidates' rules, in source order (never empty).
         ctx: The tp size.
-        resolve: Resolves rules on ``model`` as the wrapper would (no options, no raise).
+        resolve: Resolves rules on ``model`` as the wrapper would, with its options (a
+            candidate they cannot use raises: it is discarded).
         hw: The hardware profile.
         tokens: Rows per module when no candidate recorded a probe forward.
         mode: ``"fastest"`` or ``"memory"`` (``plan="auto-memory"``).

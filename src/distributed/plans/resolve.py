@@ -86,7 +86,8 @@ def resolve_plan(model: nn.Module, plan: PlanArg, ctx: ShardContext, strict: boo
             parameter split two ways, a user plan's attention split that the
             probe does not confirm, or a plan that does not fit ``max_memory``.
     """
-    rules = pick_rules(model, plan, ctx, example_inputs, verify=verify, max_memory=max_memory)
+    rules = pick_rules(model, plan, ctx, example_inputs, verify=verify, max_memory=max_memory,
+                       adjust=adjust)
     resolved = _matched(model, rules, ctx, example_inputs, verify)
     if adjust is not None:
         adjust(model, resolved, ctx)
@@ -147,8 +148,9 @@ def _check_memory(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext,
 
 def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
                example_inputs: object = None, *, verify: bool = True,
-               max_memory: int | None = None) -> Rules:
-    """The rules for ``model``: the explicit plan, else the candidate chosen by cost.
+               max_memory: int | None = None, adjust: PlanAdjust | None = None) -> Rules:
+    """The rules for ``model``: the explicit plan, else the candidate chosen by cost
+    among those ``adjust`` (the wrapper's options) accepts.
 
     Raises:
         ValueError: as :func:`torchtp.plans.choose.choose`.
@@ -183,6 +185,8 @@ def pick_rules(model: nn.Module, plan: PlanArg, ctx: ShardContext,
 
     def resolve(rules: Rules) -> ResolvedPlan:
         resolved = _matched(model, rules, ctx, example_inputs, verify)
+        if adjust is not None:  # a candidate the options cannot use (sequence parallelism
+            adjust(model, resolved, ctx)  # on a late reduce) raises: it is discarded
         _plan_layers(model, resolved, ctx)
         return resolved
 

@@ -1,4 +1,4 @@
-"""Sequence parallelism for HuggingFace decoder models (Llama family, GPT-2).
+"""Sequence parallelism for HuggingFace decoder models (the model types of :data:`LAYOUTS`).
 
 Per decoder layer, with ``T`` tokens and ``S = ceil(T / tp)``::
 
@@ -31,7 +31,9 @@ from ..comm.sequence_parallel import (
     gather_for_tensor_parallel,
     gather_from_sequence_shards,
     scatter_to_sequence_shards,
+    shard_length,
 )
+from ..core.errors import UnsupportedStyleError
 from ..hf.detect import is_hf_model
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..layers.grad_sync import GradSync, mark
@@ -58,13 +60,39 @@ class Layout:
     final_norm: str
 
 
-_LLAMA = Layout("layers", "self_attn", "mlp", ("input_layernorm", "post_attention_layernorm"),
-                "norm")
+def _decoder(*norms: str) -> Layout:
+    """An HF decoder's ``model.layers[i]`` with ``self_attn``, ``mlp`` and ``norms``."""
+    return Layout("layers", "self_attn", "mlp", norms, "norm")
+
+
+# A norm before each block (Llama)
+_PRE = _decoder("input_layernorm", "post_attention_layernorm")
+# A norm before and after each block (Gemma 2 to 4)
+_SANDWICH = _decoder("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm")
+# A norm after each block only (OLMo 2)
+_POST = _decoder("post_attention_layernorm", "post_feedforward_layernorm")
+# Model types whose every op outside the attention and MLP blocks is token-wise
+# (norms, residual adds, scalings, dropout), each checked exact against one process
+# by tests/distributed/hf_zoo.py (--option memory --option sequence_parallel, at tp 2
+# and 3, and with checkpointing; docs/compat.md). Cohere runs both blocks on one
+# norm's output, side by side.
 LAYOUTS: dict[str, Layout] = {
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": _LLAMA,
-    "qwen3": _LLAMA,
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "arcee", "cwm", "ernie4_5", "exaone",
+                     "flint", "gemma", "glm", "granite", "granite_swa", "helium",
+                     "hunyuan_v1_dense", "internlm3", "iquestcoder", "jais2", "ministral",
+                     "ministral3", "moshi", "nemotron", "olmo", "phi3", "seed_oss", "smollm3",
+                     "stablelm", "starcoder2"), _PRE),
+    **dict.fromkeys(("gemma2", "gemma3_text", "gemma4_unified_text", "beam"), _SANDWICH),
+    **dict.fromkeys(("olmo2", "olmo3", "exaone4"), _POST),
+    **dict.fromkeys(("apertus", "apertus1p5_text"),
+                    _decoder("attention_layernorm", "feedforward_layernorm")),
+    **dict.fromkeys(("cohere", "cohere2"), _decoder("input_layernorm")),
+    "glm4": _decoder("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm",
+                     "post_mlp_layernorm"),
+    "hyperclovax": _decoder("input_layernorm", "post_attention_layernorm", "post_norm1",
+                            "post_norm2"),
+    "vaultgemma": _decoder("input_layernorm", "pre_feedforward_layernorm"),
     "gpt2": Layout("h", "attn", "mlp", ("ln_1", "ln_2"), "ln_f"),
 }
 
@@ -103,6 +131,7 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
                          f"{elsewhere[0]}..{elsewhere[-1]} are held by other stages); sequence "
                          "parallelism inside a pipeline stage is not supported yet: wrap the "
                          "stage without sequence_parallel")
+    _check_layers(model, layers, layout)
     sp = SequencePlan(prefix, _join(prefix, f"{layout.layers}.0"),
                       final_norm=_join(prefix, layout.final_norm))
     rule = _join(prefix, f"{layout.layers}.*")
@@ -149,8 +178,30 @@ def _layout(model: nn.Module) -> Layout:
     return LAYOUTS[model_type]
 
 
+def _check_layers(model: nn.Module, layers: nn.ModuleList, layout: Layout) -> None:
+    """Every decoder layer holds the layout's blocks and norms and nothing else (dropout
+    aside): a module the layout does not name would run on sequence shards unchecked (a
+    newer transformers release adding one to a listed model type)."""
+    known = {layout.attention, layout.mlp, *layout.norms}
+    for i, layer in enumerate(layers):
+        names = {n for n, m in layer.named_children() if not isinstance(m, nn.Dropout)}
+        if names != known:
+            raise ValueError(
+                f"{WHO}: decoder layer {i} of {type(model).__name__} does not match torchtp's "
+                f"sequence-parallel layout for model_type="
+                f"{getattr(model.config, 'model_type', None)!r}: it holds {sorted(names)}, the "
+                f"layout names {sorted(known)} (a module it does not name would run on "
+                "sequence shards unchecked; a transformers release may have changed the "
+                "layer); wrap it without sequence_parallel")
+
+
 def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) -> None:
-    """Colwise in-projections (output not gathered) and exactly one rowwise out-projection."""
+    """Colwise in-projections (output not gathered) and exactly one rowwise out-projection.
+
+    Raises:
+        UnsupportedStyleError: a style sequence parallelism cannot honour here (the cost
+            choice then discards that candidate plan, ``torchtp.plans.choose``).
+    """
     outs = []
     for name, mod in modules[block].named_modules():
         if linear_view(mod) is None:
@@ -158,20 +209,20 @@ def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) 
         full = f"{block}.{name}"
         style = plan.assignments.get(full)
         if isinstance(style, RowwisePartial):
-            raise ValueError(f"{WHO}: '{full}' is 'rowwise_partial' (its output summed later "
+            raise UnsupportedStyleError(f"{WHO}: '{full}' is 'rowwise_partial' (its output summed later "
                              "with other layers'), which has no sequence-parallel form; pass "
                              f"plan={{'{full}': 'rowwise', ...}} or wrap without "
                              "sequence_parallel")
         if isinstance(style, Rowwise) and not style.split_input:
             outs.append(full)
         elif not (isinstance(style, Colwise) and not style.gather_output):
-            raise ValueError(
+            raise UnsupportedStyleError(
                 f"{WHO}: '{full}' is {style.name if style else 'replicated'}, but every "
                 f"projection in '{block}' must be split: 'colwise' (weight rows) for the "
                 "projections reading the block's input, 'rowwise' (weight columns) for the "
                 "one writing its output")
     if len(outs) != 1:
-        raise ValueError(f"{WHO}: '{block}' needs exactly one 'rowwise' output projection "
+        raise UnsupportedStyleError(f"{WHO}: '{block}' needs exactly one 'rowwise' output projection "
                          f"(weight columns split), found {outs or 'none'}")
 
 
@@ -190,6 +241,7 @@ class _Hooks:
         self.group = ctx.group
         self.config = config
         self.length = 0  # tokens of the current forward (set where the shards are cut)
+        self.size = ctx.world_size
         # Per attention/MLP block, the weight-rows-split projections reading its input.
         self.inputs: dict[nn.Module, list[RowParallelLinear]] = {}
 
@@ -235,6 +287,15 @@ class _Hooks:
     def gather_output(self, mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
         if mod.training and (TRACKER.depth or self.streamed):
             self.streamed = sequence_region_ends(self)
+        shard = shard_length(self.length, self.size)  # S = ceil(T / tp)
+        if out.shape[SEQ_DIM] != shard:
+            # A block whose output bypassed its reduce-scatter, broadcast into the
+            # residual: the same on every rank, so every rank raises.
+            raise RuntimeError(
+                f"{WHO}: the final norm got {out.shape[SEQ_DIM]} positions where this rank's "
+                f"sequence shard has {shard} ({self.length} tokens over tp={self.size}): some "
+                "block's output did not leave through its weight-columns-split projection's "
+                "reduce-scatter; wrap the model without sequence_parallel")
         return gather_from_sequence_shards(out, self.group, SEQ_DIM, self.length)  # (B, T, d)
 
 
