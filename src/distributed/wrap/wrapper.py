@@ -71,7 +71,7 @@ class DistributedModelWrapper(nn.Module):
             ``labels=``; ``outputs.logits`` is then this rank's vocabulary slice
             ``(B, T, V_r)``. Without labels (``generate()``) logits are full.
             See docs/sequence_parallel.md.
-        sequence_parallel: Llama-family and GPT-2 models: norms, dropout and
+        sequence_parallel: HF decoders (``torchtp.sp.hf_plan.LAYOUTS``): norms, dropout and
             residual adds run on sequence shards; an all-gather enters each
             attention/MLP block and a reduce-scatter leaves it (instead of an
             all-reduce). Also turned on by a ``"sequence_parallel"`` style in
