@@ -200,13 +200,14 @@ def check_loss_parallel_suite(rank: int, world_size: int) -> dict:
 
 def check_sequence_parallel_suite(rank: int, world_size: int,
                                   cases: list[tuple[str, int, bool, bool]],
-                                  errors: bool = False) -> dict:
-    """``(arch, seq, loss_parallel, checkpointing)`` cases with sequence_parallel=True."""
+                                  errors: bool = False, generating: str = "llama") -> dict:
+    """``(arch, seq, loss_parallel, checkpointing)`` cases with sequence_parallel=True, and
+    ``generating``'s greedy generation."""
     out: dict = {"errors": sequence_parallel_errors(rank, world_size)} if errors else {}
     for arch, seq, lp, ckpt in cases:
         out[f"{arch} seq={seq} lp={lp} ckpt={ckpt}"] = check_training(
             rank, world_size, arch, seq, lp, True, ckpt, steps=2 if not ckpt else 1)
-    out["generated"] = check_generate(rank, world_size, "llama", True, True)
+    out["generated"] = check_generate(rank, world_size, generating, True, True)
     return out
 
 

@@ -68,12 +68,15 @@ def test_sequence_parallel_tp2_and_errors(ranks):
 def test_sequence_parallel_on_more_decoder_layouts(ranks):
     # Norms before and after each block (Gemma 2), after only (OLMo 2), one norm feeding
     # attention and MLP side by side (Cohere, with checkpointing), fused q/k/v and
-    # gate/up projections (Phi-3): loss, logits, every gradient and SGD steps.
+    # gate/up projections (Phi-3): loss, logits, every gradient and SGD steps; Gemma 2's
+    # greedy generation (sliding-window cache, soft-capped logits).
     cases = [("gemma2", 9, False, False), ("olmo2", 9, True, False), ("cohere", 9, False, True),
              ("phi3", 9, False, False)]
-    got = ranks(check_sequence_parallel_suite, 2, cases, timeout=300, gloo_timeout=60)[0]
+    got = ranks(check_sequence_parallel_suite, 2, cases, False, "gemma2", timeout=300,
+                gloo_timeout=60)[0]
     assert all(got[f"{a} seq={n} lp={lp} ckpt={c}"]["grads_checked"] > 0
                for a, n, lp, c in cases)
+    assert got["generated"] == 5
 
 
 def test_sequence_parallel_tp4(ranks):
