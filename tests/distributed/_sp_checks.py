@@ -398,3 +398,20 @@ def _gathered_edge_cases(shard: torch.Tensor, weight: torch.Tensor, length: int)
     out["frozen weight saves the input"] = bool(
         {shard.untyped_storage().data_ptr(), full.untyped_storage().data_ptr()} & set(saved))
     return out
+
+
+def exit_settles(rank: int, world_size: int) -> tuple[bool, float]:
+    """After sequence-parallel forwards (reduce-scatters, whose input Gloo splits into
+    views of its own), the exit's wait for the backend to let go of every collective's
+    tensors returns at once: ``(released in time, seconds)``."""
+    import time
+
+    from torchtp.comm import health
+
+    wrapped = torchtp.DistributedModelWrapper(build("llama"), sequence_parallel=True)
+    with torch.no_grad():
+        wrapped(**batch(9))
+    time.sleep(0.2)  # Gloo's worker lets go microseconds after a collective completes
+    start = time.monotonic()
+    released = health.settle(3.0, warn=False)
+    return released, time.monotonic() - start

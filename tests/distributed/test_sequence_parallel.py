@@ -9,7 +9,12 @@ import torch
 
 from torchtp.comm.sequence_parallel import pad_sequence, shard_length
 
-from ._sp_checks import check_linear_on_gathered, check_sequence_parallel_suite, dp2_tp2_ddp
+from ._sp_checks import (
+    check_linear_on_gathered,
+    check_sequence_parallel_suite,
+    dp2_tp2_ddp,
+    exit_settles,
+)
 
 
 def test_padding_rule():
@@ -112,3 +117,10 @@ def test_projections_save_the_shard_and_regather_once(ranks):
         assert res["changed shard"] is True  # falls back to F.linear
         assert res["held after a partial backward"] is False
         assert res["frozen weight saves the input"] is False
+
+
+def test_exit_does_not_wait_for_collectives_the_backend_copied(ranks):
+    # Gloo's reduce-scatter works on views of its input, never holding the tensor itself:
+    # the exit waited its whole bound for a release that could not come (5 s, a warning).
+    for released, seconds in ranks(exit_settles, 2, timeout=120):
+        assert released and seconds < 1.0, (released, seconds)

@@ -493,8 +493,13 @@ _use_count = _torch_compat.use_count
 
 
 def _lent(held: tuple[tuple[torch.Tensor, ...], int]) -> bool:
-    """Whether the collective of ``held`` still exists (its tensors are still referenced by it)."""
-    return _use_count(held[0][0]) >= held[1]
+    """Whether the collective of ``held`` still exists (its tensors are still referenced by it).
+
+    A count of 1 while it existed is the Python object's alone: the backend worked on
+    views or copies of the tensor (Gloo's reduce-scatter splits its input into views),
+    so no release of it can come, and none needs the GIL.
+    """
+    return held[1] > 1 and _use_count(held[0][0]) >= held[1]
 
 
 def settle(timeout: float, warn: bool = True) -> bool:
