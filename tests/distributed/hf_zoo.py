@@ -30,7 +30,7 @@ Each line of the output is one type's verdict:
   routers or logits in float32 whatever their dtype) -- the silent kind of bug
   this sweep exists to find; ``GEN-MISMATCH``: four greedy tokens generated
   with the cache differ (``gen-error``: the wrapped generate raised where the
-  unwrapped one ran);
+  unwrapped one ran; compared without options and with those of :data:`GENERATING`);
 * ``refused`` / ``fwd-error`` / ``crash``: the wrap, the forward or the backward raised
   (read the message);
 * ``skip``: not a verdict on torchtp.
@@ -173,6 +173,7 @@ def adapted(model: torch.nn.Module) -> torch.nn.Module:
 
 
 MODES = ("train", "checkpointing", "compile", "memory")  # options that are not wrapper flags
+GENERATING = {"memory", "sequence_parallel"}  # options whose runs also compare generation
 
 
 def checkpointed(model: Any) -> None:
@@ -240,8 +241,10 @@ def verdict(model_type: str, head: str = "causal-lm", lora: bool = False,
     bad += different_gradients(ref, mine)
     if bad:
         return "MISMATCH", ", ".join(bad[:5])
+    # Options that keep eval-mode forwards and full logits: generation compared too
     kind, generated = generation(ref, wrapped, kwargs["input_ids"]) \
-        if HEADS[head][2] and not lora and not options else ("ok", "no generation compared")
+        if HEADS[head][2] and not lora and set(options) <= GENERATING \
+        else ("ok", "no generation compared")
     if kind != "ok":
         return kind, generated
     share = sum(p.numel() for p in mine.parameters()) / sum(p.numel() for p in ref.parameters())
