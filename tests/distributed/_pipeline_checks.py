@@ -148,7 +148,7 @@ def check_pipeline_tp(rank: int, world_size: int) -> list[Any]:
     split = [n for n, p in stage.model.named_parameters()
              if tuple(p.shape) != tuple(want[n].shape)]
     return [list(stage.layers), split, _moe_stage_like_one_process(mesh),
-            _sequence_parallel_refused(mesh)]
+            _sequence_parallel_like_one_process(mesh)]
 
 
 def _moe_stage_like_one_process(mesh: Any) -> float | None:
@@ -174,18 +174,28 @@ def _moe_stage_like_one_process(mesh: Any) -> float | None:
     return loss
 
 
-def _sequence_parallel_refused(mesh: Any) -> str:
-    """Sequence parallelism inside a pipeline stage: refused, naming the stage's held-elsewhere
-    layers, on every rank (before any weight is cut)."""
+def _sequence_parallel_like_one_process(mesh: Any) -> dict[str, int]:
+    """Sequence parallelism inside each stage (pp 2 x tp 2, 1F1B, 7 tokens: a padded shard):
+    the loss and every gradient equal one process's. Returns the step's collectives on
+    this rank (the stage's own shards: reduce-scatters out of its blocks)."""
     import torchtp
 
+    from ._hf_checks import expected_local
+
+    ref = build_llama()
     stage = decoder_stage(build_llama(), mesh.get_local_rank("pp"), 2)
-    try:
-        torchtp.DistributedModelWrapper(stage.model, group=mesh.get_group("tp"),
-                                        sequence_parallel=True)
-    except ValueError as err:
-        return str(err)
-    raise AssertionError("sequence parallelism inside a pipeline stage was not refused")
+    torchtp.DistributedModelWrapper(stage.model, group=mesh.get_group("tp"),
+                                    sequence_parallel=True)
+    pipe = PipelineSchedule(stage, 4, "1f1b", group=mesh.get_group("pp"))
+    ids, labels = (t[:, :7] for t in batch(1))
+    with torchtp.count_collectives() as counted:
+        _step_like_one_process(pipe, ref, ids, labels)
+    want = dict(ref.named_parameters())
+    for name, p in stage.model.named_parameters():
+        module = stage.model.get_submodule(name.rpartition(".")[0])
+        expected = expected_local(module, name.rpartition(".")[2], want[name].grad)
+        torch.testing.assert_close(p.grad, expected, **TOL, msg=name)
+    return dict(counted.counts)
 
 
 CLIP = 0.05  # below the tiny Llama's gradient norm: the clip scales every gradient

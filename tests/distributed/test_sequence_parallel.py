@@ -66,7 +66,7 @@ def test_sequence_parallel_tp2_and_errors(ranks):
                          r"sequence-parallel layout for model_type='llama': it holds \['adapter', "
                          r"'input_layernorm', 'mlp', 'post_attention_layernorm', 'self_attn'\]",
                          errors["extra module"]), errors["extra module"]
-        assert re.search(r"the final norm got 2 positions where this rank's sequence shard has "
+        assert re.search(r"LlamaRMSNorm returned 2 positions where this rank's sequence shard has "
                          r"1 \(2 tokens over tp=2\)", errors["bypassed reduce-scatter"])
 
 

@@ -103,21 +103,20 @@ def layouts(arch: Arch, cluster: Cluster, training: Training) -> Iterator[Layout
                     continue
                 per_replica = training.global_batch // dp
                 for ep in _ep_sizes(arch, tp, dp * cp * tp):
-                    for sp in _sp(arch, tp, pp):
+                    for sp in _sp(arch, tp):
                         yield from _schedules(Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep,
                                                      sequence_parallel=sp,
                                                      data_parallel=training.data_parallel),
                                               per_replica, arch.layers)
 
 
-def _sp(arch: Arch, tp: int, pp: int) -> list[bool]:
+def _sp(arch: Arch, tp: int) -> list[bool]:
     """Sequence parallelism to try: on with tp for the families torchtp covers (a shape
-    written by hand: assumed covered); with a pipeline also off, since torchtp runs
-    sequence parallelism without one only (on is then planned only)."""
+    written by hand: assumed covered), pipeline stages included."""
     kind = arch.extra.get("model_type")
     if tp == 1 or (kind is not None and kind not in SP_FAMILIES):
         return [False]
-    return [True] if pp == 1 else [False, True]
+    return [True]
 
 
 def _microbatches(per_replica: int) -> list[int]:
@@ -172,8 +171,6 @@ def runs_in_torchtp(arch: Arch, layout: Layout, training: Training) -> str:
                 f"group (ep must divide tp={layout.tp})")
     if training.data_parallel == "zero1" and layout.dp > 1:
         return "ZeRO-1 (optimizer state sharded over dp) is planned only; use fsdp or ddp"
-    if layout.pp > 1 and layout.sequence_parallel:
-        return "sequence parallelism inside a pipeline stage is not supported yet"
     if layout.pp > 1 and layout.cp > 1 and layout.tp > 1:
         return "pp x cp x tp is not composed yet (pp x cp and cp x tp are)"
     if layout.cp > 1:

@@ -99,13 +99,19 @@ LAYOUTS: dict[str, Layout] = {
 
 @dataclass
 class SequencePlan:
-    """Module names the hooks go on (full names in the wrapped model)."""
+    """Module names the hooks go on (full names in the wrapped model).
+
+    ``end``: the module whose output is gathered into the full sequence again: the
+    final norm, or in a pipeline stage without it, the last decoder layer it holds
+    (the next stage receives full sequences).
+    """
 
     base: str
     first_layer: str
     attentions: list[str] = field(default_factory=list)
     mlps: list[str] = field(default_factory=list)
     final_norm: str = ""
+    end: str = ""
 
 
 def _join(prefix: str, name: str) -> str:
@@ -115,54 +121,64 @@ def _join(prefix: str, name: str) -> str:
 def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardContext) -> SequencePlan:
     """Give every norm of the decoder the ``sequence_parallel`` style and check the blocks.
 
+    A pipeline stage (decoder layers held by other stages) runs its own layers on
+    sequence shards: cut where its first layer starts, gathered where its last one
+    (or the final norm, on the last stage) ends.
+
     Raises:
-        ValueError: the architecture is not supported, the model is a pipeline
-            stage, the plan marks a module outside the decoder's norms
-            ``sequence_parallel``, or an attention/MLP block is not split as
-            colwise in-projections + one rowwise out-projection.
+        ValueError: the architecture is not supported, a decoder layer holds a
+            module its layout does not name, or the plan marks a module outside
+            the decoder's norms ``sequence_parallel``.
+        UnsupportedStyleError: an attention/MLP block is not split as colwise
+            in-projections + one rowwise out-projection.
     """
     layout = _layout(model)
     base = model.base_model
     prefix = next(n for n, m in model.named_modules() if m is base)
     layers = getattr(base, layout.layers)
-    elsewhere = [i for i, layer in enumerate(layers) if getattr(layer, "held_elsewhere", False)]
-    if elsewhere:  # a pipeline stage: hidden states would cross stages as sequence shards
-        raise ValueError(f"{WHO}: {type(model).__name__} is a pipeline stage (decoder layers "
-                         f"{elsewhere[0]}..{elsewhere[-1]} are held by other stages); sequence "
-                         "parallelism inside a pipeline stage is not supported yet: wrap the "
-                         "stage without sequence_parallel")
-    _check_layers(model, layers, layout)
-    sp = SequencePlan(prefix, _join(prefix, f"{layout.layers}.0"),
+    held = [i for i, layer in enumerate(layers) if not getattr(layer, "held_elsewhere", False)]
+    _check_layers(model, {i: layers[i] for i in held}, layout)
+    sp = SequencePlan(prefix, _join(prefix, f"{layout.layers}.{held[0]}"),
                       final_norm=_join(prefix, layout.final_norm))
+    norms_here = not getattr(getattr(base, layout.final_norm), "held_elsewhere", False)
+    sp.end = sp.final_norm if norms_here else _join(prefix, f"{layout.layers}.{held[-1]}")
     rule = _join(prefix, f"{layout.layers}.*")
     by_rule: dict[str, list[str]] = {f"{rule}.{n}": [] for n in layout.norms}
-    by_rule[sp.final_norm] = [sp.final_norm]
-    for i in range(len(layers)):
+    if norms_here:
+        by_rule[sp.final_norm] = [sp.final_norm]
+    for i in held:
         layer = _join(prefix, f"{layout.layers}.{i}")
         for n in layout.norms:
             by_rule[f"{rule}.{n}"].append(f"{layer}.{n}")
         sp.attentions.append(f"{layer}.{layout.attention}")
         sp.mlps.append(f"{layer}.{layout.mlp}")
+    _assign_norms(model, plan, by_rule, sp.final_norm)
+    modules = dict(model.named_modules())
+    for block in sp.attentions + sp.mlps:
+        _check_block(block, modules, plan)
+    if ctx.world_size > 1:
+        plan.notes.append(f"sequence parallelism: norms, dropout and residual adds of "
+                          f"{len(held)} layers run on sequence shards")
+    return sp
+
+
+def _assign_norms(model: nn.Module, plan: ResolvedPlan, by_rule: dict[str, list[str]],
+                  example: str) -> None:
+    """Give the norms (``by_rule``: pattern -> module names) the ``sequence_parallel``
+    style; refuse it anywhere else."""
     norms = [name for names in by_rule.values() for name in names]
     for name, style in plan.assignments.items():
         if isinstance(style, SequenceParallel) and name not in norms:
             raise ValueError(
                 f"plan style 'sequence_parallel' for module '{name}': in "
                 f"{type(model).__name__} only the decoder's norms run on sequence shards "
-                f"(e.g. '{sp.final_norm}'); give '{name}' another style")
+                f"(e.g. '{example}'); give '{name}' another style")
     for name in norms:
         plan.assignments[name] = STYLES["sequence_parallel"]
     for pattern, names in by_rule.items():
         plan.rules[pattern], plan.matches[pattern] = "sequence_parallel", names
         for name in names:
             plan.why[name] = "sequence_parallel=True: runs on sequence shards"
-    modules = dict(model.named_modules())
-    for block in sp.attentions + sp.mlps:
-        _check_block(block, modules, plan)
-    if ctx.world_size > 1:
-        plan.notes.append(f"sequence parallelism: norms, dropout and residual adds of "
-                          f"{len(layers)} layers run on sequence shards")
-    return sp
 
 
 def _layout(model: nn.Module) -> Layout:
@@ -178,12 +194,12 @@ def _layout(model: nn.Module) -> Layout:
     return LAYOUTS[model_type]
 
 
-def _check_layers(model: nn.Module, layers: nn.ModuleList, layout: Layout) -> None:
+def _check_layers(model: nn.Module, layers: dict[int, nn.Module], layout: Layout) -> None:
     """Every decoder layer holds the layout's blocks and norms and nothing else (dropout
     aside): a module the layout does not name would run on sequence shards unchecked (a
     newer transformers release adding one to a listed model type)."""
     known = {layout.attention, layout.mlp, *layout.norms}
-    for i, layer in enumerate(layers):
+    for i, layer in layers.items():
         names = {n for n, m in layer.named_children() if not isinstance(m, nn.Dropout)}
         if names != known:
             raise ValueError(
@@ -284,19 +300,24 @@ class _Hooks:
         return gather_for_tensor_parallel(x, self.group, SEQ_DIM, length,
                                           [(p.weight, p.bias) for p in layers], overlap.chunks())
 
-    def gather_output(self, mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+    def gather_output(self, mod: nn.Module, _args: tuple, out: Any) -> Any:
+        """The end of the shards (the final norm, or a pipeline stage's last layer, whose
+        output may be a tuple with the hidden states first): the full sequence again."""
         if mod.training and (TRACKER.depth or self.streamed):
             self.streamed = sequence_region_ends(self)
+        hidden = out[0] if isinstance(out, tuple) else out  # (B, S, d)
         shard = shard_length(self.length, self.size)  # S = ceil(T / tp)
-        if out.shape[SEQ_DIM] != shard:
+        if hidden.shape[SEQ_DIM] != shard:
             # A block whose output bypassed its reduce-scatter, broadcast into the
             # residual: the same on every rank, so every rank raises.
             raise RuntimeError(
-                f"{WHO}: the final norm got {out.shape[SEQ_DIM]} positions where this rank's "
-                f"sequence shard has {shard} ({self.length} tokens over tp={self.size}): some "
-                "block's output did not leave through its weight-columns-split projection's "
-                "reduce-scatter; wrap the model without sequence_parallel")
-        return gather_from_sequence_shards(out, self.group, SEQ_DIM, self.length)  # (B, T, d)
+                f"{WHO}: {type(mod).__name__} returned {hidden.shape[SEQ_DIM]} positions where "
+                f"this rank's sequence shard has {shard} ({self.length} tokens over "
+                f"tp={self.size}): some block's output did not leave through its "
+                "weight-columns-split projection's reduce-scatter; wrap the model without "
+                "sequence_parallel")
+        full = gather_from_sequence_shards(hidden, self.group, SEQ_DIM, self.length)  # (B, T, d)
+        return (full, *out[1:]) if isinstance(out, tuple) else full
 
 
 def _map_hidden(args: tuple, kwargs: dict, fn: Any) -> tuple[tuple, dict]:
@@ -330,4 +351,4 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, ctx: ShardCont
             if isinstance(layer, ColumnParallelLinear) and layer.bias is not None:
                 # Added to this rank's tokens only: the gradient is a partial sum.
                 mark(layer, "bias", (GradSync(ctx.group),))
-    model.get_submodule(sp.final_norm).register_forward_hook(hooks.gather_output)
+    model.get_submodule(sp.end).register_forward_hook(hooks.gather_output)
