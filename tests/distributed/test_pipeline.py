@@ -301,3 +301,20 @@ def test_gpt2_mistral_qwen_and_an_moe_train_like_one_process(ranks):
     out = ranks(check_architectures, 2, archs, timeout=300)
     assert [a for a, _, _ in out[0]] == archs
     assert [t for _, t, _ in out[0]] == [True, False, False, False, False]
+
+
+def test_stages_refuse_models_whose_forward_is_not_their_chain():
+    # A stage runs the decoder on what it receives and the last applies the LM head alone:
+    # Gemma 2's final soft-capping was skipped, and Granite's embedding multiplier applied
+    # again on every stage, with no error.
+    from ._hf_models import build
+
+    with pytest.raises(ValueError, match=r"decoder_stage: Gemma2ForCausalLM's logits are not "
+                                         r"its LM head applied to its decoder's output"):
+        decoder_stage(build("gemma2"), 0, 2)
+    with pytest.raises(ValueError, match=r"decoder_stage: GraniteForCausalLM's logits are not"):
+        decoder_stage(build("granite", logits_scaling=16.0), 1, 2)
+    with pytest.raises(ValueError, match=r"GraniteForCausalLM's decoder changes the hidden "
+                                         r"states outside its blocks and final norm"):
+        decoder_stage(build("granite", embedding_multiplier=12.0), 1, 2)
+    assert decoder_stage(build("granite"), 1, 2).is_last  # both 1.0: the chain is the model

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from ..core.layouts import shard_range
+from ..core.log import logger
+from ..hf.probe_copy import small_copy
 from .balance import param_balanced_split
 from .decoders import DecoderLayout, ZeroElsewhere, decoder_layout
 
@@ -244,7 +246,59 @@ def _plan(model: Any, stages: int, split: Sequence[int] | str | None) -> _Cut:
     elif isinstance(split, str):
         raise ValueError(f"split={split!r}: give layers per stage, None (balanced layers) or "
                          "'params' (balanced parameters)")
+    if stages > 1:
+        _check_chain(model, layout)
     return _Cut(stage_layers(len(blocks), stages, split), tied, layout)
+
+
+def _check_chain(model: Any, layout: DecoderLayout) -> None:
+    """Refuse a model whose stages would not compute what its own forward does.
+
+    A stage runs the model's decoder forward on what the stage before sent, and the
+    last one applies the LM head alone. Probed on the model's one-layer copy
+    (:func:`torchtp.hf.probe_copy.small_copy`, from its config): the logits must be
+    the head of the decoder's output (Gemma 2's final soft-capping, Cohere's logit
+    scale are not), and a stage holding none of the blocks must hand its input on
+    unchanged (a decoder that scales ``inputs_embeds`` would scale every stage's).
+
+    Raises:
+        ValueError: either differs, naming what and the fix.
+    """
+    with torch.device("cpu"):  # also when the caller builds on the meta device
+        _check_copy(model, layout)
+
+
+def _check_copy(model: Any, layout: DecoderLayout) -> None:
+    probe = small_copy(model)
+    if probe is None:
+        logger.warning("torchtp: decoder_stage could not build a one-layer copy of %s to "
+                       "check its stages against its forward", type(model).__name__)
+        return
+    lm: Any = probe  # a HuggingFace causal LM (its methods are untyped)
+    ids = torch.arange(1, 5).unsqueeze(0)  # (1, 4) token ids of the copy's vocabulary
+    weight = lm.get_input_embeddings().weight  # (V, H)
+    x = torch.randn(1, 4, weight.shape[-1], dtype=weight.dtype,
+                    generator=torch.Generator().manual_seed(0))  # (1, 4, H)
+    with torch.no_grad():
+        whole = lm(input_ids=ids).logits  # (1, 4, V)
+        headed = lm.get_output_embeddings()(lm.get_decoder()(input_ids=ids).last_hidden_state)
+        middle = _cut_in_place(lm, 1, 3, _Cut([range(0, 1), range(1, 1), range(1, 1)], False,
+                                             layout))
+        handed = middle(x)  # (1, 4, H): no block, no norm
+    who = f"decoder_stage: {type(model).__name__}"
+    if not torch.allclose(whole, headed, rtol=1e-5, atol=1e-6):
+        raise ValueError(f"{who}'s logits are not its LM head applied to its decoder's output "
+                         "(a soft-capping or scaling of the logits, as Gemma 2's "
+                         "final_logit_softcapping or Cohere's logit_scale): its last stage "
+                         "would return other logits, and the loss and every gradient would "
+                         "differ; pipeline stages cut models whose logits are "
+                         "lm_head(decoder(...).last_hidden_state)")
+    if not torch.equal(handed, x):
+        raise ValueError(f"{who}'s decoder changes the hidden states outside its blocks and "
+                         "final norm (it scales inputs_embeds, for instance): every stage would "
+                         "apply it again to what the stage before sent; pipeline stages cut "
+                         "decoders that hand inputs_embeds to their first block unchanged")
+
 
 
 def _count(module: nn.Module) -> int:
