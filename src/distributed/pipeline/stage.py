@@ -275,16 +275,17 @@ def _check_copy(model: Any, layout: DecoderLayout) -> None:
                        "check its stages against its forward", type(model).__name__)
         return
     lm: Any = probe  # a HuggingFace causal LM (its methods are untyped)
-    ids = torch.arange(1, 5).unsqueeze(0)  # (1, 4) token ids of the copy's vocabulary
+    # Two rows: transformers 5.3's Granite squeezes a batch of one off its output
+    ids = torch.arange(1, 9).reshape(2, 4)  # (2, 4) token ids of the copy's vocabulary
     weight = lm.get_input_embeddings().weight  # (V, H)
-    x = torch.randn(1, 4, weight.shape[-1], dtype=weight.dtype,
-                    generator=torch.Generator().manual_seed(0))  # (1, 4, H)
+    x = torch.randn(2, 4, weight.shape[-1], dtype=weight.dtype,
+                    generator=torch.Generator().manual_seed(0))  # (2, 4, H)
     with torch.no_grad():
-        whole = lm(input_ids=ids).logits  # (1, 4, V)
+        whole = lm(input_ids=ids).logits  # (2, 4, V)
         headed = lm.get_output_embeddings()(lm.get_decoder()(input_ids=ids).last_hidden_state)
         middle = _cut_in_place(lm, 1, 3, _Cut([range(0, 1), range(1, 1), range(1, 1)], False,
                                              layout))
-        handed = middle(x)  # (1, 4, H): no block, no norm
+        handed = middle(x)  # (2, 4, H): no block, no norm
     who = f"decoder_stage: {type(model).__name__}"
     if not torch.allclose(whole, headed, rtol=1e-5, atol=1e-6):
         raise ValueError(f"{who}'s logits are not its LM head applied to its decoder's output "
