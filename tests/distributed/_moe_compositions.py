@@ -20,7 +20,7 @@ from torch import nn
 import torchtp
 
 from ._hf_checks import compare_params, expected_local
-from ._moe_checks import TOL, _batch, build_moe
+from ._moe_checks import TOL, _adamw_steps, _batch, build_moe
 
 SPLITS: list[dict[str, Any]] = [
     {}, {"expert_parallel": True, "expert_dispatch": "all_reduce"},
@@ -104,15 +104,7 @@ def moe_peft(rank: int, world_size: int, splits: int) -> list[list[float]]:
         wrapped = torchtp.DistributedModelWrapper(build_moe("mixtral").train(), **split)
         torch.manual_seed(5)
         tp = get_peft_model(wrapped.base_model, lora())
-        got, want = [], []
-        for model, seen in ((ref, want), (tp, got)):
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-            for _ in range(3):
-                loss = model(**batch).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                seen.append(float(loss))
+        want, got = _adamw_losses(ref, batch), _adamw_losses(tp, batch)
         # AdamW normalises each update: float64 reassociation stays ~1e-12 after 3 steps.
         torch.testing.assert_close(got, want, **TOL)
         with torch.no_grad():
@@ -185,19 +177,17 @@ def _adamw_steps_match(wrapped: torchtp.DistributedModelWrapper, tp: nn.Module,
     """Three AdamW steps on the adapters of ``tp`` (around ``wrapped``) and of ``ref`` (one
     process, the same adapters): the same losses, and every parameter after them this
     rank's cut of the reference's (the sliced factors, the replicated ones summed)."""
-    losses: list[list[float]] = [[], []]
-    for model, seen in zip((ref, tp), losses, strict=True):
-        model.zero_grad(set_to_none=True)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        for _ in range(3):
-            loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            seen.append(float(loss))
-    # AdamW normalises each update: float64 reassociation stays ~1e-12 after 3 steps.
-    torch.testing.assert_close(losses[1], losses[0], **TOL)
+    ref.zero_grad(set_to_none=True)
+    tp.zero_grad(set_to_none=True)
+    want, got = _adamw_losses(ref, batch), _adamw_losses(tp, batch)
+    torch.testing.assert_close(got, want, **TOL)  # as in moe_peft
     compare_params(wrapped, ref, False, TOL, named=tp)
+
+
+def _adamw_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[float]:
+    """The losses of three AdamW steps on ``model``'s trainable parameters."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return _adamw_steps(model, opt, batch, 3)
 
 
 def moe_peft_expert_parameters(rank: int, world_size: int, splits: int) -> list[str]:
