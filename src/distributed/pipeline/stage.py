@@ -301,7 +301,6 @@ def _check_copy(model: Any, layout: DecoderLayout) -> None:
                          "decoders that hand inputs_embeds to their first block unchanged")
 
 
-
 def _count(module: nn.Module) -> int:
     """Parameters of ``module`` (a tied weight counts wherever it is held: a copy per stage)."""
     return sum(p.numel() for p in module.parameters())

@@ -74,9 +74,9 @@ _SANDWICH = _decoder("input_layernorm", "post_attention_layernorm", "pre_feedfor
 _POST = _decoder("post_attention_layernorm", "post_feedforward_layernorm")
 # Model types whose every op outside the attention and MLP blocks is token-wise
 # (norms, residual adds, scalings, dropout), each checked exact against one process
-# by tests/distributed/hf_zoo.py (--option memory --option sequence_parallel, at tp 2
-# and 3, and with checkpointing; docs/compat.md). Cohere runs both blocks on one
-# norm's output, side by side.
+# by tests/distributed/hf_zoo.py (--option sequence_parallel, with and without
+# memory, loss_parallel and checkpointing, at tp 2 and 3; docs/compat.md). Cohere runs
+# both blocks on one norm's output, side by side.
 LAYOUTS: dict[str, Layout] = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "arcee", "cwm", "ernie4_5", "exaone",
                      "flint", "gemma", "glm", "granite", "granite_swa", "helium",
@@ -225,10 +225,10 @@ def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) 
         full = f"{block}.{name}"
         style = plan.assignments.get(full)
         if isinstance(style, RowwisePartial):
-            raise UnsupportedStyleError(f"{WHO}: '{full}' is 'rowwise_partial' (its output summed later "
-                             "with other layers'), which has no sequence-parallel form; pass "
-                             f"plan={{'{full}': 'rowwise', ...}} or wrap without "
-                             "sequence_parallel")
+            raise UnsupportedStyleError(
+                f"{WHO}: '{full}' is 'rowwise_partial' (its output summed later with other "
+                "layers'), which has no sequence-parallel form; pass "
+                f"plan={{'{full}': 'rowwise', ...}} or wrap without sequence_parallel")
         if isinstance(style, Rowwise) and not style.split_input:
             outs.append(full)
         elif not (isinstance(style, Colwise) and not style.gather_output):
@@ -238,8 +238,8 @@ def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) 
                 "projections reading the block's input, 'rowwise' (weight columns) for the "
                 "one writing its output")
     if len(outs) != 1:
-        raise UnsupportedStyleError(f"{WHO}: '{block}' needs exactly one 'rowwise' output projection "
-                         f"(weight columns split), found {outs or 'none'}")
+        raise UnsupportedStyleError(f"{WHO}: '{block}' needs exactly one 'rowwise' output "
+                                    f"projection (weight columns split), found {outs or 'none'}")
 
 
 class _Hooks:
