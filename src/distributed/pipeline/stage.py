@@ -262,7 +262,8 @@ def _check_chain(model: Any, layout: DecoderLayout) -> None:
     unchanged (a decoder that scales ``inputs_embeds`` would scale every stage's).
 
     Raises:
-        ValueError: either differs, naming what and the fix.
+        ValueError: either differs, naming what and the fix (a copy that cannot be
+            built or run logs a warning instead).
     """
     with torch.device("cpu"):  # also when the caller builds on the meta device
         _check_copy(model, layout)
@@ -280,13 +281,19 @@ def _check_copy(model: Any, layout: DecoderLayout) -> None:
     weight = lm.get_input_embeddings().weight  # (V, H)
     x = torch.randn(2, 4, weight.shape[-1], dtype=weight.dtype,
                     generator=torch.Generator().manual_seed(0))  # (2, 4, H)
-    with torch.no_grad():
-        whole = lm(input_ids=ids).logits  # (2, 4, V)
-        headed = lm.get_output_embeddings()(lm.get_decoder()(input_ids=ids).last_hidden_state)
-        middle = _cut_in_place(lm, 1, 3, _Cut([range(0, 1), range(1, 1), range(1, 1)], False,
-                                             layout))
-        handed = middle(x)  # (2, 4, H): no block, no norm
     who = f"decoder_stage: {type(model).__name__}"
+    try:
+        with torch.no_grad():
+            whole = lm(input_ids=ids).logits  # (2, 4, V)
+            headed = lm.get_output_embeddings()(lm.get_decoder()(input_ids=ids)
+                                                .last_hidden_state)
+            middle = _cut_in_place(lm, 1, 3, _Cut([range(0, 1), range(1, 1), range(1, 1)],
+                                                 False, layout))
+            handed = middle(x)  # (2, 4, H): no block, no norm
+    except Exception as err:  # a copy that does not run as built: no verdict either way
+        logger.warning("torchtp: %s: the one-layer copy did not run (%s: %s), so its stages "
+                       "are not checked against its forward", who, type(err).__name__, err)
+        return
     if not torch.allclose(whole, headed, rtol=1e-5, atol=1e-6):
         raise ValueError(f"{who}'s logits are not its LM head applied to its decoder's output "
                          "(a soft-capping or scaling of the logits, as Gemma 2's "
