@@ -174,28 +174,33 @@ def _moe_stage_like_one_process(mesh: Any) -> float | None:
     return loss
 
 
-def _sequence_parallel_like_one_process(mesh: Any) -> dict[str, int]:
-    """Sequence parallelism inside each stage (pp 2 x tp 2, 1F1B, 7 tokens: a padded shard):
-    the loss and every gradient equal one process's. Returns the step's collectives on
-    this rank (the stage's own shards: reduce-scatters out of its blocks)."""
+def _sequence_parallel_like_one_process(mesh: Any) -> dict[str, dict[str, int]]:
+    """Sequence parallelism inside each stage (pp 2 x tp 2, 1F1B, 7 tokens: a padded shard)
+    of a Llama and of a GPT-2 (blocks in ``h``, whose block returns a tuple; tied
+    embeddings): the loss and every gradient equal one process's. Returns each step's
+    collectives on this rank (the stage's own shards: reduce-scatters out of its blocks)."""
     import torchtp
 
     from ._hf_checks import expected_local
+    from ._pipeline_block_checks import build_arch
 
-    ref = build_llama()
-    stage = decoder_stage(build_llama(), mesh.get_local_rank("pp"), 2)
-    torchtp.DistributedModelWrapper(stage.model, group=mesh.get_group("tp"),
-                                    sequence_parallel=True)
-    pipe = PipelineSchedule(stage, 4, "1f1b", group=mesh.get_group("pp"))
-    ids, labels = (t[:, :7] for t in batch(1))
-    with torchtp.count_collectives() as counted:
-        _step_like_one_process(pipe, ref, ids, labels)
-    want = dict(ref.named_parameters())
-    for name, p in stage.model.named_parameters():
-        module = stage.model.get_submodule(name.rpartition(".")[0])
-        expected = expected_local(module, name.rpartition(".")[2], want[name].grad)
-        torch.testing.assert_close(p.grad, expected, **TOL, msg=name)
-    return dict(counted.counts)
+    counts = {}
+    for arch, build in (("llama", build_llama), ("gpt2", lambda: build_arch("gpt2"))):
+        ref = build()
+        stage = decoder_stage(build(), mesh.get_local_rank("pp"), 2)
+        torchtp.DistributedModelWrapper(stage.model, group=mesh.get_group("tp"),
+                                        sequence_parallel=True)
+        pipe = PipelineSchedule(stage, 4, "1f1b", group=mesh.get_group("pp"))
+        ids, labels = (t[:, :7] for t in batch(1))
+        with torchtp.count_collectives() as counted:
+            _step_like_one_process(pipe, ref, ids, labels)
+        want = dict(ref.named_parameters(remove_duplicate=False))
+        for name, p in stage.model.named_parameters():
+            module = stage.model.get_submodule(name.rpartition(".")[0])
+            expected = expected_local(module, name.rpartition(".")[2], want[name].grad)
+            torch.testing.assert_close(p.grad, expected, **TOL, msg=f"{arch}: {name}")
+        counts[arch] = dict(counted.counts)
+    return counts
 
 
 CLIP = 0.05  # below the tiny Llama's gradient norm: the clip scales every gradient

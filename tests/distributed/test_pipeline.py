@@ -73,7 +73,7 @@ def test_tensor_parallel_stages_train_like_one_process(ranks):
     assert [o[2] is None for o in out] == [True, True, False, False]  # the MoE's loss: last stage
     for _, _, _, counts in out:  # sequence parallelism inside each stage: per microbatch
         # (4) and held layer (2), a reduce-scatter out of each block (2) in the forward
-        assert counts.get("reduce_scatter", 0) >= 4 * 2 * 2, counts
+        assert all(c.get("reduce_scatter", 0) >= 4 * 2 * 2 for c in counts.values()), counts
     # Every stage's attention and MLP are split over its TP group: the plan verification's
     # probe confirms the heads on the model's one-layer copy (a stage cannot run the
     # model's own forward: its embeddings or head live elsewhere).
