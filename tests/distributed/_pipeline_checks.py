@@ -176,8 +176,8 @@ def _moe_stage_like_one_process(mesh: Any) -> float | None:
 
 def _sequence_parallel_like_one_process(mesh: Any) -> dict[str, dict[str, int]]:
     """Sequence parallelism inside each stage (pp 2 x tp 2, 1F1B, 7 tokens: a padded shard)
-    of a Llama and of a GPT-2 (blocks in ``h``, whose block returns a tuple; tied
-    embeddings): the loss and every gradient equal one process's. Returns each step's
+    of a Llama and of a GPT-2 (blocks in ``h``, tied embeddings): the loss and every
+    gradient equal one process's. Returns each step's
     collectives on this rank (the stage's own shards: reduce-scatters out of its blocks)."""
     import torchtp
 
