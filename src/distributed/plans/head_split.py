@@ -113,8 +113,8 @@ def _rope_key(plan: ResolvedPlan, modules: dict[str, nn.Module], attention: str)
         return
     width = sum(latent)
     found = [name for name, module in modules.items()
-             if name.rpartition(".")[0] == attention and linear_view(module) is not None
-             and linear_view(module).out_features == width  # type: ignore[union-attr]
+             if name.rpartition(".")[0] == attention
+             and getattr(linear_view(module), "out_features", None) == width
              and not isinstance(plan.assignments.get(name), Colwise)]
     # q_a_proj has that width too when q_lora_rank == kv_lora_rank + qk_rope_head_dim: HF's
     # name comes first (the head-split probe refuses a wrong pick: o_proj then reads a
