@@ -125,10 +125,11 @@ FLOAT32_NORMS = {"olmoe"}
 
 
 def check_moe(rank: int, world_size: int, archs: list[str], expert_parallel: bool | int = False,
-              grad_tol: dict[str, float] | None = None,
-              dispatch: str = "auto") -> dict[str, dict[str, Any]]:
+              grad_tol: dict[str, float] | None = None, dispatch: str = "auto",
+              sequence_parallel: bool = False) -> dict[str, dict[str, Any]]:
     """:func:`check_one` for each architecture, in one set of processes."""
-    return {arch: check_one(arch, expert_parallel, grad_tol or TOL, dispatch) for arch in archs}
+    return {arch: check_one(arch, expert_parallel, grad_tol or TOL, dispatch, sequence_parallel)
+            for arch in archs}
 
 
 def _starve(model: nn.Module) -> None:
@@ -143,7 +144,8 @@ def _starve(model: nn.Module) -> None:
 
 
 def check_one(arch: str, expert_parallel: bool | int = False,
-              grad_tol: dict[str, float] = TOL, dispatch: str = "auto") -> dict[str, Any]:
+              grad_tol: dict[str, float] = TOL, dispatch: str = "auto",
+              sequence_parallel: bool = False) -> dict[str, Any]:
     """Logits, loss (with the aux loss), routes, every gradient and the whole model's
     gradient norm (``torchtp.clip_grad_norm_``) equal one process's.
 
@@ -158,7 +160,8 @@ def check_one(arch: str, expert_parallel: bool | int = False,
     ref = build_moe(arch, **overrides).train()
     wrapped = torchtp.DistributedModelWrapper(build_moe(arch, **overrides).train(),
                                               expert_parallel=expert_parallel,
-                                              expert_dispatch=dispatch)
+                                              expert_dispatch=dispatch,
+                                              sequence_parallel=sequence_parallel)
     if starved:
         _starve(ref)
         _starve(wrapped.base_model)

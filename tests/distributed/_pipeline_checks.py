@@ -153,25 +153,31 @@ def check_pipeline_tp(rank: int, world_size: int) -> list[Any]:
 
 def _moe_stage_like_one_process(mesh: Any) -> float | None:
     """An MoE (experts' features over the stage's TP group), pp 2 x tp 2, 1F1B: the loss and
-    every gradient equal one process's. The first step infers the shapes it sends from
-    zeros, not uninitialized memory, so both TP ranks of a stage route alike."""
+    every gradient equal one process's, without and with sequence parallelism inside the
+    stages (its MoE blocks run whole). The first step infers the shapes it sends from
+    zeros, not uninitialized memory, so both TP ranks of a stage route alike. Returns the
+    first run's loss."""
     import torchtp
 
     from ._hf_checks import expected_local
     from ._moe_checks import build_moe
 
-    ref, model = (build_moe("qwen3_moe", vocab_size=VOCAB, output_router_logits=False).train()
-                  for _ in range(2))
-    stage = decoder_stage(model, mesh.get_local_rank("pp"), 2)
-    torchtp.DistributedModelWrapper(stage.model, group=mesh.get_group("tp"))
-    pipe = PipelineSchedule(stage, 4, "1f1b", group=mesh.get_group("pp"))
-    loss = _step_like_one_process(pipe, ref, *batch(0))
-    want = dict(ref.named_parameters())
-    for name, p in stage.model.named_parameters():
-        module = stage.model.get_submodule(name.rpartition(".")[0])
-        expected = expected_local(module, name.rpartition(".")[2], want[name].grad)
-        torch.testing.assert_close(p.grad, expected, rtol=1e-9, atol=1e-11, msg=name)
-    return loss
+    losses = []
+    for sequence_parallel in (False, True):
+        ref, model = (build_moe("qwen3_moe", vocab_size=VOCAB,
+                                output_router_logits=False).train() for _ in range(2))
+        stage = decoder_stage(model, mesh.get_local_rank("pp"), 2)
+        torchtp.DistributedModelWrapper(stage.model, group=mesh.get_group("tp"),
+                                        sequence_parallel=sequence_parallel)
+        pipe = PipelineSchedule(stage, 4, "1f1b", group=mesh.get_group("pp"))
+        losses.append(_step_like_one_process(pipe, ref, *batch(0)))
+        want = dict(ref.named_parameters())
+        for name, p in stage.model.named_parameters():
+            module = stage.model.get_submodule(name.rpartition(".")[0])
+            expected = expected_local(module, name.rpartition(".")[2], want[name].grad)
+            torch.testing.assert_close(p.grad, expected, rtol=1e-9, atol=1e-11,
+                                       msg=f"sequence_parallel={sequence_parallel}: {name}")
+    return losses[0]
 
 
 def _sequence_parallel_like_one_process(mesh: Any) -> dict[str, dict[str, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import torchtp
@@ -415,3 +416,49 @@ def exit_settles(rank: int, world_size: int) -> tuple[bool, float]:
     start = time.monotonic()
     released = health.settle(3.0, warn=False)
     return released, time.monotonic() - start
+
+
+def check_whole_blocks(rank: int, world_size: int) -> dict:
+    """Mixtral's router jitter (random noise on the MoE input in training) with sequence
+    parallelism: the MoE block runs whole, so every rank must draw the same noise (else
+    its copy of a token goes to other experts: torchtp's route check raises), and a layer
+    recomputed under activation checkpointing must draw the forward's noise again. Then
+    the two refusals of a block run whole."""
+    from ._moe_checks import _batch, build_moe
+
+    def run(jitter: float, checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model = build_moe("mixtral", router_jitter_noise=jitter).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        wrapped = torchtp.DistributedModelWrapper(model, sequence_parallel=True)
+        torchtp.manual_seed(7)  # the same streams for both runs
+        loss = wrapped(**_batch()).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in wrapped.base_model.named_parameters()}
+
+    loss, grads = run(0.5, False)
+    recomputed, regrads = run(0.5, True)
+    plain, _ = run(0.0, False)
+    router = grads["model.layers.0.mlp.gate.weight"].clone()
+    dist.broadcast(router, src=0)
+    out: dict = {"noise changed the loss": not torch.equal(loss, plain),
+                 # The recomputation runs the same kernels on the same values: bit for bit.
+                 "recomputed equal": torch.equal(loss, recomputed)
+                 and all(torch.equal(grads[n], regrads[n]) for n in grads),
+                 "router gradient equal on every rank": torch.equal(
+                     router, grads["model.layers.0.mlp.gate.weight"])}
+    flat = torchtp.DistributedModelWrapper(build_moe("mixtral"), sequence_parallel=True)
+    # A block output that is not (batch, tokens, ...) cannot be cut into sequence shards.
+    flat.base_model.model.layers[1].mlp.register_forward_hook(
+        lambda _m, _a, y: y.reshape(-1, y.shape[-1]), prepend=True)
+    try:
+        flat(**_batch())
+    except RuntimeError as err:
+        out["flattened output"] = str(err)
+    model = build_moe("qwen2_moe")
+    partial = {**model.tp_plan, "model.layers.*.mlp.shared_expert.down_proj": "rowwise_partial"}
+    try:
+        torchtp.DistributedModelWrapper(model, sequence_parallel=True, plan=partial)
+    except ValueError as err:
+        out["partial sum"] = str(err)
+    return out

@@ -9,12 +9,15 @@ import torch
 
 from torchtp.comm.sequence_parallel import pad_sequence, shard_length
 
+from ._moe_checks import check_moe
 from ._sp_checks import (
     check_linear_on_gathered,
     check_sequence_parallel_suite,
+    check_whole_blocks,
     dp2_tp2_ddp,
     exit_settles,
 )
+from .test_moe import _sentinel
 
 
 def test_padding_rule():
@@ -82,6 +85,34 @@ def test_sequence_parallel_on_more_decoder_layouts(ranks):
     assert all(got[f"{a} seq={n} lp={lp} ckpt={c}"]["grads_checked"] > 0
                for a, n, lp, c in cases)
     assert got["generated"] == 5
+
+
+def test_moe_and_latent_attention_blocks_run_whole(ranks):
+    # Mixtral (routed experts), Qwen2-MoE (a gated shared expert beside them) and
+    # DeepSeek-V3 (latent attention, shared experts, group-limited routing) in float64,
+    # 11 tokens (a padded shard): routes, logits, loss with the router's auxiliary loss,
+    # every gradient and two AdamW steps equal one process's; experts whole per rank too.
+    got = ranks(check_moe, 2, ["mixtral", "qwen2_moe", "deepseek_v3"], False, None, "auto", True,
+                timeout=300, gloo_timeout=60)[0]
+    assert got["deepseek_v3"]["router_grads"] == ["model.layers.0.mlp.gate.weight",
+                                                  "model.layers.1.mlp.gate.weight"]
+    describe = got["deepseek_v3"]["describe"]
+    assert "2 blocks (MoE experts, e.g. 'model.layers.0.mlp') run whole" in describe
+    assert "2 blocks (latent attention, e.g. 'model.layers.0.self_attn') run whole" in describe
+    if _sentinel():  # whole experts per rank (transformers 5.24+; test_moe pins the refusal)
+        whole = ranks(check_moe, 2, ["qwen3_moe"], True, None, "all_to_all", True, timeout=300,
+                      gloo_timeout=60)[0]
+        assert whole["qwen3_moe"]["local"][0] == 2  # 2 of the 4 experts on each rank
+    for res in ranks(check_whole_blocks, 2, timeout=300, gloo_timeout=60):
+        assert res["noise changed the loss"] and res["recomputed equal"]
+        assert res["router gradient equal on every rank"]
+        assert re.search(r"MixtralSparseMoeBlock \(run on the whole sequence of 11 tokens\) "
+                         r"returned shape \(22, 32\), not \(batch, 11, \.\.\.\)",
+                         res["flattened output"]), res["flattened output"]
+        assert re.search(r"'model\.layers\.0\.mlp\.shared_expert\.down_proj' is "
+                         r"'rowwise_partial' .* but 'model\.layers\.0\.mlp' runs on the whole "
+                         r"sequence and must return complete sums", res["partial sum"]), \
+            res["partial sum"]
 
 
 def test_sequence_parallel_tp4(ranks):

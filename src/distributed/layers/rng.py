@@ -135,8 +135,11 @@ def fork(t: Tracker, key: int, offset: int) -> None:
     t.regions += 1
 
 
-def _reseed(key: int, offset: int) -> None:
-    seed = (int(torch.randint(SEEDS, ())) + key) % SEEDS + offset
+def _reseed(key: int, offset: int, start: int | None = None) -> None:
+    """Seed the default generators with ``(start + key) % SEEDS + offset``; ``start``: a draw
+    of the current stream unless given."""
+    first = int(torch.randint(SEEDS, ())) if start is None else start
+    seed = (first + key) % SEEDS + offset
     _CPU.manual_seed(seed)
     if torch.cuda.is_initialized():
         torch.cuda.manual_seed(seed)
@@ -261,6 +264,41 @@ def sequence_region_ends(owner: Any) -> bool:
             "stream there, so the recomputed dropout masks would differ from the forward's; "
             "checkpoint the decoder layers only (HF gradient_checkpointing_enable()) or set "
             "the dropout probabilities to 0")
+    return True
+
+
+def whole_region_begins(key: int) -> bool:
+    """Sequence shards are gathered here for a block every rank runs alike on the whole
+    sequence (MoE routing and experts, latent attention; sequence parallelism).
+
+    Up to :func:`whole_region_ends`, draws come from a stream that is the same on
+    every TP rank, as the shared stream is for a replicated region: different draws
+    (a router's jitter or sampling) would route the ranks' copies of a token to
+    different experts. Its seed is the sequence shards' stream's seed
+    (:func:`sequence_region_begins`) without this rank's offset, plus ``key`` (the
+    block's): a recomputation under activation checkpointing restores that stream, so
+    it derives the same seed, and each block and forward gets its own stream.
+
+    Returns:
+        Whether the streams switched (as :func:`split_region_begins`).
+    """
+    t = _active()
+    if t is None:
+        return False
+    to_shared(t)
+    t.saved.append(get_state())
+    # The generator state carries the seed it was last seeded with (restored by set_state).
+    _reseed(key, 0, _CPU.initial_seed() - TRACKER.offset)
+    return True
+
+
+def whole_region_ends() -> bool:
+    """The whole-sequence block's output is split into shards again: the shards' stream."""
+    t = _active()
+    if t is None:
+        return False
+    to_shared(t)
+    join(t)
     return True
 
 

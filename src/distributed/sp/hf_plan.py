@@ -13,6 +13,15 @@ Per decoder layer, with ``T`` tokens and ``S = ceil(T / tp)``::
 The first layer's input is cut into shards (:func:`scatter_to_sequence_shards`)
 and the final norm's output is gathered again, so the model's outputs,
 ``last_hidden_state`` and the LM head see the full sequence.
+
+A block that has no colwise-in/rowwise-out form (a MoE block: router, experts and
+shared experts; a latent attention: replicated down-projections) runs **whole**:
+its input is all-gathered (backward: keep this rank's shard of the gradient), the
+block runs exactly as under plain tensor parallelism (every rank the whole
+sequence, its own all-reduces), and its output is cut into shards again
+(backward: all-gather)::
+
+    (B, S, d) ─► all-gather ─► (B, T, d) ─► block as plain TP (all-reduce) ─► keep (B, S, d)
 """
 
 from __future__ import annotations
@@ -37,10 +46,17 @@ from ..core.errors import UnsupportedStyleError
 from ..hf.detect import is_hf_model
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..layers.grad_sync import GradSync, mark
-from ..layers.rng import TRACKER, sequence_region_begins, sequence_region_ends
+from ..layers.rng import (
+    TRACKER,
+    sequence_region_begins,
+    sequence_region_ends,
+    whole_region_begins,
+    whole_region_ends,
+)
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.linear_view import linear_view
 from ..plans.registry import STYLES
+from ..plans.sources import experts_layout
 from ..plans.styles import Colwise, Rowwise
 from ..plans.styles_partial import RowwisePartial
 from .style import SequenceParallel
@@ -76,7 +92,8 @@ _POST = _decoder("post_attention_layernorm", "post_feedforward_layernorm")
 # (norms, residual adds, scalings, dropout), each checked exact against one process
 # by tests/distributed/hf_zoo.py (--option sequence_parallel, with and without
 # memory, loss_parallel and checkpointing, at tp 2 and 3; docs/compat.md). Cohere runs
-# both blocks on one norm's output, side by side.
+# both blocks on one norm's output, side by side. From "aria_text" on, the types whose
+# MoE blocks or latent attention run whole (whole_reason; decision 183), checked alike.
 LAYOUTS: dict[str, Layout] = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "arcee", "cwm", "ernie4_5", "exaone",
                      "flint", "gemma", "glm", "granite", "granite_swa", "helium",
@@ -93,6 +110,18 @@ LAYOUTS: dict[str, Layout] = {
     "hyperclovax": _decoder("input_layernorm", "post_attention_layernorm", "post_norm1",
                             "post_norm2"),
     "vaultgemma": _decoder("input_layernorm", "pre_feedforward_layernorm"),
+    **dict.fromkeys(("aria_text", "axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+                     "dots3_note_text", "ernie4_5_moe", "exaone_moe", "glm4_moe", "glm4_moe_lite",
+                     "glm_moe_dsa", "gpt_oss", "hunyuan_v1_moe", "hy_v3", "laguna", "mellum",
+                     "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text", "mixtral", "olmoe",
+                     "phimoe", "qwen2_moe", "qwen3_moe", "sarvam_mla", "sarvam_moe", "solar_open",
+                     "minicpm3"), _PRE),
+    "flex_olmo": _POST,
+    "cohere2_moe": _decoder("input_layernorm"),
+    "kolibri1": _decoder("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm",
+                         "post_mlp_layernorm"),
+    "afmoe": _decoder("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm",
+                      "post_mlp_layernorm"),
     "gpt2": Layout("h", "attn", "mlp", ("ln_1", "ln_2"), "ln_f"),
 }
 
@@ -103,7 +132,8 @@ class SequencePlan:
 
     ``end``: the module whose output is gathered into the full sequence again: the
     final norm, or in a pipeline stage without it, the last decoder layer it holds
-    (the next stage receives full sequences).
+    (the next stage receives full sequences). ``whole``: the attention/MLP blocks
+    that run on the whole sequence, with what makes them (:func:`whole_reason`).
     """
 
     base: str
@@ -112,6 +142,7 @@ class SequencePlan:
     mlps: list[str] = field(default_factory=list)
     final_norm: str = ""
     end: str = ""
+    whole: dict[str, str] = field(default_factory=dict)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -130,7 +161,8 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
             module its layout does not name, or the plan marks a module outside
             the decoder's norms ``sequence_parallel``.
         UnsupportedStyleError: an attention/MLP block is not split as colwise
-            in-projections + one rowwise out-projection.
+            in-projections + one rowwise out-projection and does not run whole
+            (:func:`whole_reason`), or a whole one leaves a partial sum.
     """
     layout = _layout(model)
     base = model.base_model
@@ -155,10 +187,20 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
     _assign_norms(model, plan, by_rule, sp.final_norm)
     modules = dict(model.named_modules())
     for block in sp.attentions + sp.mlps:
-        _check_block(block, modules, plan)
+        why = whole_reason(modules[block])
+        if why is None:
+            _check_block(block, modules, plan)
+        else:
+            _check_whole_block(block, modules, plan)
+            sp.whole[block] = why
     if ctx.world_size > 1:
         plan.notes.append(f"sequence parallelism: norms, dropout and residual adds of "
                           f"{len(held)} layers run on sequence shards")
+        for why in sorted(set(sp.whole.values())):
+            blocks = [b for b, w in sp.whole.items() if w == why]
+            plan.notes.append(f"sequence parallelism: {len(blocks)} blocks ({why}, e.g. "
+                              f"'{blocks[0]}') run whole: the sequence gathered in, each rank's "
+                              "shard kept out, plain tensor parallelism inside")
     return sp
 
 
@@ -211,6 +253,40 @@ def _check_layers(model: nn.Module, layers: dict[int, nn.Module], layout: Layout
                 "layer); wrap it without sequence_parallel")
 
 
+def whole_reason(block: nn.Module) -> str | None:
+    """What makes ``block`` run on the whole sequence, or None.
+
+    MoE experts (a module a model family knows as experts: the router, the
+    experts' partial sums and any shared experts run as under plain tensor
+    parallelism) and latent attention (a ``kv_b_proj``: replicated latent
+    down-projections and norms before the heads' split up-projections) have
+    no colwise-in/rowwise-out form.
+    """
+    for name, module in block.named_modules():
+        if experts_layout(module) is not None:
+            return "MoE experts"
+        if name.rpartition(".")[2] == "kv_b_proj":
+            return "latent attention"
+    return None
+
+
+def _check_whole_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) -> None:
+    """A whole block must return complete sums: no projection's partial sum may leave it.
+
+    Raises:
+        UnsupportedStyleError: a ``rowwise_partial`` projection inside (summed later,
+            outside the block, where the hidden states are sequence shards).
+    """
+    for name, _ in modules[block].named_modules():
+        full = f"{block}.{name}" if name else block
+        if isinstance(plan.assignments.get(full), RowwisePartial):
+            raise UnsupportedStyleError(
+                f"{WHO}: '{full}' is 'rowwise_partial' (its output summed later with other "
+                f"layers'), but '{block}' runs on the whole sequence and must return complete "
+                f"sums; pass plan={{'{full}': 'rowwise', ...}} or wrap without "
+                "sequence_parallel")
+
+
 def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) -> None:
     """Colwise in-projections (output not gathered) and exactly one rowwise out-projection.
 
@@ -257,9 +333,14 @@ class _Hooks:
         self.group = ctx.group
         self.config = config
         self.length = 0  # tokens of the current forward (set where the shards are cut)
+        # Tokens of the running layer: its attention's position ids (so that a layer
+        # recomputed under gradient checkpointing reads its own forward's)
+        self.layer_length = 0
         self.size = ctx.world_size
         # Per attention/MLP block, the weight-rows-split projections reading its input.
         self.inputs: dict[nn.Module, list[RowParallelLinear]] = {}
+        # Per block run whole, the key of its RNG stream (layers/rng.py)
+        self.whole: dict[nn.Module, int] = {}
 
     def check_outputs(self, _mod: nn.Module, _args: tuple, kwargs: dict) -> None:
         wanted = kwargs.get("output_hidden_states")
@@ -277,14 +358,55 @@ class _Hooks:
         return _map_hidden(args, kwargs, cut)
 
     def gather_attention(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        length = self._attention_length(kwargs)
+        return _map_hidden(args, kwargs, lambda x: self._gather(mod, x, length))  # (B, T, d)
+
+    def _attention_length(self, kwargs: dict) -> int:
         # The length comes from this call's position ids, so a recomputation under
         # gradient checkpointing uses the same length as the original forward.
         positions = kwargs.get("position_ids")
         if not isinstance(positions, torch.Tensor):
             raise RuntimeError(f"{WHO}: the attention module got no position_ids tensor, so the "
                                "sequence length (to drop the shard padding) is unknown")
-        length = positions.shape[-1]
-        return _map_hidden(args, kwargs, lambda x: self._gather(mod, x, length))  # (B, T, d)
+        self.layer_length = positions.shape[-1]
+        return self.layer_length
+
+    def gather_whole(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A block run whole: every rank gets the whole sequence (B, T, d), padding dropped
+        (a router would count padding rows); backward: this rank's shard of the gradient,
+        which the block's own all-reduces made complete."""
+        # An MLP block runs after its layer's attention, which read the length.
+        length = self._attention_length(kwargs) if "position_ids" in kwargs \
+            else self.layer_length
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[SEQ_DIM] != shard_length(length, self.size):
+                raise RuntimeError(
+                    f"{WHO}: {type(mod).__name__} got {x.shape[SEQ_DIM]} positions where "
+                    f"this rank's shard of its layer's {length} tokens (tp={self.size}) has "
+                    f"{shard_length(length, self.size)}; wrap the model without "
+                    "sequence_parallel")
+            return gather_from_sequence_shards(x, self.group, SEQ_DIM, length)  # (B, T, d)
+        mapped = _map_hidden(args, kwargs, gather)
+        if mod.training and (TRACKER.depth or self.streamed):  # the same draws on every rank
+            whole_region_begins(self.whole[mod])
+        return mapped
+
+    def split_whole(self, mod: nn.Module, _args: tuple, out: Any) -> Any:
+        """A block run whole returns complete sums on every rank: keep this rank's shard
+        (B, S, d); backward: all-gather."""
+        if mod.training and (TRACKER.depth or self.streamed):
+            whole_region_ends()
+        hidden = out[0] if isinstance(out, tuple) else out  # (B, T, d)
+        if hidden.dim() < 2 or hidden.shape[SEQ_DIM] != self.layer_length:
+            # Same shapes on every rank, so every rank raises.
+            raise RuntimeError(
+                f"{WHO}: {type(mod).__name__} (run on the whole sequence of "
+                f"{self.layer_length} tokens) returned shape {tuple(hidden.shape)}, not "
+                f"(batch, {self.layer_length}, ...): torchtp cannot cut it into sequence shards; "
+                "wrap the model without sequence_parallel")
+        shard = scatter_to_sequence_shards(hidden, self.group, SEQ_DIM)  # (B, S, d)
+        return (shard, *out[1:]) if isinstance(out, tuple) else shard
 
     def gather_mlp(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         # Token-wise: the padding rows may pass through (B, S*tp, d).
@@ -342,6 +464,11 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, ctx: ShardCont
                                                                   with_kwargs=True)
     for block in sp.attentions + sp.mlps:
         module = model.get_submodule(block)
+        if block in sp.whole:  # plain tensor parallelism inside: its layers as they are
+            hooks.whole[module] = zlib.crc32(block.encode())
+            module.register_forward_pre_hook(hooks.gather_whole, with_kwargs=True)
+            module.register_forward_hook(hooks.split_whole)
+            continue
         gather = hooks.gather_attention if block in sp.attentions else hooks.gather_mlp
         module.register_forward_pre_hook(gather, with_kwargs=True)
         hooks.inputs[module] = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
