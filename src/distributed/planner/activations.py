@@ -23,6 +23,9 @@ experts (grouped mm)     router scores and indices, every routed copy of a token
                          the experts other ranks hold)
 LM head and loss         final norm, the float32 logits the loss saves (``V / tp`` with
                          loss parallelism), the labels
+whole blocks (sequence     a MoE block or latent attention all-gathers its input and saves
+parallelism)             it (``T h a``) where a norm's output on shards (``T_n h a``) was
+                         counted
 full recomputation       each layer keeps its input (``T_n h a``); one layer's
                          activations live again while it is recomputed
 =======================  ==============================================================
@@ -126,7 +129,10 @@ def layer(arch: Arch, index: int, s: Shares, layout: Layout, stack: str = "torch
     """Every tensor decoder layer ``index`` saves for one microbatch."""
     h = arch.hidden
     saved = 2 * norm(s, h, stack=stack) + attention(arch, s, layout.cp)
-    if arch.is_moe_layer(index):
+    moe = arch.is_moe_layer(index)
+    if layout.sequence_parallel:  # blocks run whole save their gathered input (sp/hf_plan.py)
+        saved += ((arch.latent is not None) + moe) * (s.tokens - s.norm_tokens) * h * s.a
+    if moe:
         return saved + experts(arch, s, layout)
     return saved + mlp(s, s.ffn, arch.mlp == "gated", stack)
 
