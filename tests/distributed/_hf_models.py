@@ -233,6 +233,11 @@ def _state_space_configs(tf: object) -> dict:
         "qwen3_next-uneven": lambda: tf.Qwen3NextConfig(**next_common, vocab_size=97,
                                                         linear_num_key_heads=2,
                                                         linear_num_value_heads=6),
+        # Qwen3.5: the same gated delta-net, which its HF plan computes split but gathers
+        # after every projection (colwise_gather_output), and a dense MLP.
+        "qwen3_5_text": lambda: tf.Qwen3_5TextConfig(**next_common, vocab_size=VOCAB,
+                                                     linear_num_key_heads=4,
+                                                     linear_num_value_heads=8),
         # Mamba-2 mixers in other hybrids: Bamba (attention on layer 1), NemotronH (its
         # own pattern of mixer, attention and MLP layers), GraniteMoeHybrid (mixers + MoE).
         "bamba": lambda: tf.BambaConfig(**hybrid, mamba_n_heads=16, mamba_d_head=8,

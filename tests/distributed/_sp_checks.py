@@ -73,6 +73,8 @@ def check_training(rank: int, world_size: int, arch: str, seq: int, loss_paralle
             result["forward"], result["backward"] = dict(fwd.counts), dict(bwd.counts)
     if sequence_parallel and not checkpointing:
         result["saved full sequences"] = saved_full_sequences(wrapped, data)
+    result["run whole"] = [line.strip() for line in wrapped.describe_plan().splitlines()
+                           if "run whole" in line]
     return result
 
 

@@ -76,14 +76,27 @@ def test_sequence_parallel_tp2_and_errors(ranks):
 def test_sequence_parallel_on_more_decoder_layouts(ranks):
     # Norms before and after each block (Gemma 2), after only (OLMo 2), one norm feeding
     # attention and MLP side by side (Cohere, with checkpointing), fused q/k/v and
-    # gate/up projections (Phi-3): loss, logits, every gradient and SGD steps; Gemma 2's
-    # greedy generation (sliding-window cache, soft-capped logits).
+    # gate/up projections (Phi-3), hybrids whose linear-attention layers read their
+    # length from the layer's position ids: Qwen3-Next (its gated delta-net on shards'
+    # gather, MoE run whole, checkpointing) and Qwen3.5 (its plan gathers every
+    # projection of the delta-net, which therefore runs whole): loss, logits, every
+    # gradient and SGD steps; Gemma 2's greedy generation (sliding-window cache,
+    # soft-capped logits).
     cases = [("gemma2", 9, False, False), ("olmo2", 9, True, False), ("cohere", 9, False, True),
-             ("phi3", 9, False, False)]
+             ("phi3", 9, False, False), ("qwen3_next", 9, False, True),
+             ("qwen3_5_text", 9, True, False)]
     got = ranks(check_sequence_parallel_suite, 2, cases, False, "gemma2", timeout=300,
                 gloo_timeout=60)[0]
     assert all(got[f"{a} seq={n} lp={lp} ckpt={c}"]["grads_checked"] > 0
                for a, n, lp, c in cases)
+    assert got["gemma2 seq=9 lp=False ckpt=False"]["run whole"] == []
+    assert [re.sub(r": the sequence.*", "", line) for line in
+            got["qwen3_next seq=9 lp=False ckpt=True"]["run whole"]] == [
+        "note: sequence parallelism: MoE experts blocks run whole (2, e.g. 'model.layers.0.mlp')"]
+    assert [re.sub(r": the sequence.*", "", line) for line in
+            got["qwen3_5_text seq=9 lp=True ckpt=False"]["run whole"]] == [
+        "note: sequence parallelism: linear attention blocks run whole (1, e.g. "
+        "'model.layers.0.linear_attn')"]
     assert got["generated"] == 5
 
 
@@ -97,8 +110,8 @@ def test_moe_and_latent_attention_blocks_run_whole(ranks):
     assert got["deepseek_v3"]["router_grads"] == ["model.layers.0.mlp.gate.weight",
                                                   "model.layers.1.mlp.gate.weight"]
     describe = got["deepseek_v3"]["describe"]
-    assert "2 blocks (MoE experts, e.g. 'model.layers.0.mlp') run whole" in describe
-    assert "2 blocks (latent attention, e.g. 'model.layers.0.self_attn') run whole" in describe
+    assert "MoE experts blocks run whole (2, e.g. 'model.layers.0.mlp')" in describe
+    assert "latent attention blocks run whole (2, e.g. 'model.layers.0.self_attn')" in describe
     if _sentinel():  # whole experts per rank (transformers 5.24+; test_moe pins the refusal)
         whole = ranks(check_moe, 2, ["qwen3_moe"], True, None, "all_to_all", True, timeout=300,
                       gloo_timeout=60)[0]

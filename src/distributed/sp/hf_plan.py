@@ -67,18 +67,24 @@ WHO = "DistributedModelWrapper(sequence_parallel=True)"
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a decoder architecture keeps its blocks (attribute names)."""
+    """Where a decoder architecture keeps its blocks (attribute names).
+
+    ``mixers``: names a layer's token mixer has instead of ``attention`` in some
+    layers (a hybrid's linear attention), called without position ids.
+    """
 
     layers: str
     attention: str
     mlp: str
     norms: tuple[str, ...]
     final_norm: str
+    mixers: tuple[str, ...] = ()
 
 
-def _decoder(*norms: str) -> Layout:
-    """An HF decoder's ``model.layers[i]`` with ``self_attn``, ``mlp`` and ``norms``."""
-    return Layout("layers", "self_attn", "mlp", norms, "norm")
+def _decoder(*norms: str, mixers: tuple[str, ...] = ()) -> Layout:
+    """An HF decoder's ``model.layers[i]`` with ``self_attn`` (or one of ``mixers``),
+    ``mlp`` and ``norms``."""
+    return Layout("layers", "self_attn", "mlp", norms, "norm", mixers)
 
 
 # A norm before each block (Llama)
@@ -122,6 +128,9 @@ LAYOUTS: dict[str, Layout] = {
                          "post_mlp_layernorm"),
     "afmoe": _decoder("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm",
                       "post_mlp_layernorm"),
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini"),
+                    _decoder("input_layernorm", "post_attention_layernorm",
+                             mixers=("linear_attn",))),
     "gpt2": Layout("h", "attn", "mlp", ("ln_1", "ln_2"), "ln_f"),
 }
 
@@ -134,6 +143,8 @@ class SequencePlan:
     final norm, or in a pipeline stage without it, the last decoder layer it holds
     (the next stage receives full sequences). ``whole``: the attention/MLP blocks
     that run on the whole sequence, with what makes them (:func:`whole_reason`).
+    ``mixed``: the layers whose token mixer reads no position ids, with that mixer
+    (its length is read from the layer's).
     """
 
     base: str
@@ -143,6 +154,7 @@ class SequencePlan:
     final_norm: str = ""
     end: str = ""
     whole: dict[str, str] = field(default_factory=dict)
+    mixed: dict[str, str] = field(default_factory=dict)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -182,15 +194,22 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
         layer = _join(prefix, f"{layout.layers}.{i}")
         for n in layout.norms:
             by_rule[f"{rule}.{n}"].append(f"{layer}.{n}")
-        sp.attentions.append(f"{layer}.{layout.attention}")
+        mixer = _mixer(layers[i], layout)
+        sp.attentions.append(f"{layer}.{mixer}")
+        if mixer != layout.attention:
+            sp.mixed[layer] = f"{layer}.{mixer}"
         sp.mlps.append(f"{layer}.{layout.mlp}")
     _assign_norms(model, plan, by_rule, sp.final_norm)
     modules = dict(model.named_modules())
+    mixers = set(sp.mixed.values())
     for block in sp.attentions + sp.mlps:
         why = whole_reason(modules[block])
-        if why is None:
-            _check_block(block, modules, plan)
-        else:
+        problem = None if why is not None else _sharded_problem(block, modules, plan)
+        if problem is not None and block not in mixers:
+            raise UnsupportedStyleError(problem)
+        if problem is not None:  # a hybrid's linear attention its plan keeps whole
+            why = "linear attention"
+        if why is not None:
             _check_whole_block(block, modules, plan)
             sp.whole[block] = why
     if ctx.world_size > 1:
@@ -198,8 +217,8 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
                           f"{len(held)} layers run on sequence shards")
         for why in sorted(set(sp.whole.values())):
             blocks = [b for b, w in sp.whole.items() if w == why]
-            plan.notes.append(f"sequence parallelism: {len(blocks)} blocks ({why}, e.g. "
-                              f"'{blocks[0]}') run whole: the sequence gathered in, each rank's "
+            plan.notes.append(f"sequence parallelism: {why} blocks run whole ({len(blocks)}, "
+                              f"e.g. '{blocks[0]}'): the sequence gathered in, each rank's "
                               "shard kept out, plain tensor parallelism inside")
     return sp
 
@@ -236,12 +255,17 @@ def _layout(model: nn.Module) -> Layout:
     return LAYOUTS[model_type]
 
 
+def _mixer(layer: nn.Module, layout: Layout) -> str:
+    """The name of ``layer``'s token mixer: the attention's, or one of the layout's mixers."""
+    return next((n for n in layout.mixers if hasattr(layer, n)), layout.attention)
+
+
 def _check_layers(model: nn.Module, layers: dict[int, nn.Module], layout: Layout) -> None:
     """Every decoder layer holds the layout's blocks and norms and nothing else (dropout
     aside): a module the layout does not name would run on sequence shards unchecked (a
     newer transformers release adding one to a listed model type)."""
-    known = {layout.attention, layout.mlp, *layout.norms}
     for i, layer in layers.items():
+        known = {_mixer(layer, layout), layout.mlp, *layout.norms}
         names = {n for n, m in layer.named_children() if not isinstance(m, nn.Dropout)}
         if names != known:
             raise ValueError(
@@ -260,7 +284,9 @@ def whole_reason(block: nn.Module) -> str | None:
     experts' partial sums and any shared experts run as under plain tensor
     parallelism) and latent attention (a ``kv_b_proj``: replicated latent
     down-projections and norms before the heads' split up-projections) have
-    no colwise-in/rowwise-out form.
+    no colwise-in/rowwise-out form. (A hybrid's linear attention whose plan
+    has none runs whole too: decided from the plan, in
+    :func:`plan_sequence_parallel`.)
     """
     for name, module in block.named_modules():
         if experts_layout(module) is not None:
@@ -287,12 +313,13 @@ def _check_whole_block(block: str, modules: dict[str, nn.Module], plan: Resolved
                 "sequence_parallel")
 
 
-def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) -> None:
-    """Colwise in-projections (output not gathered) and exactly one rowwise out-projection.
+def _sharded_problem(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) -> str | None:
+    """Why ``block`` cannot run on shards, if it cannot: it needs colwise in-projections
+    (output not gathered) and exactly one rowwise out-projection.
 
-    Raises:
-        UnsupportedStyleError: a style sequence parallelism cannot honour here (the cost
-            choice then discards that candidate plan, ``torchtp.plans.choose``).
+    The caller raises it as :class:`UnsupportedStyleError` (the cost choice then
+    discards that candidate plan, ``torchtp.plans.choose``), or runs a token mixer
+    whole instead.
     """
     outs = []
     for name, mod in modules[block].named_modules():
@@ -301,21 +328,20 @@ def _check_block(block: str, modules: dict[str, nn.Module], plan: ResolvedPlan) 
         full = f"{block}.{name}"
         style = plan.assignments.get(full)
         if isinstance(style, RowwisePartial):
-            raise UnsupportedStyleError(
-                f"{WHO}: '{full}' is 'rowwise_partial' (its output summed later with other "
-                "layers'), which has no sequence-parallel form; pass "
-                f"plan={{'{full}': 'rowwise', ...}} or wrap without sequence_parallel")
+            return (f"{WHO}: '{full}' is 'rowwise_partial' (its output summed later with other "
+                    "layers'), which has no sequence-parallel form; pass "
+                    f"plan={{'{full}': 'rowwise', ...}} or wrap without sequence_parallel")
         if isinstance(style, Rowwise) and not style.split_input:
             outs.append(full)
         elif not (isinstance(style, Colwise) and not style.gather_output):
-            raise UnsupportedStyleError(
-                f"{WHO}: '{full}' is {style.name if style else 'replicated'}, but every "
-                f"projection in '{block}' must be split: 'colwise' (weight rows) for the "
-                "projections reading the block's input, 'rowwise' (weight columns) for the "
-                "one writing its output")
+            return (f"{WHO}: '{full}' is {style.name if style else 'replicated'}, but every "
+                    f"projection in '{block}' must be split: 'colwise' (weight rows) for the "
+                    "projections reading the block's input, 'rowwise' (weight columns) for the "
+                    "one writing its output")
     if len(outs) != 1:
-        raise UnsupportedStyleError(f"{WHO}: '{block}' needs exactly one 'rowwise' output "
-                                    f"projection (weight columns split), found {outs or 'none'}")
+        return (f"{WHO}: '{block}' needs exactly one 'rowwise' output projection (weight "
+                f"columns split), found {outs or 'none'}")
+    return None
 
 
 class _Hooks:
@@ -341,6 +367,7 @@ class _Hooks:
         self.inputs: dict[nn.Module, list[RowParallelLinear]] = {}
         # Per block run whole, the key of its RNG stream (layers/rng.py)
         self.whole: dict[nn.Module, int] = {}
+        self.mixers: set[nn.Module] = set()  # token mixers called without position ids
 
     def check_outputs(self, _mod: nn.Module, _args: tuple, kwargs: dict) -> None:
         wanted = kwargs.get("output_hidden_states")
@@ -358,18 +385,22 @@ class _Hooks:
         return _map_hidden(args, kwargs, cut)
 
     def gather_attention(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        length = self._attention_length(kwargs)
+        length = self.layer_length if mod in self.mixers else self._attention_length(kwargs)
         return _map_hidden(args, kwargs, lambda x: self._gather(mod, x, length))  # (B, T, d)
 
-    def _attention_length(self, kwargs: dict) -> int:
+    def _attention_length(self, kwargs: dict, what: str = "attention module") -> int:
         # The length comes from this call's position ids, so a recomputation under
         # gradient checkpointing uses the same length as the original forward.
         positions = kwargs.get("position_ids")
         if not isinstance(positions, torch.Tensor):
-            raise RuntimeError(f"{WHO}: the attention module got no position_ids tensor, so the "
+            raise RuntimeError(f"{WHO}: the {what} got no position_ids tensor, so the "
                                "sequence length (to drop the shard padding) is unknown")
         self.layer_length = positions.shape[-1]
         return self.layer_length
+
+    def read_length(self, _mod: nn.Module, _args: tuple, kwargs: dict) -> None:
+        """A layer whose token mixer reads no position ids: the length from the layer's."""
+        self._attention_length(kwargs, "decoder layer")
 
     def gather_whole(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A block run whole: every rank gets the whole sequence (B, T, d), padding dropped
@@ -377,7 +408,7 @@ class _Hooks:
         which the block's own all-reduces made complete."""
         # An MLP block runs after its layer's attention, which read the length.
         length = self._attention_length(kwargs) if "position_ids" in kwargs \
-            else self.layer_length
+            and mod not in self.mixers else self.layer_length
 
         def gather(x: torch.Tensor) -> torch.Tensor:
             if x.shape[SEQ_DIM] != shard_length(length, self.size):
@@ -462,6 +493,10 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, ctx: ShardCont
     model.get_submodule(sp.base).register_forward_pre_hook(hooks.check_outputs, with_kwargs=True)
     model.get_submodule(sp.first_layer).register_forward_pre_hook(hooks.scatter,
                                                                   with_kwargs=True)
+    for decoder_layer, mixer in sp.mixed.items():
+        model.get_submodule(decoder_layer).register_forward_pre_hook(hooks.read_length,
+                                                                     with_kwargs=True)
+        hooks.mixers.add(model.get_submodule(mixer))
     for block in sp.attentions + sp.mlps:
         module = model.get_submodule(block)
         if block in sp.whole:  # plain tensor parallelism inside: its layers as they are
