@@ -117,6 +117,7 @@ def build(model_type: str, head: str = "causal-lm", train: bool = False) -> torc
         if "num_key_value_heads" in str(err):
             shrink["num_key_value_heads"] = SHRINK["num_attention_heads"]
         config = config_class(**shrink)
+    _with_full_attention(config, config_class)
     config._attn_implementation = "eager"
     if train:
         for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
@@ -134,6 +135,16 @@ def build(model_type: str, head: str = "causal-lm", train: bool = False) -> torc
     for module in model.modules():
         _no_dropout(module, vars(module))
     return model.train()
+
+
+def _with_full_attention(config: Any, config_class: Any) -> None:
+    """A hybrid whose shrunk layers are all linear attention (Qwen3-Next, Qwen3.5,
+    OLMo-hybrid: full attention every fourth layer) gets full attention in its last
+    layer, so that both kinds are checked (and its cache can say its length)."""
+    kinds = getattr(config, "layer_types", None)
+    default = getattr(config_class(), "layer_types", None) or []
+    if kinds and "full_attention" in default and "full_attention" not in kinds:
+        config.layer_types = [*kinds[:-1], "full_attention"]
 
 
 def _no_dropout(owner: object, fields: dict[str, Any]) -> None:
