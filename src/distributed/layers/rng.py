@@ -37,7 +37,9 @@ states are cut into sequence shards and close it where they are gathered
 TP rank); ``ContextParallel`` runs its training forward in one
 (:func:`own_tokens`: a stream per cp rank, shared by its TP ranks). A split
 region inside a token region starts from it and returns to it; the streams
-nest (``Tracker.saved``).
+nest (``Tracker.saved``). A block that sequence parallelism runs on the whole
+sequence (MoE, latent attention) draws from a stream the same on every TP rank
+(:func:`whole_region_begins`), as a replicated region draws from the shared one.
 
 Activation checkpointing replays the streams: torch restores the default
 generator at the start of a recomputed segment (the shared stream, for a
