@@ -238,6 +238,12 @@ def _state_space_configs(tf: object) -> dict:
         "qwen3_5_text": lambda: tf.Qwen3_5TextConfig(**next_common, vocab_size=VOCAB,
                                                      linear_num_key_heads=4,
                                                      linear_num_value_heads=8),
+        # OLMo-hybrid: OLMo 2's norms after each block in its attention layers, a norm
+        # before each in its gated delta-net layers.
+        "olmo_hybrid": lambda: tf.OlmoHybridConfig(**next_common, vocab_size=VOCAB,
+                                                   linear_num_key_heads=4,
+                                                   linear_num_value_heads=8, pad_token_id=0,
+                                                   bos_token_id=1, eos_token_id=2),
         # Mamba-2 mixers in other hybrids: Bamba (attention on layer 1), NemotronH (its
         # own pattern of mixer, attention and MLP layers), GraniteMoeHybrid (mixers + MoE).
         "bamba": lambda: tf.BambaConfig(**hybrid, mamba_n_heads=16, mamba_d_head=8,

@@ -70,7 +70,8 @@ class Layout:
     """Where a decoder architecture keeps its blocks (attribute names).
 
     ``mixers``: names a layer's token mixer has instead of ``attention`` in some
-    layers (a hybrid's linear attention), called without position ids.
+    layers (a hybrid's linear attention), called without position ids;
+    ``mixer_norms``: the norms of such a layer, when they are not ``norms``.
     """
 
     layers: str
@@ -79,12 +80,19 @@ class Layout:
     norms: tuple[str, ...]
     final_norm: str
     mixers: tuple[str, ...] = ()
+    mixer_norms: tuple[str, ...] | None = None
+
+    def norms_of(self, mixer: str) -> tuple[str, ...]:
+        """The norms of a layer whose token mixer is ``mixer``."""
+        return self.norms if mixer == self.attention or self.mixer_norms is None \
+            else self.mixer_norms
 
 
-def _decoder(*norms: str, mixers: tuple[str, ...] = ()) -> Layout:
+def _decoder(*norms: str, mixers: tuple[str, ...] = (),
+             mixer_norms: tuple[str, ...] | None = None) -> Layout:
     """An HF decoder's ``model.layers[i]`` with ``self_attn`` (or one of ``mixers``),
-    ``mlp`` and ``norms``."""
-    return Layout("layers", "self_attn", "mlp", norms, "norm", mixers)
+    ``mlp`` and ``norms`` (``mixer_norms`` in a layer with one of ``mixers``)."""
+    return Layout("layers", "self_attn", "mlp", norms, "norm", mixers, mixer_norms)
 
 
 # A norm before each block (Llama)
@@ -131,6 +139,10 @@ LAYOUTS: dict[str, Layout] = {
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini"),
                     _decoder("input_layernorm", "post_attention_layernorm",
                              mixers=("linear_attn",))),
+    # OLMo 2's norms after each block, and a norm before each in the linear-attention layers
+    "olmo_hybrid": _decoder("post_attention_layernorm", "post_feedforward_layernorm",
+                            mixers=("linear_attn",),
+                            mixer_norms=("input_layernorm", "post_attention_layernorm")),
     "gpt2": Layout("h", "attn", "mlp", ("ln_1", "ln_2"), "ln_f"),
 }
 
@@ -187,18 +199,18 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
     norms_here = not getattr(getattr(base, layout.final_norm), "held_elsewhere", False)
     sp.end = sp.final_norm if norms_here else _join(prefix, f"{layout.layers}.{held[-1]}")
     rule = _join(prefix, f"{layout.layers}.*")
-    by_rule: dict[str, list[str]] = {f"{rule}.{n}": [] for n in layout.norms}
-    if norms_here:
-        by_rule[sp.final_norm] = [sp.final_norm]
+    by_rule: dict[str, list[str]] = {}
     for i in held:
         layer = _join(prefix, f"{layout.layers}.{i}")
-        for n in layout.norms:
-            by_rule[f"{rule}.{n}"].append(f"{layer}.{n}")
         mixer = _mixer(layers[i], layout)
+        for n in layout.norms_of(mixer):
+            by_rule.setdefault(f"{rule}.{n}", []).append(f"{layer}.{n}")
         sp.attentions.append(f"{layer}.{mixer}")
         if mixer != layout.attention:
             sp.mixed[layer] = f"{layer}.{mixer}"
         sp.mlps.append(f"{layer}.{layout.mlp}")
+    if norms_here:
+        by_rule[sp.final_norm] = [sp.final_norm]
     _assign_norms(model, plan, by_rule, sp.final_norm)
     modules = dict(model.named_modules())
     mixers = set(sp.mixed.values())
@@ -265,7 +277,8 @@ def _check_layers(model: nn.Module, layers: dict[int, nn.Module], layout: Layout
     aside): a module the layout does not name would run on sequence shards unchecked (a
     newer transformers release adding one to a listed model type)."""
     for i, layer in layers.items():
-        known = {_mixer(layer, layout), layout.mlp, *layout.norms}
+        mixer = _mixer(layer, layout)
+        known = {mixer, layout.mlp, *layout.norms_of(mixer)}
         names = {n for n, m in layer.named_children() if not isinstance(m, nn.Dropout)}
         if names != known:
             raise ValueError(
