@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from peft import LoraConfig, PeftModel, TrainableTokensConfig, VeraConfig, get_peft_model
 
 import torchtp
@@ -32,18 +33,19 @@ def _lora(targets: object) -> LoraConfig:
     return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian")
 
 
-def _pair(arch: str, targets: object) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _pair(arch: str, targets: object, **wrap: object) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(unsharded LoRA model, LoRA on the wrapped model), same base and adapter seeds."""
     ref_base = build(arch)
     torch.manual_seed(5)
     ref = get_peft_model(ref_base, _lora(targets))
-    wrapped = torchtp.DistributedModelWrapper(build(arch))
+    wrapped = torchtp.DistributedModelWrapper(build(arch), **wrap)
     torch.manual_seed(5)
     return ref, get_peft_model(wrapped.base_model, _lora(targets))
 
 
-def _train(arch: str, targets: object, steps: int) -> tuple[torch.nn.Module, torch.nn.Module]:
-    ref, tp = _pair(arch, targets)
+def _train(arch: str, targets: object, steps: int,
+           **wrap: object) -> tuple[torch.nn.Module, torch.nn.Module]:
+    ref, tp = _pair(arch, targets, **wrap)
     batch = inputs(arch)
     torch.testing.assert_close(tp(**batch).logits, ref(**batch).logits, **CLOSE)
     trainable = [n for n, p in tp.named_parameters() if p.requires_grad]
@@ -92,13 +94,11 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
     out["neox_partial"] = sum(getattr(m, "partial_output", False) for m in neox.modules())
     # Uneven shares (vocab 97, hidden 70): LoRA on the gathered LM head too.
     _train("llama-uneven", ["q_proj", "lm_head"], steps=1)
-    # Sequence parallelism would need other regions around the LoRA terms: refused.
-    sp = get_peft_model(torchtp.DistributedModelWrapper(build("llama"),
-                                                        sequence_parallel=True).base_model,
-                        _lora(["q_proj"]))
-    with pytest.raises(ValueError, match=r"LoRA adapters with sequence_parallel=True are not "
-                                         r"supported"):
-        sp(**batch)
+    # Sequence parallelism: A beside a weight-rows-split base reads the gathered sequence
+    # (its input gradient counted once by the gather's reduce-scatter, own_shard_grad);
+    # the terms beside a weight-columns-split base join its reduce-scatter.
+    _train("llama", "all-linear", steps=2, sequence_parallel=True)
+    out["sp_dropout_agrees"] = _sp_lora_dropout_agrees()
     # Options that cannot be sharded are refused by name.
     with pytest.raises(ValueError, match=r"LoRA variants .* not supported under tensor"):
         get_peft_model(torchtp.DistributedModelWrapper(build("llama")).base_model,
@@ -133,6 +133,25 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
     return out
 
 
+def _sp_lora_dropout_agrees() -> bool:
+    """LoRA dropout on the gathered sequence (a wrapped PeftModel in training mode, so the
+    wrapper's RNG streams run): A is replicated, so every rank must drop the same
+    features, or its gradient differs across ranks."""
+    torch.manual_seed(5)
+    peft_model = get_peft_model(build("llama"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], lora_dropout=0.5,
+        init_lora_weights=False))  # B random too: A's gradient is not zero
+    wrapped = torchtp.DistributedModelWrapper(peft_model, sequence_parallel=True).train()
+    loss_of(wrapped, inputs("llama")).backward()
+    grads = [m.lora_A["default"].weight.grad for m in wrapped.modules()
+             if isinstance(m, TensorParallelLoraLinear)]
+    first = [g.clone() for g in grads]
+    for g in first:
+        dist.broadcast(g, src=0)
+    assert grads and all(g.abs().sum() > 0 for g in grads)
+    return all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
+
+
 def test_lora_matches_unsharded_lora(ranks, tmp_path):
     hf_plan = "HF plan (config.base_model_tp_plan + _tp_plan)"
     # The plain model's (small embedding and LM head kept whole by cost): adapters add none.
@@ -143,6 +162,7 @@ def test_lora_matches_unsharded_lora(ranks, tmp_path):
         "neox_partial": 4,  # 2 partial output projections x 2 layers, under LoRA
         "wrapped_inner=False": (hf_plan, per_forward),
         "wrapped_inner=True": (hf_plan, per_forward),
+        "sp_dropout_agrees": True,
     }] * 2
 
 

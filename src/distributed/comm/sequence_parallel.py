@@ -16,6 +16,8 @@ scatter_to_sequence_shards         pad, keep own shard                 all-gathe
 gather_from_sequence_shards        all-gather, drop padding            pad, keep own shard
 gather_for_tensor_parallel         all-gather (drop padding)           pad, reduce-scatter (sum partials)
 reduce_scatter_to_sequence_shards  pad, reduce-scatter (sum partials)  all-gather, drop padding
+own_shard_grad                     identity                            keep own shard's rows, zeros
+                                                                       elsewhere (no collective)
 =================================  ==================================  ==============================
 
 ``gather_for_tensor_parallel`` enters a TP region (the input of the
@@ -24,7 +26,10 @@ heads or features, so each rank's input gradient is a *partial* sum, and the
 backward reduce-scatter both sums it and returns each rank its shard (the
 all-reduce of :func:`~torchtp.comm.regions.copy_to_tensor_parallel_region` is not
 needed). ``reduce_scatter_to_sequence_shards`` leaves it (the output of the
-weight-columns-split projection) instead of an all-reduce.
+weight-columns-split projection) instead of an all-reduce. ``own_shard_grad`` lets
+a replicated consumer read that gathered tensor (a LoRA adapter's ``A`` beside a
+weight-rows-split projection): its input gradient is complete on every rank, so
+each rank passes on only its own shard's rows and the reduce-scatter counts it once.
 
 The full-sequence tensor that ``gather_for_tensor_parallel`` returns is not
 kept for the backward: the projections it feeds save this rank's shard
@@ -474,3 +479,37 @@ def reduce_scatter_to_sequence_shards(x: torch.Tensor, group: ProcessGroup | Non
     if not _needs_grad(x):
         return _reduce_scatter(x, dim, group)
     return _ReduceScatterToShards.apply(x, group, dim)
+
+
+class _OwnShardGrad(torch.autograd.Function):
+    """forward: identity; backward: this rank's sequence shard rows of the gradient
+    (``S = ceil(n / tp)`` rows from ``rank * S``, clipped to the ``n`` rows), zeros elsewhere.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
+        ctx.rank, ctx.size, ctx.dim = rank, size, dim
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        rows = grad.shape[ctx.dim]  # T (padding dropped) or S * tp (kept)
+        start = min(ctx.rank * shard_length(rows, ctx.size), rows)
+        count = min(shard_length(rows, ctx.size), rows - start)
+        out = torch.zeros_like(grad)
+        out.narrow(ctx.dim, start, count).copy_(grad.narrow(ctx.dim, start, count))
+        return out, None, None, None
+
+
+def own_shard_grad(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    """A gathered ``(B, T, d)`` for a replicated consumer. backward: keep own shard's rows.
+
+    ``x`` is :func:`gather_for_tensor_parallel`'s output, whose backward sums the
+    ranks' gradients (partial sums from the weight-rows-split projections). A
+    replicated consumer's gradient is complete on every rank: passing on only this
+    rank's shard rows (zeros elsewhere) makes that sum count it once.
+    """
+    if group is None or group_size(group) == 1 or not _needs_grad(x):
+        return x
+    return _OwnShardGrad.apply(x, group_rank(group), group_size(group), dim)

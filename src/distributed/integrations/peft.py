@@ -55,6 +55,7 @@ from ..comm.regions import (
     rank_local_error,
     scatter_to_tensor_parallel_region,
 )
+from ..comm.sequence_parallel import own_shard_grad
 from ..core.layouts import ParamLayout
 from ..guards.agreement import agree
 from ..hf import compat
@@ -69,6 +70,8 @@ from ..layers.rng import (
     split_region_begins,
     split_region_ends,
     streams_switch,
+    whole_region_begins,
+    whole_region_ends,
 )
 from . import peft_params
 from .adapter_slices import check_supported, keep_slice
@@ -126,12 +129,6 @@ class TensorParallelLoraLinear(LoraLinear):
         if self.disable_adapters or self.merged or not active or base.world_size == 1:
             return super().forward(x, *args, **kwargs)
         compat.peft_check_forward_args(self, x, *args, **kwargs)
-        if base.sequence_dim is not None:
-            # The LoRA terms would need the sequence-parallel regions of the base
-            # (no input all-reduce, a reduce-scatter out); refuse rather than guess.
-            raise ValueError(f"{self._name()}: LoRA adapters with sequence_parallel=True are not "
-                             "supported; wrap with sequence_parallel=False (loss_parallel=True "
-                             "works with LoRA)")
         group = require_group(self._name, base.group, base.world_size)
         if isinstance(base, RowParallelLinear):
             return self._forward_rows(base, x, active, group)
@@ -141,12 +138,20 @@ class TensorParallelLoraLinear(LoraLinear):
                       group: Any) -> torch.Tensor:
         # x is the same on every rank and A is replicated: LoRA's input dropout must drop
         # the same features everywhere, so it draws from the shared stream, also after an
-        # earlier layer opened a split region (q_proj before k_proj; layers/rng.py).
-        local = base.training and (TRACKER.depth or base.streamed) and in_split_region()
+        # earlier layer opened a split region (q_proj before k_proj; layers/rng.py); on
+        # a gathered sequence (sequence parallelism) from the stream every rank shares
+        # there, as a block run whole does.
+        streaming = base.training and (TRACKER.depth or base.streamed)
+        local = streaming and in_split_region()
         if local:
             split_region_ends(base)
+        gathered = streaming and base.sequence_dim is not None and whole_region_begins(
+            base.stream_key)
+        lora_x = x if base.sequence_dim is None else own_shard_grad(x, group, base.sequence_dim)
         dropped = [self.lora_dropout[name](compat.peft_cast_input_dtype(
-            self, x, self.lora_A[name].weight.dtype)) for name in active]
+            self, lora_x, self.lora_A[name].weight.dtype)) for name in active]
+        if gathered:
+            whole_region_ends()
         if local:
             split_region_begins(base)
         result = base(x)  # (..., out/tp), or (..., out) when the base gathers

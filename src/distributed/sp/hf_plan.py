@@ -56,7 +56,7 @@ from ..layers.rng import (
 from ..plans import ResolvedPlan, ShardContext
 from ..plans.linear_view import linear_view
 from ..plans.registry import STYLES
-from ..plans.sources import experts_layout
+from ..plans.sources import experts_layout, inner_model
 from ..plans.styles import Colwise, Rowwise
 from ..plans.styles_partial import RowwisePartial
 from .style import SequenceParallel
@@ -178,7 +178,8 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
 
     A pipeline stage (decoder layers held by other stages) runs its own layers on
     sequence shards: cut where its first layer starts, gathered where its last one
-    (or the final norm, on the last stage) ends.
+    (or the final norm, on the last stage) ends. A model hosting the decoder (a
+    ``PeftModel``) is planned through the decoder inside it.
 
     Raises:
         ValueError: the architecture is not supported, a decoder layer holds a
@@ -188,12 +189,14 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
             in-projections + one rowwise out-projection and does not run whole
             (:func:`whole_reason`), or a whole one leaves a partial sum.
     """
-    layout = _layout(model)
-    base = model.base_model
+    hosted = inner_model(model)
+    decoder = model if hosted is None else hosted[1]
+    layout = _layout(decoder)
+    base = decoder.base_model
     prefix = next(n for n, m in model.named_modules() if m is base)
     layers = getattr(base, layout.layers)
     held = [i for i, layer in enumerate(layers) if not getattr(layer, "held_elsewhere", False)]
-    _check_layers(model, {i: layers[i] for i in held}, layout)
+    _check_layers(decoder, {i: layers[i] for i in held}, layout)
     sp = SequencePlan(prefix, _join(prefix, f"{layout.layers}.{held[0]}"),
                       final_norm=_join(prefix, layout.final_norm))
     norms_here = not getattr(getattr(base, layout.final_norm), "held_elsewhere", False)
@@ -211,7 +214,7 @@ def plan_sequence_parallel(model: nn.Module, plan: ResolvedPlan, ctx: ShardConte
         sp.mlps.append(f"{layer}.{layout.mlp}")
     if norms_here:
         by_rule[sp.final_norm] = [sp.final_norm]
-    _assign_norms(model, plan, by_rule, sp.final_norm)
+    _assign_norms(decoder, plan, by_rule, sp.final_norm)
     modules = dict(model.named_modules())
     mixers = set(sp.mixed.values())
     for block in sp.attentions + sp.mlps:
