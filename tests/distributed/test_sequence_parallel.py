@@ -80,11 +80,14 @@ def test_sequence_parallel_on_more_decoder_layouts(ranks):
     # length from the layer's position ids: Qwen3-Next (its gated delta-net on shards'
     # gather, MoE run whole, checkpointing) and Qwen3.5 (its plan gathers every
     # projection of the delta-net, which therefore runs whole), OLMo-hybrid (other norms
-    # in each kind of layer): loss, logits, every gradient and SGD steps; Gemma 2's
-    # greedy generation (sliding-window cache, soft-capped logits).
+    # in each kind of layer), GPT-NeoX (attention and MLP on the same residual, each
+    # with its norm; its late-reduce candidate discarded): loss, logits, every gradient
+    # and SGD steps; Gemma 2's greedy generation (sliding-window cache, soft-capped
+    # logits).
     cases = [("gemma2", 9, False, False), ("olmo2", 9, True, False), ("cohere", 9, False, True),
              ("phi3", 9, False, False), ("qwen3_next", 9, False, True),
-             ("qwen3_5_text", 9, True, False), ("olmo_hybrid", 9, False, False)]
+             ("qwen3_5_text", 9, True, False), ("olmo_hybrid", 9, False, False),
+             ("gpt_neox", 9, True, False)]
     got = ranks(check_sequence_parallel_suite, 2, cases, False, "gemma2", timeout=300,
                 gloo_timeout=60)[0]
     assert all(got[f"{a} seq={n} lp={lp} ckpt={c}"]["grads_checked"] > 0

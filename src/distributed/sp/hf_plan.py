@@ -107,7 +107,12 @@ _POST = _decoder("post_attention_layernorm", "post_feedforward_layernorm")
 # by tests/distributed/hf_zoo.py (--option sequence_parallel, with and without
 # memory, loss_parallel and checkpointing, at tp 2 and 3; docs/compat.md). Cohere runs
 # both blocks on one norm's output, side by side. From "aria_text" on, the types whose
-# MoE blocks or latent attention run whole (whole_reason; decision 183), checked alike.
+# MoE blocks or latent attention run whole (whole_reason; decision 183), checked alike,
+# then hybrids and more dense types. Not listed though their names fit: GPT-NeoX-Japanese
+# (its attention returns a bias its layer adds on the shards: the sweep found that
+# gradient each rank's part, silently), NanoChat (a block output bypasses the
+# reduce-scatter: the shard-length check raises), BLOOM and MPT (ALiBi attention gets no
+# position ids to read the length from).
 LAYOUTS: dict[str, Layout] = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "arcee", "cwm", "ernie4_5", "exaone",
                      "flint", "gemma", "glm", "granite", "granite_swa", "helium",
@@ -144,6 +149,12 @@ LAYOUTS: dict[str, Layout] = {
                             mixers=("linear_attn",),
                             mixer_norms=("input_layernorm", "post_attention_layernorm")),
     "gpt2": Layout("h", "attn", "mlp", ("ln_1", "ln_2"), "ln_f"),
+    "youtu": _PRE,
+    "persimmon": Layout("layers", "self_attn", "mlp", _PRE.norms, "final_layernorm"),
+    # Attention and MLP side by side on the same residual (use_parallel_residual)
+    "gpt_neox": Layout("layers", "attention", "mlp", _PRE.norms, "final_layer_norm"),
+    "phi": Layout("layers", "self_attn", "mlp", ("input_layernorm",), "final_layernorm"),
+    "modernbert-decoder": Layout("layers", "attn", "mlp", ("attn_norm", "mlp_norm"), "final_norm"),
 }
 
 
