@@ -1,11 +1,12 @@
 """Activation memory and step time per rank: sequence parallelism and loss parallelism.
 
-One training step (forward with ``labels=``, backward, SGD) of a Llama at
-tp 1, 2 and 4 on Gloo CPU processes (one thread each), for:
+One training step (forward with ``labels=``, backward, SGD) of a Llama (or,
+``--moe``, a Qwen3-MoE: its MoE blocks run on the whole sequence under
+sequence parallelism) at tp 1, 2 and 4 on Gloo CPU processes (one thread each), for:
 
 * ``baseline``: torchtp with the HF plan (LM head gathered, HF's loss);
 * ``sp``: ``sequence_parallel=True``; ``lp``: ``loss_parallel=True``; ``sp+lp``: both;
-* ``dtensor``: PyTorch DTensor ``SequenceParallel`` + ``loss_parallel`` (tp > 1).
+* ``dtensor``: PyTorch DTensor ``SequenceParallel`` + ``loss_parallel`` (tp > 1; Llama only).
 
 Memory is the bytes autograd saves for the backward (unique storages, not
 parameters, measured with ``saved_tensors_hooks``) plus the logits: the
@@ -16,6 +17,7 @@ the same run.
 
     .venv/bin/python benchmarks/sp_memory.py            # reduced model (see --help)
     .venv/bin/python benchmarks/sp_memory.py --full     # hidden 1024, 8 layers, seq 1024
+    .venv/bin/python benchmarks/sp_memory.py --moe      # Qwen3-MoE, 8 experts, top 2
 """
 
 from __future__ import annotations
@@ -42,17 +44,21 @@ FULL = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
         "num_key_value_heads": 16, "intermediate_size": 2816, "vocab_size": 32000}
 REDUCED = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
            "num_key_value_heads": 8, "intermediate_size": 1408, "vocab_size": 32000}
+# The reduced Llama's attention with 8 experts of a quarter of its MLP each, top 2.
+MOE = {**REDUCED, "head_dim": 64, "moe_intermediate_size": 352, "num_experts": 8,
+       "num_experts_per_tok": 2}
 VARIANTS = {"baseline": (False, False), "sp": (True, False), "lp": (False, True),
             "sp+lp": (True, True)}
 
 
 def _build(cfg: dict[str, Any], seq: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = LlamaConfig(**cfg, max_position_embeddings=seq)
+    moe = "num_experts" in cfg
+    config = (Qwen3MoeConfig if moe else LlamaConfig)(**cfg, max_position_embeddings=seq)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).train()
+    return (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config).train()
 
 
 def _dtensor(cfg: dict[str, Any], seq: int, world: int) -> torch.nn.Module:
@@ -107,7 +113,9 @@ def _variant(name: str, cfg: dict[str, Any], seq: int, world: int) -> torch.nn.M
     import torchtp
 
     sp, lp = VARIANTS[name]
-    plan = {**HF_PLAN, "lm_head": "colwise_gather_output"}
+    # The MoE: its own HF plan (experts' features split), the LM head gathered too.
+    plan = {**HF_PLAN, "lm_head": "colwise_gather_output"} if "num_experts" not in cfg \
+        else None
     return torchtp.DistributedModelWrapper(_build(cfg, seq), plan=plan, sequence_parallel=sp,
                                            loss_parallel=lp)
 
@@ -171,7 +179,7 @@ def _measure(name: str, model: torch.nn.Module, ids: torch.Tensor) -> tuple[int,
 def _rank(rank: int, world: int, cfg: dict[str, Any], seq: int, reps: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     ids = torch.randint(0, cfg["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1))
-    names = list(VARIANTS) + (["dtensor"] if world > 1 else [])
+    names = list(VARIANTS) + (["dtensor"] if world > 1 and "num_experts" not in cfg else [])
     models, memory, losses, failures = {}, {}, {}, {}
     for name in names:
         try:
@@ -231,12 +239,14 @@ def main() -> None:
     parser.add_argument("--full", action="store_true",
                         help="the issue's model: hidden 1024, 8 layers, vocab 32000, seq 1024 "
                              "(default: hidden 512, 4 layers, vocab 32000, seq 512)")
+    parser.add_argument("--moe", action="store_true",
+                        help="a Qwen3-MoE with the reduced model's sizes, 8 experts, top 2")
     parser.add_argument("--seq", type=int, help="sequence length (default 512, 1024 with --full)")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
     parser.add_argument("--tp", default="1,2,4")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    cfg = FULL if args.full else REDUCED
+    cfg = MOE if args.moe else FULL if args.full else REDUCED
     seq = args.seq or (1024 if args.full else 512)
     results = []
     for tp in (int(x) for x in args.tp.split(",")):
