@@ -148,13 +148,13 @@ LAYOUTS: dict[str, Layout] = {
     "olmo_hybrid": _decoder("post_attention_layernorm", "post_feedforward_layernorm",
                             mixers=("linear_attn",),
                             mixer_norms=("input_layernorm", "post_attention_layernorm")),
-    "gpt2": Layout("h", "attn", "mlp", ("ln_1", "ln_2"), "ln_f"),
     "youtu": _PRE,
     "persimmon": Layout("layers", "self_attn", "mlp", _PRE.norms, "final_layernorm"),
     # Attention and MLP side by side on the same residual (use_parallel_residual)
     "gpt_neox": Layout("layers", "attention", "mlp", _PRE.norms, "final_layer_norm"),
     "phi": Layout("layers", "self_attn", "mlp", ("input_layernorm",), "final_layernorm"),
     "modernbert-decoder": Layout("layers", "attn", "mlp", ("attn_norm", "mlp_norm"), "final_norm"),
+    "gpt2": Layout("h", "attn", "mlp", ("ln_1", "ln_2"), "ln_f"),
 }
 
 
