@@ -138,9 +138,11 @@ def build(model_type: str, head: str = "causal-lm", train: bool = False) -> torc
 
 
 def _with_full_attention(config: Any, config_class: Any) -> None:
-    """A hybrid whose shrunk layers are all linear attention (Qwen3-Next, Qwen3.5,
-    OLMo-hybrid: full attention every fourth layer) gets full attention in its last
-    layer, so that both kinds are checked (and its cache can say its length)."""
+    """A model whose shrunk layers hold none of the full-attention layers its default
+    has (hybrids with linear attention three layers in four, as Qwen3-Next, Qwen3.5 and
+    OLMo-hybrid; sliding-window, chunked or convolution layers, as Gemma 3, Llama 4 and
+    LFM3) gets full attention in its last layer, so that both kinds are checked (and a
+    hybrid's cache can say its length)."""
     kinds = getattr(config, "layer_types", None)
     default = getattr(config_class(), "layer_types", None) or []
     if kinds and "full_attention" in default and "full_attention" not in kinds:
