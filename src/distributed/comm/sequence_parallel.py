@@ -495,8 +495,7 @@ class _OwnShardGrad(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         rows = grad.shape[ctx.dim]  # T (padding dropped) or S * tp (kept)
-        start = min(ctx.rank * shard_length(rows, ctx.size), rows)
-        count = min(shard_length(rows, ctx.size), rows - start)
+        start, count = shard_range(rows, ctx.size, ctx.rank, rule="ceil")
         out = torch.zeros_like(grad)
         out.narrow(ctx.dim, start, count).copy_(grad.narrow(ctx.dim, start, count))
         return out, None, None, None

@@ -394,7 +394,9 @@ class _Hooks:
         self.inputs: dict[nn.Module, list[RowParallelLinear]] = {}
         # Per block run whole, the key of its RNG stream (layers/rng.py)
         self.whole: dict[nn.Module, int] = {}
-        self.mixers: set[nn.Module] = set()  # token mixers called without position ids
+        # The attentions, which read the length from their position ids; the other blocks
+        # (MLPs, a hybrid's linear attention) take their layer's
+        self.reads_positions: set[nn.Module] = set()
 
     def check_outputs(self, _mod: nn.Module, _args: tuple, kwargs: dict) -> None:
         wanted = kwargs.get("output_hidden_states")
@@ -412,8 +414,14 @@ class _Hooks:
         return _map_hidden(args, kwargs, cut)
 
     def gather_attention(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        length = self.layer_length if mod in self.mixers else self._attention_length(kwargs)
+        length = self._length(mod, kwargs)
         return _map_hidden(args, kwargs, lambda x: self._gather(mod, x, length))  # (B, T, d)
+
+    def _length(self, mod: nn.Module, kwargs: dict) -> int:
+        """The running layer's tokens: an attention's position ids, else the layer's (an
+        MLP runs after its layer's attention; a linear attention's layer read them)."""
+        return self._attention_length(kwargs) if mod in self.reads_positions \
+            else self.layer_length
 
     def _attention_length(self, kwargs: dict, what: str = "attention module") -> int:
         # The length comes from this call's position ids, so a recomputation under
@@ -433,9 +441,7 @@ class _Hooks:
         """A block run whole: every rank gets the whole sequence (B, T, d), padding dropped
         (a router would count padding rows); backward: this rank's shard of the gradient,
         which the block's own all-reduces made complete."""
-        # An MLP block runs after its layer's attention, which read the length.
-        length = self._attention_length(kwargs) if "position_ids" in kwargs \
-            and mod not in self.mixers else self.layer_length
+        length = self._length(mod, kwargs)
 
         def gather(x: torch.Tensor) -> torch.Tensor:
             if x.shape[SEQ_DIM] != shard_length(length, self.size):
@@ -520,10 +526,11 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, ctx: ShardCont
     model.get_submodule(sp.base).register_forward_pre_hook(hooks.check_outputs, with_kwargs=True)
     model.get_submodule(sp.first_layer).register_forward_pre_hook(hooks.scatter,
                                                                   with_kwargs=True)
-    for decoder_layer, mixer in sp.mixed.items():
+    for decoder_layer in sp.mixed:
         model.get_submodule(decoder_layer).register_forward_pre_hook(hooks.read_length,
                                                                      with_kwargs=True)
-        hooks.mixers.add(model.get_submodule(mixer))
+    hooks.reads_positions = {model.get_submodule(a) for a in sp.attentions
+                             if a not in sp.mixed.values()}
     for block in sp.attentions + sp.mlps:
         module = model.get_submodule(block)
         if block in sp.whole:  # plain tensor parallelism inside: its layers as they are
