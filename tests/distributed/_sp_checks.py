@@ -457,6 +457,14 @@ def check_whole_blocks(rank: int, world_size: int) -> dict:
         flat(**_batch())
     except RuntimeError as err:
         out["flattened output"] = str(err)
+    # Generation with the cache (decode steps of one token: a shard of padding on rank 1)
+    # through MoE blocks and latent attention run whole, as one process generates.
+    ref = build_moe("deepseek_v3")
+    gen = torchtp.DistributedModelWrapper(build_moe("deepseek_v3"), sequence_parallel=True)
+    prompt = _batch()["input_ids"][:1, :5]
+    want = ref.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    out["generated equal"] = torch.equal(
+        gen.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0), want)
     model = build_moe("qwen2_moe")
     partial = {**model.tp_plan, "model.layers.*.mlp.shared_expert.down_proj": "rowwise_partial"}
     try:
