@@ -44,15 +44,19 @@ def _grads_match(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module) -> in
 
 
 def moe_compile(rank: int, world_size: int, splits: int) -> list[int]:
-    """``torch.compile`` (aot_eager: traced forward and backward) of each split, and of
-    GPT-OSS's features split (its down bias read as zeros off rank 0): loss, logits and
-    every gradient equal the unwrapped model run eagerly, twice (the second call runs the
-    cached graphs)."""
+    """``torch.compile`` (aot_eager: traced forward and backward) of each split, of the
+    default split with sequence parallelism (the MoE block runs whole: its gather, the
+    padding of 11 tokens dropped, and its scatter traced), and of GPT-OSS's features
+    split (its down bias read as zeros off rank 0): loss, logits and every gradient
+    equal the unwrapped model run eagerly, twice (the second call runs the cached
+    graphs)."""
     torch._dynamo.reset()
     batch = _batch()
     checked = []
     router = _router_logits_compile(batch)
-    for arch, split in [*(("mixtral", s) for s in SPLITS[:splits]), ("gpt_oss", {})]:
+    cases = [*(("mixtral", s) for s in SPLITS[:splits]),
+             ("mixtral", {"sequence_parallel": True}), ("gpt_oss", {})]
+    for arch, split in cases:
         ref = build_moe(arch, output_router_logits=router).train()
         wrapped = torchtp.DistributedModelWrapper(
             build_moe(arch, output_router_logits=router).train(), **split)
