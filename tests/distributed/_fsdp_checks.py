@@ -31,6 +31,7 @@ class Case(NamedTuple):
     options: dict[str, bool]  # DistributedModelWrapper options
     lora: tuple[str, ...] = ()  # LoRA target modules (only the adapters train)
     checkpointing: bool = False  # HF gradient checkpointing (recomputes each layer)
+    double: bool = False  # float64: a router's top-k may not flip on reassociation
 
     @property
     def key(self) -> str:
@@ -43,6 +44,10 @@ CASES = (
     Case("qwen3", {}, {}),  # per-head q_norm/k_norm
     Case("llama", KV1, {"sequence_parallel": True}),
     Case("qwen3", {}, {"sequence_parallel": True, "loss_parallel": True}, checkpointing=True),
+    # A hybrid with sequence parallelism: its delta-net split by heads, its MoE blocks
+    # run whole (router and shared expert replicated, complete gradients on every rank).
+    Case("qwen3_next", {"_experts_implementation": "eager"}, {"sequence_parallel": True},
+         double=True),  # grouped_mm takes no float64
     Case("llama", KV1, {}, ("k_proj", "o_proj")),  # adapters of replicated KV rows, split input
     # Parallel residual: both branches' partial sums reduced once per layer (reduce_residual),
     # plain and with LoRA on the two partial output projections.
@@ -61,6 +66,8 @@ def _fsdp(wrapped: nn.Module, cfg: Any) -> nn.Module:
 
 def _build(case: Case) -> nn.Module:
     model = build(case.arch, seed=0, **case.overrides).train()
+    if case.double:
+        model.double()
     if case.checkpointing:
         model.gradient_checkpointing_enable()
     return model

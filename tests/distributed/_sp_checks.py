@@ -259,21 +259,34 @@ def sequence_parallel_errors(rank: int, world_size: int) -> dict:
 
 
 def dp2_tp2_ddp(rank: int, world_size: int) -> list[float]:
-    """dp 2 x tp 2, DDP over the DP group, sequence + loss parallelism: as one process."""
+    """dp 2 x tp 2, DDP over the DP group: a Llama with sequence + loss parallelism, and
+    Qwen3-Next in float64 with sequence parallelism (its MoE blocks run whole, its
+    delta-net split by heads): as one process on the global batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from . import _training_checks as training
 
+    def built(arch: str) -> nn.Module:
+        if arch == "llama":
+            return build(arch, seed=0).train()
+        # float64, so no top-k flips on reassociation (grouped_mm takes no float64)
+        return build(arch, seed=0, _experts_implementation="eager").train().double()
+
     cfg = torchtp.init_tensor_parallel(tp_size=2)
-    _, ref_losses, ref_norms = training._reference("llama")
-    wrapped = torchtp.DistributedModelWrapper(build("llama", seed=0).train(), loss_parallel=True,
-                                              sequence_parallel=True)
-    model = DDP(wrapped, process_group=cfg.dp_group)
-    mine = training._batch()[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]  # this DP rank's slice
-    losses, norms = training._train(model, mine, torchtp.clip_grad_norm_, model.parameters)
-    torch.testing.assert_close(norms, ref_norms, **training.TOL)
-    torch.testing.assert_close(training._global_loss(losses, cfg.dp_group), ref_losses,
-                               **training.TOL)
+    ids = training._batch()
+    mine = ids[cfg.dp_rank * 2:(cfg.dp_rank + 1) * 2]  # this DP rank's slice
+    norms: list[float] = []
+    for arch, options in (("llama", {"loss_parallel": True}), ("qwen3_next", {})):
+        ref = built(arch)
+        ref_losses, ref_norms = training._train(ref, ids, torch.nn.utils.clip_grad_norm_,
+                                                ref.parameters)
+        wrapped = torchtp.DistributedModelWrapper(built(arch), sequence_parallel=True, **options)
+        model = DDP(wrapped, process_group=cfg.dp_group)
+        losses, got = training._train(model, mine, torchtp.clip_grad_norm_, model.parameters)
+        torch.testing.assert_close(got, ref_norms, **training.TOL, msg=lambda m, a=arch: f"{a}: {m}")
+        torch.testing.assert_close(training._global_loss(losses, cfg.dp_group), ref_losses,
+                                   **training.TOL, msg=lambda m, a=arch: f"{a}: {m}")
+        norms += got
     return norms
 
 
