@@ -27,6 +27,12 @@ SPLITS: list[dict[str, Any]] = [
     {"expert_parallel": True, "expert_dispatch": "all_to_all"}]
 
 
+def with_sequence_parallel(splits: int) -> list[dict[str, Any]]:
+    """The first ``splits`` splits, then the default split with sequence parallelism (the
+    MoE block run whole on the gathered sequence)."""
+    return [*SPLITS[:splits], {"sequence_parallel": True}]
+
+
 def _grads_match(wrapped: torchtp.DistributedModelWrapper, ref: nn.Module) -> int:
     """Every gradient of the wrapped model equals this rank's cut of the reference's."""
     ref_params = dict(ref.named_parameters())
@@ -347,7 +353,8 @@ def moe_trainer_reference(out: str) -> list[dict[str, float]]:
 
 def moe_trainer(rank: int, world_size: int, out: str,
                 splits: int) -> list[list[dict[str, float]]]:
-    """``TensorParallelTrainer`` at tp 2 for each split (compare with
+    """``TensorParallelTrainer`` at tp 2 for each split and with sequence parallelism
+    (:func:`with_sequence_parallel`; compare with
     :func:`moe_trainer_reference`): logged losses (the router's auxiliary loss
     included), grad norms (max_grad_norm=1.0 clips) and eval losses."""
     from torchtp.integrations.transformers import TensorParallelTrainer
@@ -355,7 +362,7 @@ def moe_trainer(rank: int, world_size: int, out: str,
     from ._trainer_runs import arguments, history
 
     runs = []
-    for i, split in enumerate(SPLITS[:splits]):
+    for i, split in enumerate(with_sequence_parallel(splits)):
         trainer = TensorParallelTrainer(
             model=torchtp.DistributedModelWrapper(build_moe("mixtral").train(), **split),
             args=arguments(f"{out}/tp{i}", 4), train_dataset=moe_data(1),
@@ -369,7 +376,8 @@ def moe_fabric(rank: int, world_size: int, splits: int) -> list[torch.Tensor]:
     """Lightning Fabric with ``ModelParallelStrategy`` and torchtp's ``parallelize`` (the
     split passed through), Fabric's TP-aware clipping on every step: the logits after
     three SGD steps (plain SGD: the update scales with the clip factor, which AdamW's
-    normalised update would hide), for each split (compare with :func:`moe_one_process`)."""
+    normalised update would hide), for each split and with sequence parallelism (compare
+    with :func:`moe_one_process`)."""
     import functools
 
     from lightning.fabric import Fabric
@@ -378,7 +386,7 @@ def moe_fabric(rank: int, world_size: int, splits: int) -> list[torch.Tensor]:
     from torchtp.integrations.lightning import parallelize
 
     out = []
-    for split in SPLITS[:splits]:
+    for split in with_sequence_parallel(splits):
         strategy = ModelParallelStrategy(parallelize_fn=functools.partial(parallelize, **split),
                                          tensor_parallel_size=world_size, data_parallel_size=1)
         fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
@@ -398,12 +406,12 @@ def moe_fabric(rank: int, world_size: int, splits: int) -> list[torch.Tensor]:
 def moe_accelerate(rank: int, world_size: int, splits: int) -> list[torch.Tensor]:
     """The accelerate loop docs/integrations.md documents (the model kept out of
     ``prepare``, the optimizer prepared, ``accelerator.backward``, torchtp's clipping, the
-    same batches on every TP rank): the logits after three SGD steps, for each split
-    (compare with :func:`moe_one_process`)."""
+    same batches on every TP rank): the logits after three SGD steps, for each split and
+    with sequence parallelism (compare with :func:`moe_one_process`)."""
     from accelerate import Accelerator
 
     out = []
-    for split in SPLITS[:splits]:
+    for split in with_sequence_parallel(splits):
         acc = Accelerator(cpu=True)
         model = torchtp.DistributedModelWrapper(build_moe("mixtral").train(), **split)
         opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=LR))

@@ -1,6 +1,7 @@
 """HF Trainer on a torchtp model under real Gloo processes, against a one-process Trainer.
 
-``TensorParallelTrainer`` at dp 2 x tp 2: logged losses, grad norms and eval
+``TensorParallelTrainer`` at dp 2 x tp 2 (and at tp 2 with sequence and loss
+parallelism): logged losses, grad norms and eval
 losses, the trained weights (``save_model()`` read back by plain
 ``from_pretrained``) and a resumed run. Plain ``Trainer`` and accelerate's
 ``prepare`` refuse a tensor-parallel model at the first step.
@@ -37,12 +38,13 @@ WEIGHTS = {"rtol": 1e-4, "atol": 5e-5}
 GLOBAL_BATCH = 4  # the one-process reference's batch; split over the DP ranks
 
 
-def _tp_trainer(rank: int, world_size: int, out: str, tp_size: int | None = 2) -> list:
+def _tp_trainer(rank: int, world_size: int, out: str, tp_size: int | None = 2,
+                options: dict[str, bool] | None = None) -> list:
     from torchtp.integrations.transformers import TensorParallelTrainer
 
     torchtp.init_tensor_parallel(tp_size=tp_size)
     per_device = GLOBAL_BATCH // (world_size // (tp_size or world_size))  # over DP ranks only
-    wrapped = torchtp.DistributedModelWrapper(build("llama").train())
+    wrapped = torchtp.DistributedModelWrapper(build("llama").train(), **(options or {}))
     trainer = TensorParallelTrainer(
         model=wrapped, train_dataset=dataset(1), eval_dataset=dataset(2),
         args=arguments(out, per_device, save_strategy="steps", save_steps=2))
@@ -50,7 +52,7 @@ def _tp_trainer(rank: int, world_size: int, out: str, tp_size: int | None = 2) -
     trainer.save_model(os.path.join(out, "final"))
     # Resume from the step-2 checkpoint: sharded optimizer, scheduler and RNG state.
     resumed = TensorParallelTrainer(
-        model=torchtp.DistributedModelWrapper(build("llama").train()),
+        model=torchtp.DistributedModelWrapper(build("llama").train(), **(options or {})),
         train_dataset=dataset(1), eval_dataset=dataset(2),
         args=arguments(out + "-resumed", per_device))
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
@@ -58,9 +60,11 @@ def _tp_trainer(rank: int, world_size: int, out: str, tp_size: int | None = 2) -
     return [history(trainer), history(resumed), checkpoints(out)]
 
 
-def _check_against_reference(ranks, tmp_path, world_size: int, tp_size: int | None) -> None:
+def _check_against_reference(ranks, tmp_path, world_size: int, tp_size: int | None,
+                             options: dict[str, bool] | None = None) -> None:
     want_history, want_weights = reference_run(str(tmp_path / "ref"), GLOBAL_BATCH)
-    results = ranks(_tp_trainer, world_size, str(tmp_path / "tp"), tp_size, timeout=500)
+    results = ranks(_tp_trainer, world_size, str(tmp_path / "tp"), tp_size, options,
+                    timeout=500)
     for got, resumed, saved in results:
         assert saved == ["checkpoint-2", "checkpoint-4"]
         assert [sorted(e) for e in got] == [sorted(e) for e in want_history]
@@ -111,7 +115,10 @@ def test_tensor_parallel_trainer_dp2_tp2_matches_one_process(ranks, tmp_path):
 
 @pytest.mark.slow
 def test_tensor_parallel_trainer_tp_only_matches_one_process(ranks, tmp_path):
-    _check_against_reference(ranks, tmp_path, 2, None)
+    # With sequence and loss parallelism: 8 tokens in shards of 4, the loss from each
+    # rank's vocabulary slice, the checkpoint saved and resumed, the weights consolidated.
+    _check_against_reference(ranks, tmp_path, 2, None,
+                             {"sequence_parallel": True, "loss_parallel": True})
 
 
 def _plain_trainer(rank: int, world_size: int, out: str) -> str:
