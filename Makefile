@@ -36,8 +36,9 @@ COMPAT_OLD := .venv-compat-old/.installed-$(COMPAT_OLD_TRANSFORMERS)
 # The compat venvs import torchtp from this checkout, whatever is installed.
 COMPAT_SHIM := build/compat-shim
 COMPAT_PYTEST = PYTHONPATH=$(CURDIR)/$(COMPAT_SHIM) $(1)/bin/python -m pytest -q -p no:cacheprovider
-# The HF architecture matrix, slow parts included: 12 architectures at tp 2 and 4,
-# 21 more at tp 4, all 33 at tp 3, uneven sizes. make compat runs it on the newest
+# The HF architecture matrix, slow parts included: test_hf_models.ARCHS (12) at tp 2
+# and 4, test_hf_more_archs.SOURCES (24 on transformers 5.24) at tp 4, all of them at
+# tp 3, uneven sizes. make compat runs it on the newest
 # releases, where a release that changes a model's plan or layout shows first.
 HF_MATRIX := tests/distributed/test_hf_models.py tests/distributed/test_hf_more_archs.py \
 	tests/distributed/test_hf_matrix_tp3.py tests/distributed/test_uneven.py

@@ -23,8 +23,9 @@ optimizer-step check) and puts three hooks on the wrapped model
 
 The steps that only run on a failure (the reports) live in
 :mod:`torchtp.guards.forward_guard`, so a forward that succeeds enters this
-module and the input check's only. The RNG streams' layer hooks are the
-wrapper's (``train(mode)``, training mode only). Nothing runs under
+module and the input check's only. The RNG streams are switched by the
+wrapper's call (training mode only) and inline by the parallel layers
+(:mod:`torchtp.layers.rng`), not by hooks. Nothing runs under
 ``torch.compile``. At tp 1 nothing cross-rank needs checking: no hook is
 installed, and the model draws dropout masks from the caller's generator,
 exactly as the unwrapped model does. ``benchmarks/percall_guards.py``

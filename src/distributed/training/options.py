@@ -95,7 +95,7 @@ def place_whole_experts(model: nn.Module, plan: ResolvedPlan, ep: bool | int = T
     """Give every experts module ``ep_dispatch_experts``, saying why.
 
     Experts the plan splits inside (``moe_tp_experts``) or leaves unplanned
-    (GPT-OSS's HF plan names none) get whole experts per rank; an experts
+    (a user plan that names none) get whole experts per rank; an experts
     module the plan assigns anything else (``replicate``) keeps it. ``ep=k``
     (an int) places them over ``k`` ranks with each expert's features split over
     ``tp/k`` (:class:`~torchtp.ep.styles.ExpertsEP`); ``k = 1`` is the
