@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -379,21 +379,33 @@ def _lora_on_pairs(model: nn.Module) -> nn.Module:
 _REPLICATED = re.compile(r"ln|norm|4\.weight$|0\.(3|5\.2)\.lora_B|0\.(0|5\.0)\.lora_A")
 
 
-def rng_streams(rank: int, world_size: int) -> list[bool]:
-    """Dropout everywhere (GPT-2: embedding, attention probs, residual), different RNG states;
-    a replicated dropout after LoRA'd weight-column-split layers."""
-    from torchtp.layers import rng
-
+def _rng_cases() -> Iterator[tuple[torchtp.DistributedModelWrapper, nn.Module, Any]]:
+    """(wrapped model, what the training loop calls, inputs) for :func:`rng_streams`."""
     from ._models import deep_mlp
 
-    torchtp.init_tensor_parallel()
-    results = []
     for model, inputs in ((build("gpt2", resid_pdrop=0.3, attn_pdrop=0.3, embd_pdrop=0.3),
                            {"input_ids": _batch()}),
                           (nn.Sequential(deep_mlp(), nn.Dropout(0.5)), (torch.randn(4, 16),)),
                           (_lora_on_pairs(nn.Sequential(deep_mlp(), nn.Dropout(0.5))),
                            (torch.randn(4, 16),))):
         wrapped = torchtp.DistributedModelWrapper(model.train())
+        yield wrapped, wrapped, inputs
+    # docs/integrations.md's way: wrapped in eval mode, LoRA added after the wrap, and the
+    # PEFT model trained and called itself, never the wrapper: the forward door's hooks
+    # switch the streams however the model is called.
+    wrapped = torchtp.DistributedModelWrapper(nn.Sequential(deep_mlp(), nn.Dropout(0.5)).eval())
+    yield wrapped, _lora_on_pairs(wrapped.base_model).train(), (torch.randn(4, 16),)
+
+
+def rng_streams(rank: int, world_size: int) -> list[bool]:
+    """Dropout everywhere (GPT-2: embedding, attention probs, residual), different RNG states;
+    a replicated dropout after LoRA'd weight-column-split layers; the same called through a
+    PEFT model made after the wrap."""
+    from torchtp.layers import rng
+
+    torchtp.init_tensor_parallel()
+    results = []
+    for wrapped, model, inputs in _rng_cases():
         torch.manual_seed(100 + rank)  # every rank's own RNG state differs from here on
         before = torch.get_rng_state()
         args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
@@ -403,7 +415,7 @@ def rng_streams(rank: int, world_size: int) -> list[bool]:
         inner = [m for n, m in wrapped.named_modules() if n.endswith("0.2")]  # deep_mlp's pair
         hooks = [m.register_forward_hook(lambda _m, _i, o, seen=masks: seen.append(o == 0))
                  for m in inner]
-        out = _logits(wrapped(*args, **kwargs))
+        out = _logits(model(*args, **kwargs))
         for hook in hooks:
             hook.remove()
         assert torch.equal(torch.get_rng_state(), before)  # the user's stream is untouched
@@ -422,10 +434,10 @@ def rng_streams(rank: int, world_size: int) -> list[bool]:
                    if p.grad is not None and _REPLICATED.search(n)) in (0, 4)
         results.append(_same_on_every_rank(out) and all(map(_same_on_every_rank, replicated)))
         torchtp.manual_seed(7)
-        first = _logits(wrapped(*args, **kwargs))
-        later = _logits(wrapped(*args, **kwargs))
+        first = _logits(model(*args, **kwargs))
+        later = _logits(model(*args, **kwargs))
         torchtp.manual_seed(7)
-        again = _logits(wrapped(*args, **kwargs))
+        again = _logits(model(*args, **kwargs))
         results.append(torch.equal(first, again) and not torch.equal(first, later))
     return results
 

@@ -99,6 +99,7 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
     # the terms beside a weight-columns-split base join its reduce-scatter.
     _train("llama", "all-linear", steps=2, sequence_parallel=True)
     out["sp_dropout_agrees"] = _sp_lora_dropout_agrees()
+    _saved_norms_match()
     # Options that cannot be sharded are refused by name.
     with pytest.raises(ValueError, match=r"LoRA variants .* not supported under tensor"):
         get_peft_model(torchtp.DistributedModelWrapper(build("llama")).base_model,
@@ -134,22 +135,62 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
 
 
 def _sp_lora_dropout_agrees() -> bool:
-    """LoRA dropout on the gathered sequence (a wrapped PeftModel in training mode, so the
-    wrapper's RNG streams run): A is replicated, so every rank must drop the same
-    features, or its gradient differs across ranks."""
-    torch.manual_seed(5)
-    peft_model = get_peft_model(build("llama"), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj"], lora_dropout=0.5,
-        init_lora_weights=False))  # B random too: A's gradient is not zero
-    wrapped = torchtp.DistributedModelWrapper(peft_model, sequence_parallel=True).train()
-    loss_of(wrapped, inputs("llama")).backward()
-    grads = [m.lora_A["default"].weight.grad for m in wrapped.modules()
-             if isinstance(m, TensorParallelLoraLinear)]
-    first = [g.clone() for g in grads]
-    for g in first:
-        dist.broadcast(g, src=0)
-    assert grads and all(g.abs().sum() > 0 for g in grads)
-    return all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
+    """LoRA dropout on the gathered sequence, with a different RNG state on every rank: A is
+    replicated, so every rank must drop the same features, or its gradient differs across
+    ranks. A wrapped PeftModel called through the wrapper, and a PeftModel made after the
+    wrap called itself (docs/integrations.md's way): the forward door's hooks switch the
+    RNG streams either way."""
+    def config() -> LoraConfig:
+        torch.manual_seed(5)
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], lora_dropout=0.5,
+                          init_lora_weights=False)  # B random too: A's gradient is not zero
+
+    through = torchtp.DistributedModelWrapper(get_peft_model(build("llama"), config()),
+                                              sequence_parallel=True).train()
+    direct = get_peft_model(torchtp.DistributedModelWrapper(
+        build("llama"), sequence_parallel=True).base_model, config()).train()
+    agree = []
+    for model in (through, direct):
+        torch.manual_seed(100 + dist.get_rank())
+        loss_of(model, inputs("llama")).backward()
+        grads = [m.lora_A["default"].weight.grad for m in model.modules()
+                 if isinstance(m, TensorParallelLoraLinear)]
+        first = [g.clone() for g in grads]
+        for g in first:
+            dist.broadcast(g, src=0)
+        assert grads and all(g.abs().sum() > 0 for g in grads)
+        agree.append(all(torch.equal(a, b) for a, b in zip(first, grads, strict=True)))
+    return all(agree)
+
+
+def _saved_norms_match() -> None:
+    """PEFT's modules_to_save on the norms a sequence-parallel model runs on its shards
+    (the final norm's gather hook included): after the wrap, every norm copy's gradient
+    equals one process's; on a PeftModel wrapped with them, refused on every rank (the
+    wrapper holds no parameters of its own, so none would be summed)."""
+    def config() -> LoraConfig:
+        torch.manual_seed(5)
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                          modules_to_save=["norm"])  # every norm: PEFT matches the suffix
+
+    batch = inputs("llama")
+    ref = get_peft_model(build("llama"), config())
+    tp = get_peft_model(torchtp.DistributedModelWrapper(build("llama"),
+                                                        sequence_parallel=True).base_model,
+                        config())
+    for model in (ref, tp):
+        loss_of(model, batch).backward()
+    saved = {n: p.grad for n, p in tp.named_parameters() if "modules_to_save" in n}
+    assert len(saved) == 5  # two per layer and the final norm
+    want = dict(ref.named_parameters())
+    for name, grad in saved.items():
+        torch.testing.assert_close(grad, want[name].grad, **CLOSE, msg=name)
+    with pytest.raises(ValueError, match=r"plan style 'sequence_parallel' for module "
+                       r"'base_model\.model\.model\.layers\.0\.input_layernorm' "
+                       r"\(ModulesToSaveWrapper\): .* holds none of its own, only submodules "
+                       r"\['original_module', 'modules_to_save'\]"):
+        torchtp.DistributedModelWrapper(get_peft_model(build("llama"), config()),
+                                        sequence_parallel=True)
 
 
 def test_lora_matches_unsharded_lora(ranks, tmp_path):

@@ -317,12 +317,18 @@ def backward_node() -> Any:
     return torch._C._current_autograd_node()
 
 
+# The id of the autograd graph task this thread runs, -1 outside any backward: the C
+# function itself, not a wrapper, for the check on every training forward
+# (torchtp.layers.rng.enter_model). Checked: torch 2.13.0.
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+
+
 def in_backward() -> bool:
     """Whether this thread is running inside an autograd backward pass (e.g. a recompute).
 
     Checked: torch 2.13.0.
     """
-    return bool(torch._C._current_graph_task_id() != -1)
+    return bool(graph_task_id() != -1)
 
 
 # use_count(tensor): how many C++ references the tensor's implementation has (the Python

@@ -23,9 +23,11 @@ optimizer-step check) and puts three hooks on the wrapped model
 
 The steps that only run on a failure (the reports) live in
 :mod:`torchtp.guards.forward_guard`, so a forward that succeeds enters this
-module and the input check's only. The RNG streams are switched by the
-wrapper's call (training mode only) and inline by the parallel layers
-(:mod:`torchtp.layers.rng`), not by hooks. Nothing runs under
+module and the input check's only. In training mode the pre-hook also
+switches the default generator to the TP group's shared RNG stream and the
+``always`` hook switches it back (:func:`torchtp.layers.rng.enter_model`), so
+the streams hold however the model is called; the parallel layers switch
+between the shared and local streams inline. Nothing runs under
 ``torch.compile``. At tp 1 nothing cross-rank needs checking: no hook is
 installed, and the model draws dropout masks from the caller's generator,
 exactly as the unwrapped model does. ``benchmarks/percall_guards.py``
@@ -35,6 +37,7 @@ measures the door's per-call cost.
 from __future__ import annotations
 
 import sys
+import weakref
 from types import MethodType
 from typing import Any
 
@@ -45,7 +48,7 @@ from torch import nn
 from ..comm import regions, tensor_memo
 from ..comm.health import state
 from ..core import torch_compat as _torch_compat
-from ..layers import ddp_guard
+from ..layers import ddp_guard, rng
 from ..plans import ShardContext
 from ..training import clip
 from . import forward_guard, step_check
@@ -69,6 +72,8 @@ class ForwardDoor:
         self.st = state(ctx.group)
         self.inputs = InputCheck(model, self.st, first_layer_shard_width(model, layer_names))
         self.running = False  # a forward began and has not returned (for the fault report)
+        self.model = weakref.ref(model)  # for the RNG streams' refusals (rng.site)
+        self.streamed = False  # this forward switched the RNG streams (rng.enter_model)
         # Modules a hub kernel could run in place of the split (kernelized before the wrap,
         # or later: train()/eval() re-kernelizes): usually none
         self.kernels = hub_kernel_modules(model, layer_names)
@@ -81,6 +86,11 @@ class ForwardDoor:
             ddp_guard.check_active_ddp(module)
         if self.kernels:
             refuse_hub_kernels(self.kernels)
+        if module.training:  # replicated regions draw from the TP group's shared stream
+            if self.streamed:  # an exception the hooks never saw (KeyboardInterrupt) left it
+                rng.exit_model()
+            rng.enter_model(self.model)
+            self.streamed = True
         if not dist.is_initialized():
             return
         self.running = False
@@ -109,6 +119,9 @@ class ForwardDoor:
             err = sys.exc_info()[1]  # torch calls always_call hooks inside its except
             if err is not None and dist.is_initialized():
                 forward_guard.report_escaped(self.st, err)
+        if self.streamed:  # the user's generator state back
+            self.streamed = False
+            rng.exit_model()
         self.inputs.cleanup()
         if tensor_memo.KEPT:  # region entries would keep the forward's graph alive
             regions.forget_shared_inputs()

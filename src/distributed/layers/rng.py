@@ -19,7 +19,10 @@ Two kinds of stream per process:
 
 A wrapped model in training mode runs its forward with the default
 generator set to the shared stream (the user's own generator state is put
-back afterwards, so whatever each rank's RNG state was does not matter);
+back afterwards, so whatever each rank's RNG state was does not matter),
+however it is called: the forward door's hooks on the wrapped model switch it
+(:func:`enter_model`, :func:`exit_model`), through the wrapper, a PEFT model
+around it or ``wrapped.base_model(...)`` alike;
 the layers themselves switch to a local stream where a split output
 leaves a ``RowParallelLinear`` (:func:`split_region_begins`) and back where
 a ``ColumnParallelLinear`` reads it (:func:`split_region_ends`). They switch
@@ -52,8 +55,8 @@ model (its forward starts from the shared stream's current state, not the
 recorded one; checkpoint its blocks instead), and a recomputed segment that
 starts inside a split region and leaves it (:func:`split_region_ends` with no
 region open). A layer replays only what its forward switched (``streamed``):
-a model called past the wrapper (``wrapped.base_model(...)``) draws from the
-caller's generator in its forward and in its recomputation alike.
+a layer called outside a wrapped model's forward (a decoder layer on its own)
+draws from the caller's generator in its forward and in its recomputation alike.
 
 Eager mode only: under ``torch.compile`` the streams are not switched, so a
 compiled wrapped model in training mode with active dropout raises
@@ -63,6 +66,7 @@ masks on different ranks.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -114,13 +118,23 @@ class Tracker:
     outer: list[tuple[int, int]] = field(default_factory=list)
     depth: int = 0  # wrapped training forwards running (nested: a model inside a model)
     user: list[Any] = field(default_factory=list)  # the caller's states, put back at the end
-    site: str | None = None  # the last wrapped training model's first dropout site
+    # The last wrapped model run in training (held weakly): its dropout site is looked
+    # up only where a refusal needs it (site())
+    model: weakref.ref[nn.Module] | None = None
     regions: int = 0  # split regions opened in the running wrapped forward
     node: Any = None  # REPLAY only: the autograd node whose recomputation it follows
 
 
 TRACKER = Tracker()
 REPLAY = Tracker()  # the streams of the segment autograd recomputes now
+
+
+def site() -> str | None:
+    """The first dropout site (:func:`dropout_site`) of the last wrapped model run in
+    training, or None. Looked up when asked, on the refusals' paths only: adapters added
+    after the wrap (PEFT's LoRA dropout) count, and no forward pays for the walk."""
+    model = TRACKER.model() if TRACKER.model is not None else None
+    return None if model is None else dropout_site(model)
 
 
 def fork(t: Tracker, key: int, offset: int) -> None:
@@ -188,8 +202,8 @@ def split_region_begins(layer: Any) -> bool:
     Returns:
         Whether the streams switched: in a wrapped training forward or its
         recomputation. The layer keeps it as ``streamed``: a forward called
-        past the wrapper (``wrapped.base_model(...)``) switches nothing, and
-        then neither does its recomputation.
+        outside a wrapped model's (a decoder layer on its own) switches
+        nothing, and then neither does its recomputation.
     """
     if torch.compiler.is_compiling():  # _active() inline: this runs per layer and forward
         return False
@@ -214,11 +228,12 @@ def split_region_ends(layer: Any) -> bool:
     t = TRACKER if TRACKER.depth else _replaying()
     if t is None:
         return False
-    if t is REPLAY and not t.in_local and TRACKER.site is not None:
+    where = site() if t is REPLAY and not t.in_local else None
+    if where is not None:
         raise RuntimeError(
             f"{layer._name()}: activation checkpointing recomputes a segment that starts "
             "inside the split region this layer (weight columns = in_features split) "
-            f"leaves, in a model with dropout at {TRACKER.site}: torchtp cannot replay the "
+            f"leaves, in a model with dropout at {where}: torchtp cannot replay the "
             "shared RNG stream there, so the recomputed dropout masks would differ from the "
             "forward's; checkpoint whole blocks (HF gradient_checkpointing_enable(), one "
             "checkpoint per decoder layer) or set the dropout probabilities to 0")
@@ -258,11 +273,11 @@ def sequence_region_ends(owner: Any) -> bool:
     to_shared(t)
     if t.saved:
         join(t)
-    elif t is REPLAY and TRACKER.site is not None:
+    elif t is REPLAY and (where := site()) is not None:
         raise RuntimeError(
             f"{owner.who}: activation checkpointing recomputes a segment that starts on "
             "sequence shards and ends where they are gathered again (the final norm), in a "
-            f"model with dropout at {TRACKER.site}: torchtp cannot replay the shared RNG "
+            f"model with dropout at {where}: torchtp cannot replay the shared RNG "
             "stream there, so the recomputed dropout masks would differ from the forward's; "
             "checkpoint the decoder layers only (HF gradient_checkpointing_enable()) or set "
             "the dropout probabilities to 0")
@@ -465,25 +480,30 @@ def _stage_stream(state: State, stage: int) -> State:
     return own
 
 
-def enter_model(site: str | None) -> None:
-    """Forward of a wrapped model starts: default generator := shared stream.
+def enter_model(model: weakref.ref[nn.Module]) -> None:
+    """Forward of a wrapped model in training mode starts: default generator := shared stream.
+
+    Called by the forward door (``torchtp.guards.forward_door``) however the model is
+    called: through the wrapper, by a PEFT model around it, directly.
 
     Args:
-        site: The model's first dropout site (:func:`dropout_site`), or None.
+        model: The wrapped model, held weakly (its dropout site is looked up only for
+            a refusal: :func:`site`).
 
     Raises:
         RuntimeError: autograd recomputes the whole wrapped model (a checkpoint
             around it) and it has dropout: its streams cannot be replayed.
     """
     if TRACKER.depth == 0:
-        if site is not None and torch_compat.in_backward():
+        TRACKER.model = model
+        where = site() if torch_compat.graph_task_id() != -1 else None  # a recomputation
+        if where is not None:
             raise RuntimeError(
                 f"activation checkpointing recomputes a whole tensor-parallel model with dropout "
-                f"at {site}: torchtp's RNG streams have moved on since its forward, so the "
+                f"at {where}: torchtp's RNG streams have moved on since its forward, so the "
                 "recomputed dropout masks would differ from the forward's; checkpoint its blocks "
                 "instead (HF gradient_checkpointing_enable(), one checkpoint per decoder layer), "
                 "or set the dropout probabilities to 0")
-        TRACKER.site = site
         if REPLAY.node is not None:  # left by a backward that raised
             _forget_replay()
         TRACKER.user.append(get_state())

@@ -254,6 +254,25 @@ class ReplicatedWithGradAllreduce(ParallelStyle):
 
     name = "replicated_with_grad_allreduce"
 
+    def plan(self, module: nn.Module, fqn: str, ctx: ShardContext) -> LayerPlan:
+        """Check that ``module`` holds the parameters it sums (not only submodules).
+
+        Raises:
+            ValueError: its parameters all sit in submodules (a wrapper around the
+                module, such as PEFT's ``modules_to_save``): none would be summed.
+        """
+        if next(module.parameters(recurse=False), None) is None \
+                and next(module.parameters(), None) is not None:
+            raise ValueError(
+                f"plan style {self.name!r} for module '{fqn}' ({type(module).__name__}): its "
+                f"parameters' gradients must be summed over the TP group of {ctx.world_size} "
+                "ranks, but it holds none of its own, only submodules "
+                f"{[n for n, _ in module.named_children()]} (a wrapper around the module, such "
+                "as PEFT's modules_to_save), so none would be summed; wrap the model without "
+                "the wrapper and add it afterwards (get_peft_model(wrapped.base_model, <the "
+                "same config>)), or give the style to the module holding the parameters")
+        return super().plan(module, fqn, ctx)
+
     def apply(self, module: nn.Module, layer: LayerPlan, ctx: ShardContext) -> nn.Module:
         if ctx.world_size > 1:
             for name, _ in module.named_parameters(recurse=False):

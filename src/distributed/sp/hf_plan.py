@@ -547,4 +547,8 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, ctx: ShardCont
             if isinstance(layer, ColumnParallelLinear) and layer.bias is not None:
                 # Added to this rank's tokens only: the gradient is a partial sum.
                 mark(layer, "bias", (GradSync(ctx.group),))
-    model.get_submodule(sp.end).register_forward_hook(hooks.gather_output)
+    # Through a function, not the bound method: PEFT's modules_to_save deep-copies the
+    # final norm with its hooks, and a bound method's _Hooks would be copied with it (its
+    # length stale); a function is shared, so the copy reads this forward's length.
+    model.get_submodule(sp.end).register_forward_hook(
+        lambda mod, args, out: hooks.gather_output(mod, args, out))

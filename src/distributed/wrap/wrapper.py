@@ -184,6 +184,9 @@ class DistributedModelWrapper(nn.Module):
             self.sequence_parallel = options.sequence is not None
             steps.after_wrap(self)  # HF model methods; accelerate's and Lightning's DDP
             forward_door.install(model, ctx, self.parallelized_layers)
+            for name, module in model.named_modules():
+                if isinstance(module, ParallelLinear):  # its split regions' RNG stream key
+                    module.stream_key = zlib.crc32(name.encode())
             self.train(model.training)  # records where dropout would draw (see train)
         finally:
             steps.put_back(detached)  # around the parallel base layers (or restored on error)
@@ -253,13 +256,6 @@ class DistributedModelWrapper(nn.Module):
             if slot is None or slot[0].get(slot[1]) is not slot[2] \
                     or slot[3] != _torch_compat.REPLACEMENTS:
                 self.__dict__["_fsdp_slot"] = check_fsdp_if_new(self.base_model, self.group, slot)
-            if self.training:
-                # Replicated regions draw from the TP group's shared stream (see layers/rng.py).
-                rng.enter_model(self.__dict__["_dropout_site"])
-                try:
-                    return super().__call__(*args, **kwargs)
-                finally:
-                    rng.exit_model()
         return super().__call__(*args, **kwargs)
 
     def train(self, mode: bool = True) -> DistributedModelWrapper:
@@ -271,10 +267,6 @@ class DistributedModelWrapper(nn.Module):
         super().train(mode)
         site = rng.dropout_site(self.base_model) if mode and self.world_size > 1 else None
         self.__dict__["_dropout_site"] = site
-        if mode and self.world_size > 1:
-            for name, module in self.base_model.named_modules():
-                if isinstance(module, ParallelLinear):  # its split regions' stream key
-                    module.stream_key = zlib.crc32(name.encode())
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
