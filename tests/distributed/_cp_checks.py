@@ -427,17 +427,19 @@ def _same_mask(wrapped: Any, ends: tuple[str, ...]) -> list[list[bool]]:
 def _dropout_masks() -> dict[str, list[list[bool]]]:
     """The dropout masks of cp 2 x tp 2 GPT-2 (p=0.5, every rank seeded alike): plain
     context parallelism, and around a tensor-parallel wrapper with and without sequence
-    parallelism, on the embedding's dropout and on the blocks'."""
+    parallelism, on the embedding's dropout and on the blocks'; and plain context
+    parallelism built around the model in eval mode, the model trained afterwards."""
     import torchtp
     from torchtp.cp import ContextParallel
 
     found = {}
-    for case in ("cp", "cp x tp", "cp x tp, sp"):
+    for case in ("cp", "cp x tp", "cp x tp, sp", "cp, trained after"):
         torch.manual_seed(11)
         model = _dropout_gpt2()
-        if case != "cp":
+        if case.startswith("cp x tp"):
             model = torchtp.DistributedModelWrapper(model, sequence_parallel=case.endswith("sp"))
-        wrapped = ContextParallel(model)
+        wrapped = ContextParallel(model.eval() if case.endswith("after") else model)
+        model.train()  # through the model's own train(), not ContextParallel's
         found[f"{case}: embedding"] = _same_mask(wrapped, ("transformer.drop",))
         found[f"{case}: blocks"] = _same_mask(wrapped, _SHARDS)
     return found

@@ -34,6 +34,15 @@ def _compiled(rank: int, world_size: int) -> str:
         torch.compile(drop, fullgraph=True, backend="aot_eager")(x)
     drop.eval()
     torch.compile(drop, fullgraph=True, backend="aot_eager")(x)
+    # The refusal is the forward door's, decided when traced: it sees a dropout PEFT added
+    # after the wrap, with the PEFT model compiled on its own (the wrapper never called).
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(torchtp.DistributedModelWrapper(mlp()).base_model,
+                          LoraConfig(r=2, target_modules=["0"], lora_dropout=0.3))
+    with pytest.raises(Exception, match=r"torch\.compile of a tensor-parallel model \(tp=2\) "
+                       r"in training mode with dropout at .*0\.lora_dropout\.default \(p=0\.3\)"):
+        torch.compile(lora.train(), fullgraph=True, backend="aot_eager")(x)
     _ddp_compiled_training(x)
     return "ok"
 

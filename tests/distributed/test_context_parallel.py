@@ -98,7 +98,9 @@ def test_cp_composes_with_tp_sp_ddp_and_fsdp2(ranks):
     for g in got:
         assert g["masks"] == {"cp: embedding": peers, "cp: blocks": peers,
                               "cp x tp: embedding": peers, "cp x tp: blocks": peers,
-                              "cp x tp, sp: embedding": peers, "cp x tp, sp: blocks": alone}
+                              "cp x tp, sp: embedding": peers, "cp x tp, sp: blocks": alone,
+                              "cp, trained after: embedding": peers,
+                              "cp, trained after: blocks": peers}
         assert all(err < checks.HF_TOL for err in g["replayed"].values()), g["replayed"]
     got = ranks(checks.dp_with_cp, 4, timeout=600)
     assert all(set(g) == {"ddp", "fsdp2"} for g in got)

@@ -101,13 +101,6 @@ class ContextParallel(nn.Module):
         self.family = getattr(getattr(self.hf, "config", None), "model_type", None)
         self.train(model.training)
 
-    def train(self, mode: bool = True) -> ContextParallel:
-        """``nn.Module.train``; also records whether the model has dropout (then each
-        rank's tokens draw their own masks in training: ``torchtp.layers.rng.own_tokens``)."""
-        super().train(mode)
-        self.__dict__["_dropout_site"] = rng.dropout_site(self.module) if mode else None
-        return self
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 **kwargs: Any) -> Any:
@@ -149,10 +142,12 @@ class ContextParallel(nn.Module):
         assert batch is not None
         # Parameters added since the wrap (PEFT adapters) are summed over cp too
         self.__dict__["_summed"] = _grads.refresh(self.module, group, self.__dict__["_summed"])
-        # Dropout on this rank's tokens draws masks of their own (layers/rng.py)
-        site = self.__dict__["_dropout_site"]
-        with rng.own_tokens(_TOKENS_KEY, group_rank(group) + 1, site) if self.training \
-                and site is not None else nullcontext():
+        # Dropout on this rank's tokens draws masks of their own (layers/rng.py); looked up
+        # per training forward, from the model as it is (trained through its own train(),
+        # adapters added since), beside this forward's object all-gather
+        site = rng.dropout_site(self.module) if self.module.training else None
+        with rng.own_tokens(_TOKENS_KEY, group_rank(group) + 1, site) if site is not None \
+                else nullcontext():
             out = self.module(input_ids=batch.input_ids, position_ids=batch.position_ids,
                               use_cache=False, **{BATCH_KWARG: batch}, **kwargs)
         if labels is not None:

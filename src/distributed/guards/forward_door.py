@@ -79,8 +79,19 @@ class ForwardDoor:
         self.kernels = hub_kernel_modules(model, layer_names)
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook."""
+        """Forward pre-hook.
+
+        Raises:
+            RuntimeError: traced by ``torch.compile`` in training mode with dropout:
+                compiled code does not switch the RNG streams (decided at trace time,
+                from the modules the model holds then, adapters added after the wrap
+                included).
+        """
         if torch.compiler.is_compiling():
+            if module.training:
+                where = rng.dropout_site(module)
+                if where is not None:
+                    raise rng.refuse_compiled_dropout(where, self.st.size)
             return
         if _torch_compat.active_ddp() is not None:  # a DDP runs its forward into us
             ddp_guard.check_active_ddp(module)

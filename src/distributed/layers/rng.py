@@ -60,7 +60,7 @@ draws from the caller's generator in its forward and in its recomputation alike.
 
 Eager mode only: under ``torch.compile`` the streams are not switched, so a
 compiled wrapped model in training mode with active dropout raises
-(:func:`dropout_site`, checked by the wrapper) instead of drawing different
+(:func:`dropout_site`, checked by the forward door when traced) instead of drawing different
 masks on different ranks.
 """
 

@@ -23,7 +23,6 @@ from ..core import torch_compat as _torch_compat
 from ..core.torch_compat import registered_child
 from ..ep.dispatch import Dispatch
 from ..guards import checks, forward_door, forward_guard, input_check, step_check
-from ..layers import rng
 from ..layers.ddp_guard import check_fsdp_if_new
 from ..layers.parallel_linear import ParallelLinear
 from ..plans import ResolvedPlan, ShardContext
@@ -187,7 +186,7 @@ class DistributedModelWrapper(nn.Module):
             for name, module in model.named_modules():
                 if isinstance(module, ParallelLinear):  # its split regions' RNG stream key
                     module.stream_key = zlib.crc32(name.encode())
-            self.train(model.training)  # records where dropout would draw (see train)
+            self.train(model.training)
         finally:
             steps.put_back(detached)  # around the parallel base layers (or restored on error)
 
@@ -206,7 +205,7 @@ class DistributedModelWrapper(nn.Module):
         self.base_model = model
         self.world_size, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
         self.__dict__.update(_resolved=None, _planning=(ctx, plan, flags, verify, budget),
-                             _wrap_fingerprint={"world_size": 1}, _dropout_site=None)
+                             _wrap_fingerprint={"world_size": 1})
         self.parallelized_layers = []
         self.loss_parallel, self.sequence_parallel = flags[0], False
         self.training = model.training
@@ -258,17 +257,6 @@ class DistributedModelWrapper(nn.Module):
                 self.__dict__["_fsdp_slot"] = check_fsdp_if_new(self.base_model, self.group, slot)
         return super().__call__(*args, **kwargs)
 
-    def train(self, mode: bool = True) -> DistributedModelWrapper:
-        """``nn.Module.train``; also records the first dropout site for compiled training.
-
-        Compiled code does not switch torchtp's RNG streams, so a compiled
-        forward in training mode raises when the model has active dropout.
-        """
-        super().train(mode)
-        site = rng.dropout_site(self.base_model) if mode and self.world_size > 1 else None
-        self.__dict__["_dropout_site"] = site
-        return self
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped model unchanged.
 
@@ -277,10 +265,7 @@ class DistributedModelWrapper(nn.Module):
         collectives misaligned, every later collective raises
         :class:`~torchtp.InconsistentGroupError` naming the rank.
         """
-        if torch.compiler.is_compiling():
-            site = self.__dict__.get("_dropout_site")
-            if self.training and site is not None:
-                raise rng.refuse_compiled_dropout(site, self.world_size)
+        if torch.compiler.is_compiling():  # the forward door refuses compiled dropout
             return self.base_model(*args, **kwargs)
         try:
             return self.base_model(*args, **kwargs)
