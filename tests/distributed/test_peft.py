@@ -100,6 +100,7 @@ def _peft_suite(rank: int, world_size: int, tmp: str) -> dict:
     _train("llama", "all-linear", steps=2, sequence_parallel=True)
     out["sp_dropout_agrees"] = _sp_lora_dropout_agrees()
     _saved_norms_match()
+    _saved_split_copies_round_trip(f"{tmp}-saved-copies")
     # Options that cannot be sharded are refused by name.
     with pytest.raises(ValueError, match=r"LoRA variants .* not supported under tensor"):
         get_peft_model(torchtp.DistributedModelWrapper(build("llama")).base_model,
@@ -161,6 +162,34 @@ def _sp_lora_dropout_agrees() -> bool:
         assert grads and all(g.abs().sum() > 0 for g in grads)
         agree.append(all(torch.equal(a, b) for a, b in zip(first, grads, strict=True)))
     return all(agree)
+
+
+def _saved_split_copies_round_trip(tmp: str) -> None:
+    """PEFT's modules_to_save on split layers (q_proj: weight rows, o_proj: weight columns)
+    added after the wrap: one AdamW step equals one process's; save_pretrained writes the
+    trained copies whole (each rank's slice, gathered), which load onto the unsharded
+    model and onto a wrapped one (each rank keeps its slice) with the trained logits."""
+    def config() -> LoraConfig:
+        torch.manual_seed(5)
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"],
+                          modules_to_save=["q_proj", "o_proj"])
+
+    batch = inputs("llama")
+    ref = get_peft_model(build("llama"), config())
+    tp = get_peft_model(torchtp.DistributedModelWrapper(build("llama")).base_model, config())
+    for model in (ref, tp):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        loss_of(model, batch).backward()
+        opt.step()
+    want = ref(**batch).logits
+    torch.testing.assert_close(tp(**batch).logits, want, **CLOSE)
+    tp.save_pretrained(tmp)
+    dist.barrier()  # rank 0 writes
+    plain = PeftModel.from_pretrained(build("llama"), tmp)
+    torch.testing.assert_close(plain(**batch).logits, want, **CLOSE)
+    wrapped = PeftModel.from_pretrained(torchtp.DistributedModelWrapper(build("llama")).base_model,
+                                        tmp)
+    torch.testing.assert_close(wrapped(**batch).logits, want, **CLOSE)
 
 
 def _saved_norms_match() -> None:

@@ -144,8 +144,12 @@ def test_wrapper_forwards_attributes_and_state_dict_holds_local_shards():
     for name, tensor in wrapped.state_dict().items():
         assert torch.equal(tensor, other[name]), name
         assert not torch.equal(tensor, before[name]), name  # really replaced
+    # An unsharded tensor (the full model's) loads as this rank's slice of it (rows 48-63)
+    full = mlp(seed=2).state_dict()["0.weight"]  # (64, 16)
+    wrapped.load_state_dict({**other, "0.weight": full})
+    assert torch.equal(wrapped.base_model[0].weight, full[48:])
     with pytest.raises(RuntimeError, match=r"size mismatch for 0\.weight"):
-        wrapped.load_state_dict({**other, "0.weight": torch.zeros(64, 16)})  # unsharded size
+        wrapped.load_state_dict({**other, "0.weight": torch.zeros(32, 16)})  # tp 2's shard
 
 
 def _train(rank: int, world_size: int, steps: int) -> int:

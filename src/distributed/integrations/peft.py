@@ -63,7 +63,7 @@ from ..layers import RowParallelLinear, grad_sync
 from ..layers._base import require_group
 from ..layers._shape import input_mismatch
 from ..layers.grad_sync import GradSync
-from ..layers.owned import layouts_of
+from ..layers.owned import layouts_of, split_group
 from ..layers.rng import (
     TRACKER,
     in_split_region,
@@ -271,19 +271,33 @@ def parallel_linear_names(model: nn.Module) -> set[str]:
             if isinstance(m, PARALLEL_LINEARS) and id(m) not in skip}
 
 
-def consolidated_adapter_state(model: nn.Module) -> tuple[dict[str, Any], Any]:
-    """``model.state_dict()`` with every sharded LoRA tensor gathered whole.
+_SAVED = (".lora_A.", ".lora_B.", ".modules_to_save.")  # what PeftModel.save_pretrained writes
 
-    Collective over the LoRA layers' TP group. Full tensors land on group
+
+def _adapter_group(model: nn.Module) -> Any:
+    """The TP group ``model``'s adapters are split over (its LoRA factors, or PEFT's
+    ``modules_to_save`` copies of a split layer); None when every one is whole."""
+    lora = next((g for g in map(_lora_group, model.modules()) if g is not None), None)
+    return lora if lora is not None else split_group(
+        m for n, m in model.named_modules() if ".modules_to_save." in f"{n}.")
+
+
+def consolidated_adapter_state(model: nn.Module) -> tuple[dict[str, Any], Any]:
+    """``model.state_dict()`` with every sharded adapter tensor gathered whole: LoRA's
+    factors, and PEFT's ``modules_to_save`` copies of a split layer (in checkpoint
+    orientation, as the unsharded model holds them; a split layer loads them back,
+    ``layers.owned.ShardedModule``).
+
+    Collective over the adapters' TP group. Full tensors land on group
     rank 0; the other ranks keep their slices (they do not write).
 
     Returns:
         ``(state_dict, group)``.
     """
     state = model.state_dict()
-    group = next((g for g in map(_lora_group, model.modules()) if g is not None), None)
+    group = _adapter_group(model)
     items = [p for p in placements(model) if p.layout.dim is not None
-             and (".lora_A." in p.name or ".lora_B." in p.name)]
+             and any(part in p.name for part in _SAVED)]
     layouts = gather_layouts(items, group)
     for p in items:
         full = gather_full(p, layouts, group)
@@ -304,8 +318,7 @@ def _lora_group(module: nn.Module) -> Any:
 def _save_pretrained(original: Any) -> Any:
     @functools.wraps(original)
     def save_pretrained(self: Any, save_directory: str, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("state_dict") is not None or not any(
-                _lora_group(m) is not None for m in self.modules()):
+        if kwargs.get("state_dict") is not None or _adapter_group(self) is None:
             return original(self, save_directory, *args, **kwargs)
         # Over the world, like the agreement below: a save on some ranks only
         # raises on them within min(60 s, TP_TIMEOUT) instead of a Gloo timeout.

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from typing import Any
 
+import torch
 from torch import nn
 
 from ..comm.runtime import ProcessGroup, group_size
@@ -26,6 +28,19 @@ class ShardedModule:
     """
 
     tp_layouts: dict[str, ParamLayout]
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
+                              *args: Any, **kwargs: Any) -> None:
+        """``nn.Module``'s, after cutting any full-size tensor (checkpoint orientation) for
+        a split parameter to this rank's slice: a state dict of the unsharded model, or
+        of PEFT's ``modules_to_save`` copy of this layer saved whole, loads as it is.
+        ``load_state_dict`` hands every module its own copy of the dict."""
+        for name, layout in self.tp_layouts.items():
+            full = state_dict.get(prefix + name)
+            if isinstance(full, torch.Tensor) and tuple(full.shape) == layout.full_shape \
+                    and tuple(full.shape) != layout.local_shape:
+                state_dict[prefix + name] = layout.take(full)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
 
 
 def layouts_of(module: nn.Module) -> dict[str, ParamLayout]:

@@ -294,6 +294,9 @@ class DistributedModelWrapper(nn.Module):
                         assign: bool = False) -> Any:
         """Collective over the TP group: load this rank's shards (names as in :meth:`state_dict`).
 
+        A full-size tensor (the unsharded model's, in its orientation) for a split
+        parameter loads as this rank's slice of it.
+
         Raises:
             ValueError: on every rank, when a rank was given another rank's state dict
                 (or one saved at another tp or plan), naming both ranks.
