@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..core.layouts import ParamLayout
-from ..layers.owned import ShardedModule, layouts_of
+from ..layers.owned import ShardedModule, accept_full_size
 
 # Initialisations PEFT draws without reading the base weight (PiSSA, OLoRA,
 # LoftQ, EVA... decompose the full base weight, which no rank holds).
@@ -56,15 +55,4 @@ def keep_slice(linear: nn.Linear, layout: ParamLayout) -> None:
     linear.__class__ = AdapterSlice  # no new state: the layout below is all it adds
     assert isinstance(linear, AdapterSlice)
     linear.tp_layouts = {"weight": layout}
-    linear.register_load_state_dict_pre_hook(_accept_full_size)
-
-
-def _accept_full_size(module: Any, state_dict: dict[str, Any], prefix: str,
-                      *args: Any) -> None:
-    """Loading a full-size adapter tensor keeps this rank's slice of it."""
-    key = prefix + "weight"
-    layout = layouts_of(module)["weight"]
-    full = state_dict.get(key)
-    if isinstance(full, torch.Tensor) and tuple(full.shape) == layout.full_shape \
-            and tuple(full.shape) != tuple(module.weight.shape):
-        state_dict[key] = layout.take(full)
+    accept_full_size(linear)  # a full-size adapter tensor loaded keeps this rank's slice

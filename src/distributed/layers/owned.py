@@ -29,19 +29,6 @@ class ShardedModule:
 
     tp_layouts: dict[str, ParamLayout]
 
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
-                              *args: Any, **kwargs: Any) -> None:
-        """``nn.Module``'s, after cutting any full-size tensor (checkpoint orientation) for
-        a split parameter to this rank's slice: a state dict of the unsharded model, or
-        of PEFT's ``modules_to_save`` copy of this layer saved whole, loads as it is.
-        ``load_state_dict`` hands every module its own copy of the dict."""
-        for name, layout in self.tp_layouts.items():
-            full = state_dict.get(prefix + name)
-            if isinstance(full, torch.Tensor) and tuple(full.shape) == layout.full_shape \
-                    and tuple(full.shape) != layout.local_shape:
-                state_dict[prefix + name] = layout.take(full)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
-
 
 def layouts_of(module: nn.Module) -> dict[str, ParamLayout]:
     """Which slice of the full tensor each of ``module``'s own parameters holds.
@@ -52,6 +39,28 @@ def layouts_of(module: nn.Module) -> dict[str, ParamLayout]:
     """
     # The layer's own dict (not a copy): callers may cache by identity; never mutate it.
     return module.tp_layouts if isinstance(module, ShardedModule) else {}
+
+
+def accept_full_size(module: nn.Module) -> None:
+    """Make ``module`` (a layer holding slices) load a full-size tensor (checkpoint
+    orientation) for a split parameter as this rank's slice of it: a state dict of the
+    unsharded model, or PEFT's ``modules_to_save`` copy of the layer saved whole, loads
+    as it is. A public load pre-hook, registered once; a deep copy of the module (PEFT's
+    copy) keeps it."""
+    if not getattr(module, "tp_loads_full_size", False):
+        module.register_load_state_dict_pre_hook(_take_slices)
+        module.tp_loads_full_size = True  # type: ignore[assignment]
+
+
+def _take_slices(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                 *args: Any) -> None:
+    """Load pre-hook of :func:`accept_full_size` (``load_state_dict`` hands every module
+    its own copy of the dict)."""
+    for name, layout in layouts_of(module).items():
+        full = state_dict.get(prefix + name)
+        if isinstance(full, torch.Tensor) and tuple(full.shape) == layout.full_shape \
+                and tuple(full.shape) != layout.local_shape:
+            state_dict[prefix + name] = layout.take(full)
 
 
 def split_group(modules: Iterable[nn.Module]) -> ProcessGroup | None:

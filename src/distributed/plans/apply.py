@@ -6,6 +6,7 @@ from torch import nn
 
 from ..core.log import logger
 from ..layers import grad_sync
+from ..layers.owned import accept_full_size, layouts_of
 from .attention_local import localize_attention
 from .resolved import ResolvedPlan
 from .styles import ShardContext
@@ -17,7 +18,8 @@ def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) -> l
 
     After the swap, tied parameters are tied again, attention modules whose
     heads are split read their local head counts, and gradient hooks for
-    partially replicated parameters are installed.
+    partially replicated parameters are installed. Every module holding slices
+    loads a full-size tensor as its slice (:func:`torchtp.layers.owned.accept_full_size`).
     """
     ties = tied_groups(model)
     swapped = []
@@ -25,6 +27,9 @@ def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ShardContext) -> l
         layer = resolved.layers[name]
         old = model.get_submodule(name)
         new = style.apply(old, layer, ctx)
+        for held in new.modules():  # an unsharded state dict loads as this rank's slices
+            if layouts_of(held):
+                accept_full_size(held)
         if new is not old:
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name), leaf, new)
