@@ -285,8 +285,8 @@ def _adapter_group(model: nn.Module) -> Any:
 def consolidated_adapter_state(model: nn.Module) -> tuple[dict[str, Any], Any]:
     """``model.state_dict()`` with every sharded adapter tensor gathered whole: LoRA's
     factors, and PEFT's ``modules_to_save`` copies of a split layer (in checkpoint
-    orientation, as the unsharded model holds them; a split layer loads them back,
-    ``layers.owned.ShardedModule``).
+    orientation, as the unsharded model holds them; a split layer loads them back:
+    ``layers.owned.accept_full_size``).
 
     Collective over the adapters' TP group. Full tensors land on group
     rank 0; the other ranks keep their slices (they do not write).
