@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+import zlib
 from types import MethodType
 from typing import Any
 
@@ -49,6 +50,7 @@ from ..comm import regions, tensor_memo
 from ..comm.health import state
 from ..core import torch_compat as _torch_compat
 from ..layers import ddp_guard, rng
+from ..layers.parallel_linear import ParallelLinear
 from ..plans import ShardContext
 from ..training import clip
 from . import forward_guard, step_check
@@ -183,7 +185,8 @@ def refuse_hub_kernels(watched: list[HubKernelSite]) -> None:
 
 
 def install(model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None:
-    """At tp > 1: record ``model`` for the training features and hook its forward.
+    """At tp > 1: record ``model`` for the training features, key each parallel layer's
+    split-region RNG stream by its name, and hook its forward.
 
     Args:
         model: The wrapped model (``wrapper.base_model``), already sliced.
@@ -197,6 +200,9 @@ def install(model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None
     ddp_guard.install()  # later DDPs leave the shards alone
     if ctx.group is None:  # a planning-only wrap (world_size given, no group): no forward runs
         return
+    for name, module in model.named_modules():
+        if isinstance(module, ParallelLinear):  # its split regions' RNG stream key
+            module.stream_key = zlib.crc32(name.encode())
     door = ForwardDoor(model, ctx, layer_names)
     model.register_forward_pre_hook(door.before, with_kwargs=True)
     model.register_forward_hook(door.returned, with_kwargs=True)

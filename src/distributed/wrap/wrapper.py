@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -183,9 +182,6 @@ class DistributedModelWrapper(nn.Module):
             self.sequence_parallel = options.sequence is not None
             steps.after_wrap(self)  # HF model methods; accelerate's and Lightning's DDP
             forward_door.install(model, ctx, self.parallelized_layers)
-            for name, module in model.named_modules():
-                if isinstance(module, ParallelLinear):  # its split regions' RNG stream key
-                    module.stream_key = zlib.crc32(name.encode())
             self.train(model.training)
         finally:
             steps.put_back(detached)  # around the parallel base layers (or restored on error)
