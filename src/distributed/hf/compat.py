@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 CHECKED_TRANSFORMERS = ("5.3.0", "5.23.0", "5.24.0", "5.25.0")
-CHECKED_PEFT = ("0.21.2",)
+CHECKED_PEFT = ("0.21.2", "0.22.0")
 CHECKED_ACCELERATE = ("1.15.0", "1.16.0")
 # The oldest release torchtp supports (pyproject's lower bound, run by ``make
 # compat``). Older releases ship tp plans torchtp would follow into wrong
@@ -227,8 +227,8 @@ def peft_register_custom_module(lora_config: Any, mapping: dict[type, type]) -> 
     """Register ``{base layer class: LoRA layer class}`` on one ``LoraConfig``.
 
     PEFT's custom-module mechanism (``LoraConfig._register_custom_module``,
-    experimental in PEFT 0.13-0.21): its dispatcher builds the given LoRA
-    class for targets of the given base class. Checked: peft 0.21.2.
+    experimental in PEFT 0.13-0.22): its dispatcher builds the given LoRA
+    class for targets of the given base class. Checked: peft 0.21.2, 0.22.0.
     """
     lora_config._register_custom_module(mapping)
 
@@ -236,7 +236,7 @@ def peft_register_custom_module(lora_config: Any, mapping: dict[type, type]) -> 
 def peft_lora_dispatch_owner() -> tuple[Any, str]:
     """``(LoraModel, name)`` of the static method that builds a LoRA layer for a target.
 
-    Checked: peft 0.21.2.
+    Checked: peft 0.21.2, 0.22.0.
     """
     from peft.tuners.lora import LoraModel
 
@@ -261,7 +261,7 @@ def peft_all_linear_owners() -> list[Any]:
     transformers v5 modules, so with an older transformers PEFT never calls it), each
     holding :data:`PEFT_ALL_LINEAR`.
 
-    Checked: peft 0.21.2 (``tests/distributed/test_compat_fence.py`` scans the installed
+    Checked: peft 0.21.2, 0.22.0 (``tests/distributed/test_compat_fence.py`` scans the installed
     PEFT for modules holding the name that this list lacks).
     """
     owners = []
@@ -279,7 +279,7 @@ def peft_trainable_tokens_owner() -> tuple[Any, str]:
     on a base layer (``TrainableTokensConfig``, ``LoraConfig(trainable_token_indices=...)``
     and the LM head tied to the embedding).
 
-    Checked: peft 0.21.2.
+    Checked: peft 0.21.2, 0.22.0.
     """
     from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 
@@ -289,14 +289,14 @@ def peft_trainable_tokens_owner() -> tuple[Any, str]:
 # PEFT LoRA layer methods TensorParallelLoraLinear overrides and torchtp hooks on
 # ParamWrapper (integrations/peft_params.py): the full (unsplit) sizes PEFT sizes A and B
 # from. The latter also relies on ParamWrapper's factor layout (expert e: A's rows
-# e*r..e*r+r, B's columns k*E + e; its num_experts reshapes them). Checked: peft 0.21.2.
+# e*r..e*r+r, B's columns k*E + e; its num_experts reshapes them). Checked: peft 0.21.2, 0.22.0.
 LORA_LAYER_HOOKS = ("_get_in_out_features",)
 
 
 def missing_lora_layer_hooks(layer_cls: type) -> list[str]:
     """The :data:`LORA_LAYER_HOOKS` PEFT's LoRA ``Linear`` does not define (yet, or any more).
 
-    Checked: peft 0.21.2 (complete).
+    Checked: peft 0.21.2, 0.22.0 (complete).
     """
     return [name for name in LORA_LAYER_HOOKS if not callable(getattr(layer_cls, name, None))]
 
@@ -304,7 +304,7 @@ def missing_lora_layer_hooks(layer_cls: type) -> list[str]:
 def peft_check_forward_args(layer: Any, x: Any, *args: Any, **kwargs: Any) -> None:
     """Run a PEFT LoRA layer's own argument checks (adapter names, merged state).
 
-    Checked: peft 0.21.2 (``LoraLayer._check_forward_args``).
+    Checked: peft 0.21.2, 0.22.0 (``LoraLayer._check_forward_args``).
     """
     layer._check_forward_args(x, *args, **kwargs)
 
@@ -312,7 +312,7 @@ def peft_check_forward_args(layer: Any, x: Any, *args: Any, **kwargs: Any) -> No
 def peft_cast_input_dtype(layer: Any, x: Any, dtype: Any) -> Any:
     """``x`` cast to an adapter weight's dtype as PEFT's own LoRA forward does.
 
-    Checked: peft 0.21.2 (``LoraLayer._cast_input_dtype``, which honours
+    Checked: peft 0.21.2, 0.22.0 (``LoraLayer._cast_input_dtype``, which honours
     ``autocast_adapter_dtype``).
     """
     return layer._cast_input_dtype(x, dtype)
