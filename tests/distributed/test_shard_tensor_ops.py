@@ -41,6 +41,23 @@ def _case(grid: Grid, a_full: torch.Tensor, b_full: torch.Tensor, sa: Sharding,
             "ok": torch.allclose(full, a_full @ b_full, atol=1e-4)}
 
 
+def _grad_errors(grid: Grid, sa: Sharding, sb: Sharding) -> dict[str, float]:
+    """Largest relative error of A's and B's gradients of ``sum(W * (A @ B))`` against one
+    process, in float64 (exact up to summation order). 6 columns over 4 ranks: uneven."""
+    gen = torch.Generator().manual_seed(1)
+    a_full, b_full, w = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+                         for shape in ((12, 8), (8, 6), (12, 6)))
+    a_ref, b_ref = a_full.clone().requires_grad_(), b_full.clone().requires_grad_()
+    ((a_ref @ b_ref) * w).sum().backward()
+    a = distribute(a_full, sa, grid).detach().requires_grad_()
+    b = distribute(b_full, sb, grid).detach().requires_grad_()
+    (matmul(a, b).full_tensor() * w).sum().backward()
+    assert a.grad is not None and b.grad is not None and a_ref.grad is not None
+    assert b_ref.grad is not None
+    return {name: ((got.full_tensor() - want).abs().max() / want.abs().max()).item()
+            for name, got, want in (("A", a.grad, a_ref.grad), ("B", b.grad, b_ref.grad))}
+
+
 def _ops(rank: int, world_size: int) -> dict[str, Any]:
     grid = Grid((4,))
     gen = torch.Generator().manual_seed(0)  # same full tensors on every rank
@@ -75,6 +92,10 @@ def _ops(rank: int, world_size: int) -> dict[str, Any]:
     partial = matmul(distribute(a_full, INNER, grid), distribute(b_full, ROWS, grid),
                      reduce=False)
     out["unreduced_is_partial"] = isinstance(partial.placements[0], Partial)
+    # A replicated operand's gradient: each rank holds a partial sum of it
+    out["grads"] = {name: _grad_errors(grid, sa, sb) for name, sa, sb in (
+        ("row", ROWS, REPL), ("inner", INNER, ROWS), ("both_rows", ROWS, ROWS),
+        ("column", REPL, INNER), ("replicated", REPL, REPL), ("fallback", INNER, REPL))}
     return out
 
 
@@ -111,4 +132,6 @@ def test_matmul_strategies_and_reductions(ranks):
         assert r["col_sum_ok"] and r["row_mean_ok"]
         assert r["int_mean"] == 4.5
         assert r["unreduced_is_partial"]
+        for name, errors in r["grads"].items():  # float64: only summation order differs
+            assert max(errors.values()) < 1e-12, (name, errors)
     assert [r["uneven_local_rows"] for r in results] == [3, 3, 3, 1]

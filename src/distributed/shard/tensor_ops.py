@@ -122,7 +122,11 @@ def matmul(a: DTensor, b: DTensor, *, reduce: bool = True) -> DTensor:
     if strategy is MatmulStrategy.GATHER_B:
         b = b.redistribute(b.device_mesh, [Replicate()])  # one all-gather
         strategy = MatmulStrategy.ROW_SHARDED
-    local = a.to_local() @ b.to_local()
+    # A replicated operand's local gradient is this rank's partial sum (its rows or columns
+    # of the other operand only): Partial, as DTensor's own ``a @ b`` leaves it
+    a_grad = [Partial("sum")] if strategy is MatmulStrategy.COLUMN_SHARDED else None
+    b_grad = [Partial("sum")] if strategy is MatmulStrategy.ROW_SHARDED else None
+    local = a.to_local(grad_placements=a_grad) @ b.to_local(grad_placements=b_grad)
     if strategy is MatmulStrategy.INNER_SHARDED:
         partial = _wrap(local, a, Partial("sum"), shape)
         return partial.redistribute(a.device_mesh, [Replicate()]) if reduce else partial
