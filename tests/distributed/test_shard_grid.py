@@ -94,6 +94,14 @@ def test_shard_and_assemble_are_inverse_without_processes():
     assert torch.equal(shard.shard(full, Sharding([[1, 0]]), (2, 2), (1, 0)), full[1:2])
 
 
+def test_unshard_on_one_device_crops_the_halos():
+    full = torch.arange(18.0).reshape(6, 3)
+    halo = Sharding([[0]], halo_sizes=[1, 2])
+    piece = shard.shard(full, halo, Grid((1,)), 0)  # (1 + 6 + 2, 3): zero halo rows
+    assert piece.shape == (9, 3)
+    assert torch.equal(shard.unshard(piece, halo, Grid((1,))), full)
+
+
 def _n(grid: tuple[int, ...]) -> int:
     out = 1
     for s in grid:
