@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
+from torch import nn
 
 from torchtp.cli import SUBCOMMANDS, main
 from torchtp.hf.compat import LAZY_STATE_CACHES
@@ -281,3 +283,17 @@ def test_plan_places_experts_as_the_wrapper_would(capsys, tmp_path):
     report = json.loads(out)
     assert code == 0 and report["passed"], report
     assert report["ranks"][0]["collectives_per_forward"]["all_to_all"] == 4  # 2 per MoE layer
+
+
+def test_verify_reports_the_largest_relative_gradient_error_and_missing_gradients():
+    from torchtp.cli.verify import _grad_error
+
+    torch.manual_seed(0)
+    ref, got = nn.Linear(4, 4), nn.Linear(4, 4)
+    got.load_state_dict(ref.state_dict())
+    ref.weight.grad, ref.bias.grad = 1000 * torch.randn(4, 4), 1e-3 * torch.randn(4)
+    got.weight.grad = ref.weight.grad + 1e-3  # rounding-sized on a large gradient: 1e-6 relative
+    got.bias.grad = 1.5 * ref.bias.grad  # half wrong on a small one
+    assert _grad_error(got, ref)[1] == pytest.approx(0.5)
+    got.bias.grad = None  # a gradient that never arrived
+    assert _grad_error(got, ref) == (math.inf, math.inf)

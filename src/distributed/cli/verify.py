@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 import torch
@@ -23,6 +24,9 @@ from ._launch import launch, pick_backend
 from ._ranks import load_model, load_sharded, peak_device_bytes, peak_rss_bytes, random_tokens, say
 from .plan import require_splittable
 
+# Default --tol by model dtype: float32 (a different summation order), float64 (rounding
+# only), anything else (half types: one rounding of each partial sum)
+DEFAULT_TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 HELP = "run the sharded model on N processes and compare with the unsharded model"
 EXAMPLES = """examples:
   torchtp verify ./Llama-3.2-1B --tp 2
@@ -41,7 +45,8 @@ def register(sub: Any) -> None:
     p.add_argument("--batch", type=positive_int, default=2, help="batch size (default 2)")
     p.add_argument("--seq", type=positive_int, default=16, help="tokens per sequence (default 16)")
     p.add_argument("--tol", type=float, default=None,
-                   help="max relative error allowed (default 1e-4 for float32, 2e-2 otherwise)")
+                   help="max relative error allowed (default 1e-4 for float32, 1e-10 for "
+                        "float64, 2e-2 otherwise)")
     add_rank_options(p)
     p.set_defaults(run=run)
 
@@ -54,20 +59,24 @@ def _shard_of(ref: torch.Tensor, module: nn.Module, pname: str) -> torch.Tensor:
 
 def _max_err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """(max abs error, max abs error / max |want|)."""
-    diff = (got.float() - want.float()).abs().max().item()
-    return diff, diff / max(want.float().abs().max().item(), 1e-30)
+    diff = (got.double() - want.double()).abs().max().item()
+    return diff, diff / max(want.double().abs().max().item(), 1e-30)
 
 
 def _grad_error(model: nn.Module, ref: nn.Module) -> tuple[float, float]:
+    """The (abs, rel) error of the gradient with the largest relative error; infinite
+    where one model has a gradient the other lacks."""
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     worst = (0.0, 0.0)
     for mod_name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
             full = f"{mod_name}.{pname}" if mod_name else pname
             want = ref_grads.get(full)
-            if p.grad is None or want is None:
+            if p.grad is None and want is None:
                 continue
-            worst = max(worst, _max_err(p.grad, _shard_of(want, mod, pname)))
+            err = ((math.inf, math.inf) if p.grad is None or want is None
+                   else _max_err(p.grad, _shard_of(want, mod, pname)))
+            worst = max(worst, err, key=lambda e: e[1])
     return worst
 
 
@@ -105,7 +114,7 @@ def run_verify(args: argparse.Namespace) -> dict[str, Any]:
     config = load_config(args.path)  # fail fast, before any process starts
     dtype = parse_dtype(args.dtype, config)
     require_splittable(args.path, args.tp, args.dtype, args.plan, experts_of(args))
-    tol = args.tol if args.tol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
+    tol = args.tol if args.tol is not None else DEFAULT_TOL.get(dtype, 2e-2)
     backend = pick_backend(args.tp, args.backend)
     progress(f"verify: launching {args.tp} {backend} process(es)")
     per_rank = launch(_rank, args.tp, {"path": args.path, "dtype": args.dtype, "grad": args.grad,
