@@ -156,6 +156,17 @@ def test_update_slice_then_reduce():
     assert torch.equal(_run(main()), torch.full((2, 2), 3.0))
 
 
+def test_concat_after_update_slice_with_another_dtype_keeps_every_value():
+    part = slice_tensor(torch.arange(8.0).reshape(4, 2) + 0.5, "row", 2)
+    part.data[0] = torch.tensor([[1, 2], [3, 4]])  # int64, as update_slice may leave it
+    out = gather(part, ReduceOperation.CONCAT)
+    assert out.dtype == torch.float32  # promoted, as torch.cat does
+    assert out.tolist() == [[1, 2], [3, 4], [4.5, 5.5], [6.5, 7.5]]
+    numpy_part = slice_tensor(np.arange(4.0).reshape(2, 2) + 0.5, "row", 2)
+    numpy_part.data[0] = np.array([[1, 2]])
+    assert gather(numpy_part, ReduceOperation.CONCAT).tolist() == [[1, 2], [2.5, 3.5]]
+
+
 def test_split_offsets():
     assert split_offsets(10, 4) == [0, 3, 6, 8, 10]
     assert split_offsets(10, 4, balance=False) == [0, 3, 6, 9, 10]

@@ -11,6 +11,7 @@ every cut by ``overlap`` on each side, clipped at the tensor's edges (no padding
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -209,12 +210,15 @@ def gather(partition: TensorPartition,
 
 
 def _concat(partition: TensorPartition, cores: list[Array]) -> Array:
+    # The slices' common dtype, as torch.cat / np.concatenate promote: a slice replaced by
+    # update_slice with another dtype neither truncates the others nor is truncated
     first = partition.data[0]
     out: Array
     if isinstance(first, np.ndarray):
-        out = np.empty(partition.shape, dtype=first.dtype)
+        out = np.empty(partition.shape, dtype=np.result_type(*cores))
     else:
-        out = torch.empty(partition.shape, dtype=first.dtype, device=first.device)
+        dtype = functools.reduce(torch.promote_types, (c.dtype for c in cores))
+        out = torch.empty(partition.shape, dtype=dtype, device=first.device)
     for spec, core in zip(partition.slices, cores, strict=True):
         out[spec.core_region] = core
     return out
