@@ -477,4 +477,69 @@ def resume(rank: int, world_size: int, tmp: str) -> list[float]:
     assert load_training_state(tmp, one, one_opt)[0] == 2
     resharded = _steps(one, one_opt, 2)
     torch.testing.assert_close(resharded, uninterrupted, **TOL)
+    _resume_square_conv1d(f"{tmp}-conv1d", single)
     return uninterrupted
+
+
+class _SquareConv1D(nn.Module):
+    """GPT-2's square ``Conv1D`` pair (weights ``(in, out)``, transposed in torchtp's split
+    layers) and a branch first used after the save (no optimizer state when saved)."""
+
+    def __init__(self, seed: int, branch: bool = True) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Sequential(Conv1D(8, 8), nn.ReLU(), Conv1D(8, 8))
+        self.b = nn.Linear(8, 8) if branch else None
+        for p in self.parameters():  # Conv1D starts its biases at 0: every value counts here
+            nn.init.normal_(p)
+        self.double()
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return y + self.b(x) if self.use_b and self.b is not None else y
+
+
+def _conv1d_steps(model: nn.Module, opt: torch.optim.Optimizer, use_b: bool) -> torch.Tensor:
+    """One AdamW step (branch ``b`` used or not); the outputs after it, on a fixed batch."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    inner = model.base_model if isinstance(model, torchtp.DistributedModelWrapper) else model
+    inner.use_b = use_b
+    (model(x) ** 2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        return model(x)
+
+
+def _resume_square_conv1d(tmp: str, single: Any) -> None:
+    """Training state across tp 2 -> 1 -> 2 of square Conv1D weights (each loaded the
+    wrong way round would still fit), with parameters that had no optimizer state when
+    saved: the outputs equal one process's uninterrupted run. Float64: only the
+    summation order differs."""
+    from torchtp.checkpoint.dcp import load_training_state, save_training_state
+
+    plan = {"a.0": "colwise", "a.2": "rowwise"}
+    ref = _SquareConv1D(0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-1)
+    want = [_conv1d_steps(ref, ref_opt, use_b) for use_b in (False, False, True)]
+    model = torchtp.DistributedModelWrapper(_SquareConv1D(0), plan=plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-1)
+    torch.testing.assert_close(_conv1d_steps(model, opt, False), want[0], rtol=1e-12, atol=0)
+    save_training_state(f"{tmp}/tp2", model, opt, step=1)
+    one = torchtp.DistributedModelWrapper(_SquareConv1D(5), plan=plan, group=single)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-3)
+    load_training_state(f"{tmp}/tp2", one, one_opt)
+    assert not any(p in one_opt.state for p in one.base_model.b.parameters())  # as saved
+    torch.testing.assert_close(_conv1d_steps(one, one_opt, False), want[1], rtol=1e-12, atol=0)
+    save_training_state(f"{tmp}/tp1", one, one_opt, step=2)
+    two = torchtp.DistributedModelWrapper(_SquareConv1D(5), plan=plan)
+    two_opt = torch.optim.AdamW(two.parameters(), lr=1e-3)
+    load_training_state(f"{tmp}/tp1", two, two_opt)
+    torch.testing.assert_close(_conv1d_steps(two, two_opt, True), want[2], rtol=1e-12, atol=0)
+    smaller = torchtp.DistributedModelWrapper(_SquareConv1D(5, branch=False), plan=plan)
+    with pytest.raises(ValueError, match=r"the checkpoint holds tensors this model does not "
+                       r"have: b\.bias, b\.weight; it was saved from another model"):
+        load_training_state(f"{tmp}/tp1", smaller)

@@ -5,8 +5,11 @@ TP mesh, so DCP writes each global tensor once (DP replicas and ranks holding
 the same replicated tensor are deduplicated) and reads back whatever slice
 the loading rank needs, at any tp:
 
-* a parameter split into one even chunk per rank is ``Shard(dim)`` (in
-  torchtp's orientation: GPT-2's Conv1D weights are saved transposed);
+* every tensor is saved in checkpoint orientation, the model's own (GPT-2's
+  ``Conv1D`` weights as ``(in, out)``, whether a wrap split them into torchtp's
+  ``(out, in)`` layers or kept them whole, or tp is 1), so a checkpoint loads at
+  any tp, a square weight included;
+* a parameter split into one even chunk per rank is ``Shard(dim)``;
 * one DTensor cannot express several segments per rank (packed QKV), uneven
   chunks, or KV heads replicated over some ranks: such a tensor is
   all-gathered and saved whole (replicated); loading cuts this rank's
@@ -96,8 +99,16 @@ def load_training_state(directory: str | os.PathLike[str], model: Any,
     ``model`` as for :func:`save_training_state`: a checkpoint saved by a
     pipeline job loads into a whole wrapped model and the other way round.
 
+    A parameter that had no optimizer state when saved (no gradient yet) has none after
+    the load either, as in the run that saved it.
+
     Returns:
         ``(step, extra)`` as saved.
+
+    Raises:
+        ValueError: on every rank, before anything is loaded, when the checkpoint holds
+            model tensors this model lacks (another model's checkpoint); a tensor the
+            model has and the checkpoint lacks raises DCP's error on every rank.
     """
     given = parts(model, "load_training_state")
     enter("load_training_state", dist.group.WORLD if dist.is_initialized() else None, None)
@@ -105,6 +116,8 @@ def load_training_state(directory: str | os.PathLike[str], model: Any,
     if optimizer is not None:
         _init_optimizer_state(optimizer)
     state = _state(entries, optimizer, for_load=True)
+    _keep_saved(state, set(dcp.FileSystemReader(os.fspath(directory)).read_metadata()
+                           .state_dict_metadata), directory, given[0].stage is not None)
     state["step"] = 0
     state["extra"] = io.BytesIO()
     dcp.load(state, checkpoint_id=os.fspath(directory))
@@ -112,6 +125,27 @@ def load_training_state(directory: str | os.PathLike[str], model: Any,
         _copy_back(entries, optimizer, state)
     # The blob this job's own save_training_state wrote (pickle, like torch.save).
     return int(state["step"]), pickle.loads(state["extra"].getvalue())
+
+
+def _keep_saved(state: dict[str, Any], saved: set[str], directory: Any, stages: bool) -> None:
+    """Refuse a checkpoint with model tensors the model lacks; drop the optimizer state of
+    parameters that had none when saved. ``saved``: the checkpoint's keys (DCP's flattened
+    names, the same on every rank: so is the verdict). Pipeline ``stages`` hold a part of
+    the model each: the model's names are every rank's (one object gather)."""
+    known = set(state["model"])
+    if stages and dist.is_initialized() and dist.get_world_size() > 1:
+        known = set().union(*all_gather_object(sorted(known), None, "the checkpoint's names"))
+    unknown = sorted(k[len("model."):] for k in saved
+                     if k.startswith("model.") and k[len("model."):] not in known)
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ValueError(
+            f"load_training_state({os.fspath(directory)!r}): the checkpoint holds tensors this "
+            f"model does not have: {', '.join(unknown[:5])}{more}; it was saved from another "
+            "model (or another configuration of it): load it into the model it was saved from")
+    per_param = state.get("optim", {}).get("state", {})
+    for name in [n for n in per_param if not any(k.startswith(f"optim.state.{n}.") for k in saved)]:
+        del per_param[name]
 
 
 class _Entry(NamedTuple):
@@ -169,20 +203,27 @@ def _tp_local(t: torch.Tensor, for_load: bool) -> torch.Tensor:
 
 def _as_saved(t: torch.Tensor, layout: ParamLayout | None, group: Any,
               for_load: bool) -> torch.Tensor:
-    """``t`` as DCP sees it: a Shard DTensor, a gathered full tensor, or itself."""
-    t = _tp_local(t, for_load)
+    """``t`` as DCP sees it, in checkpoint orientation: a Shard DTensor, a gathered full
+    tensor, or itself (transposed, or a buffer to load into, where torchtp holds it
+    transposed)."""
+    t = _tp_local(t, for_load).detach()
+    flip = layout is not None and layout.transposed  # torchtp's (out, in) of a Conv1D
     if layout is None or layout.dim is None or group is None or group_size(group) == 1:
-        return t.detach()
+        if not flip:
+            return t
+        return torch.empty(t.t().shape, dtype=t.dtype, device=t.device) if for_load else t.t()
     mesh = _tp_mesh(group)
     assert mesh is not None
-    full = tuple(reversed(layout.full_shape)) if layout.transposed else layout.full_shape
+    full = layout.full_shape
     if _expressible(layout, group):
-        dim = len(full) - 1 - layout.dim if layout.transposed else layout.dim
-        return DTensor.from_local(t.detach(), mesh, [Shard(dim)], run_check=False,
+        local = t.t() if flip else t  # (in, out/tp) of a Conv1D split by its out features
+        if flip and for_load:  # DCP reads into a contiguous buffer; _assign transposes it
+            local = torch.empty(local.shape, dtype=t.dtype, device=t.device)
+        return DTensor.from_local(local, mesh, [Shard(layout.dim)], run_check=False,
                                   shape=torch.Size(full), stride=_contiguous_stride(full))
     if for_load:
         return torch.empty(full, dtype=t.dtype, device=t.device)
-    return _gather_full(t.detach(), layout, group)
+    return _gather_full(t, layout, group)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -194,14 +235,14 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _gather_full(local: torch.Tensor, layout: ParamLayout, group: Any) -> torch.Tensor:
-    """The full tensor (torchtp orientation) from every rank's segments."""
+    """The full tensor (checkpoint orientation) from every rank's segments."""
     # Placed in checkpoint orientation, where the layout records its cuts.
     saved = local.t() if layout.transposed else local
     pieces = all_gather_object((layout.record(), saved.cpu()), group, "a DCP tensor gather")
     out = torch.empty(layout.full_shape, dtype=local.dtype, device=local.device)
     for record, tensor in pieces:
         place(out, tensor.to(out.device), *record)
-    return out.t() if layout.transposed else out
+    return out
 
 
 def _state(entries: list[_Entry], optimizer: torch.optim.Optimizer | None,
@@ -258,8 +299,12 @@ def _copy_back(entries: list[_Entry], optimizer: torch.optim.Optimizer | None,
         group.update(hyper)
         for p in group["params"]:
             e = by_id[id(p)]
+            loaded = state["optim"]["state"].get(e.name)
+            if loaded is None:  # no state when saved: none now either
+                optimizer.state.pop(p, None)
+                continue
             current = optimizer.state[p]
-            for k, v in state["optim"]["state"][e.name].items():
+            for k, v in loaded.items():
                 if torch.is_tensor(current.get(k)):
                     _assign(current[k], v, e.layout if current[k].shape == p.shape else None)
                 else:
@@ -267,13 +312,15 @@ def _copy_back(entries: list[_Entry], optimizer: torch.optim.Optimizer | None,
 
 
 def _assign(target: torch.Tensor, loaded: Any, layout: ParamLayout | None) -> None:
-    """Copy a loaded value (TP shard DTensor, gathered full tensor, or plain) into ``target``."""
+    """Copy a loaded value (TP shard DTensor, gathered full tensor, or plain; checkpoint
+    orientation) into ``target``."""
+    flip = layout is not None and layout.transposed
     if isinstance(loaded, DTensor):
-        value = loaded.to_local()
+        value = loaded.to_local().t() if flip else loaded.to_local()
     elif layout is not None and layout.dim is not None and loaded.shape != target.shape:
-        value = layout.take(loaded.t() if layout.transposed else loaded)
+        value = layout.take(loaded)  # this rank's segments, in torchtp's orientation
     else:
-        value = loaded
+        value = loaded.t() if flip else loaded
     if isinstance(target, DTensor):  # FSDP2: keep this DP rank's shard of the TP-local tensor
         mine = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(mine.to_local())
