@@ -42,36 +42,50 @@ def _raises(fn: Callable[[], Any], match: str) -> str:
     return str(info.value)
 
 
+# torch's own clip, as a reference bound before the first wrap holds it (the wrap routes the
+# name torch.nn.utils.clip_grad_norm_, not a function object taken earlier)
+def _torch_own_clip(parameters: Any, max_norm: float) -> torch.Tensor:
+    routed = torch.nn.utils.clip_grad_norm_
+    return getattr(routed, "__wrapped__", routed)(parameters, max_norm)
+
+
 def _torch_clip(rank: int) -> str:
-    """torch's clip on the local shards: each rank clips by a different factor."""
+    """torch's own clip on the local shards: each rank clips by a different factor."""
     model, opt = _wrapped()
     _backward(model, 0)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    return _raises(opt.step, r"gradients of '3\.bias'.*use torchtp\.clip_grad_norm_ instead of "
-                             r"torch\.nn\.utils\.clip_grad_norm_")
+    _torch_own_clip(model.parameters(), 1e-3)
+    return _raises(opt.step, r"gradients of '3\.bias'.*a clip by the norm of each rank's own "
+                             r"shards .*call torch\.nn\.utils\.clip_grad_norm_, which a wrap "
+                             r"routes, or torchtp\.clip_grad_norm_")
 
 
-def _framework_clips(rank: int) -> list[str]:
-    """accelerate's and Lightning's clipping (what a self-wrapped model gets from
-    ``Accelerator.clip_grad_norm_`` and ``Trainer(gradient_clip_val=...)``): torch's clip."""
+def _framework_clips(rank: int) -> list[float]:
+    """torch's, accelerate's and Lightning's clipping (what a self-wrapped model gets from
+    ``Accelerator.clip_grad_norm_`` and ``Trainer(gradient_clip_val=...)``), routed by the
+    wrap: every rank clips by the whole model's norm, and the step goes through. Returns
+    each clip's largest gradient difference from torchtp's clip of the same gradients."""
     from accelerate import Accelerator
     from lightning.pytorch.plugins.precision import Precision
 
-    out = []
-    model, opt = _wrapped()
-    _backward(model, 0)
-    Accelerator(cpu=True).clip_grad_norm_(model.parameters(), 1e-3)
-    out.append(_raises(opt.step, r"gradients of .*use torchtp\.clip_grad_norm_"))
-    model, opt = _wrapped()
+    def clipped(clip: Callable[[nn.Module, torch.optim.Optimizer], Any]) -> list[torch.Tensor]:
+        model, opt = _wrapped()
 
-    def closure() -> torch.Tensor:  # Lightning's automatic optimization: step(closure)
-        opt.zero_grad()
-        loss = _backward(model, 0)
-        Precision().clip_gradients(opt, 1e-3)
-        return loss
+        def closure() -> torch.Tensor:  # Lightning's automatic optimization: step(closure)
+            opt.zero_grad()
+            loss = _backward(model, 0)
+            clip(model, opt)
+            return loss
 
-    out.append(_raises(lambda: opt.step(closure=closure), r"gradients of .*use torchtp\.clip_grad_norm_"))
-    return out
+        opt.step(closure=closure)  # the step check runs after the closure
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = clipped(lambda model, _: torchtp.clip_grad_norm_(model.parameters(), 1e-3))
+    return [max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+            for got in (clipped(lambda model, _: torch.nn.utils.clip_grad_norm_(
+                            model.parameters(), 1e-3)),
+                        clipped(lambda model, _: Accelerator(cpu=True).clip_grad_norm_(
+                            model.parameters(), 1e-3)),
+                        clipped(lambda _, opt: Precision().clip_gradients(opt, 1e-3)))]
 
 
 def _peft(rank: int) -> list[Any]:
@@ -89,8 +103,9 @@ def _peft(rank: int) -> list[Any]:
         opt.zero_grad()
         _backward(model, 0)
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-            out.append(_raises(opt.step, r"gradients of '.*lora_.*use torchtp\.clip_grad_norm_"))
+            _torch_own_clip(model.parameters(), 1e-3)
+            out.append(_raises(opt.step, r"gradients of '.*lora_.*call torch\.nn\.utils\."
+                                         r"clip_grad_norm_, which a wrap routes"))
         else:
             opt.step()
             out.append(sorted(step_check._plans(opt)[0].names))

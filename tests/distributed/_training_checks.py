@@ -299,7 +299,26 @@ def _clip_matches_torch() -> list[float]:
         mine = torchtp.grad_norm(wrapped.parameters(), p)
         torch.testing.assert_close(mine, want, rtol=1e-5, atol=0)
         got.append(float(mine))
+    _torch_clip_is_routed(ref, wrapped)
     return got
+
+
+def _torch_clip_is_routed(ref: nn.Module, wrapped: torchtp.DistributedModelWrapper) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` on a wrapped model's parameters clips as on the
+    unsharded model, with ``max_norm`` where it matters most: above every rank's own
+    shards' norm, below the whole model's (unrouted, no rank would clip, silently)."""
+    shards = torch.nn.utils.get_total_norm([q.grad for q in wrapped.parameters()])
+    torch.distributed.all_reduce(shards, torch.distributed.ReduceOp.MAX)
+    whole = torchtp.grad_norm(wrapped.parameters())
+    assert shards < whole
+    max_norm = float(shards + whole) / 2
+    norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_norm)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm),
+                               rtol=1e-5, atol=0)
+    for name, q in ref.named_parameters():  # a replicated parameter's gradient, clipped
+        if name.endswith("norm.weight"):
+            torch.testing.assert_close(wrapped.base_model.get_parameter(name).grad, q.grad, rtol=1e-5,
+                                       atol=1e-8)
 
 
 def agreement(rank: int, world_size: int, tmp: str) -> list[str]:

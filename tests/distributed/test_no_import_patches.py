@@ -17,11 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Every attribute torchtp's integrations replace when the user calls them
 # (integrations/peft.py and peft_params.py, integrations/ddp_refusal.py,
-# integrations/lightning.py). The PEFT modules holding the "all-linear" expansion go in
-# as data: the probe process must not import torchtp before it records them.
+# integrations/lightning.py; torch's clip, routed by a wrap: training/clip.py). The PEFT
+# modules holding the "all-linear" expansion go in as data: the probe process must not
+# import torchtp before it records them.
 _PATCHED = f"MODULES = {hf_compat.PEFT_ALL_LINEAR_MODULES!r}\nNAME = {hf_compat.PEFT_ALL_LINEAR!r}\n" \
     + """
 import importlib
+import torch
 import peft.tuners.lora as lora
 from peft import PeftModel
 from accelerate import Accelerator
@@ -40,6 +42,8 @@ def patched():
         "ModelParallelStrategy.clip_gradients_norm": ModelParallelStrategy.clip_gradients_norm,
         "FabricDDP.setup_module": FabricDDP.setup_module,
         "TrainerDDP._setup_model": TrainerDDP.__dict__["_setup_model"],
+        "torch.nn.utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,
+        "clip_grad.clip_grad_norm_": torch.nn.utils.clip_grad.clip_grad_norm_,
     }
 """
 
@@ -73,14 +77,16 @@ def test_the_probe_sees_a_patch() -> None:
     """The check above can fail: a patch installed by the user's call is seen."""
     code = _PATCHED + """
 before = patched()
-import torchtp.integrations.peft, torchtp.integrations.ddp_refusal
+import torchtp.integrations.peft, torchtp.integrations.ddp_refusal, torchtp.training.clip
 torchtp.integrations.peft.install()
 torchtp.integrations.ddp_refusal.install()
 torchtp.integrations.ddp_refusal.install_lightning()
+torchtp.training.clip.route_torch_clip()
 once = patched()
 torchtp.integrations.peft.install()
 torchtp.integrations.ddp_refusal.install()
 torchtp.integrations.ddp_refusal.install_lightning()
+torchtp.training.clip.route_torch_clip()
 print(sorted(k for k in before if before[k] is not once[k]))
 print(sorted(k for k in once if once[k] is not patched()[k]))
 """
@@ -89,7 +95,9 @@ print(sorted(k for k in once if once[k] is not patched()[k]))
     assert changed == str(sorted(["PeftModel.save_pretrained", "LoraModel._create_new_module",
                                   "ParamWrapper._get_in_out_features",
                                   "ParamWrapper.update_layer", *all_linear, "Accelerator.prepare_model",
-                                  "FabricDDP.setup_module", "TrainerDDP._setup_model"])), changed
+                                  "FabricDDP.setup_module", "TrainerDDP._setup_model",
+                                  "torch.nn.utils.clip_grad_norm_",
+                                  "clip_grad.clip_grad_norm_"])), changed
     assert changed_again == "[]", f"a second install patched again: {changed_again}"
 
 

@@ -16,6 +16,8 @@ def test_rank_local_changes_raise_on_every_rank_and_torchtp_clip_stays_exact(ran
     out = got[0]
     assert "optimizer step 1:" in out["edit_first"] and "optimizer step 4:" in out["edit_step_n"]
     assert out["torchtp_clip_err"][0] < 1e-6  # float32 rounding of a 3-step SGD run
+    # torch's, accelerate's and Lightning's clips, routed: torchtp's clip, bit for bit
+    assert out["framework_clips"] == [0.0, 0.0, 0.0]
     # LoRA A of a weight-rows-split layer and B of a weight-columns-split one are replicated
     assert out["peft"][0] == ["0.lora_A.default.weight", "3.lora_B.default.weight",
                               "5.0.lora_A.default.weight"]

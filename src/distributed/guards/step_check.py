@@ -4,11 +4,11 @@ Every TP rank holds its own copy of each replicated parameter (one that no
 layout splits along any dimension: norms, most biases, a replicated
 embedding, LoRA ``A`` of a row-split layer...). torchtp computes the same
 gradient for it on every rank, so the copies stay equal, until something
-changes one rank's copy alone: ``torch.nn.utils.clip_grad_norm_``,
-``Accelerator.clip_grad_norm_`` or Lightning's ``gradient_clip_val`` on a
-self-wrapped model (each rank clips by the norm of its own shards), a rank
-loading the wrong shard file, a rank-local edit. The copies then drift apart
-and every later step is silently wrong.
+changes one rank's copy alone: a clip by the norm of this rank's own shards
+(torch's ``clip_grad_norm_`` bound before the first wrap, which the wrap could
+not route to :func:`torchtp.clip_grad_norm_`: :mod:`torchtp.training.clip`), a
+rank loading the wrong shard file, a rank-local edit. The copies then drift
+apart and every later step is silently wrong.
 
 So before each optimizer step (PyTorch's public optimizer step pre-hook,
 registered once by the first wrap at ``tp > 1``, never at import) the
@@ -57,10 +57,11 @@ SAMPLES = 64  # elements per tensor in the position-weighted sample
 # (float64) comparison itself is a real one.
 RTOL = 1e-12
 _CAUSE_GRAD = (
-    "a rank-local gradient change: use torchtp.clip_grad_norm_ instead of "
-    "torch.nn.utils.clip_grad_norm_ / Accelerator.clip_grad_norm_ / Lightning's "
-    "gradient_clip_val on a self-wrapped model (they clip each rank by the norm of its own "
-    "shards), or a DDP over the TP group that averaged or broadcast gradients")
+    "a rank-local gradient change: a clip by the norm of each rank's own shards (torch's "
+    "clip_grad_norm_ bound before the first wrap, as 'from torch.nn.utils import "
+    "clip_grad_norm_' at import: call torch.nn.utils.clip_grad_norm_, which a wrap routes, "
+    "or torchtp.clip_grad_norm_), or a DDP over the TP group that averaged or broadcast "
+    "gradients")
 CAUSE_WEIGHT = (
     "a wrong shard file or a rank-local edit on some ranks, or a DDP broadcast of one rank's "
     "weights into the others")

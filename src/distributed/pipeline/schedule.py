@@ -354,7 +354,7 @@ class PipelineSchedule:
         would apply to the unsplit model.
 
         Returns:
-            The total norm before clipping (0-dim float32, equal on every rank).
+            The total norm before clipping (0-dim float64, equal on every rank).
         """
         params = [w for s in self.stages for w in s.parameters() if w.grad is not None]
         # A tied embedding is one weight: counted on the first stage, not again on the last.
@@ -364,6 +364,7 @@ class PipelineSchedule:
         tp = tp_group if tp_group is not None else _tp_group_of(self.stages)
         share, reduce_over = local_norm_share([w for w in params if w is not copy], norm_type,
                                               tp, device)
+        share = share.double()  # one dtype on every stage, whatever each stage's gradients
         how = "max" if math.isinf(order) else "sum"
         if reduce_over is dist.group.WORLD:  # every stage's TP and DP ranks in one sum
             share = _comm.all_reduce(share, reduce_over, how)

@@ -20,6 +20,7 @@ every rank applies the same clipping factor.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Iterable
@@ -47,8 +48,41 @@ _COUNTS: weakref.WeakKeyDictionary[nn.Module, tuple[object, dict[str, tuple[int,
 
 
 def track(model: nn.Module) -> None:
-    """Record a wrapped model so :func:`grad_norm` finds its parameters' layouts."""
+    """Record a wrapped model so :func:`grad_norm` finds its parameters' layouts, and route
+    ``torch.nn.utils.clip_grad_norm_`` for its parameters here (:func:`route_torch_clip`)."""
     _MODELS.add(model)
+    route_torch_clip()
+
+
+def route_torch_clip() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` clip a wrapped model's parameters by the whole
+    model's norm (:func:`clip_grad_norm_`); other parameters as before. Idempotent.
+
+    Called at a wrap with tp > 1, never at import. accelerate's ``clip_grad_norm_``,
+    Lightning's ``gradient_clip_val`` and users' own loops call torch's function, which
+    on a tensor-parallel model sees only this rank's shards: where each rank's shards
+    stay under ``max_norm`` but the whole model's norm does not, no rank clips, the
+    replicated gradients stay equal, and no check could see the difference from one
+    process. Routed, it returns what one process's call returns.
+    """
+    original = torch.nn.utils.clip_grad_norm_
+    if getattr(original, "_torchtp", False):
+        return
+
+    @functools.wraps(original)
+    def routed(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+               norm_type: float = 2.0, error_if_nonfinite: bool = False,
+               foreach: bool | None = None) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        wrapped = {id(p) for model in _MODELS for p in model.parameters()}
+        clip = clip_grad_norm_ if any(id(p) in wrapped for p in params) else original
+        return clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    routed._torchtp = True  # type: ignore[attr-defined]
+    # Both names: torch.nn.utils re-exports it, and the deprecated clip_grad_norm calls
+    # the module's own
+    torch.nn.utils.clip_grad_norm_ = routed
+    torch.nn.utils.clip_grad.clip_grad_norm_ = routed
 
 
 @dataclass(frozen=True)
@@ -75,7 +109,8 @@ def grad_norm(parameters: Params, norm_type: float | str = 2.0,
         group: TP group; ``None`` for the default TP group.
 
     Returns:
-        A 0-dim float32 tensor on the gradients' device.
+        A 0-dim tensor on the gradients' device: float64 when a gradient is float64,
+        else float32.
 
     Raises:
         ValueError: a DTensor gradient whose mesh is not the DP mesh, or whose
@@ -171,15 +206,17 @@ def _weighted_pieces(param: torch.Tensor, role: _Role | None, tp_size: int,
 
 def _local_sum(pieces: list[tuple[torch.Tensor, float]], p: float,
                device: torch.device) -> torch.Tensor:
-    """This rank's weighted share of ``sum |grad|^p`` (or ``max |grad|`` for inf), float32.
+    """This rank's weighted share of ``sum |grad|^p`` (or ``max |grad|`` for inf): float64
+    when a gradient is float64 (as torch's norm of float64 gradients), else float32.
 
     One ``_foreach_norm`` per dtype and device (as ``torch.nn.utils.get_total_norm``
     does), then one weighted sum: a handful of ops, not a few per parameter.
     """
     # An empty piece adds nothing (and has no inf norm: _foreach_norm raises on it).
     pieces = [(t, w) for t, w in pieces if t.numel()]
+    acc = torch.float64 if any(t.dtype == torch.float64 for t, _ in pieces) else torch.float32
     if not pieces:
-        return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.zeros((), dtype=acc, device=device)
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, (piece, _) in enumerate(pieces):
         groups.setdefault((piece.dtype, piece.device), []).append(i)
@@ -189,11 +226,11 @@ def _local_sum(pieces: list[tuple[torch.Tensor, float]], p: float,
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         for i, norm in zip(members, _torch_compat.foreach_norm(
                 [pieces[i][0] for i in members], p, dtype=wide), strict=True):
-            norms[i] = norm.to(device, torch.float32)
-    stacked = torch.stack(norms)  # (pieces,) float32
+            norms[i] = norm.to(device, acc)
+    stacked = torch.stack(norms)  # (pieces,)
     if math.isinf(p):
         return stacked.max()
-    weights = torch.tensor([w for _, w in pieces], dtype=torch.float32, device=device)
+    weights = torch.tensor([w for _, w in pieces], dtype=acc, device=device)
     return (stacked ** p / weights).sum()
 
 
