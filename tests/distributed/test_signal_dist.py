@@ -97,6 +97,18 @@ def _signals(rank: int, world_size: int, path: str) -> dict[str, Any]:
     src = torch.arange(12.0).reshape(4, 3) * (1 if rank == 0 else -1)  # first worker wins
     copied = signal.tensor(src, name="data_parallel")
     out["copy_shard"] = copied.to_local().tolist()
+    # Workers listed in reverse are the same set: the shards still follow rank order
+    signal.register_config("reversed", signal.SignalConfig(
+        shard=signal.ShardConfig(axis=0, workers=[3, 2, 1, 0])))
+    torch.manual_seed(0)
+    with signal.context("reversed"):
+        drawn = signal.randn(8, 2)
+    torch.manual_seed(0)
+    out["reversed_workers_exact"] = torch.equal(drawn.full_tensor(), torch.randn(8, 2))
+    backwards = shard.Grid((4,), ranks=[3, 2, 1, 0], name="backwards")  # collective
+    out["backwards_grid"] = _error(
+        lambda: shard.distribute(torch.zeros(4, 2), shard.Sharding([[0]]), backwards),
+        ValueError, r"its ranks decrease along axis 0, so DTensor collectives")
     out["errors"] = [_error(lambda: signal.enter("stage_1"), NotImplementedError,
                             r"workers \[0, 1\] but its backward signal 'stage_1_backward' uses "
                             r"workers \[2, 3\]"),
@@ -156,6 +168,7 @@ def test_signals_across_four_processes(ranks, tmp_path: Path):
         assert r["ones_local"] == ((4, 3) if rank < 2 else (0,))
         assert r["outside_plain"]
         assert r["copy_shard"] == (torch.arange(12.0).reshape(4, 3)[rank:rank + 1]).tolist()
+        assert r["reversed_workers_exact"] and r["backwards_grid"]
         assert r["errors"] == [True, True]
         assert r["loss_ok"] and r["grad_ok"]
         assert r["out_placement"] == str((Shard(0),))

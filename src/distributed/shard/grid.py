@@ -163,6 +163,30 @@ class Grid:
         return _index.neighbors(self.shape, device, split_axes)
 
     # -- groups -----------------------------------------------------------------
+    def dtensor_mesh(self) -> DeviceMesh:
+        """The grid's ``DeviceMesh``, for DTensors (``shard.distribute``, signals).
+
+        torch orders each mesh dimension's process group by global rank, and DTensor's
+        collectives place pieces in that order, while the mesh puts them at the grid
+        coordinates: the two agree only where the ranks increase along every axis.
+
+        Raises:
+            RuntimeError: the grid has no mesh (no process group when it was built).
+            ValueError: the ranks decrease along some axis (``ranks=[1, 0]``), where
+                DTensor's ``full_tensor()`` would come back permuted.
+        """
+        if self.mesh is None:
+            raise RuntimeError(f"{self!r} has no DeviceMesh; build it after init_process_group")
+        layout = torch.tensor(self.ranks).reshape(self.shape)
+        for axis in range(self.ndim):
+            if not bool((layout.diff(dim=axis) > 0).all()):
+                raise ValueError(
+                    f"{self!r}: its ranks decrease along axis {axis}, so DTensor collectives "
+                    "(which order each axis's group by global rank) would place pieces "
+                    "elsewhere than the grid does; list the ranks increasing along every axis "
+                    "for DTensor operations (the grid's own collectives take any order)")
+        return self.mesh
+
     def rank_of(self, device: Sequence[int]) -> int:
         """Global rank of the device at multi-index ``device``."""
         return self.ranks[_index.linear_index(device, self.shape)]

@@ -74,9 +74,8 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, grid: Grid,
             piece, no communication. A grid rank: that rank's tensor is
             scattered/broadcast (the document's "broadcast B once").
     """
-    if grid.mesh is None:
-        raise RuntimeError(f"{grid!r} has no DeviceMesh; build it after init_process_group")
-    return _distribute_tensor(tensor, grid.mesh, placements(sharding, grid), src_data_rank=src)
+    return _distribute_tensor(tensor, grid.dtensor_mesh(), placements(sharding, grid),
+                              src_data_rank=src)
 
 
 def choose_matmul_strategy(a: DTensor, b: DTensor) -> MatmulStrategy:

@@ -37,7 +37,9 @@ class ShardConfig:
             if not workers or len(set(workers)) != len(workers):
                 raise ValueError(f"ShardConfig.workers={list(workers)} must be non-empty with "
                                  "no repeated rank")
-            workers = tuple(workers)
+            # A set of ranks: shards go to them in increasing rank order (DTensor's order
+            # on a mesh dimension), however they are listed
+            workers = tuple(sorted(workers))
         object.__setattr__(self, "axis", axis)
         object.__setattr__(self, "workers", workers)
 

@@ -141,7 +141,7 @@ def _placement(name: str, cfg: SignalConfig, ndim: int, sharded: bool) -> Shard 
 def tensor(x: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Copy-shard ``x`` as signal ``name`` (default: the active one) says.
 
-    The first worker's ``x`` is the source: it is scattered to the workers.
+    The lowest-numbered worker's ``x`` is the source: it is scattered to the workers.
     """
     name = name if name is not None else current()
     if name is None:
@@ -151,7 +151,8 @@ def tensor(x: torch.Tensor, name: str | None = None) -> torch.Tensor:
     grid = grid_for(name)
     if grid is None:
         return x.clone()
-    return distribute_tensor(x.detach().clone(), grid.mesh, [placement], src_data_rank=0)
+    return distribute_tensor(x.detach().clone(), grid.dtensor_mesh(), [placement],
+                             src_data_rank=0)
 
 
 def _factory(fill: Any, size: tuple[Any, ...], sharded: bool, **kw: Any) -> torch.Tensor:
@@ -167,7 +168,7 @@ def _factory(fill: Any, size: tuple[Any, ...], sharded: bool, **kw: Any) -> torc
         return full
     # Every rank draws the full tensor and keeps its piece: no communication,
     # and under one seed the shards are exactly torch's unsharded tensor.
-    return distribute_tensor(full, grid.mesh, [placement], src_data_rank=None)
+    return distribute_tensor(full, grid.dtensor_mesh(), [placement], src_data_rank=None)
 
 
 def randn(*size: Any, sharded: bool = True, **kw: Any) -> torch.Tensor:
@@ -200,7 +201,7 @@ def parallelize(module: nn.Module, name: str | None = None,
     grid = grid_for(name)
     if grid is not None and grid.is_member and not any(
             isinstance(p, DTensor) for p in module.parameters()):
-        module = distribute_module(module, grid.mesh)
+        module = distribute_module(module, grid.dtensor_mesh())
     if cfg.compile:
         # torch.compile of a module returns an OptimizedModule (an nn.Module).
         return cast(nn.Module, torch.compile(module, **(compile_kwargs or {})))
