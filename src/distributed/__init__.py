@@ -45,6 +45,7 @@ from .layers.loss import vocab_parallel_cross_entropy
 from .layers.rng import manual_seed
 from .sp import style as _sp_style  # noqa: F401 - registers the sequence-parallel style
 from .training.clip import clip_grad_norm_, grad_norm
+from .training.grad_scaler import GradScaler
 from .wrap.wrapper import DistributedModelWrapper
 
 configure_from_env()
@@ -66,6 +67,7 @@ __all__ = [
     "ColumnParallelLinear",
     "DistributedModelWrapper",
     "FeatureParallelEmbedding",
+    "GradScaler",
     "GroupDestroyedError",
     "InconsistentGroupError",
     "MissingProcessGroupError",

@@ -203,6 +203,53 @@ def _untouched_and_off(rank: int) -> list[Any]:
     return [plain_count.total, dict(tp_count.counts), off_count.total]
 
 
+def _scaled_steps(model: nn.Module, scaler: torch.amp.GradScaler,
+                  overflow: Callable[[nn.Module], None]) -> list[float]:
+    """Three SGD steps through ``scaler``, ``overflow`` putting an inf in a gradient at the
+    first; the scale after each."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scales = []
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(model(_batch(step)).square().mean()).backward()
+        if step == 0:
+            overflow(model)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def _grad_scalers(rank: int) -> dict[str, Any]:
+    """An overflow in one rank's shard only (TP rank 1's first row of 0.weight, its row 16 of
+    32): torchtp's GradScaler skips that step on every rank and keeps one scale, as one
+    process does with the overflow in its whole gradient. torch's skips on rank 1 only;
+    the next collective meets rank 0's step check and says so. Run last: that error
+    leaves rank 1 a step behind."""
+    ref = deep_mlp().eval()
+
+    def whole(model: nn.Module) -> None:
+        model[0].weight.grad[16, 0] = float("inf")
+
+    def shard(model: nn.Module) -> None:
+        if rank == 1:
+            model.base_model[0].weight.grad[0, 0] = float("inf")
+
+    want = _scaled_steps(ref, torch.amp.GradScaler("cpu", init_scale=2.0**10), whole)
+    model, _ = _wrapped()
+    got = _scaled_steps(model, torchtp.GradScaler("cpu", init_scale=2.0**10), shard)
+    with torch.no_grad():
+        err = float((model(_batch(9)) - ref(_batch(9))).abs().max())
+    plain, _ = _wrapped()
+    message = _raises(lambda: _scaled_steps(plain, torch.amp.GradScaler("cpu", init_scale=2.0**10),
+                                            shard),
+                      r"an optimizer step ran on some ranks only: torch\.amp\.GradScaler skips "
+                      r"optimizer\.step\(\) on a rank whose own shards' gradients are not finite; "
+                      r"use torchtp\.GradScaler")
+    # From the ranks' signatures on: the head names each rank's own collective
+    return {"scales": [got, want], "err": err, "torch_scaler": message[message.index("rank 0:"):]}
+
+
 def cases(rank: int, world_size: int) -> dict[str, Any]:
     """Every case in one spawned run; each message must be the same on every rank."""
     return {
@@ -215,4 +262,5 @@ def cases(rank: int, world_size: int) -> dict[str, Any]:
         "edit_step_n": _edited_weight(rank, 3),
         "untouched": _untouched_and_off(rank),
         "nan": _nan_on_one_rank(rank),
+        "grad_scalers": _grad_scalers(rank),
     }

@@ -16,6 +16,10 @@ def test_rank_local_changes_raise_on_every_rank_and_torchtp_clip_stays_exact(ran
     out = got[0]
     assert "optimizer step 1:" in out["edit_first"] and "optimizer step 4:" in out["edit_step_n"]
     assert out["torchtp_clip_err"][0] < 1e-6  # float32 rounding of a 3-step SGD run
+    # One overflow on one rank: torchtp's GradScaler skips and scales as one process
+    got_scales, want_scales = out["grad_scalers"]["scales"]
+    assert got_scales == want_scales and got_scales[0] < 2.0**10  # skipped, scale backed off
+    assert out["grad_scalers"]["err"] < 1e-6  # float32 rounding of the two SGD steps taken
     # torch's, accelerate's and Lightning's clips, routed: torchtp's clip, bit for bit
     assert out["framework_clips"] == [0.0, 0.0, 0.0]
     # LoRA A of a weight-rows-split layer and B of a weight-columns-split one are replicated

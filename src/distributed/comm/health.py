@@ -70,6 +70,9 @@ _POLL = timedelta(seconds=POLL_S)
 _FAILURES = "torchtp/failures"
 # The exit barrier's bound after an entry barrier gave up (see entry_barrier).
 AFTER_MISSED_S = 2.0
+# The name the optimizer-step check's all-reduce is agreed under (guards/step_check.py): a
+# rank whose step was skipped meets the others' check with another collective
+STEP_CHECK = "step_check"
 # Set on an exception once every rank that must hear of it was told (or
 # raises it too), so an enclosing forward does not report it again.
 REPORTED = "_torchtp_reported"
@@ -309,8 +312,18 @@ def _compare_signatures(st: GroupState, n: int, op: str, values: list[str],
     raise RankMismatchError(
         f"ranks passed different tensors to {op}: "
         + ", ".join(f"rank {r}: {s}" for r, s in enumerate(sigs))
-        + f" (torchtp collective {n} of this group); every rank of a tensor-parallel group "
-        "must run the same model on inputs of the same shape and dtype")
+        + f" (torchtp collective {n} of this group); " + _likely_cause(sigs))
+
+
+def _likely_cause(sigs: list[str]) -> str:
+    """What makes ranks issue different collectives: an optimizer step some ranks skipped
+    (the optimizer-step check's collective meets another), or different models or inputs."""
+    if 0 < sum(f"all_reduce:{STEP_CHECK}" in s for s in sigs) < len(sigs):
+        return ("an optimizer step ran on some ranks only: torch.amp.GradScaler skips "
+                "optimizer.step() on a rank whose own shards' gradients are not finite; use "
+                "torchtp.GradScaler, which skips on every rank together")
+    return ("every rank of a tensor-parallel group must run the same model on inputs of the "
+            "same shape and dtype")
 
 
 def _gather(st: GroupState, kind: str, n: int, checking: bool = False) -> list[str]:

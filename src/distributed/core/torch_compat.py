@@ -358,6 +358,15 @@ def foreach_norm(tensors: list[torch.Tensor], p: float, dtype: torch.dtype) -> l
     return list(torch._foreach_norm(tensors, p, dtype=dtype))
 
 
+def grad_scaler_state(scaler: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A ``torch.amp.GradScaler``'s state for ``optimizer``: its ``"stage"`` (an
+    ``OptState``) and ``"found_inf_per_device"`` (``{device: 0-dim float tensor}``, set by
+    ``unscale_``), which ``step`` reads to skip ``optimizer.step()`` and ``update`` to
+    lower the scale. Checked: torch 2.13.0, 2.14.1 (``_per_optimizer_states``).
+    """
+    return scaler._per_optimizer_states[id(optimizer)]
+
+
 def state_dict_metadata(state_dict: Any) -> dict[str, Any] | None:
     """The ``_metadata`` dict ``nn.Module.state_dict()`` attaches (kept by ``torch.save``).
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..comm import health
 from ..comm import ops as _comm
 from ..comm.group_ref import GroupRef, WeakGroup
 from ..comm.runtime import ProcessGroup, group_size
@@ -230,7 +231,8 @@ def _compare(plan: _Plan, mine: torch.Tensor) -> bool:
     finite = mine.isfinite()
     # (8K,): the digests (non-finite ones as 0), then 0 where finite, 1 where not
     flagged = torch.cat([torch.where(finite, mine, 0.0), (~finite).to(mine.dtype)])
-    both = _comm.all_reduce_as(torch.cat([flagged, -flagged]), plan.group, "max", "step_check")
+    both = _comm.all_reduce_as(torch.cat([flagged, -flagged]), plan.group, "max",
+                               health.STEP_CHECK)
     high, low = both[:flagged.numel()], -both[flagged.numel():]
     bad = (high - low) > RTOL * torch.maximum(high.abs(), low.abs())
     count = mine.numel()
