@@ -10,7 +10,9 @@ losses, the trained weights (``save_model()`` read back by plain
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,6 +121,45 @@ def test_tensor_parallel_trainer_tp_only_matches_one_process(ranks, tmp_path):
     # rank's vocabulary slice, the checkpoint saved and resumed, the weights consolidated.
     _check_against_reference(ranks, tmp_path, 2, None,
                              {"sequence_parallel": True, "loss_parallel": True})
+
+
+def _metrics(prediction: Any) -> dict[str, float]:
+    """What a metric sees: rows (a count would double with duplicates), the vocabulary
+    width, the predicted ids' sum and the logits' sum (float64)."""
+    logits = np.asarray(prediction.predictions, dtype=np.float64)  # (N, T, V)
+    return {"rows": float(logits.shape[0]), "width": float(logits.shape[-1]),
+            "argmax_sum": float(logits.argmax(-1).sum()), "logit_sum": float(logits.sum())}
+
+
+def _evaluations(rank: int, world_size: int, out: str) -> list[dict[str, float]]:
+    """The first evaluate() of TensorParallelTrainer (7 samples in batches of 4: a padded last
+    batch), with and without loss parallelism, and one process's Trainer."""
+    from transformers import Trainer
+
+    from torchtp.integrations.transformers import TensorParallelTrainer
+
+    seven = dataset(2)[:7]
+    got = []
+    for options in ({}, {"loss_parallel": True}):
+        wrapped = torchtp.DistributedModelWrapper(build("llama"), **options)
+        trainer = TensorParallelTrainer(model=wrapped, args=arguments(out, 4), eval_dataset=seven,
+                                        compute_metrics=_metrics)
+        got.append(trainer.evaluate())
+    want = Trainer(model=build("llama"), args=arguments(out, 4), eval_dataset=seven,
+                   compute_metrics=_metrics).evaluate()
+    keys = ("eval_loss", "eval_rows", "eval_width", "eval_argmax_sum", "eval_logit_sum")
+    return [{k: float(r[k]) for k in keys} for r in (*got, want)]
+
+
+@pytest.mark.skipif(not _trainer_supported(), reason="TensorParallelTrainer needs transformers>=5.19")
+def test_tensor_parallel_trainer_evaluates_as_one_process_from_the_first_call(ranks, tmp_path):
+    for plain, loss_parallel, want in ranks(_evaluations, 2, str(tmp_path / "eval"), timeout=300):
+        for got in (plain, loss_parallel):
+            assert got["eval_rows"] == want["eval_rows"] == 7  # each sample once
+            assert got["eval_width"] == want["eval_width"]  # the whole vocabulary
+            assert got["eval_argmax_sum"] == want["eval_argmax_sum"]
+            for key in ("eval_loss", "eval_logit_sum"):
+                assert got[key] == pytest.approx(want[key], rel=CLOSE["rtol"], abs=CLOSE["atol"]), key
 
 
 def _plain_trainer(rank: int, world_size: int, out: str) -> str:

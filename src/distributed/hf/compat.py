@@ -13,6 +13,7 @@ compat`` runs them); ``CHECKED_TRANSFORMERS`` is that list.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -346,6 +347,16 @@ TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_sync_replicated_trainabl
 # ``_sync_replicated_trainable_parameters`` and the path for models sharded
 # before ``Trainer``); ``TensorParallelTrainer`` refuses older ones.
 TRAINER_MIN_TRANSFORMERS = "5.19.0"
+
+
+def set_trainer_metrics_gather(trainer: Any, gather: Callable[..., Any]) -> None:
+    """Make ``gather`` the function ``Trainer``'s evaluation loop gathers losses, logits and
+    labels with. ``Trainer`` copies ``accelerator.gather_for_metrics`` into
+    ``gather_function`` when it builds the accelerator (and again at the end of each
+    evaluation loop), so replacing the accelerator's alone misses the first evaluation.
+    Checked: transformers 5.24.0, 5.25.0 (``Trainer.gather_function``).
+    """
+    trainer.gather_function = gather
 
 
 def missing_trainer_hooks(trainer_cls: type) -> list[str]:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.regions import gather_from_tensor_parallel_region
 from ..layers import RowParallelLinear
 from ..layers.loss import vocab_parallel_cross_entropy
 from ..plans import ResolvedPlan, ShardContext
@@ -159,6 +160,14 @@ class _LossParallel:
                 "its loss through self.loss_function, so its loss would see this rank's "
                 "vocabulary slice only; wrap this model without loss_parallel")
         return output
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """The whole ``(..., V)`` logits from this rank's slice ``(..., V_r)`` (what a
+        forward with labels returned); other tensors are returned as they are."""
+        head = self.head
+        if logits.shape[-1] != head.out_features_local or head.world_size == 1:
+            return logits
+        return gather_from_tensor_parallel_region(logits, head.group, -1, head.out_features)
 
     def causal_lm_loss(
         self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,

@@ -111,6 +111,20 @@ class TensorParallelTrainer(Trainer):
             _prepare_data_loader, acc, self._torchtp_dp, self._torchtp_dp_rank)
         acc.gather_for_metrics = functools.partial(
             _gather_once_per_replica, acc, self._torchtp_tp)
+        compat.set_trainer_metrics_gather(self, acc.gather_for_metrics)  # the first evaluation too
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
+        """``Trainer.prediction_step``, with a loss-parallel model's logits gathered whole:
+        called with labels it returns this rank's vocabulary slice, which metrics cannot use."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only,
+                                                       ignore_keys)
+        switch = getattr(model, "tp_loss_parallel", None)
+        if switch is not None and logits is not None:
+            first = logits[0] if isinstance(logits, tuple) else logits  # (B, T, V_r)
+            whole = switch.gather(first)  # (B, T, V)
+            logits = (whole, *logits[1:]) if isinstance(logits, tuple) else whole
+        return loss, logits, labels
 
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
         # transformers broadcasts every plain parameter from rank 0 here (it would
