@@ -113,17 +113,38 @@ def _hf(rank: int, world_size: int) -> list[str]:
     batch = {"input_ids": torch.tensor([[1, 2, 3, 4, 5, 6]]) + rank}
     with pytest.raises(torchtp.RankMismatchError, match=r"'input_ids' differs on TP ranks \[1\]"):
         peft(**batch, labels=batch["input_ids"])
+    # Prompts that differ in one token only, past the 256 elements a float input is sampled by
+    long = torch.randint(3, 60, (1, 300), generator=torch.Generator().manual_seed(3))
+    long[0, -1] += rank
+    with pytest.raises(torchtp.RankMismatchError, match=r"'input_ids' differs on TP ranks \[1\]"):
+        wrapped(input_ids=long)
+    # Sampling: ranks seeded apart sample as one process seeded as TP rank 0 (the last token
+    # too, which no forward reads back), and keep their own streams after it; ranks seeded
+    # alike sample and move on as one process.
+    sampled = []
+    for seeds, new in (((0, 1), 1), ((0, 1), 5), ((4, 4), 5)):
+        torch.manual_seed(seeds[0])
+        want = ref.generate(prompt, max_new_tokens=new, do_sample=True, top_k=0)
+        after_one_process = torch.get_rng_state()
+        torch.manual_seed(seeds[rank])
+        before = torch.get_rng_state()
+        got = wrapped.generate(prompt, max_new_tokens=new, do_sample=True, top_k=0)
+        assert torch.equal(got, want), (seeds, new, got.tolist(), want.tolist())
+        mine = after_one_process if rank == 0 or seeds[0] == seeds[1] else before
+        assert torch.equal(torch.get_rng_state(), mine), (seeds, new)
+        sampled.append(got[0, prompt.shape[1]:].tolist())
     # Sequence parallelism's forward gathers and reduce-scatters: a separate all-reduce.
     sp = torchtp.DistributedModelWrapper(build("llama"), sequence_parallel=True)
     with torch.no_grad():
         torch.testing.assert_close(sp(input_ids=prompt).logits, ref(input_ids=prompt).logits)
         with pytest.raises(torchtp.RankMismatchError, match=r"'input_ids' differs"):
             sp(input_ids=prompt + rank)
-    return ["ok"]
+    return ["ok", sampled]
 
 
 def test_generate_and_peft_are_checked(ranks):
-    assert ranks(_hf, 2) == [["ok"], ["ok"]]
+    got = ranks(_hf, 2)
+    assert got[0] == got[1] and got[0][0] == "ok"  # the same tokens sampled on every rank
 
 
 def _disabled(rank: int, world_size: int) -> list[str]:

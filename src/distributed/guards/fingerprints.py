@@ -2,8 +2,10 @@
 
 A fingerprint hashes a tensor's shape, dtype and a strided sample of at most
 :data:`SAMPLES` elements (not every byte): ranks built from different seeds,
-or fed different batches, differ in nearly every element, so a sample
-catches them at a cost independent of the tensor's size. Input digests are
+or fed different float batches, differ in nearly every element, so a sample
+catches them at a cost independent of the tensor's size. Integer tensors
+(token ids, masks) longer than the sample add a position-weighted sum of every
+element: prompts may differ in a single token. Input digests are
 compared by :mod:`torchtp.guards.input_check`; weight digests by the wrapper's
 agreement at wrap time.
 """
@@ -43,6 +45,13 @@ def sample_bytes(t: torch.Tensor) -> bytes | memoryview:
     flat = t.detach().reshape(-1)
     # Small tensors (token ids of a short batch) are taken whole: two ops fewer per forward.
     sample = flat if flat.numel() <= SAMPLES else flat[:: flat.numel() // SAMPLES][:SAMPLES]
+    if flat.numel() > SAMPLES and not (flat.is_floating_point() or flat.is_complex()):
+        # Ids, masks, positions: ranks fed different prompts may differ in one token only,
+        # past the sample (a long prompt, the last sampled token). A wrapping sum over every
+        # element with odd position weights changes with any one of them.
+        weights = torch.arange(1, 2 * flat.numel(), 2, device=flat.device)  # (n,) odd
+        every = (flat.to(torch.int64) * weights).sum().reshape(1)
+        sample = torch.cat([sample.to(torch.int64), every])
     return sample.cpu().clone(memory_format=torch.contiguous_format).view(
         torch.uint8).numpy().tobytes()
 

@@ -1,11 +1,14 @@
-"""HF conveniences on a wrapped model: consolidated saving, or an error that says what to do.
+"""HF conveniences on a wrapped model: consolidated saving, one sampling generator, or an
+error that says what to do.
 
 After wrapping, the HF model holds this rank's shards. Its own
 ``save_pretrained`` would write them under full names, ``push_to_hub`` would
 upload them, and ``resize_token_embeddings`` cannot resize a vocabulary split
-over ranks. The wrapper replaces these three methods on the model *instance*
-(the class is untouched): ``save_pretrained`` becomes torchtp's consolidated,
-collective save; the other two raise with the supported way.
+over ranks; ``generate`` samples from each process's own generator. The wrapper
+replaces these methods on the model *instance* (the class is untouched):
+``save_pretrained`` becomes torchtp's consolidated, collective save,
+``generate`` samples from the TP group's first rank's generators on every rank,
+the other two raise with the supported way.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ..comm.group_ref import WeakGroup
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config
 from ..guards.agreement import agree
 from ..layers import layouts_of
+from ..layers.rng import first_rank_generator
 from ..plans.sources import HUGGINGFACE, is_family
 
 # HF save_pretrained arguments the consolidated save honours (or may ignore:
@@ -41,13 +45,16 @@ class _Owner:
 
 
 def guard_hf_model(wrapper: Any) -> None:
-    """Replace ``save_pretrained``/``push_to_hub``/``resize_token_embeddings`` on the wrapped HF model."""
+    """Replace ``save_pretrained``/``push_to_hub``/``resize_token_embeddings`` on the wrapped
+    HF model, and run its ``generate`` with one sampling generator on every rank."""
     model = wrapper.base_model
     if not is_family(model, HUGGINGFACE):
         return
     owner = _Owner(model, wrapper.group, wrapper.rank, wrapper.world_size)
     model.save_pretrained = functools.partial(_save_pretrained, owner)
     model.push_to_hub = functools.partial(_push_to_hub, owner)
+    if wrapper.world_size > 1 and callable(getattr(model, "generate", None)):
+        model.generate = functools.partial(_generate, owner, model.generate)
     if _vocab_is_split(model):
         model.resize_token_embeddings = functools.partial(_resize, owner)
 
@@ -94,6 +101,20 @@ def save_once(owner: Any, directory: str | os.PathLike[str], max_shard_size: int
         agree("save_pretrained", error, {}, dist.group.WORLD)
     elif error is not None:
         raise error
+
+
+def _generate(owner: Any, generate: Any, *args: Any, **kwargs: Any) -> Any:
+    """HF ``generate`` with every TP rank sampling from its first rank's generators.
+
+    Sampling (``do_sample=True``, beam sampling, assisted decoding) draws from each
+    process's default generator, outside the model's forward. Ranks seeded differently
+    (``seed + rank``) would pick different tokens, and then run different forwards: a
+    mismatch at the next step, a hang where one rank stops at its end-of-sequence token
+    alone, a wrong last token that no forward ever reads. With one generator the ranks
+    pick the tokens one process seeded as TP rank 0 would.
+    """
+    with first_rank_generator(owner.group):
+        return generate(*args, **kwargs)
 
 
 def _push_to_hub(owner: Any, *args: Any, **kwargs: Any) -> None:

@@ -463,6 +463,40 @@ def sync(group: ProcessGroup | None) -> None:
     TRACKER.offset = LOCAL_OFFSET + group_rank(group)
 
 
+@contextmanager
+def first_rank_generator(group: ProcessGroup | None) -> Iterator[None]:
+    """Inside the block every rank of ``group`` draws what its first rank's default
+    generators would (``generate(do_sample=True)``: every rank samples the same tokens).
+
+    One object gather of the generators' states. Where they agree already (one seed on
+    every rank) nothing changes: each rank draws, and moves on, as one process would.
+    Otherwise every rank takes the first rank's state for the block, and the others get
+    their own back after it (their streams, seeded per rank on purpose, stay theirs).
+    """
+    if group is None or group_size(group) == 1:
+        yield
+        return
+    own = get_state()
+    everyone = all_gather_object(own, group, "the sampling generators' agreement")
+    first = everyone[0]
+    if all(_same_state(s, first) for s in everyone):
+        yield
+        return
+    set_state((first[0], first[1] if torch.cuda.is_initialized() else None))
+    try:
+        yield
+    finally:
+        if group_rank(group) != 0:
+            set_state(own)
+
+
+def _same_state(a: State, b: State) -> bool:
+    """Whether two :func:`get_state` results are the same generators' states."""
+    return torch.equal(a[0], b[0]) and (
+        (a[1] is None and b[1] is None)
+        or (a[1] is not None and b[1] is not None and torch.equal(a[1], b[1])))
+
+
 def _stage_stream(state: State, stage: int) -> State:
     """Pipeline stage ``stage``'s shared stream from ``state``: a copy of it for stage 0
     (no pipeline, or a stream a TP peer started: one process's masks), else a stream
