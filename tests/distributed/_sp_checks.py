@@ -176,6 +176,21 @@ def cross_entropy_cases(rank: int, world_size: int, vocab: int) -> dict:
     except ValueError as err:
         counts["error"] = str(err)
     counts["all_ignored_nan"] = bool(all_ignored.isnan())
+    # A vocabulary of 2 over 3 ranks: the last holds no column (float64: exact)
+    two_start, two_n = shard_range(2, world_size, rank)
+    two = full[..., :2].double().clone().requires_grad_()
+    nn.functional.cross_entropy(two.flatten(0, 1), labels.clamp(-100, 1).flatten()).backward()
+    mine = full[..., :2].double()[..., two_start:two_start + two_n].clone().requires_grad_()
+    loss = torchtp.vocab_parallel_cross_entropy(mine, labels.clamp(-100, 1))
+    loss.backward()
+    assert mine.grad is not None and two.grad is not None
+    counts["empty_slice_ok"] = bool(
+        torch.allclose(loss, nn.functional.cross_entropy(
+            full[..., :2].double().flatten(0, 1), labels.clamp(-100, 1).flatten()),
+            rtol=1e-12, atol=0)
+        and torch.allclose(mine.grad, two.grad[..., two_start:two_start + two_n], rtol=1e-12,
+                           atol=1e-15))
+    counts["empty_slice_width"] = two_n
     return counts
 
 

@@ -65,6 +65,8 @@ def test_uneven_vocabulary_split_matches_cross_entropy(ranks):
         assert res["largest"] <= 3 * 15
         assert "label 11 is outside the vocabulary 0..10" in res["error"]
         assert res["all_ignored_nan"]
+        assert res["empty_slice_ok"]
+    assert [res["empty_slice_width"] for res in results] == [1, 1, 0]
 
 
 def test_wrapper_loss_parallel_matches_unsharded_model(ranks):

@@ -142,7 +142,7 @@ def vocab_parallel_cross_entropy(
     _check_args(local_logits, labels, label_smoothing, reduction)
     g = resolve_group(group)
     v_local = local_logits.shape[-1]
-    flat = local_logits.reshape(-1, v_local)  # (N, V_r)
+    flat = local_logits.reshape(labels.numel(), v_local)  # (N, V_r); V_r may be 0
     per_token = _VocabParallelCrossEntropy.apply(
         flat, labels.reshape(-1), ignore_index, float(label_smoothing), g)
     if reduction == "none":
