@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -116,6 +117,12 @@ def check_pp_tp(rank: int, world_size: int, tmp: str) -> list[Any]:
 
     stage, pipe, opt = job(build_llama(tied=True))
     train(pipe, opt, range(2))
+    # A stage's own norm would clip each stage by another factor: torchtp's clip and torch's
+    # (routed: the stage is tensor-parallel) refuse, naming the pipeline's
+    for clip in (torchtp.clip_grad_norm_, torch.nn.utils.clip_grad_norm_):
+        with pytest.raises(ValueError, match=r"in a pipeline-parallel job \(pp=2\): this rank "
+                           r"holds stage [01] only.*use PipelineSchedule\.clip_grad_norm_"):
+            clip(stage.parameters(), 1.0)
     saved = full_state(stage.model, opt)
     save_training_state(f"{tmp}/dcp", stage, opt, step=2, extra=EXTRA)
     save_pretrained(stage, f"{tmp}/hf")

@@ -114,11 +114,20 @@ def grad_norm(parameters: Params, norm_type: float | str = 2.0,
 
     Raises:
         ValueError: a DTensor gradient whose mesh is not the DP mesh, or whose
-            TP segments are replicated unevenly (packed KV heads under FSDP2).
+            TP segments are replicated unevenly (packed KV heads under FSDP2); a
+            pipeline-parallel job (every rank holds one stage: the norm would be the
+            stage's, so each stage would clip by another factor).
     """
+    cfg = get_tensor_parallel_config()
+    if cfg.pp_size > 1:
+        raise ValueError(
+            f"grad_norm / clip_grad_norm_ in a pipeline-parallel job (pp={cfg.pp_size}): this "
+            f"rank holds stage {cfg.pp_rank} only, so the norm would be its stage's and each "
+            "stage would clip by another factor; use PipelineSchedule.clip_grad_norm_("
+            "max_norm), which sums the stages' shares")
     params = _with_grads(parameters)
     device = params[0].grad.device if params else torch.device("cpu")  # type: ignore[union-attr]
-    tp = group if group is not None else get_tensor_parallel_config().group
+    tp = group if group is not None else cfg.group
     # A generator of parameters is spent by now: pass the list (a module as itself).
     given = parameters if isinstance(parameters, nn.Module) else params
     local, reduce_over = local_norm_share(given, norm_type, tp, device)
