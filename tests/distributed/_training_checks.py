@@ -562,3 +562,28 @@ def _resume_square_conv1d(tmp: str, single: Any) -> None:
     with pytest.raises(ValueError, match=r"the checkpoint holds tensors this model does not "
                        r"have: b\.bias, b\.weight; it was saved from another model"):
         load_training_state(f"{tmp}/tp1", smaller)
+
+
+def clip_over_own_groups(rank: int, world_size: int) -> list[float]:
+    """Two TP pairs wrapped with group= of their own (no init_parallel), each fed its own
+    batch: torch's routed clip and torchtp's clip each pair by its own model's norm, as one
+    process on that pair's batch (float64: only the summation order differs)."""
+    pairs, _ = torch.distributed.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).double()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 + rank // 2),
+                    dtype=torch.float64)
+    ref = copy.deepcopy(full)
+    (ref(x) ** 2).mean().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)  # one process: torch's own
+    norms = []
+    # torch's looked up at the call, as accelerate and Lightning do: the wrap routes the name
+    for clip in (lambda *a: torch.nn.utils.clip_grad_norm_(*a), torchtp.clip_grad_norm_):
+        wrapped = torchtp.DistributedModelWrapper(copy.deepcopy(full), group=pairs)
+        (wrapped(x) ** 2).mean().backward()
+        norm = clip(wrapped.parameters(), 0.01)
+        torch.testing.assert_close(norm, want, rtol=1e-12, atol=0)
+        torch.testing.assert_close(wrapped.base_model[2].bias.grad, ref[2].bias.grad,
+                                   rtol=1e-12, atol=0)  # replicated: clipped by one factor
+        norms.append(float(norm))
+    return norms

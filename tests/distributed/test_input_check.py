@@ -105,7 +105,8 @@ def _hf(rank: int, world_size: int) -> list[str]:
     prompt = torch.tensor([[3, 5, 7, 9]])
     same = wrapped.base_model.generate(prompt, max_new_tokens=3, do_sample=False)
     assert torch.equal(same, ref.generate(prompt, max_new_tokens=3, do_sample=False))
-    with pytest.raises(torchtp.RankMismatchError, match=r"'input_ids' differs on TP ranks \[1\]"):
+    # generate agrees on its prompt ('inputs') before the forwards ('input_ids') see it
+    with pytest.raises(torchtp.RankMismatchError, match=r"'inputs' differs on TP ranks \[1\]"):
         wrapped.base_model.generate(prompt + rank, max_new_tokens=3, do_sample=False)
     torch.manual_seed(5)
     peft = get_peft_model(wrapped.base_model, LoraConfig(r=4, target_modules=["q_proj"]))
@@ -133,6 +134,22 @@ def _hf(rank: int, world_size: int) -> list[str]:
         mine = after_one_process if rank == 0 or seeds[0] == seeds[1] else before
         assert torch.equal(torch.get_rng_state(), mine), (seeds, new)
         sampled.append(got[0, prompt.shape[1]:].tolist())
+    # A PeftModel wrapped as a whole: its generate runs the inner model's forward (past the
+    # forward door on the PeftModel); the prompt is agreed and the sampling shared at its call
+    def lora(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(7)
+        return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"],
+                                                init_lora_weights="gaussian"))
+
+    one_peft, tp_peft = lora(build("llama")), torchtp.DistributedModelWrapper(lora(build("llama")))
+    with pytest.raises(torchtp.RankMismatchError, match=r"'input_ids' differs on TP ranks \[1\]"):
+        tp_peft.generate(input_ids=prompt + rank, max_new_tokens=2, do_sample=False)
+    torch.manual_seed(0)
+    want = one_peft.generate(input_ids=prompt, max_new_tokens=3, do_sample=True, top_k=0)
+    torch.manual_seed(rank)
+    got = tp_peft.generate(input_ids=prompt, max_new_tokens=3, do_sample=True, top_k=0)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    sampled.append(got[0, prompt.shape[1]:].tolist())
     # Sequence parallelism's forward gathers and reduce-scatters: a separate all-reduce.
     sp = torchtp.DistributedModelWrapper(build("llama"), sequence_parallel=True)
     with torch.no_grad():

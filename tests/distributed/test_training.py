@@ -64,6 +64,11 @@ def test_activation_checkpointing_replays_the_dropout_masks(ranks):
         assert "with dropout at" in got["leaving the sequence shards"]
 
 
+def test_clipping_uses_the_group_a_model_was_wrapped_over(ranks):
+    norms = ranks(checks.clip_over_own_groups, 4)
+    assert norms[0] == norms[1] and norms[2] == norms[3] and norms[0] != norms[2]
+
+
 def test_resume_from_a_dcp_checkpoint_equals_the_uninterrupted_run(ranks, tmp_path):
     got = ranks(checks.resume, 2, str(tmp_path / "ckpt"))
     assert got[0] == got[1]

@@ -195,7 +195,7 @@ def install(model: nn.Module, ctx: ShardContext, layer_names: list[str]) -> None
     """
     if ctx.world_size == 1:  # one rank holds everything: nothing to agree on or look up
         return
-    clip.track(model)
+    clip.track(model, ctx.group)
     step_check.track(model, ctx.group)
     ddp_guard.install()  # later DDPs leave the shards alone
     if ctx.group is None:  # a planning-only wrap (world_size given, no group): no forward runs

@@ -14,6 +14,7 @@ the other two raise with the supported way.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any
 
@@ -21,8 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.group_ref import WeakGroup
+from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config
 from ..guards.agreement import agree
+from ..guards.fingerprints import named_tensors, raise_different_inputs, tensor_digest
 from ..layers import layouts_of
 from ..layers.rng import first_rank_generator
 from ..plans.sources import HUGGINGFACE, is_family
@@ -48,13 +51,14 @@ def guard_hf_model(wrapper: Any) -> None:
     """Replace ``save_pretrained``/``push_to_hub``/``resize_token_embeddings`` on the wrapped
     HF model, and run its ``generate`` with one sampling generator on every rank."""
     model = wrapper.base_model
-    if not is_family(model, HUGGINGFACE):
-        return
     owner = _Owner(model, wrapper.group, wrapper.rank, wrapper.world_size)
-    model.save_pretrained = functools.partial(_save_pretrained, owner)
-    model.push_to_hub = functools.partial(_push_to_hub, owner)
+    # An HF model's, or a PeftModel's: its generate reaches the inner model's own
     if wrapper.world_size > 1 and callable(getattr(model, "generate", None)):
         model.generate = functools.partial(_generate, owner, model.generate)
+    if not is_family(model, HUGGINGFACE):
+        return
+    model.save_pretrained = functools.partial(_save_pretrained, owner)
+    model.push_to_hub = functools.partial(_push_to_hub, owner)
     if _vocab_is_split(model):
         model.resize_token_embeddings = functools.partial(_resize, owner)
 
@@ -104,17 +108,47 @@ def save_once(owner: Any, directory: str | os.PathLike[str], max_shard_size: int
 
 
 def _generate(owner: Any, generate: Any, *args: Any, **kwargs: Any) -> Any:
-    """HF ``generate`` with every TP rank sampling from its first rank's generators.
+    """HF ``generate`` on the same prompt on every TP rank, every rank sampling from its
+    first rank's generators.
 
     Sampling (``do_sample=True``, beam sampling, assisted decoding) draws from each
     process's default generator, outside the model's forward. Ranks seeded differently
     (``seed + rank``) would pick different tokens, and then run different forwards: a
     mismatch at the next step, a hang where one rank stops at its end-of-sequence token
     alone, a wrong last token that no forward ever reads. With one generator the ranks
-    pick the tokens one process seeded as TP rank 0 would.
+    pick the tokens one process seeded as TP rank 0 would. The prompt is agreed first
+    (one object gather): a ``PeftModel``'s generate calls the inner model's forward,
+    past the forward door's input check on the ``PeftModel``.
+
+    Raises:
+        RankMismatchError: on every rank, before generating, when the ranks' prompts
+            (any tensor argument) differ.
     """
-    with first_rank_generator(owner.group):
+    group = owner.group
+    if group is not None:
+        mine = {name: tensor_digest(t) for name, t in named_tensors((), _named(generate, args,
+                                                                              kwargs))}
+        everyone = all_gather_object(mine, group, "generate's prompt agreement")
+        if any(d != everyone[0] for d in everyone):
+            raise_different_inputs(everyone, "generate()")
+    with first_rank_generator(group):
         return generate(*args, **kwargs)
+
+
+def _named(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``fn``'s arguments by name (``**kwargs`` spread out; a PeftModel's generate takes
+    only those)."""
+    signature = inspect.signature(fn)
+    named: dict[str, Any] = {}
+    for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update({f"{name}[{i}]": v for i, v in enumerate(value)})
+        else:
+            named[name] = value
+    return named
 
 
 def _push_to_hub(owner: Any, *args: Any, **kwargs: Any) -> None:

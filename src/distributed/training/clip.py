@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import ops as _comm
+from ..comm.group_ref import GroupRef
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_size
 from ..core import torch_compat as _torch_compat
@@ -39,19 +40,30 @@ from ..layers import layouts_of
 
 Params = torch.Tensor | Iterable[torch.Tensor] | nn.Module
 
-# Wrapped models whose layouts describe their parameters (weak: models die freely).
-_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Wrapped models whose layouts describe their parameters, with the TP group each was split
+# over (weak: models and groups die freely).
+_MODELS: weakref.WeakKeyDictionary[nn.Module, GroupRef] = weakref.WeakKeyDictionary()
 # module -> (its layouts dict (layouts_of), {attr: ranks holding each segment}); recomputed
 # when the dict is replaced (loading, resharding).
 _COUNTS: weakref.WeakKeyDictionary[nn.Module, tuple[object, dict[str, tuple[int, ...]]]] = (
     weakref.WeakKeyDictionary())
 
 
-def track(model: nn.Module) -> None:
-    """Record a wrapped model so :func:`grad_norm` finds its parameters' layouts, and route
-    ``torch.nn.utils.clip_grad_norm_`` for its parameters here (:func:`route_torch_clip`)."""
-    _MODELS.add(model)
+def track(model: nn.Module, group: ProcessGroup | None) -> None:
+    """Record a wrapped model and its TP group so :func:`grad_norm` finds its parameters'
+    layouts and group, and route ``torch.nn.utils.clip_grad_norm_`` for its parameters
+    here (:func:`route_torch_clip`)."""
+    _MODELS[model] = GroupRef(group, "torchtp's gradient clipping")
     route_torch_clip()
+
+
+def _group_of(params: list[torch.Tensor]) -> ProcessGroup | None:
+    """The TP group the wrapped models holding ``params`` were split over, when they share
+    one (a model wrapped with ``group=`` of its own); else ``None``."""
+    wanted = {id(p) for p in params}
+    groups = {id(g): g for model, ref in list(_MODELS.items())
+              if any(id(p) in wanted for p in model.parameters()) and (g := ref()) is not None}
+    return next(iter(groups.values())) if len(groups) == 1 else None
 
 
 def route_torch_clip() -> None:
@@ -106,7 +118,8 @@ def grad_norm(parameters: Params, norm_type: float | str = 2.0,
             of a :class:`~torchtp.DistributedModelWrapper` are recognised by
             their layouts, any other parameter counts as replicated.
         norm_type: ``p`` of the p-norm, or ``inf``.
-        group: TP group; ``None`` for the default TP group.
+        group: TP group; ``None``: the group the parameters' wrapped model was split over
+            (``DistributedModelWrapper(..., group=...)``), else the default TP group.
 
     Returns:
         A 0-dim tensor on the gradients' device: float64 when a gradient is float64,
@@ -127,6 +140,8 @@ def grad_norm(parameters: Params, norm_type: float | str = 2.0,
             "max_norm), which sums the stages' shares")
     params = _with_grads(parameters)
     device = params[0].grad.device if params else torch.device("cpu")  # type: ignore[union-attr]
+    if group is None:  # the group the parameters' model was split over, else the default
+        group = _group_of(params)
     tp = group if group is not None else cfg.group
     # A generator of parameters is spent by now: pass the list (a module as itself).
     given = parameters if isinstance(parameters, nn.Module) else params
@@ -284,7 +299,7 @@ def _dtensor_local(grad: torch.Tensor, role: _Role | None,
 def _roles(params: list[torch.Tensor], parameters: Params,
            tp: ProcessGroup | None) -> dict[int, _Role]:
     """Role of every parameter of the tracked models (and of ``parameters`` if a module)."""
-    models = list(_MODELS) + ([parameters] if isinstance(parameters, nn.Module) else [])
+    models = list(_MODELS.keys()) + ([parameters] if isinstance(parameters, nn.Module) else [])
     wanted = {id(p) for p in params}
     modules: list[nn.Module] = []
     for model in models:
