@@ -246,8 +246,17 @@ def _grad_scalers(rank: int) -> dict[str, Any]:
                       r"an optimizer step ran on some ranks only: torch\.amp\.GradScaler skips "
                       r"optimizer\.step\(\) on a rank whose own shards' gradients are not finite; "
                       r"use torchtp\.GradScaler")
+    # An optimizer of split parameters only has no replicated state to compare: its step
+    # still joins a collective, so a step skipped on one rank is caught the same way
+    torch.manual_seed(0)
+    split = torchtp.DistributedModelWrapper(nn.Sequential(
+        nn.Linear(16, 32, bias=False), nn.ReLU(), nn.Linear(32, 16, bias=False)))
+    only_split = _raises(lambda: _scaled_steps(
+        split, torch.amp.GradScaler("cpu", init_scale=2.0**10), shard),
+        r"an optimizer step ran on some ranks only: torch\.amp\.GradScaler skips")
     # From the ranks' signatures on: the head names each rank's own collective
-    return {"scales": [got, want], "err": err, "torch_scaler": message[message.index("rank 0:"):]}
+    return {"scales": [got, want], "err": err, "torch_scaler": message[message.index("rank 0:"):],
+            "only_split": only_split[only_split.index("rank 0:"):]}
 
 
 def cases(rank: int, world_size: int) -> dict[str, Any]:

@@ -86,6 +86,8 @@ class _Plan:
     params: list[torch.Tensor]
     group: WeakGroup[ProcessGroup] = WeakGroup(required=True)  # held weakly (comm.group_ref)
     steps: int = 0
+    # Where the split-only plan's stand-in travels (no replicated parameter to digest)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # present-parameter indices -> (segment id per sampled element, its weight)
     layouts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)
@@ -190,10 +192,11 @@ def _plan(model: nn.Module, held: set[int], ref: GroupRef, period: int) -> _Plan
     if not any(id(p) in held for p in model.parameters()):
         return None
     replicated = [(n, p) for n, p in replicated_parameters(model) if id(p) in held]
-    if not replicated:
+    if not replicated:  # nothing to compare, but the step itself must run on every rank
         logger.debug("optimizer step check: the optimizer holds only split parameters of %s",
                      type(model).__name__)
-        return None
+        device = next(p.device for p in model.parameters() if id(p) in held)
+        return _Plan(period, [], [], group, device=device)
     return _Plan(period, [n for n, _ in replicated], [p for _, p in replicated], group)
 
 
@@ -212,6 +215,11 @@ def check(plan: _Plan) -> None:
     Raises:
         RankMismatchError: on every rank, naming the parameters that differ and the cause.
     """
+    if not plan.params:  # split parameters only: a stand-in, so a step some ranks skip (a
+        # GradScaler's, on a rank whose shards overflowed) meets another collective
+        _comm.all_reduce_as(torch.zeros(2, dtype=torch.float64, device=plan.device),
+                            plan.group, "max", health.STEP_CHECK)
+        return
     with_weights = plan.steps % plan.period == 0
     plan.steps += 1
     grads = digest(plan, [p.grad for p in plan.params])
