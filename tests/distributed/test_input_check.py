@@ -35,6 +35,10 @@ def _plain(rank: int, world_size: int) -> list[str]:
         wrapped(_per_rank(rank, 2, 16))  # step 3 of training: a sampler bug
     with pytest.raises(torchtp.RankMismatchError, match=r"argument 'input' differs"):
         wrapped.base_model(input=_per_rank(rank, 2, 16))  # direct call of the wrapped model
+    wrapped.train(rank == 0)  # rank 1 forgot model.train(): dropout would split
+    with pytest.raises(torchtp.RankMismatchError, match=r"ranks run the model in different "
+                       r"modes \(\{0: 'train\(\)', 1: 'eval\(\)'\}, by TP rank\)"):
+        wrapped(x)
     wrapped.eval()
     with torch.no_grad():
         with pytest.raises(torchtp.RankMismatchError, match=DIFFERENT):

@@ -73,6 +73,7 @@ class _Forward:
     kwargs: dict[str, Any]
     weights: list[tuple[str, torch.Tensor]]
     ride: _comm.Ride
+    training: bool  # the wrapped model's mode: ranks in train() and eval() would mix them
 
 
 class InputCheck:
@@ -110,11 +111,12 @@ class InputCheck:
         # Every rank rides, with or without tensor arguments: the riding collective
         # must carry the same number of values on every rank.
         weights = self._weights()
-        digest, device = _digest(args, kwargs, self.shard_width, weights)
+        training = self.module.training
+        digest, device = _digest(args, kwargs, self.shard_width, weights, training)
         if device is None:
             device = next(self.module.parameters(), torch.empty(0)).device
         self.pending = _Forward(args, kwargs, weights,
-                                _comm.ride_digest(self.st.group, digest, device))
+                                _comm.ride_digest(self.st.group, digest, device), training)
 
     def _weights(self) -> list[tuple[str, torch.Tensor]]:
         """The replicated weights on every ``period``-th forward, the first included: a
@@ -213,13 +215,15 @@ def _detail(t: torch.Tensor, shard_width: int | None) -> str:
 
 
 def _digest(args: tuple[Any, ...], kwargs: dict[str, Any], shard_width: int | None,
-            weights: list[tuple[str, torch.Tensor]]) -> tuple[bytes, torch.device | None]:
-    """The 8-byte hash the ranks compare: every argument's name, shape, dtype and
-    sampled values (the shape alone for an input shard), then ``weights``' the same
-    way; and the inputs' device (``None``: no tensors). Few calls: it runs before
-    every forward, right after the last one evicted the caches, where each call
-    costs microseconds of misses."""
-    h = hashlib.blake2b(digest_size=8)
+            weights: list[tuple[str, torch.Tensor]],
+            training: bool) -> tuple[bytes, torch.device | None]:
+    """The 8-byte hash the ranks compare: the model's mode (a rank in ``eval()`` beside
+    one in ``train()`` would drop out half a split activation), every argument's name,
+    shape, dtype and sampled values (the shape alone for an input shard), then
+    ``weights``' the same way; and the inputs' device (``None``: no tensors). Few calls:
+    it runs before every forward, right after the last one evicted the caches, where
+    each call costs microseconds of misses."""
+    h = hashlib.blake2b(b"train" if training else b"eval", digest_size=8)
     found = named_tensors(args, kwargs, _SKIP)
     for name, t in found:
         if shard_width is not None and _shape_only(t, shard_width):
@@ -237,11 +241,20 @@ def _raise_mismatch(fwd: _Forward, group: ProcessGroup | None, shard_width: int 
     """The ranks' hashes differ: raise :class:`RankMismatchError` on every rank, naming
     the argument (or replicated weight) and the ranks (one ``all_gather_object`` of
     per-argument digests)."""
-    mine = {name: _detail(t, shard_width) for name, t in named_tensors(fwd.args, fwd.kwargs, _SKIP)}
+    mine = {"the model's mode": "train()" if fwd.training else "eval()"}
+    mine.update((name, _detail(t, shard_width))
+                for name, t in named_tensors(fwd.args, fwd.kwargs, _SKIP))
     mine.update((name, tensor_digest(t)) for name, t in fwd.weights)
     everyone = all_gather_object(mine, group, "the input check")
     first = everyone[0]
     differ = [n for n in mine if any(d.get(n) != first.get(n) for d in everyone)]
+    mode = "the model's mode"
+    if mode in differ:
+        modes = {r: d[mode] for r, d in enumerate(everyone)}
+        raise RankMismatchError(
+            f"tensor-parallel ranks run the model in different modes ({modes}, by TP rank): "
+            "dropout would draw on some ranks only, half a split activation dropped and half "
+            "not; call model.train() or model.eval() on every rank alike")
     if differ and all(n.startswith("replicated weight") for n in differ):
         ranks = [r for r, d in enumerate(everyone) if d.get(differ[0]) != first.get(differ[0])]
         raise RankMismatchError(
