@@ -307,6 +307,12 @@ def refusals(rank: int, world: int) -> dict[str, tuple[str, str, float]]:
     got["return_dict"] = _raises(lambda: wrapped(**batch, return_dict=False))
     got["logits_to_keep"] = _raises(lambda: wrapped(**batch, logits_to_keep=1))
     got["shift_labels"] = _raises(lambda: wrapped(**batch, shift_labels=batch["labels"]))
+    # The router's auxiliary loss over one rank's tokens: refused per call, and set after the wrap
+    moe = ContextParallel(build_cp_model("qwen3_moe"))
+    got["router logits per call"] = _raises(lambda: moe(**batch, output_router_logits=True))
+    moe.module.config.output_router_logits = True
+    got["router logits set after"] = _raises(lambda: moe(**batch))
+    moe.module.config.output_router_logits = False
     sinks = ContextParallel(build_cp_model("gpt_oss"))
     got["packed gpt_oss"] = _raises(lambda: sinks(**_hf_batch("packed")))
     got["generate"] = _raises(lambda: wrapped.generate(batch["input_ids"]))

@@ -50,6 +50,10 @@ REFUSALS = {
     "logits_to_keep": ("ValueError", r"\['logits_to_keep'\] are not supported under context "
                        r"parallelism"),
     "shift_labels": ("ValueError", r"\['shift_labels'\] are not supported"),
+    "router logits per call": ("ValueError", r"output_router_logits=True: the router's auxiliary "
+                               r"loss would be computed over this rank's tokens only"),
+    "router logits set after": ("ValueError", r"output_router_logits=True: the router's "
+                                r"auxiliary loss would be computed over this rank's tokens"),
     "packed gpt_oss": ("ValueError", r"position ids that restart \(packed documents\) with "
                        r"model_type='gpt_oss', whose transformers mask ignores packing"),
     "generate": ("NotImplementedError", r"decoding under context parallelism is not supported"),
@@ -174,3 +178,15 @@ def test_pipeline_with_cp_matches_one_process(ranks):
         assert kind == "ValueError" and "a pipeline stage inside ContextParallel cannot run" \
             in message, message
         assert seconds < 10.0
+
+
+def test_router_jitter_is_a_random_site_like_dropout():
+    # Mixtral's router noise draws in training: context parallelism gives each cp rank its own
+    # stream for it (its tokens differ), and compiled training refuses it, as for dropout.
+    from torchtp.layers.rng import dropout_site
+
+    from ._moe_checks import build_moe
+
+    assert dropout_site(build_moe("mixtral")) is None  # router_jitter_noise=0 by default
+    site = dropout_site(build_moe("mixtral", router_jitter_noise=0.5))
+    assert site == "model.layers.0.mlp.jitter_noise=0.5", site

@@ -124,7 +124,7 @@ class ContextParallel(nn.Module):
         """
         group = self.group
         items = kwargs.pop("num_items_in_batch", None)
-        batch, error = None, _refused(kwargs)
+        batch, error = None, _refused(kwargs, self.hf)
         if error is None:
             try:
                 batch = shard_batch(input_ids, group, attention_mask=attention_mask,
@@ -204,7 +204,13 @@ class ContextParallel(nn.Module):
                 f"attention: {chosen}")
 
 
-def _refused(kwargs: dict[str, Any]) -> ValueError | None:
+def _refused(kwargs: dict[str, Any], hf: Any) -> ValueError | None:
+    # Asked per call, or set on the config after the wrap (the wrap refused it then)
+    if kwargs.get("output_router_logits", getattr(getattr(hf, "config", None),
+                                                  "output_router_logits", False)):
+        return ValueError(f"{WHO}: output_router_logits=True: the router's auxiliary loss would "
+                          "be computed over this rank's tokens only and left out of the loss; "
+                          "leave it False under context parallelism (docs/context_parallel.md)")
     if kwargs.get("return_dict") is False:
         return ValueError(f"{WHO}: return_dict=False: the loss over the whole batch is set on "
                           "the model's output object; leave return_dict at its default")

@@ -566,7 +566,9 @@ _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Alp
 # Float probabilities HF attention modules pass to F.dropout / SDPA in training
 # (Llama/Mistral/Qwen: attention_dropout; others: dropout, attn_dropout, ...).
 _DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "attn_pdrop",
-                  "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout_rate")
+                  "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout_rate",
+                  # MoE routers' multiplicative noise in training (Mixtral, PhiMoE)
+                  "jitter_noise", "router_jitter_noise")
 
 
 def dropout_site(model: nn.Module) -> str | None:
