@@ -558,6 +558,15 @@ def _resume_square_conv1d(tmp: str, single: Any) -> None:
     two_opt = torch.optim.AdamW(two.parameters(), lr=1e-3)
     load_training_state(f"{tmp}/tp1", two, two_opt)
     torch.testing.assert_close(_conv1d_steps(two, two_opt, True), want[2], rtol=1e-12, atol=0)
+    # A checkpoint without the orientation mark (torchtp before 2026-12-08 saved split Conv1D
+    # weights transposed) is refused for a model holding Conv1D weights
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"a.0.weight": torch.zeros(8, 8, dtype=torch.float64)}},
+             checkpoint_id=f"{tmp}/unmarked")
+    with pytest.raises(ValueError, match=r"this checkpoint was written by a torchtp that saved "
+                       r"split Conv1D weights \(GPT-2 style\) transposed"):
+        load_training_state(f"{tmp}/unmarked", two, two_opt)
     smaller = torchtp.DistributedModelWrapper(_SquareConv1D(5, branch=False), plan=plan)
     with pytest.raises(ValueError, match=r"the checkpoint holds tensors this model does not "
                        r"have: b\.bias, b\.weight; it was saved from another model"):

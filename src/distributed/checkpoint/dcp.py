@@ -54,6 +54,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from ..comm.objects import all_gather_object
 from ..comm.runtime import ProcessGroup, get_tensor_parallel_config, group_rank, group_size
 from ..core.layouts import ParamLayout, place, shard_range
+from ..layers import layouts_of
+from ..plans.linear_view import conv1d_type
 from .atomic import enter
 from .parts import Part, agree_parts, parts
 from .placements import placements
@@ -89,6 +91,7 @@ def save_training_state(directory: str | os.PathLike[str], model: Any,
     state["step"] = step
     # One opaque blob: DCP would flatten a dict into keys a loading rank cannot predict.
     state["extra"] = io.BytesIO(pickle.dumps(extra or {}))
+    state[ORIENTATION] = io.BytesIO(b"checkpoint")  # Conv1D weights as (in, out)
     dcp.save(state, checkpoint_id=os.fspath(directory))
 
 
@@ -116,8 +119,9 @@ def load_training_state(directory: str | os.PathLike[str], model: Any,
     if optimizer is not None:
         _init_optimizer_state(optimizer)
     state = _state(entries, optimizer, for_load=True)
-    _keep_saved(state, set(dcp.FileSystemReader(os.fspath(directory)).read_metadata()
-                           .state_dict_metadata), directory, given[0].stage is not None)
+    saved = set(dcp.FileSystemReader(os.fspath(directory)).read_metadata().state_dict_metadata)
+    _refuse_old_orientation(saved, given, directory)
+    _keep_saved(state, saved, directory, given[0].stage is not None)
     state["step"] = 0
     state["extra"] = io.BytesIO()
     dcp.load(state, checkpoint_id=os.fspath(directory))
@@ -125,6 +129,30 @@ def load_training_state(directory: str | os.PathLike[str], model: Any,
         _copy_back(entries, optimizer, state)
     # The blob this job's own save_training_state wrote (pickle, like torch.save).
     return int(state["step"]), pickle.loads(state["extra"].getvalue())
+
+
+# The entry marking a checkpoint whose transposed (Conv1D) weights are in the model's own
+# orientation; torchtp before 2026-12-08 saved split ones as (out, in) without it.
+ORIENTATION = "orientation"
+
+
+def _refuse_old_orientation(saved: set[str], given: list[Part], directory: Any) -> None:
+    """Refuse, on every rank (the same files and model everywhere), a checkpoint without
+    :data:`ORIENTATION` for a model holding ``Conv1D`` weights: a square one of it could be
+    read the wrong way round without any error."""
+    if ORIENTATION in saved:
+        return
+    conv1d = conv1d_type()
+    flipped = any((conv1d is not None and isinstance(m, conv1d))
+                  or any(layout.transposed for layout in layouts_of(m).values())
+                  for part in given for m in part.model.modules())
+    if flipped:
+        raise ValueError(
+            f"load_training_state({os.fspath(directory)!r}): this checkpoint was written by a "
+            "torchtp that saved split Conv1D weights (GPT-2 style) transposed, and this model "
+            "holds Conv1D weights: a square one would load the wrong way round; load it with "
+            "the torchtp that wrote it and save it again, or start from save_pretrained's "
+            "consolidated weights")
 
 
 def _keep_saved(state: dict[str, Any], saved: set[str], directory: Any, stages: bool) -> None:
