@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -218,6 +219,14 @@ def _bad_src(rank: int, world_size: int) -> str:
     with pytest.raises(ValueError, match=r"dim -1 has size 3, not divisible by the group size 2"):
         torchtp.reduce_scatter(torch.ones(2, 3))
     # Both checks ran before any collective: the ranks are still in step.
+    # A barrier on one rank only meets the other's next collective: every rank raises at once
+    start = time.monotonic()
+    with pytest.raises(torchtp.RankMismatchError, match=r"all_reduce:barrier"):
+        if rank == 0:
+            torchtp.synchronize_across_ranks()
+        else:
+            torchtp.all_reduce_sum(torch.ones(3))
+    assert time.monotonic() - start < 10.0  # not the collective timeout
     return str(torchtp.all_reduce_sum(torch.ones(1)).item())
 
 

@@ -13,10 +13,10 @@ rank holds the full gradient of the same loss for it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from . import ops as _comm
+from .objects import object_device
 from .regions import (
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -131,7 +131,12 @@ def broadcast_tensor(
 
 
 def synchronize_across_ranks(group: ProcessGroup | None = None) -> None:
-    """Block until every rank of the group reaches this call (a barrier)."""
+    """Block until every rank of the group reaches this call (a barrier).
+
+    A one-value all-reduce agreed like every torchtp collective (``all_reduce:barrier``):
+    a rank that calls it alone meets the others' next collective, and every rank raises
+    :class:`~torchtp.RankMismatchError` at once instead of waiting out the timeout.
+    """
     g = resolve_group(group)
     if group_size(g) > 1:
-        dist.barrier(group=g)
+        _comm.all_reduce_as(torch.zeros(1, device=object_device(g)), g, "sum", "barrier")

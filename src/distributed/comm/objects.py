@@ -22,8 +22,9 @@ from .ops import gather_single
 from .runtime import ProcessGroup
 
 
-def _device(group: ProcessGroup) -> torch.device:
-    """Where the group's object collectives run: the current GPU for NCCL-only groups."""
+def object_device(group: ProcessGroup | None) -> torch.device:
+    """Where the group's small host-side collectives run: the current GPU for NCCL-only
+    groups, else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -52,7 +53,7 @@ def all_gather_object(obj: Any, group: ProcessGroup | None,
     """
     st = _health.state(group)
     _health.raise_if_poisoned(st)
-    device = _device(st.group)
+    device = object_device(st.group)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     sizes = _gather(torch.tensor([payload.numel()], dtype=torch.long, device=device), st, what)
     longest = int(sizes.max())
