@@ -297,3 +297,10 @@ def test_verify_reports_the_largest_relative_gradient_error_and_missing_gradient
     assert _grad_error(got, ref)[1] == pytest.approx(0.5)
     got.bias.grad = None  # a gradient that never arrived
     assert _grad_error(got, ref) == (math.inf, math.inf)
+    # A tied weight is one gradient under two names: found under either, not missing
+    tied_ref = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    tied_ref[1].weight = tied_ref[0].weight
+    tied_ref[0].weight.grad = torch.ones(5, 4)
+    tied_got = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    tied_got[0].weight.grad, tied_got[1].weight.grad = torch.ones(5, 4), torch.ones(5, 4)
+    assert _grad_error(tied_got, tied_ref) == (0.0, 0.0)

@@ -119,7 +119,8 @@ def experts_of(args: Any) -> dict[str, Any]:
 
 def add_rank_options(p: Any) -> None:
     """Options every command that launches rank processes shares (``verify``, ``bench``)."""
-    p.add_argument("--dtype", default=None, help="float32 (default for CPU), bfloat16, float16")
+    p.add_argument("--dtype", default=None,
+                   help="float32 (default for CPU), bfloat16, float16, float64")
     p.add_argument("--plan", type=plan_choice, default=None, metavar="auto|auto-memory|builtin|FILE",
                    help=PLAN_HELP)
     add_expert_options(p)

@@ -12,7 +12,8 @@ from ..costmodel.dims import read_config
 from ._common import CliError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float64": torch.float64, "fp64": torch.float64}
 
 
 def _transformers() -> Any:

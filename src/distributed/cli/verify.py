@@ -66,7 +66,8 @@ def _max_err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 def _grad_error(model: nn.Module, ref: nn.Module) -> tuple[float, float]:
     """The (abs, rel) error of the gradient with the largest relative error; infinite
     where one model has a gradient the other lacks."""
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    # Every name of a tied parameter (the wrapped model's walk meets lm_head.weight too)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
     worst = (0.0, 0.0)
     for mod_name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
