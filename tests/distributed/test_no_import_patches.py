@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.ddp import DDPStrategy as FabricDDP
 from lightning.pytorch.strategies.ddp import DDPStrategy as TrainerDDP
+from lightning.pytorch.strategies import ModelParallelStrategy as TrainerMP
 
 def patched():
     return {
@@ -40,6 +41,9 @@ def patched():
         **{f"{m}.{NAME}": getattr(importlib.import_module(m), NAME) for m in MODULES},
         "Accelerator.prepare_model": Accelerator.prepare_model,
         "ModelParallelStrategy.clip_gradients_norm": ModelParallelStrategy.clip_gradients_norm,
+        **{f"{who}.{name}": getattr(cls, name) for who, cls in (("ModelParallelStrategy",
+           ModelParallelStrategy), ("TrainerMP", TrainerMP))
+           for name in ("save_checkpoint", "load_checkpoint")},
         "FabricDDP.setup_module": FabricDDP.setup_module,
         "TrainerDDP._setup_model": TrainerDDP.__dict__["_setup_model"],
         "torch.nn.utils.clip_grad_norm_": torch.nn.utils.clip_grad_norm_,

@@ -57,6 +57,7 @@ def parallelize(model: nn.Module, device_mesh: Any, **options: Any) -> nn.Module
     DistributedModelWrapper(target, group=device_mesh["tensor_parallel"].get_group(),
                             **options)  # in place
     _make_fabric_clipping_tp_aware()
+    _refuse_lightning_checkpoints()
     if hasattr(model, "configure_gradient_clipping"):
         # Lightning's own clipping would measure only this rank's shards.
         setattr(model, "configure_gradient_clipping", functools.partial(_clip, model))  # noqa: B010
@@ -106,6 +107,56 @@ def _make_fabric_clipping_tp_aware() -> None:
 
     clip_gradients_norm.torchtp_aware = True  # type: ignore[attr-defined]
     ModelParallelStrategy.clip_gradients_norm = clip_gradients_norm  # type: ignore[method-assign]
+
+
+def _refuse_lightning_checkpoints() -> None:
+    """Fabric's and the Trainer's ``ModelParallelStrategy`` checkpoints refuse torchtp models.
+
+    Their state dicts hold each rank's torchtp shard under the full tensor's name, as a
+    plain tensor (or an FSDP2 DTensor over the data-parallel mesh only): a distributed
+    checkpoint keeps one rank's shard per name and loads it into every tensor-parallel
+    rank, a full one writes rank 0's shards. Raised on every rank (every rank holds the
+    same model), before anything is written or read. Installed once, on the classes.
+    """
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy as TrainerStrategy
+
+    for cls, modules in ((FabricStrategy, _state_modules), (TrainerStrategy, _strategy_model)):
+        for name in ("save_checkpoint", "load_checkpoint"):
+            original = getattr(cls, name)
+            if not getattr(original, "torchtp_aware", False):
+                setattr(cls, name, _refusing(original, modules))
+
+
+def _state_modules(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The modules a Fabric save/load names: its ``state`` (a dict, or one module)."""
+    state = kwargs.get("state", args[1] if len(args) > 1 else None)
+    values = state.values() if isinstance(state, dict) else [state]
+    return [v for v in values if isinstance(v, nn.Module)]
+
+
+def _strategy_model(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The Trainer strategy's model, whose state its checkpoint holds."""
+    return [m for m in (getattr(strategy, "model", None),) if isinstance(m, nn.Module)]
+
+
+def _refusing(original: Any, modules: Any) -> Any:
+    @functools.wraps(original)
+    def refusing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(layouts_of(m) for module in modules(self, args, kwargs)
+               for m in module.modules()):
+            raise ValueError(
+                f"Lightning's ModelParallelStrategy.{original.__name__} on a model split by "
+                "torchtp: its state dict names each rank's shard (weight rows or columns) as "
+                "the full tensor, so the checkpoint would keep one tensor-parallel rank's "
+                "shards and load them into every rank, silently; save and resume with "
+                "torchtp.checkpoint.dcp.save_training_state / load_training_state (any tp), "
+                "or the weights with the wrapped model's save_pretrained (docs/training.md); "
+                "a lightning.Trainer needs enable_checkpointing=False for that")
+        return original(self, *args, **kwargs)
+
+    refusing.torchtp_aware = True  # type: ignore[attr-defined]
+    return refusing
 
 
 def _fully_shard(model: nn.Module, target: nn.Module, dp_mesh: Any) -> None:
