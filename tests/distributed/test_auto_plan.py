@@ -144,6 +144,41 @@ def test_ops_that_mix_features_or_leak_the_hidden_state_are_never_paired():
     assert "a tensor between them is also read elsewhere" in leaky.describe_plan()
 
 
+class _ReadElsewhere(nn.Module):
+    """fc1's weight also read by a functional linear outside fc1, fc2's by a penalty, and the
+    token embedding's by a functional head: each would read a shard after the split."""
+
+    def __init__(self, which: str) -> None:
+        super().__init__()
+        self.which = which
+        self.embed = nn.Embedding(32, 16)
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        y = x + self.fc2(F.gelu(self.fc1(x)))  # (B, T, 16)
+        if self.which == "fc1":
+            return y + F.linear(x, self.fc1.weight).pow(2).sum(-1, keepdim=True)
+        if self.which == "fc2":
+            return y * self.fc2.weight.norm()
+        return F.linear(y, self.embed.weight)  # (B, T, 32): an untied functional head
+
+
+def test_weights_read_outside_their_module_stay_whole():
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(0))
+    for which, whole in (("fc1", "fc1"), ("fc2", "fc2"), ("embed", "embed")):
+        wrapped = DistributedModelWrapper(_ReadElsewhere(which), world_size=2, rank=0,
+                                          plan="auto-memory", example_inputs=(ids,))
+        rules = wrapped.resolved_plan.rules
+        assert rules.get(whole, "replicate") == "replicate", (which, rules)
+        assert f"'{whole}' kept replicated: its parameters are read outside its own forward" \
+            in wrapped.describe_plan() or whole == "embed", which
+    # The control: read nowhere else, the pair splits
+    plain = DistributedModelWrapper(_ReadElsewhere("embed"), world_size=2, rank=0,
+                                    plan="auto-memory", example_inputs=(ids,))
+    assert plain.resolved_plan.rules["fc1"] == "colwise"
+
+
 class _Scaled(nn.Linear):
     """A Linear subclass with a forward of its own (as quantized or grouped Linears have)."""
 

@@ -77,6 +77,7 @@ from .styles_heads import (
     local_head_parameters,
     norm_epsilon,
 )
+from .weight_reads import read_elsewhere
 
 SOURCE = "auto: dataflow pairs (any model)"
 EXAMPLE_TOKENS = (2, 4)  # (batch, sequence) of inputs derived from the model
@@ -133,11 +134,15 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
     linears = {n: m for n, m in linears.items() if n not in custom}
     tied = _shared_weights(model)
     trace = _probe(model, example_inputs, rules.notes)
+    # A weight read outside its module would be read as a shard: kept whole, as tied ones
+    elsewhere = set() if trace is None else _weights_read_elsewhere(model, trace, linears,
+                                                                    rules.notes)
     styles: dict[str, ParallelStyle | str] = {}
     blocked: dict[str, str] = {}  # attention projections that cannot pair: why
     consumers: list[str] = []
     if trace is not None:
-        for pair in _confirmed(model, trace, linears, tied, ctx, rules, config, blocked):
+        for pair in _confirmed(model, trace, linears, tied | elsewhere, ctx, rules, config,
+                               blocked):
             if _pair_pays(pair, trace, linears, memory, rules):
                 _take(pair, styles, rules)
                 consumers.append(pair.consumer)
@@ -146,12 +151,15 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
     for name, module in linears.items():
         if name in rules.why:  # in a pair that was refused: kept whole, no collective at all
             styles.setdefault(name, "replicate")
+        elif id(module) in elsewhere:
+            styles[name] = "replicate"
+            rules.why[name] = "kept replicated: its parameters are read outside its own forward"
         elif name in blocked and name not in styles:
             styles[name], rules.why[name] = "replicate", blocked[name]
         elif name not in styles:
             styles[name], rules.why[name] = _lone(name, module, id(module) in tied, trace, ctx,
                                                    rules.notes)
-    name = _token_embedding(model, tied, ctx.world_size)
+    name = _token_embedding(model, tied | elsewhere, ctx.world_size)
     if name is not None:
         # Split by vocabulary alone: the cost model keeps it split only where the
         # bytes it saves pay for its all-reduce (torchtp.plans.choose).
@@ -249,6 +257,24 @@ def _derive(model: nn.Module) -> Inputs | None:
             return (x.to(weight.device, weight.dtype),), {}
         return None
     return None
+
+
+def _weights_read_elsewhere(model: nn.Module, trace: Trace, linears: dict[str, nn.Module],
+                            notes: list[str]) -> set[int]:
+    """ids of the modules whose parameters the probe forward read outside their own forward
+    (:mod:`torchtp.plans.weight_reads`; a candidate Linear's with a note): kept whole, as
+    tied ones (the token embedding too)."""
+    try:
+        found = read_elsewhere(model, trace.inputs)
+    except Exception as err:  # the probe forward ran once already; this is its twin
+        notes.append(f"the probe for weights read elsewhere failed ({type(err).__name__}: "
+                     f"{err}): every Linear stays replicated")
+        return {id(m) for m in linears.values()}
+    for name, module in linears.items():
+        if id(module) in found:
+            notes.append(f"'{name}' kept replicated: its parameters are read outside its own "
+                         f"forward ({found[id(module)]}), which would see a shard")
+    return set(found)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
