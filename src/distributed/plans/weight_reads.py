@@ -25,7 +25,10 @@ def read_elsewhere(model: nn.Module, inputs: Inputs) -> dict[int, str]:
     """``{id(module): the op}`` for each module one of whose own parameters an op of the
     probe forward (eval mode, no gradients) read while that module's forward was not
     running."""
-    owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+    owners: dict[int, list[nn.Module]] = {}  # a tied parameter has several
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
     running: dict[int, int] = {}  # id(module) -> forwards of it under way
     found: dict[int, str] = {}
 
@@ -40,12 +43,13 @@ def read_elsewhere(model: nn.Module, inputs: Inputs) -> dict[int, str]:
                                kwargs: dict[str, Any] | None = None) -> Any:
             kwargs = kwargs or {}
             for value in _tensors(itertools.chain(args, kwargs.values())):
-                module = owner.get(id(value))
-                if module is not None and not running.get(id(module)):
-                    found.setdefault(id(module), getattr(func, "__name__", str(func)))
+                held = owners.get(id(value), [])
+                if held and not any(running.get(id(m)) for m in held):
+                    for module in held:
+                        found.setdefault(id(module), getattr(func, "__name__", str(func)))
             return func(*args, **kwargs)
 
-    holders = {id(m): m for m in owner.values()}.values()
+    holders = {id(m): m for ms in owners.values() for m in ms}.values()
     # First in, last out: another library's hooks (device placement) run inside the forward
     hooks = [h for m in holders for h in (
         m.register_forward_pre_hook(enter, prepend=True),
