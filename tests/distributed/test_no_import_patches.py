@@ -40,6 +40,7 @@ def patched():
         "ParamWrapper.update_layer": lora.ParamWrapper.__dict__["update_layer"],
         **{f"{m}.{NAME}": getattr(importlib.import_module(m), NAME) for m in MODULES},
         "Accelerator.prepare_model": Accelerator.prepare_model,
+        "Accelerator.clip_grad_norm_": Accelerator.clip_grad_norm_,
         "ModelParallelStrategy.clip_gradients_norm": ModelParallelStrategy.clip_gradients_norm,
         **{f"{who}.{name}": getattr(cls, name) for who, cls in (("ModelParallelStrategy",
            ModelParallelStrategy), ("TrainerMP", TrainerMP))
@@ -86,11 +87,14 @@ torchtp.integrations.peft.install()
 torchtp.integrations.ddp_refusal.install()
 torchtp.integrations.ddp_refusal.install_lightning()
 torchtp.training.clip.route_torch_clip()
+import torchtp.integrations.accelerate_clip
+torchtp.integrations.accelerate_clip.install()
 once = patched()
 torchtp.integrations.peft.install()
 torchtp.integrations.ddp_refusal.install()
 torchtp.integrations.ddp_refusal.install_lightning()
 torchtp.training.clip.route_torch_clip()
+torchtp.integrations.accelerate_clip.install()
 print(sorted(k for k in before if before[k] is not once[k]))
 print(sorted(k for k in once if once[k] is not patched()[k]))
 """
@@ -100,7 +104,7 @@ print(sorted(k for k in once if once[k] is not patched()[k]))
                                   "ParamWrapper._get_in_out_features",
                                   "ParamWrapper.update_layer", *all_linear, "Accelerator.prepare_model",
                                   "FabricDDP.setup_module", "TrainerDDP._setup_model",
-                                  "torch.nn.utils.clip_grad_norm_",
+                                  "torch.nn.utils.clip_grad_norm_", "Accelerator.clip_grad_norm_",
                                   "clip_grad.clip_grad_norm_"])), changed
     assert changed_again == "[]", f"a second install patched again: {changed_again}"
 

@@ -17,17 +17,24 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import ddp_refusal
+from . import accelerate_clip, ddp_refusal
 from .hf_model import guard_hf_model
 
 
 def guard_frameworks(wrapper: Any) -> None:
-    """HF model methods on the wrapped model; accelerate's and Lightning's DDP refused when tp > 1."""
+    """HF model methods on the wrapped model; accelerate's and Lightning's DDP refused and
+    accelerate's clipping routed when tp > 1."""
     guard_hf_model(wrapper)
-    if wrapper.world_size > 1:  # accelerate imported later is refused too
-        after_import("accelerate", ddp_refusal.install)
+    if wrapper.world_size > 1:  # accelerate imported later is refused (and routed) too
+        after_import("accelerate", _accelerate_hooks)
     if wrapper.world_size > 1 and "lightning" in sys.modules:
         ddp_refusal.install_lightning()  # a LightningModule wrapping its model in __init__
+
+
+def _accelerate_hooks() -> None:
+    """accelerate's DDP refused, its clipping routed: one hook (one watcher per name)."""
+    ddp_refusal.install()
+    accelerate_clip.install()
 
 
 def after_import(name: str, hook: Callable[[], Any]) -> None:

@@ -57,6 +57,13 @@ def track(model: nn.Module, group: ProcessGroup | None) -> None:
     route_torch_clip()
 
 
+def holds_wrapped(params: list[torch.Tensor]) -> bool:
+    """Whether ``params`` include a parameter of a tracked wrapped model (one pass over
+    their parameters: a clip already passes over every gradient)."""
+    wrapped = {id(p) for model in _MODELS for p in model.parameters()}
+    return any(id(p) in wrapped for p in params)
+
+
 def _group_of(params: list[torch.Tensor]) -> ProcessGroup | None:
     """The TP group the wrapped models holding ``params`` were split over, when they share
     one (a model wrapped with ``group=`` of its own); else ``None``."""
@@ -86,8 +93,7 @@ def route_torch_clip() -> None:
                norm_type: float = 2.0, error_if_nonfinite: bool = False,
                foreach: bool | None = None) -> torch.Tensor:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        wrapped = {id(p) for model in _MODELS for p in model.parameters()}
-        clip = clip_grad_norm_ if any(id(p) in wrapped for p in params) else original
+        clip = clip_grad_norm_ if holds_wrapped(params) else original
         return clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     routed._torchtp = True  # type: ignore[attr-defined]
