@@ -222,8 +222,12 @@ def test_the_docstring_check_fails_on_an_unstated_import():
 # Gloo processes, so every rank-agreement, check and hook a user's wrap pays is counted.
 # A ratchet toward issue 36's targets (wrap + first forward <= 24 / 32 files, explicit
 # plan <= 16, a steady forward <= 8 / 10): lower these when work leaves the path.
-MOST_FILES = {"mlp": {"wrap": 52, "plan": 45, "steady": 9},
-              "hf-llama": {"wrap": 67, "plan": 55, "steady": 10}}
+# 52 -> 53 and 67 -> 69 / 55 -> 56 (decisions 187, 189; 2026-12-08): the automatic plan's
+# probe watches for weights read outside their module (plans/weight_reads.py: a split
+# there was silently wrong), and a wrap routes accelerate's clipping once accelerate is
+# loaded, as transformers loads it (integrations/accelerate_clip.py).
+MOST_FILES = {"mlp": {"wrap": 53, "plan": 45, "steady": 9},
+              "hf-llama": {"wrap": 69, "plan": 56, "steady": 10}}
 # Calls per steady forward beyond the hand-written floor's (cProfile, Python functions and
 # builtins): torchtp's own, the same ratchet toward <= 1.2x the floor (55 / 996 calls on
 # transformers 5.24, 1064 on 5.25, whose Llama forward makes 68 more: so the excess, not
