@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ..training.clip import clip_grad_norm_ as whole_model_clip
+from ..training.clip import holds_wrapped
+
 
 def install() -> None:
     """Route ``Accelerator.clip_grad_norm_`` for wrapped models' parameters (idempotent)."""
@@ -25,9 +28,6 @@ def install() -> None:
     @functools.wraps(original)
     def clip_grad_norm_(self: Any, parameters: Any, max_norm: float,
                         norm_type: float = 2) -> Any:
-        from ..training.clip import clip_grad_norm_ as whole_model_clip
-        from ..training.clip import holds_wrapped
-
         params = list(parameters)
         if not holds_wrapped(params):
             return original(self, params, max_norm, norm_type=norm_type)

@@ -27,7 +27,7 @@ from ..comm.runtime import ProcessGroup, get_tensor_parallel_config
 from ..guards.agreement import agree
 from ..guards.fingerprints import named_tensors, raise_different_inputs, tensor_digest
 from ..layers import layouts_of
-from ..layers.rng import first_rank_generator
+from ..layers.rng import first_rank_generator, get_state
 from ..plans.sources import HUGGINGFACE, is_family
 
 # HF save_pretrained arguments the consolidated save honours (or may ignore:
@@ -116,8 +116,8 @@ def _generate(owner: Any, generate: Any, *args: Any, **kwargs: Any) -> Any:
     (``seed + rank``) would pick different tokens, and then run different forwards: a
     mismatch at the next step, a hang where one rank stops at its end-of-sequence token
     alone, a wrong last token that no forward ever reads. With one generator the ranks
-    pick the tokens one process seeded as TP rank 0 would. The prompt is agreed first
-    (one object gather): a ``PeftModel``'s generate calls the inner model's forward,
+    pick the tokens one process seeded as TP rank 0 would. The prompt is agreed first,
+    in the same object gather: a ``PeftModel``'s generate calls the inner model's forward,
     past the forward door's input check on the ``PeftModel``.
 
     Raises:
@@ -125,13 +125,15 @@ def _generate(owner: Any, generate: Any, *args: Any, **kwargs: Any) -> Any:
             (any tensor argument) differ.
     """
     group = owner.group
-    if group is not None:
-        mine = {name: tensor_digest(t) for name, t in named_tensors((), _named(generate, args,
-                                                                              kwargs))}
-        everyone = all_gather_object(mine, group, "generate's prompt agreement")
-        if any(d != everyone[0] for d in everyone):
-            raise_different_inputs(everyone, "generate()")
-    with first_rank_generator(group):
+    if group is None:
+        return generate(*args, **kwargs)
+    prompt = {name: tensor_digest(t) for name, t in named_tensors((), _named(generate, args,
+                                                                            kwargs))}
+    everyone = all_gather_object((prompt, get_state()), group, "generate's agreement")
+    prompts = [p for p, _ in everyone]
+    if any(p != prompts[0] for p in prompts):
+        raise_different_inputs(prompts, "generate()")
+    with first_rank_generator([s for _, s in everyone], owner.rank):
         return generate(*args, **kwargs)
 
 

@@ -464,21 +464,17 @@ def sync(group: ProcessGroup | None) -> None:
 
 
 @contextmanager
-def first_rank_generator(group: ProcessGroup | None) -> Iterator[None]:
-    """Inside the block every rank of ``group`` draws what its first rank's default
-    generators would (``generate(do_sample=True)``: every rank samples the same tokens).
+def first_rank_generator(everyone: list[State], rank: int) -> Iterator[None]:
+    """Inside the block this rank draws what its group's first rank's default generators
+    would (``generate(do_sample=True)``: every rank samples the same tokens).
 
-    One object gather of the generators' states. Where they agree already (one seed on
-    every rank) nothing changes: each rank draws, and moves on, as one process would.
+    ``everyone``: every rank's :func:`get_state` (gathered by the caller, in rank order),
+    ``rank``: this rank's place in it. Where the states agree already (one seed on every
+    rank) nothing changes: each rank draws, and moves on, as one process would.
     Otherwise every rank takes the first rank's state for the block, and the others get
     their own back after it (their streams, seeded per rank on purpose, stay theirs).
     """
-    if group is None or group_size(group) == 1:
-        yield
-        return
-    own = get_state()
-    everyone = all_gather_object(own, group, "the sampling generators' agreement")
-    first = everyone[0]
+    first, own = everyone[0], everyone[rank]
     if all(_same_state(s, first) for s in everyone):
         yield
         return
@@ -486,7 +482,7 @@ def first_rank_generator(group: ProcessGroup | None) -> Iterator[None]:
     try:
         yield
     finally:
-        if group_rank(group) != 0:
+        if rank != 0:
             set_state(own)
 
 

@@ -137,12 +137,12 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
     # A weight read outside its module would be read as a shard: kept whole, as tied ones
     elsewhere = set() if trace is None else _weights_read_elsewhere(model, trace, linears,
                                                                     rules.notes)
+    whole = tied | elsewhere
     styles: dict[str, ParallelStyle | str] = {}
     blocked: dict[str, str] = {}  # attention projections that cannot pair: why
     consumers: list[str] = []
     if trace is not None:
-        for pair in _confirmed(model, trace, linears, tied | elsewhere, ctx, rules, config,
-                               blocked):
+        for pair in _confirmed(model, trace, linears, whole, ctx, rules, config, blocked):
             if _pair_pays(pair, trace, linears, memory, rules):
                 _take(pair, styles, rules)
                 consumers.append(pair.consumer)
@@ -159,7 +159,7 @@ def auto_plan(model: nn.Module, ctx: ShardContext, example_inputs: object = None
         elif name not in styles:
             styles[name], rules.why[name] = _lone(name, module, id(module) in tied, trace, ctx,
                                                    rules.notes)
-    name = _token_embedding(model, tied | elsewhere, ctx.world_size)
+    name = _token_embedding(model, whole, ctx.world_size)
     if name is not None:
         # Split by vocabulary alone: the cost model keeps it split only where the
         # bytes it saves pay for its all-reduce (torchtp.plans.choose).
